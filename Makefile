@@ -1,0 +1,55 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: install test test-fast lint demo serve loadtest bench protos clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch: the CPU build 2.13.0 (on this machine's disk) where no CUDA device is present; pyproject
+# accepts newer CUDA builds for GPU users. Then the project with its pinned dependencies.
+$(STAMP): pyproject.toml | $(BIN)/python
+ifeq ($(HAS_CUDA),1)
+	$(BIN)/pip install -q 'torch>=2.13.0'
+	$(BIN)/pip install -q -e '.[dev,triton]'
+else
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,triton]'
+endif
+	$(BIN)/python -m protos.build
+	touch $(STAMP)
+
+install: $(STAMP)
+
+protos: $(STAMP)
+	$(BIN)/python -m protos.build
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+demo: $(STAMP)
+	$(BIN)/python -m engine.demo
+
+serve: $(STAMP)
+	$(BIN)/python -m deployments.serve
+
+loadtest: $(STAMP)
+	$(BIN)/python -m loadtest.run
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

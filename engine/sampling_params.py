@@ -1,0 +1,61 @@
+"""Per-request sampling and speculation parameters, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's tokens (vLLM names).
+
+    temperature 0 means greedy. top_k 0 means off, top_p 1.0 means off. `seed` gives the
+    request its own torch.Generator so its samples are reproducible whatever else is batched.
+    `speculative` turns speculation off for this request when False; `num_speculative_tokens`
+    caps k for this request (None: the engine's default).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    speculative: bool = True
+    num_speculative_tokens: int | None = None
+    _stop: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0):
+            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.num_speculative_tokens is not None and (
+            not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0
+        ):
+            raise InvalidRequestError(
+                f"num_speculative_tokens must be an integer >= 0 or None, got {self.num_speculative_tokens!r}"
+            )
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        self._stop = stop
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
