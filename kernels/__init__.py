@@ -1,0 +1,196 @@
+"""Paged attention kernels: one interface, the backend chosen once per engine.
+
+Contract
+--------
+Each engine step runs a *varlen flat batch*: B requests, request b contributing ``q_len_b >= 1``
+query tokens (a prefill chunk, one decode token, or k+1 speculative verification tokens) that
+attend causally to the request's whole context, stored in a paged KV cache.
+
+KV cache, per layer::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]   (contiguous)
+
+Context position ``p`` of request ``b`` lives at the flat *slot*
+``block_tables[b][p // block_size] * block_size + p % block_size``; slot ``s`` is row
+``k_cache.view(-1, num_kv_heads, head_dim)[s]``.
+Worked example: block_size=16, block_tables[b] = [7, 2] -> p=3 is slot 7*16+3 = 115,
+p=20 is slot 2*16+4 = 36.
+
+Query token ``i`` (0 <= i < q_len_b) of request b sits at context position
+``seq_len_b - q_len_b + i`` and attends to positions ``0..seq_len_b - q_len_b + i`` (causal).
+Its K/V must already be in the cache (``write_kv`` first, then ``attention``).
+GQA: query head h reads kv head ``h // (num_heads // num_kv_heads)``.
+
+Per step, the engine calls ``backend.build_metadata(...)`` once and shares the result between
+all layers; per layer it calls ``write_kv`` then ``attention``.  ``slot_mapping`` entries of -1
+mean "do not write" (padding tokens).
+
+Backends: ``"torch"`` (CPU path and the oracle, :mod:`kernels.torch_attn`) and ``"triton"``
+(GPU, :mod:`kernels.triton_attn`).  ``get_attention_backend(device, "auto")`` picks triton on
+CUDA when triton is importable, else torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "build_common_metadata",
+    "get_attention_backend",
+    "validate_step_inputs",
+]
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention metadata, built once by a backend and shared by every layer."""
+
+    query_start_loc: torch.Tensor  # [B+1] int32, cumulative query offsets (cu_seqlens_q)
+    seq_lens: torch.Tensor  # [B] int32, context length incl. this step's query tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (padding entries unused)
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot of each query token's K/V (-1 = skip)
+    max_query_len: int
+    max_seq_len: int
+    extras: dict = field(default_factory=dict)  # backend-specific precomputed tensors
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """What the model runner needs from an attention implementation."""
+
+    name: str
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata: ...
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> None: ...
+
+    def attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+
+def validate_step_inputs(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: list[int],
+    block_size: int,
+) -> None:
+    """Raise ValueError when the per-step inputs of ``build_metadata`` are inconsistent."""
+    n = len(query_lens)
+    if n == 0:
+        raise ValueError("build_metadata needs at least one request (query_lens is empty)")
+    if len(seq_lens) != n or len(block_tables) != n:
+        raise ValueError(
+            f"query_lens ({n}), seq_lens ({len(seq_lens)}) and block_tables ({len(block_tables)}) "
+            "must have one entry per request"
+        )
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    for b, (q, s, bt) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+        if not 1 <= q <= s:
+            raise ValueError(f"request {b}: need 1 <= query_len <= seq_len, got query_len={q}, seq_len={s}")
+        if len(bt) * block_size < s:
+            raise ValueError(
+                f"request {b}: block table has {len(bt)} blocks of {block_size} slots, "
+                f"too few for seq_len={s}"
+            )
+    if len(slot_mapping) != sum(query_lens):
+        raise ValueError(
+            f"slot_mapping has {len(slot_mapping)} entries, expected sum(query_lens)={sum(query_lens)}"
+        )
+
+
+def build_common_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: list[int],
+    block_size: int,
+    device: torch.device | str,
+    min_blocks: int = 0,
+) -> AttentionMetadata:
+    """Validate the step inputs and build the backend-independent part of the metadata.
+
+    ``block_tables`` rows are right-padded with 0 to ``max(max row length, ceil(max_seq_len /
+    block_size), min_blocks)`` columns. ``extras`` is left empty for the backend to fill.
+    Example: query_lens=[1, 3], seq_lens=[5, 3] -> query_start_loc=[0, 1, 4].
+    """
+    validate_step_inputs(query_lens, seq_lens, block_tables, slot_mapping, block_size)
+    max_s = max(seq_lens)
+    width = max(max(len(bt) for bt in block_tables), -(-max_s // block_size), min_blocks, 1)
+    padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
+    cu = [0]
+    for q in query_lens:
+        cu.append(cu[-1] + q)
+    device = torch.device(device)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(cu, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        block_tables=torch.tensor(padded, dtype=torch.int32).to(device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
+        max_query_len=max(query_lens),
+        max_seq_len=max_s,
+        extras={},
+    )
+
+
+def triton_available() -> bool:
+    """True when the triton package can be imported (does not import it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def get_attention_backend(device: torch.device | str, name: str = "auto") -> AttentionBackend:
+    """Return the attention backend to use on ``device``.
+
+    ``name``: ``"auto"`` (triton on CUDA when triton is importable, else torch),
+    ``"torch"`` or ``"triton"`` (explicit; triton raises ValueError when not importable).
+    """
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
+        from kernels.torch_attn import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        if not triton_available():
+            raise ValueError("attention backend 'triton' requested but triton is not importable")
+        from kernels.triton_attn import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")
