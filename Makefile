@@ -17,10 +17,10 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 ifeq ($(HAS_CUDA),1)
 	$(BIN)/pip install -q 'torch>=2.13.0'
-	$(BIN)/pip install -q -e '.[dev,triton]'
+	$(BIN)/pip install -q -e '.[dev,triton]' --config-settings editable_mode=compat
 else
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,triton]'
+	$(BIN)/pip install -q -e '.[dev,triton]' --config-settings editable_mode=compat
 endif
 	$(BIN)/python -m protos.build
 	touch $(STAMP)

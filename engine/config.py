@@ -1,0 +1,81 @@
+"""Engine configuration: frozen dataclasses, one per concern, validated on construction.
+
+`LLM(...)` keyword arguments map onto these; this module is the one source of defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "mtp")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache layout. `kv_cache_memory_bytes=None` sizes the pool automatically."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0 or None, got {self.kv_cache_memory_bytes!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step (chunked prefill)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who drafts, how many tokens, and whether k adapts.
+
+    method: "draft" (a small model, `model` = its checkpoint dir), "ngram" (prompt lookup, no
+    model), "eagle" (`model` = an EAGLE head dir), "mtp" (`model` = MTP heads dir).
+    adaptive: choose k per request from its recent acceptance (EMA) and switch speculation off
+    for a step when the batch is large enough that verifying costs more than it saves.
+    """
+
+    method: str = "draft"
+    model: str | None = None
+    num_speculative_tokens: int = 4
+    adaptive: bool = True
+    ngram_max: int = 4
+    ngram_min: int = 1
+    acceptance_ema_alpha: float = 0.3
+    min_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.method in ("draft", "eagle", "mtp") and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs `model` (a checkpoint directory)")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if not 0.0 < self.acceptance_ema_alpha <= 1.0:
+            raise ValueError(f"acceptance_ema_alpha must be in (0, 1], got {self.acceptance_ema_alpha!r}")
+        if not 1 <= self.min_speculative_tokens <= self.num_speculative_tokens:
+            raise ValueError("min_speculative_tokens must be in [1, num_speculative_tokens]")

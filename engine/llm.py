@@ -1,0 +1,100 @@
+"""`LLM`: offline batched generation over the engine core (vLLM-style API)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engine.config import SpeculativeConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput, RequestState
+from engine.sampling_params import SamplingParams
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
+class LLM:
+    """Generate from a Hugging Face-format checkpoint directory.
+
+    >>> llm = LLM(model="models/target")
+    >>> llm.generate(["def fib(n):"], SamplingParams(max_tokens=64, temperature=0.0))[0].text
+    """
+
+    def __init__(
+        self,
+        model: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        speculative: SpeculativeConfig | dict | None = None,
+        tokenizer: str | None = None,
+        **engine_kwargs,
+    ) -> None:
+        self.engine = LLMEngine(
+            model,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            speculative=speculative,
+            **engine_kwargs,
+        )
+        self.tokenizer = load_tokenizer(tokenizer or model)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; pass prompts as token-id lists")
+            if not prompt:
+                raise InvalidRequestError("prompt is empty: give at least one character")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence):
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in the prompts' order. All prompts are validated before any runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        encoded = [self.encode(p) for p in prompts]
+        for (_, ids), sp in zip(encoded, params, strict=True):
+            self.engine.validate_request(ids, sp)
+        states: dict[str, RequestState] = {}
+        order: list[str] = []
+        for (text, ids), sp in zip(encoded, params, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            states[rid] = RequestState(rid, text, ids, sp, self.tokenizer)
+            order.append(rid)
+            self.engine.add_request(rid, ids, sp)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(order):
+            for out in self.engine.step():
+                ro, stop_hit = states[out.request_id].process(out)
+                if stop_hit:
+                    self.engine.abort_request(out.request_id)
+                if ro.finished:
+                    final[out.request_id] = ro
+        return [final[rid] for rid in order]

@@ -1,0 +1,316 @@
+"""The engine core: scheduler + block manager + model runner (+ proposer), stepped in a loop.
+
+It knows token ids only. `add_request` validates and queues, `step` runs one continuous-batching
+iteration and returns what each touched request produced, `abort_request` frees a request's
+blocks at once. Not thread-safe: `AsyncLLM` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import KVBlockManager
+from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from engine.errors import EngineOverloadedError, InvalidRequestError
+from engine.model_runner import ModelRunner, kv_bytes_per_token
+from engine.request import Request, SpecStats
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger("engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" or device.startswith("cuda"):
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but no CUDA device is available")
+        return torch.device(device)
+    raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """True when the CPU has bf16 matrix instructions (AMX or AVX512-BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request (token ids only)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    spec_stats: SpecStats | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepRecord:
+    """Timings of one engine step, handed to step listeners (metrics, tracing)."""
+
+    step_index: int
+    start_time: float  # time.time()
+    duration_s: float
+    num_batched_tokens: int
+    num_requests: int
+    request_ids: list[str]
+    num_spec_requests: int
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    sample_time_s: float = 0.0
+    accepted: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (drafted, accepted)
+    prefill_request_ids: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str,
+        device: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        speculative: SpeculativeConfig | dict | None = None,
+        attention_backend: str = "auto",
+        max_waiting_requests: int | None = None,
+        gpu_memory_utilization: float = 0.85,
+    ) -> None:
+        if isinstance(speculative, dict):
+            speculative = SpeculativeConfig(**speculative)
+        self.cache_config = CacheConfig(block_size, kv_cache_memory_bytes, gpu_memory_utilization, enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_waiting_requests)
+        self.speculative_config = speculative
+        self.model_dir = model
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        from engine.models.loader import load_hf_config
+
+        hf_config = load_hf_config(model)
+        limit = hf_config.max_position_embeddings
+        sliding = getattr(hf_config, "sliding_window", None)
+        if sliding and (hf_config.model_type != "qwen2" or getattr(hf_config, "use_sliding_window", False)):
+            limit = min(limit, sliding)  # full attention is exact only inside the window
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} positions")
+        max_model_len = max_model_len or limit
+        self.runner = ModelRunner(model, self.device, self.dtype, max_model_len, attention_backend)
+        self.vocab_size = self.runner.arch.vocab_size
+        self.eos_token_ids = _eos_token_ids(model, hf_config)
+        self.proposer = None
+        num_lookahead = 0
+        if speculative is not None:
+            from engine.spec.proposers import make_proposer
+
+            self.proposer = make_proposer(speculative, self)
+            num_lookahead = speculative.num_speculative_tokens
+
+        num_blocks = self._num_kv_blocks(max_model_len)
+        self.runner.init_kv_cache(num_blocks, block_size)
+        if self.proposer is not None:
+            self.proposer.init_kv_cache(num_blocks, block_size)
+        # One sequence of max_model_len (plus lookahead) must fit, or the oldest could starve.
+        capacity = num_blocks * block_size - num_lookahead
+        if capacity < max_model_len:
+            logger.warning("KV pool holds %d tokens; capping max_model_len %d -> %d", capacity, max_model_len, capacity)
+            max_model_len = capacity
+        if max_model_len < 2:
+            raise ValueError(f"KV cache too small: {num_blocks} blocks of {block_size} tokens")
+        self.max_model_len = max_model_len
+        self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len, num_lookahead
+        )
+        self.num_blocks = num_blocks
+        self.step_listeners: list = []
+        self.step_index = 0
+        self.spec_stats = SpecStats()
+        logger.info(
+            "engine ready: %s on %s/%s, %d params, KV: %d blocks x %d tokens, %d bytes/token, max_model_len %d%s",
+            model, self.device, str(self.dtype).removeprefix("torch."), self.runner.num_parameters, num_blocks,
+            block_size, self.kv_bytes_per_token, max_model_len,
+            f", speculative {speculative.method} k={speculative.num_speculative_tokens}" if speculative else "",
+        )
+
+    # --- sizing -----------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        n = kv_bytes_per_token(self.runner.arch, self.dtype)
+        if self.proposer is not None:
+            n += self.proposer.kv_bytes_per_token()
+        return n
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        cc = self.cache_config
+        budget = cc.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                budget = int(total * cc.gpu_memory_utilization) - used
+            else:
+                want = self.scheduler_config.max_num_seqs * max_model_len * self.kv_bytes_per_token
+                budget = min(want, CPU_DEFAULT_KV_BYTES)
+        num_blocks = budget // (self.kv_bytes_per_token * cc.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no block of {cc.block_size} tokens "
+                f"({self.kv_bytes_per_token} bytes per token)"
+            )
+        return int(num_blocks)
+
+    # --- requests ---------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request this engine cannot serve. Thread-safe."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens; this engine's max_model_len is {self.max_model_len}, so a "
+                f"prompt may have at most {self.max_model_len - 1} tokens"
+            )
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size - 1}]"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        self.validate_request(prompt_token_ids, params)
+        limit = self.scheduler_config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests already waiting (limit {limit})")
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.scheduler.abort_request(request_id)
+        if request is not None and self.proposer is not None:
+            self.proposer.on_request_finished(request)
+        return request is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        start_wall, t0 = time.time(), time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        runner_out = self.runner.execute(sched)
+        results = self.scheduler.update_from_output(sched, runner_out.sampled_token_ids)
+        record = StepRecord(
+            step_index=self.step_index,
+            start_time=start_wall,
+            duration_s=0.0,
+            num_batched_tokens=sched.num_batched_tokens,
+            num_requests=len(sched.scheduled),
+            request_ids=[s.request.request_id for s in sched.scheduled],
+            num_spec_requests=sum(1 for s in sched.scheduled if s.spec_token_ids),
+            verify_time_s=runner_out.forward_time_s,
+            sample_time_s=runner_out.sample_time_s,
+            prefill_request_ids=[s.request.request_id for s in sched.scheduled if s.num_new_tokens > 1],
+        )
+        for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
+            if s.spec_token_ids and tokens:
+                record.accepted[s.request.request_id] = (len(s.spec_token_ids), len(tokens) - 1)
+                self.spec_stats.record(len(s.spec_token_ids), len(tokens) - 1)
+        if self.proposer is not None:
+            td = time.perf_counter()
+            for r in (res.request for res in results):
+                if r.is_finished:
+                    self.proposer.on_request_finished(r)
+            self.proposer.propose_for_step(self.scheduler.running, sched, runner_out, self)
+            record.draft_time_s = time.perf_counter() - td
+            self.spec_stats.draft_time_s += record.draft_time_s
+            if record.num_spec_requests:
+                self.spec_stats.verify_time_s += runner_out.forward_time_s + runner_out.sample_time_s
+        self.step_index += 1
+        record.duration_s = time.perf_counter() - t0
+        for listener in self.step_listeners:
+            listener(record)
+        return [
+            EngineOutput(
+                request_id=res.request.request_id,
+                new_token_ids=res.new_token_ids,
+                finish_reason=res.request.finish_reason,
+                num_prompt_tokens=res.request.num_prompt_tokens,
+                num_output_tokens=res.request.num_output_tokens,
+                num_cached_tokens=res.request.num_cached_tokens,
+                spec_stats=res.request.spec_stats,
+            )
+            for res in results
+        ]
+
+    # --- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_blocks": bm.num_blocks,
+            "num_used_blocks": bm.num_used_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
+            "spec": self.spec_stats.as_dict(),
+        }
+
+    def live_requests(self) -> list[Request]:
+        return list(self.scheduler.requests.values())
+
+
+def _eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    eos = None
+    if os.path.isfile(gen_path):
+        import json
+
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

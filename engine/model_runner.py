@@ -1,0 +1,202 @@
+"""The model runner: the only part of the engine that touches tensors.
+
+It turns a `SchedulerOutput` into one flat varlen batch (token ids, positions, slot mapping,
+block tables), runs the target once, computes logits only at the positions that need them, and
+samples (or verifies draft tokens with the rejection sampler). It owns the KV cache tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import cdiv
+from engine.models.loader import load_model
+from engine.request import Request
+from engine.sampler import probs_from_logits
+from engine.scheduler import SchedulerOutput
+from engine.spec.rejection_sampler import rejection_sample
+from kernels import get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqChunk:
+    """Tokens of one request to compute in a forward pass, from context position `start`."""
+
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: object
+    cu_query_lens: list[int]  # [B+1] offsets of each chunk's tokens in the flat batch
+
+
+def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device: torch.device) -> ForwardBatch:
+    """Flatten chunks into one varlen batch. Example: block_size 4, a chunk of 3 tokens from
+    position 5 with blocks [7, 2] -> positions [5, 6, 7], slots [2*4+1, 2*4+2, 2*4+3]."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    cu = [0]
+    for c in chunks:
+        n = len(c.token_ids)
+        input_ids.extend(c.token_ids)
+        pos = range(c.start, c.start + n)
+        positions.extend(pos)
+        bids = c.block_ids
+        slots.extend(bids[p // block_size] * block_size + p % block_size for p in pos)
+        query_lens.append(n)
+        seq_lens.append(c.start + n)
+        block_tables.append(bids[: cdiv(c.start + n, block_size)])
+        cu.append(cu[-1] + n)
+    md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device)
+    return ForwardBatch(
+        torch.tensor(input_ids, dtype=torch.long, device=device),
+        torch.tensor(positions, dtype=torch.long, device=device),
+        md,
+        cu,
+    )
+
+
+def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_layers)
+    ]
+
+
+def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: list[list[int]]  # per scheduled request: accepted drafts + 1 new token, or []
+    # Final-norm hidden states of each scheduled request's computed positions, for the proposers
+    # that read the target's features (EAGLE, MTP); None unless asked for.
+    hidden_states: torch.Tensor | None = None
+    cu_query_lens: list[int] = field(default_factory=list)
+    forward_time_s: float = 0.0
+    sample_time_s: float = 0.0
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.model, self.hf_config = load_model(model_dir, dtype, device, max_model_len)
+        self.arch = self.model.cfg
+        self.backend = get_attention_backend(device, attention_backend)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+        self.keep_hidden_states = False
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, self.device)
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        if request.generator is None:
+            request.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return request.generator
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        chunks = []
+        for s in sched.scheduled:
+            r = s.request
+            c = r.num_computed_tokens
+            tokens = [r.token_at(p) for p in range(c, c + s.num_new_tokens)] + s.spec_token_ids
+            chunks.append(SeqChunk(tokens, c, r.block_ids))
+        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend)
+
+        # Logits only where tokens are made: the last regular token and each draft position.
+        rows: list[int] = []
+        sampling = [s for s in sched.scheduled if s.needs_sample]
+        for i, s in enumerate(sched.scheduled):
+            if s.needs_sample:
+                end = batch.cu_query_lens[i + 1]
+                rows.extend(range(end - len(s.spec_token_ids) - 1, end))
+        t1 = time.perf_counter()
+        sampled = self._sample(sampling, hidden, rows) if sampling else []
+        t2 = time.perf_counter()
+        it = iter(sampled)
+        out = [next(it) if s.needs_sample else [] for s in sched.scheduled]
+        return ModelRunnerOutput(
+            out,
+            hidden_states=hidden if self.keep_hidden_states else None,
+            cu_query_lens=batch.cu_query_lens,
+            forward_time_s=t1 - t0,
+            sample_time_s=t2 - t1,
+        )
+
+    def _sample(self, sampling, hidden: torch.Tensor, rows: list[int]) -> list[list[int]]:
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [R, vocab]
+        num_draft = [len(s.spec_token_ids) for s in sampling]
+        is_greedy = [s.request.sampling_params.is_greedy for s in sampling]
+        draft_ids = [t for s in sampling for t in s.spec_token_ids]
+        draft_ids_t = torch.tensor(draft_ids, dtype=torch.long, device=self.device)
+        argmax = logits.argmax(dim=-1) if any(is_greedy) else None
+        target_probs = draft_probs = None
+        if not all(is_greedy):
+            reps = [k + 1 for k in num_draft]
+            params = [s.request.sampling_params for s in sampling]
+            temp = torch.tensor([max(p.temperature, 1e-5) for p in params], device=self.device)
+            top_k = torch.tensor([p.top_k for p in params], device=self.device)
+            top_p = torch.tensor([p.top_p for p in params], device=self.device)
+            rep = torch.tensor(reps, device=self.device)
+            target_probs = probs_from_logits(
+                logits, temp.repeat_interleave(rep), top_k.repeat_interleave(rep), top_p.repeat_interleave(rep)
+            )
+            if draft_ids:
+                vocab = logits.shape[-1]
+                draft_probs = torch.cat(
+                    [_draft_probs(s, vocab, self.device) for s in sampling if s.spec_token_ids], dim=0
+                )
+        generators = [self._generator(s.request) for s in sampling]
+        return rejection_sample(num_draft, draft_ids_t, argmax, target_probs, draft_probs, is_greedy, generators)
+
+
+def _draft_probs(s, vocab: int, device) -> torch.Tensor:
+    """The draft distribution q [k, vocab] of a request's drafts; one-hot when the drafter is
+    deterministic (n-gram lookup, or a greedy drafter's argmax)."""
+    r = s.request
+    k = len(s.spec_token_ids)
+    if r.spec_probs is not None:
+        return r.spec_probs[:k].to(device=device, dtype=torch.float32)
+    q = torch.zeros(k, vocab, device=device)
+    q[torch.arange(k), torch.tensor(s.spec_token_ids, device=device)] = 1.0
+    return q

@@ -1,0 +1,241 @@
+"""One decoder implementation for Llama-family checkpoints over a paged KV cache.
+
+Covers Llama (incl. Llama 3 rope scaling), Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm), tied
+or untied embeddings, GQA. Weights keep Hugging Face names on load; q/k/v and gate/up are fused
+into one matmul each. The model sees a flat varlen batch: `input_ids` [num_tokens], `positions`
+[num_tokens], and attention metadata describing which request each token belongs to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """The fields of a Hugging Face config this decoder needs, normalized across families."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, hf_config) -> ArchConfig:
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        model_type = getattr(hf_config, "model_type", None)
+        known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if not known and model_type not in SUPPORTED_ARCHITECTURES.values():
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or model_type!r}; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[known[0]] if known else model_type
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: 'silu'")
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        sliding = getattr(hf_config, "sliding_window", None)
+        if family == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+            sliding = None
+        return cls(
+            model_type=family,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=hf_config.intermediate_size,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            o_bias=family != "qwen2" and bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            max_position_embeddings=hf_config.max_position_embeddings,
+            sliding_window=sliding,
+        )
+
+
+def rope_cos_sin(hf_config, max_positions: int, dtype: torch.dtype, device: torch.device):
+    """cos/sin tables [max_positions, head_dim] from transformers' own rope init (any scaling type
+    that does not depend on the sequence length: default, linear, llama3, yarn, longrope)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise UnsupportedModelError("rope_type 'dynamic' changes with sequence length; not supported")
+    with torch.device("cpu"):
+        rotary = LlamaRotaryEmbedding(hf_config)
+    inv_freq = rotary.inv_freq.float()  # [head_dim // 2]
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    scale = float(rotary.attention_scaling)
+    return (emb.cos() * scale).to(device=device, dtype=dtype), (emb.sin() * scale).to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim] (rotate-half layout)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend):
+        # x, residual [num_tokens, hidden]; returns the same pair (pre-norm residual stream)
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        if residual is None:
+            residual = x
+        else:
+            residual = residual + x
+        h = F.rms_norm(residual, (cfg.hidden_size,), self.input_layernorm, eps)
+        qkv = self.qkv_proj(h)
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = F.rms_norm(q, (cfg.head_dim,), self.q_norm, eps)
+            k = F.rms_norm(k, (cfg.head_dim,), self.k_norm, eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        backend.write_kv(k, v, k_cache, v_cache, attn_metadata)
+        o = backend.attention(q, k_cache, v_cache, attn_metadata, cfg.head_dim**-0.5)
+        x = self.o_proj(o.reshape(n, self.q_size))
+        residual = residual + x
+        h = F.rms_norm(residual, (cfg.hidden_size,), self.post_attention_layernorm, eps)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up), residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head. `forward` returns final-norm hidden states."""
+
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, backend, inputs_embeds=None):
+        # input_ids [num_tokens] -> hidden [num_tokens, hidden] after the final norm
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos = self.rope_cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend)
+        return F.rms_norm(residual + x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [n, hidden] -> logits [n, vocab] in float32
+        return self.lm_head(hidden).float()
+
+    # --- weight loading (Hugging Face names) ------------------------------------------------
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Missing or unknown names raise."""
+        cfg = self.cfg
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise UnsupportedModelError(f"checkpoint lacks tensor {name!r}")
+            used.add(name)
+            return weights[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise UnsupportedModelError(
+                    f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(value)
+
+        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        if not cfg.tie_word_embeddings:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        elif "lm_head.weight" in weights:
+            used.add("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+            put(layer.qkv_proj.weight, qkv, p + "self_attn.qkv")
+            if cfg.qkv_bias:
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+                put(layer.qkv_proj.bias, bias, p + "self_attn.qkv bias")
+            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if cfg.o_bias:
+                put(layer.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
+            if cfg.qk_norm:
+                put(layer.q_norm, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+                put(layer.k_norm, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+            put(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up")
+            if cfg.mlp_bias:
+                b = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")], dim=0)
+                put(layer.gate_up_proj.bias, b, p + "mlp.gate_up bias")
+            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            if cfg.mlp_bias:
+                put(layer.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+        unknown = sorted(k for k in weights if k not in used and "rotary_emb" not in k)
+        if unknown:
+            raise UnsupportedModelError(f"checkpoint has tensors this decoder does not use: {unknown[:5]}")

@@ -1,0 +1,135 @@
+"""Edge of the engine: detokenization, stop strings, and the outputs users see.
+
+The engine core produces token ids; this module turns them into incremental text, applies stop
+strings (which need text) and builds `RequestOutput`s for `LLM` and `AsyncLLM`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.llm_engine import EngineOutput
+from engine.request import SpecStats
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """A request's output so far. `token_ids`/`text` are cumulative; `delta_*` is what is new."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def spec_stats(self) -> dict:
+        return self.metrics.get("spec", {})
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing list of token ids, holding back incomplete UTF-8 sequences.
+
+    Decodes only a short window: the text of ids[prefix:] minus the text of ids[prefix:read]
+    is new text. Example: ids [a, b, c], prefix 1, read 2 -> delta = dec([b, c]) - dec([b]).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        dec = self.tokenizer.decode
+        prefix_text = dec(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        new_text = dec(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+
+class RequestState:
+    """Per-request state at the edge: cumulative text and the stop-string check."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.token_ids: list[int] = []
+        self.full_text = ""
+        self.num_emitted = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finished = False
+
+    def process(self, out: EngineOutput) -> tuple[RequestOutput, bool]:
+        """Apply one engine output. Returns the RequestOutput and whether a stop string hit
+        (the caller must then abort the request in the engine)."""
+        now = time.monotonic()
+        if self.first_token_time is None and out.new_token_ids:
+            self.first_token_time = now
+        self.token_ids.extend(out.new_token_ids)
+        before = len(self.full_text)
+        self.full_text += self.detokenizer.push(out.new_token_ids) if self.detokenizer else ""
+        finish_reason = out.finish_reason
+        stop_hit = False
+        stops = self.params.stop_strings
+        longest = max((len(s) for s in stops), default=0)
+        if stops and len(self.full_text) > before:
+            start = max(0, before - longest + 1)
+            hits = [i for s in stops if (i := self.full_text.find(s, start)) != -1]
+            if hits:
+                self.full_text = self.full_text[: min(hits)]
+                stop_hit = finish_reason is None
+                finish_reason = "stop"
+        self.finished = finish_reason is not None
+        # Hold back a tail that could still become a stop string, so streamed text never
+        # has to be taken back.
+        visible = len(self.full_text)
+        if stops and not self.finished:
+            visible = max(self.num_emitted, visible - longest + 1)
+        delta = self.full_text[self.num_emitted : visible]
+        self.num_emitted = visible
+        metrics = {
+            "arrival_time": self.arrival_time,
+            "ttft_s": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
+            "num_prompt_tokens": len(self.prompt_token_ids),
+            "num_output_tokens": len(self.token_ids),
+        }
+        if self.finished:
+            metrics["e2e_s"] = now - self.arrival_time
+        stats: SpecStats | None = out.spec_stats
+        if stats is not None:
+            metrics["spec"] = stats.as_dict()
+        return (
+            RequestOutput(
+                request_id=self.request_id,
+                prompt=self.prompt,
+                prompt_token_ids=self.prompt_token_ids,
+                token_ids=list(self.token_ids),
+                text=self.full_text[: self.num_emitted],
+                delta_token_ids=list(out.new_token_ids),
+                delta_text=delta,
+                finished=self.finished,
+                finish_reason=finish_reason,
+                num_cached_tokens=out.num_cached_tokens,
+                metrics=metrics,
+            ),
+            stop_hit,
+        )

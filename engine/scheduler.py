@@ -1,0 +1,225 @@
+"""FCFS continuous-batching scheduler with chunked prefill, preemption and lookahead slots.
+
+Pure Python, no torch. There is no prefill or decode phase: each step every running request's
+computed tokens catch up toward its total (prompt + outputs + pending draft tokens) under a
+per-step token budget. Draft tokens are just more tokens to compute; blocks for up to
+`num_lookahead_tokens` of them are reserved ahead, and a rejected draft is simply never committed
+(`num_computed_tokens` only advances over accepted tokens). When blocks run out, the newest
+running request is preempted by recompute and resumes later with identical output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import KVBlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: `num_new_tokens` regular tokens then its draft tokens."""
+
+    request: Request
+    num_new_tokens: int  # regular (not draft) tokens to compute this step
+    spec_token_ids: list[int]  # draft tokens to verify this step (empty when not speculating)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_new_tokens + len(self.spec_token_ids)
+
+    @property
+    def needs_sample(self) -> bool:
+        """The chunk reaches the request's last token, so this step produces new token(s)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepResult:
+    """What `update_from_output` reports per request touched this step."""
+
+    request: Request
+    new_token_ids: list[int]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: KVBlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- request lifecycle ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request at once and free its blocks. Unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finished_time = time.monotonic()
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.block_manager.free(request)
+        request.spec_token_ids = []
+        request.spec_probs = None
+        self.requests.pop(request.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- scheduling -------------------------------------------------------------------------
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.spec_probs = None
+        request.drafter_state.clear()
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        bm = self.block_manager
+
+        # 1) Running requests, oldest first. On a block shortage preempt the newest.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            spec = request.spec_token_ids if num_new == request.num_tokens - request.num_computed_tokens else []
+            if num_new + len(spec) > budget:
+                spec = []
+            if not spec:
+                request.spec_token_ids, request.spec_probs = [], None
+            while not bm.allocate_slots(request, num_new + len(spec), self.num_lookahead_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.PREEMPTED:
+                break
+            scheduled.append(ScheduledRequest(request, num_new, list(spec)))
+            budget -= num_new + len(spec)
+            i += 1
+
+        # 2) Waiting requests, FCFS, while budget, sequence slots and blocks allow.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            cached = bm.find_cached_prefix(request)
+            num_computed = len(cached) * bm.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not bm.allocate_slots(request, num_new, self.num_lookahead_tokens, cached_blocks=cached):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new, []))
+            budget -= num_new
+        return SchedulerOutput(scheduled, preempted)
+
+    # --- commit -----------------------------------------------------------------------------
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: list[list[int]]
+    ) -> list[StepResult]:
+        """Commit the verified tokens of each scheduled request and finish those that stop.
+
+        `sampled_token_ids[i]` is empty for a prefill chunk that does not reach the end, else
+        the accepted draft tokens followed by one bonus/recovered token (1..k+1 tokens).
+        """
+        results: list[StepResult] = []
+        now = time.monotonic()
+        for sched, tokens in zip(output.scheduled, sampled_token_ids, strict=True):
+            request = sched.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            num_spec = len(sched.spec_token_ids)
+            if not tokens:
+                request.num_computed_tokens += sched.num_new_tokens
+                self.block_manager.commit_full_blocks(request)
+                continue
+            num_accepted = len(tokens) - 1
+            request.num_computed_tokens += sched.num_new_tokens + num_accepted
+            if num_spec:
+                request.spec_stats.record(num_spec, num_accepted)
+            request.spec_token_ids, request.spec_probs = [], None
+            new_tokens: list[int] = []
+            status = None
+            for token in tokens:
+                request.output_token_ids.append(token)
+                new_tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.block_manager.commit_full_blocks(request)
+            results.append(StepResult(request, new_tokens))
+            if status is not None:
+                self._finish(request, status)
+        return results
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,1 @@
+"""Speculative decoding: the rejection sampler and the proposers (drafters) behind one protocol."""

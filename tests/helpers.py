@@ -1,0 +1,68 @@
+"""Shared test helpers: tiny random Hugging Face checkpoints and the no-leaked-blocks invariant."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
+
+
+def make_hf_config(family: str = "llama", **overrides):
+    import transformers
+
+    kw = {**TINY, **overrides}
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**kw)
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(**kw, sliding_window=None)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**kw)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**kw, head_dim=16)
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def save_tiny_model(path: str, family: str = "llama", seed: int = 0, **overrides) -> str:
+    """Build a random transformers model of the given family and save it as a checkpoint dir."""
+    import transformers
+
+    cfg = make_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    # Random init gives near-uniform logits; sharpen so greedy decoding has clear winners.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08 if "embed" in name or "lm_head" in name else 0.05)
+            elif "bias" in name:
+                p.normal_(0, 0.02)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def assert_no_leaked_blocks(engine) -> None:
+    """Every KV block is free once no request is live, and the invariants hold while live."""
+    bm = engine.block_manager
+    live = engine.live_requests()
+    bm.check_invariants(live)
+    if not live:
+        assert bm.num_free_blocks == bm.num_blocks, (
+            f"{bm.num_blocks - bm.num_free_blocks} blocks still held with no live request"
+        )
+    proposer = getattr(engine, "proposer", None)
+    if proposer is not None and hasattr(proposer, "check_no_leaks"):
+        proposer.check_no_leaks(live)
