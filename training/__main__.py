@@ -1,0 +1,316 @@
+"""Command line entry point: ``python -m training <step> [options]``.
+
+Steps (run in this order)::
+
+    corpus     split the stdlib sources into train / held-out files (models/heldout_files.txt)
+    tokenizer  train the byte-level BPE, check round-trip, cache token streams under runs/data
+    target     pre-train models/target (LlamaForCausalLM) from scratch
+    drafter    distil models/drafter from the frozen target (KL(target || drafter))
+    eagle      train models/eagle-head (EAGLE-1) on the frozen target's features
+    mtp        train models/mtp-heads (Medusa-style) on the frozen target's features
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from . import data
+from .config import DRAFTER_SPEC, TARGET_SPEC, LlamaSpec, TrainConfig
+from .heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_head
+from .trainer import distill_loss_fn, eagle_loss_fn, lm_loss_fn, medusa_loss_fn, train_loop
+
+RUNS = Path("runs")
+CKPTS = Path("checkpoints")
+MODELS = Path("models")
+DATA = RUNS / "data"
+TOKENIZER_DIR = RUNS / "tokenizer"
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    torch.set_num_interop_threads(1)
+
+
+def step_corpus(args: argparse.Namespace) -> None:
+    stats = data.write_corpus(DATA, MODELS / "heldout_files.txt")
+    log(f"corpus: {stats} (root {data.stdlib_root()})")
+
+
+def step_tokenizer(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    root = data.stdlib_root()
+    train_files = data.read_file_list(DATA / "train_files.txt")
+    held_files = data.read_file_list(DATA / "heldout_files.txt")
+    train_texts = [data.read_text(root, f) for f in train_files]
+    held_texts = [data.read_text(root, f) for f in held_files]
+    t0 = time.time()
+    tok = data.train_tokenizer(train_texts, vocab_size=args.vocab_size)
+    data.save_tokenizer(tok, TOKENIZER_DIR)
+    log(f"tokenizer: trained vocab {tok.get_vocab_size()} in {time.time() - t0:.1f}s -> {TOKENIZER_DIR}")
+    hf = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    assert hf.bos_token_id == data.BOS_ID and hf.eos_token_id == data.EOS_ID
+    bad = [
+        f
+        for f, t in zip(held_files, held_texts, strict=True)
+        if hf.decode(hf(t)["input_ids"], skip_special_tokens=True) != t
+    ]
+    if bad:
+        raise SystemExit(f"round-trip failed on {len(bad)} held-out files, e.g. {bad[:3]}")
+    log(f"tokenizer: round-trip OK on all {len(held_files)} held-out files")
+    train_stream = data.encode_documents(tok, train_texts)
+    held_stream = data.encode_documents(tok, held_texts)
+    torch.save(train_stream, DATA / "train_tokens.pt")
+    torch.save(held_stream, DATA / "heldout_tokens.pt")
+    n_bytes = sum(len(t.encode()) for t in train_texts)
+    stats = {
+        "vocab_size": tok.get_vocab_size(),
+        "train_files": len(train_files),
+        "heldout_files": len(held_files),
+        "train_tokens": int(train_stream.numel()),
+        "heldout_tokens": int(held_stream.numel()),
+        "train_bytes": n_bytes,
+        "bytes_per_token": n_bytes / train_stream.numel(),
+    }
+    (RUNS / "tokenizer_stats.json").write_text(json.dumps(stats, indent=2))
+    log(f"tokenizer: {stats}")
+
+
+def load_streams(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    train = data.chunk_stream(torch.load(DATA / "train_tokens.pt"), seq_len)
+    held = data.chunk_stream(torch.load(DATA / "heldout_tokens.pt"), seq_len)
+    return train, held
+
+
+def build_llama(spec: LlamaSpec, seed: int):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = spec.to_hf()
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def load_target(folder: Path = MODELS / "target"):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def heldout_nll(model_fn, held: torch.Tensor, batch_size: int = 8, max_seqs: int = 64) -> float:
+    """Mean next-token NLL (nats) over up to ``max_seqs`` held-out sequences."""
+    from torch.nn import functional as F
+
+    total, count = 0.0, 0
+    seqs = held[:max_seqs]
+    for i in range(0, seqs.shape[0], batch_size):
+        b = seqs[i : i + batch_size]
+        logits = model_fn(b)
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), b[:, 1:].flatten(), reduction="sum")
+        total += float(nll)
+        count += b[:, 1:].numel()
+    return total / count
+
+
+def train_config(args: argparse.Namespace, name: str) -> TrainConfig:
+    return TrainConfig(
+        name=name,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        planned_tokens=args.planned_tokens,
+        max_minutes=args.max_minutes,
+        checkpoint_minutes=args.checkpoint_minutes,
+        seed=args.seed,
+    )
+
+
+def write_stats(name: str, stats: dict) -> None:
+    RUNS.mkdir(exist_ok=True)
+    stats = {k: v for k, v in stats.items() if k != "history"}
+    (RUNS / f"{name}_stats.json").write_text(json.dumps(stats, indent=2))
+    log(f"{name}: {stats}")
+
+
+def measure(cfg: TrainConfig, model, loss_fn, sampler, steps: int) -> None:
+    tcfg = replace(cfg, planned_tokens=cfg.tokens_per_step * steps, warmup_steps=1, max_minutes=60)
+    out = train_loop(tcfg, model, loss_fn, sampler, None, log=log, progress=False)
+    # exclude the first step (allocation warm-up) from the estimate is not possible here; report all
+    log(f"measure: {steps} steps, {out['tokens_per_s']:.0f} tok/s, {out['elapsed_s'] / steps:.2f} s/step")
+
+
+def step_target(args: argparse.Namespace) -> None:
+    cfg = train_config(args, "target")
+    train, held = load_streams(cfg.seq_len)
+    model = build_llama(TARGET_SPEC, cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(
+        f"target: {n_params / 1e6:.2f}M params, {train.shape[0]} train seqs of {cfg.seq_len}, config {asdict(cfg)}"
+    )
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed)
+    if args.measure_steps:
+        measure(cfg, model, lm_loss_fn(model), sampler, args.measure_steps)
+        return
+    out = train_loop(cfg, model, lm_loss_fn(model), sampler, CKPTS / "target.pt", resume=args.resume, log=log)
+    model.eval()
+    nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
+    folder = MODELS / "target"
+    model.to(torch.bfloat16).save_pretrained(str(folder))
+    data.copy_tokenizer(TOKENIZER_DIR, folder)
+    out.update(
+        params=n_params, heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), config=asdict(cfg)
+    )
+    write_stats("target", out)
+
+
+def step_drafter(args: argparse.Namespace) -> None:
+    cfg = train_config(args, "drafter")
+    train, held = load_streams(cfg.seq_len)
+    target = load_target()
+    model = build_llama(DRAFTER_SPEC, cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"drafter: {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 1)
+    loss_fn = distill_loss_fn(model, target)
+    if args.measure_steps:
+        measure(cfg, model, loss_fn, sampler, args.measure_steps)
+        return
+    out = train_loop(cfg, model, loss_fn, sampler, CKPTS / "drafter.pt", resume=args.resume, log=log)
+    model.eval()
+    nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
+    folder = MODELS / "drafter"
+    model.to(torch.bfloat16).save_pretrained(str(folder))
+    data.copy_tokenizer(TOKENIZER_DIR, folder)
+    out.update(
+        params=n_params, heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), config=asdict(cfg)
+    )
+    write_stats("drafter", out)
+
+
+def eagle_config_from_target(target) -> EagleConfig:
+    c = target.config
+    return EagleConfig(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        intermediate_size=c.intermediate_size,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=float(c.rope_parameters["rope_theta"]),
+        max_position_embeddings=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+    )
+
+
+def step_eagle(args: argparse.Namespace) -> None:
+    cfg = train_config(args, "eagle")
+    train, _ = load_streams(cfg.seq_len)
+    target = load_target()
+    torch.manual_seed(cfg.seed)
+    ecfg = eagle_config_from_target(target)
+    head = EagleHead(ecfg)
+    n_params = sum(p.numel() for p in head.parameters())
+    log(f"eagle: {n_params / 1e6:.2f}M params, rollout_weight {args.rollout_weight}, config {asdict(cfg)}")
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 2)
+    loss_fn = eagle_loss_fn(head, target, rollout_weight=args.rollout_weight)
+    if args.measure_steps:
+        measure(cfg, head, loss_fn, sampler, args.measure_steps)
+        return
+    out = train_loop(cfg, head, loss_fn, sampler, CKPTS / "eagle.pt", resume=args.resume, log=log)
+    folder = MODELS / "eagle-head"
+    save_head(head, ecfg.to_json_dict(), folder)
+    data.copy_tokenizer(TOKENIZER_DIR, folder)
+    out.update(params=n_params, rollout_weight=args.rollout_weight, config=asdict(cfg))
+    write_stats("eagle", out)
+
+
+def step_mtp(args: argparse.Namespace) -> None:
+    cfg = train_config(args, "mtp")
+    train, _ = load_streams(cfg.seq_len)
+    target = load_target()
+    torch.manual_seed(cfg.seed)
+    mcfg = MedusaConfig(
+        num_heads=args.num_heads, hidden_size=target.config.hidden_size, vocab_size=target.config.vocab_size
+    )
+    heads = MedusaHeads(mcfg)
+    n_params = sum(p.numel() for p in heads.parameters())
+    log(f"mtp: {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 3)
+    loss_fn = medusa_loss_fn(heads, target)
+    if args.measure_steps:
+        measure(cfg, heads, loss_fn, sampler, args.measure_steps)
+        return
+    out = train_loop(cfg, heads, loss_fn, sampler, CKPTS / "mtp.pt", resume=args.resume, log=log)
+    folder = MODELS / "mtp-heads"
+    save_head(heads, mcfg.to_json_dict(), folder)
+    data.copy_tokenizer(TOKENIZER_DIR, folder)
+    out.update(params=n_params, config=asdict(cfg))
+    write_stats("mtp", out)
+
+
+STEP_DEFAULTS: dict[str, dict] = {
+    "target": {"lr": 1e-3, "planned_tokens": 16_000_000, "max_minutes": 70.0, "warmup_steps": 100},
+    "drafter": {"lr": 2e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
+    "eagle": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
+    "mtp": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 10.0, "warmup_steps": 50},
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n")[0])
+    parser.add_argument("step", choices=["corpus", "tokenizer", "target", "drafter", "eagle", "mtp"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--warmup-steps", type=int, default=None)
+    parser.add_argument("--planned-tokens", type=int, default=None)
+    parser.add_argument("--max-minutes", type=float, default=None)
+    parser.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--measure-steps", type=int, default=0, help="only time this many steps, save nothing"
+    )
+    parser.add_argument("--eval-seqs", type=int, default=64)
+    parser.add_argument(
+        "--rollout-weight", type=float, default=0.5, help="eagle: weight of the 2nd-step loss"
+    )
+    parser.add_argument("--num-heads", type=int, default=8, help="mtp: number of heads")
+    args = parser.parse_args(argv)
+    for key, value in STEP_DEFAULTS.get(args.step, {}).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    set_threads(args.threads)
+    log(f"python -m training {' '.join(argv if argv is not None else sys.argv[1:])}")
+    {
+        "corpus": step_corpus,
+        "tokenizer": step_tokenizer,
+        "target": step_target,
+        "drafter": step_drafter,
+        "eagle": step_eagle,
+        "mtp": step_mtp,
+    }[args.step](args)
+
+
+if __name__ == "__main__":
+    main()

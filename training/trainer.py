@@ -1,0 +1,260 @@
+"""Generic time-budgeted training loop with resumable checkpoints, plus the four losses.
+
+The learning rate is linear warm-up followed by cosine decay to ``min_lr_ratio * lr``.  Progress
+through the decay is keyed on the planned token count; with ``time_aware_lr`` it is
+``max(tokens / planned_tokens, elapsed / max_minutes)`` so the schedule also finishes when the wall
+time budget runs out on a busy machine (the only non-deterministic element of a run).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from .config import TrainConfig
+from .data import SequenceSampler
+from .heads import EagleHead, MedusaHeads
+
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+def lr_at(cfg: TrainConfig, step: int, elapsed_s: float) -> float:
+    """Learning rate for optimizer step ``step`` (0-based)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    denom = max(1, cfg.planned_steps - cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / denom
+    if cfg.time_aware_lr and cfg.max_minutes > 0:
+        progress = max(progress, elapsed_s / (cfg.max_minutes * 60.0))
+    progress = min(1.0, progress)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def save_checkpoint(
+    path: Path, masters: dict[str, torch.Tensor], opt: torch.optim.Optimizer, state: dict
+) -> None:
+    """Atomically write fp32 master weights, optimizer, RNG and progress state to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "master": {n: m.detach() for n, m in masters.items()},
+            "optim": opt.state_dict(),
+            "rng": torch.get_rng_state(),
+            **state,
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+def train_loop(
+    cfg: TrainConfig,
+    model: nn.Module,
+    loss_fn: LossFn,
+    sampler: SequenceSampler,
+    ckpt_path: Path | None,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+) -> dict:
+    """Train ``model`` (its parameters with ``requires_grad``) until planned steps or time run out.
+
+    Returns a summary dict (steps, tokens, elapsed seconds, final/first losses).
+    """
+    # The model runs in pure bf16 (fast on AMX CPUs); fp32 master copies are what AdamW updates.
+    model.to(torch.bfloat16)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in named}
+    decay = [m for m in masters.values() if m.ndim >= 2]
+    no_decay = [m for m in masters.values() if m.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=cfg.betas,
+    )
+    step, tokens, elapsed = 0, 0, 0.0
+    history: list[float] = []
+    if resume and ckpt_path is not None and ckpt_path.exists():
+        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        with torch.no_grad():
+            for n, p in named:
+                masters[n].copy_(ck["master"][n])
+                p.copy_(masters[n])
+        opt.load_state_dict(ck["optim"])
+        torch.set_rng_state(ck["rng"])
+        sampler.load_state_dict(ck["sampler"])
+        step, tokens, elapsed = ck["step"], ck["tokens"], ck["elapsed_s"]
+        history = ck.get("history", [])
+        log(f"[{cfg.name}] resumed from {ckpt_path} at step {step} ({tokens} tokens, {elapsed / 60:.1f} min)")
+
+    def state() -> dict:
+        return {
+            "step": step,
+            "tokens": tokens,
+            "elapsed_s": elapsed,
+            "sampler": sampler.state_dict(),
+            "history": history,
+            "config": asdict(cfg),
+        }
+
+    model.train()
+    budget_s = cfg.max_minutes * 60.0
+    start = time.monotonic() - elapsed
+    last_ckpt = time.monotonic()
+    bar = tqdm(total=cfg.planned_steps, initial=step, desc=cfg.name, disable=not progress, mininterval=10)
+    ema = None
+    while step < cfg.planned_steps and elapsed < budget_s:
+        lr = lr_at(cfg, step, elapsed)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        metrics: dict[str, float] = {}
+        for _ in range(cfg.grad_accum):
+            batch = sampler.next_batch()
+            loss, metrics = loss_fn(batch)
+            (loss / cfg.grad_accum).backward()
+        for n, p in named:
+            masters[n].grad = p.grad.float() if p.grad is not None else torch.zeros_like(masters[n])
+            p.grad = None
+        gnorm = torch.nn.utils.clip_grad_norm_(list(masters.values()), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(masters[n])
+        step += 1
+        tokens += cfg.tokens_per_step
+        elapsed = time.monotonic() - start
+        lv = float(loss.detach())
+        history.append(lv)
+        ema = lv if ema is None else 0.98 * ema + 0.02 * lv
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens / max(elapsed, 1e-6):.0f}")
+        if step % 50 == 0 or step == 1:
+            extra = " ".join(f"{k}={v:.3f}" for k, v in metrics.items())
+            log(
+                f"[{cfg.name}] step {step}/{cfg.planned_steps} loss {lv:.4f} ema {ema:.4f} lr {lr:.2e} "
+                f"gnorm {float(gnorm):.2f} tok/s {tokens / max(elapsed, 1e-6):.0f} "
+                f"elapsed {elapsed / 60:.1f}m {extra}"
+            )
+        if ckpt_path is not None and time.monotonic() - last_ckpt > cfg.checkpoint_minutes * 60:
+            save_checkpoint(ckpt_path, masters, opt, state())
+            last_ckpt = time.monotonic()
+    bar.close()
+    if ckpt_path is not None:
+        save_checkpoint(ckpt_path, masters, opt, state())
+    return {
+        "steps": step,
+        "tokens": tokens,
+        "elapsed_s": elapsed,
+        "tokens_per_s": tokens / max(elapsed, 1e-6),
+        "first_loss": history[0] if history else float("nan"),
+        "final_loss_ema": ema if ema is not None else float("nan"),
+        "history": history,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Losses.  Each takes a ``[B, T]`` long batch and returns ``(loss, metrics)``.
+
+
+def lm_loss_fn(model: nn.Module) -> LossFn:
+    """Next-token cross-entropy of a causal LM."""
+
+    def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = model(input_ids=batch).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+        return loss, {}
+
+    return fn
+
+
+def distill_loss_fn(student: nn.Module, teacher: nn.Module) -> LossFn:
+    """Token-level ``KL(teacher || student)`` on the frozen teacher's logits."""
+
+    def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        with torch.no_grad():
+            t_logp = F.log_softmax(teacher(input_ids=batch).logits.float(), dim=-1).flatten(0, 1)
+        s_logp = F.log_softmax(student(input_ids=batch).logits.float(), dim=-1).flatten(0, 1)
+        loss = F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
+        with torch.no_grad():
+            agree = (s_logp.argmax(-1) == t_logp.argmax(-1)).float().mean()
+        return loss, {"agree": float(agree)}
+
+    return fn
+
+
+@torch.no_grad()
+def target_features(target: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Final-norm hidden states of the frozen target (``last_hidden_state``)."""
+    return target.model(input_ids=batch).last_hidden_state
+
+
+def eagle_loss_fn(
+    head: EagleHead, target: nn.Module, cls_weight: float = 0.1, rollout_weight: float = 0.0
+) -> LossFn:
+    """EAGLE-1 loss: ``SmoothL1(f, h_{t+1}) + cls_weight * CE(lm_head(f), token_{t+2})``.
+
+    Teacher-forced: the element at index ``t`` gets ``(embed(token_{t+1}), h_t)`` at RoPE position
+    ``t+1``.  With ``rollout_weight > 0`` a second pass feeds the head's own (detached) predicted
+    features back in place of the true ones (shifted by one), adding the same loss for the
+    two-steps-ahead predictions, which reduces exposure bias.
+    """
+    embed = target.get_input_embeddings()
+    lm_head = target.get_output_embeddings()
+
+    def step_loss(f: torch.Tensor, h_next: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        reg = F.smooth_l1_loss(f.float(), h_next.float())
+        n = labels.shape[1]
+        logits = lm_head(f[:, :n]).float()
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        acc = (logits.argmax(-1) == labels).float().mean()
+        return reg + cls_weight * ce, {"reg": float(reg), "ce": float(ce), "acc": float(acc)}
+
+    def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        bsz, seq = batch.shape
+        h = target_features(target, batch)
+        with torch.no_grad():
+            emb = embed(batch)
+        pos = torch.arange(1, seq, device=batch.device).unsqueeze(0).expand(bsz, -1)
+        f = head(emb[:, 1:], h[:, :-1], pos)  # index t -> f_{t+1}
+        loss, metrics = step_loss(f, h[:, 1:], batch[:, 2:])
+        if rollout_weight > 0:
+            # index t: (embed(token_{t+2}), f_{t+1} predicted) at position t+2 -> f_{t+2}
+            f2 = head(emb[:, 2:], f[:, :-1].detach(), pos[:, 1:])
+            loss2, m2 = step_loss(f2, h[:, 2:], batch[:, 3:])
+            loss = loss + rollout_weight * loss2
+            metrics.update({f"{k}2": v for k, v in m2.items()})
+        return loss, metrics
+
+    return fn
+
+
+def medusa_loss_fn(heads: MedusaHeads, target: nn.Module, decay: float = 0.8) -> LossFn:
+    """Sum over heads of ``decay**i * CE(lm_head(head_i(h_t)), token_{t+i+2})``."""
+    lm_head = target.get_output_embeddings()
+
+    def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        h = target_features(target, batch)
+        total = torch.zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for i, feat in enumerate(heads(h)):
+            shift = i + 2
+            labels = batch[:, shift:]
+            logits = lm_head(feat[:, :-shift]).float()
+            ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            total = total + (decay**i) * ce
+            if i in (0, 1, heads.config.num_heads - 1):
+                metrics[f"acc{i}"] = float((logits.argmax(-1) == labels).float().mean())
+        return total, metrics
+
+    return fn
