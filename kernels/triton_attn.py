@@ -1,0 +1,348 @@
+"""Triton paged attention backend (GPU): KV-cache write + unified prefill/verify/decode attention.
+
+Contract: see :mod:`kernels` (``AttentionBackend``); results match :mod:`kernels.torch_attn`
+(the oracle) up to floating-point reassociation.
+
+Kernels
+-------
+``_write_kv_kernel`` (reshape_and_cache): grid ``(num_tokens,)``. Token t with slot
+``s = slot_mapping[t]`` writes ``key[t]`` (``[Hkv, D]``) to ``k_cache[s // block_size, s % block_size]``
+(same for value); ``s == -1`` is skipped. Example: block_size=16, s=115 -> block 7, offset 3.
+
+``_paged_attn_kernel``: grid ``(B, cdiv(max_query_len, BLOCK_Q), num_kv_heads)``. One program
+handles BLOCK_Q consecutive query tokens of one request and *all* G = H / Hkv query heads that
+share one kv head, packed as the rows of a ``[BLOCK_M, D]`` tile, ``BLOCK_M = BLOCK_Q * G_PAD``
+(``G_PAD = next_pow2(G)``): row r is query token ``q_block * BLOCK_Q + r // G_PAD``, head
+``kvh * G + r % G_PAD`` (rows with ``r % G_PAD >= G`` or token ``>= q_len`` are padding: computed,
+never stored). So each K/V tile is loaded once per kv head, and decode (q_len=1) still fills
+the 16-row minimum of ``tl.dot`` with useful heads when G is large.
+Example: G=4 (G_PAD=4), BLOCK_Q=4 -> BLOCK_M=16; row 9 = token q_block*4 + 2, head kvh*4 + 1.
+
+The program walks the request's context in tiles of BLOCK_N positions up to the last position
+its rows can see (``ctx_len + min(q_first + BLOCK_Q, q_len) - 1``, ``ctx_len = seq_len - q_len``),
+finds each position's slot through the block table (``block_tables[b, p // block_size] *
+block_size + p % block_size``; any block_size works, including 1), and accumulates an online
+softmax in fp32 (exp2 with ``scale * log2(e)`` folded in). Causal rule: query token i sees
+position p iff ``p <= ctx_len + i``. Position 0 is visible to every row, so no row is ever fully
+masked (no NaN), padded rows included.
+
+Under the interpreter, 16-bit inputs are upcast to fp32 before ``tl.dot`` (the interpreter's
+16-bit dot is wrong in triton 3.9); compiled GPU runs use native 16-bit dots with fp32 accumulation.
+
+The module imports triton at import time; set ``TRITON_INTERPRET=1`` *before* importing it to run
+the kernels on CPU tensors through the Triton interpreter (tests do this in a subprocess).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import AttentionMetadata, build_common_metadata
+
+__all__ = ["TritonAttentionBackend", "paged_attention", "write_kv_cache"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,  # [num_tokens, Hkv, D]
+    value_ptr,  # [num_tokens, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    slot_ptr,  # [num_tokens] int64
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    num_kv_heads,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)  # [BLOCK_H, BLOCK_D]
+    src_k = key_ptr + t.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    src_v = value_ptr + t.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    dst_k = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
+    dst_v = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    tl.store(dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,  # [num_tokens, H, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    out_ptr,  # [num_tokens, H, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    query_start_loc_ptr,  # [B+1] int32
+    scale_log2e,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,  # KV-cache block size
+    G: tl.constexpr,  # query heads per kv head
+    G_PAD: tl.constexpr,  # next_pow2(G)
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * G_PAD rows
+    BLOCK_N: tl.constexpr,  # context positions per tile
+    BLOCK_D: tl.constexpr,  # next_pow2(head_dim)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for 16-bit)
+    UPCAST: tl.constexpr,  # dot in fp32 (interpreter on CPU: its 16-bit tl.dot is wrong)
+):
+    b = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kvh = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_len = seq_len - q_len
+    q_first = q_block * BLOCK_Q
+    if q_first >= q_len:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = q_first + rows // G_PAD  # [BLOCK_M] query index within the request
+    g = rows % G_PAD
+    row_valid = (qi < q_len) & (g < G)
+    head = kvh * G + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+
+    q_off = (q_start + qi).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = ctx_len + qi  # [BLOCK_M] context position of each row's query token
+    last_pos = ctx_len + tl.minimum(q_first + BLOCK_Q, q_len) - 1  # last position any real row sees
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+
+    for start in range(0, last_pos + 1, BLOCK_N):
+        kpos = start + offs_n  # [BLOCK_N]
+        kmask = kpos <= last_pos
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+        within = kpos % BLOCK_SIZE
+        ld_mask = kmask[:, None] & d_mask[None, :]
+        k_off = blk * stride_kb + within * stride_ks + kvh * stride_kh  # [BLOCK_N]
+        k = tl.load(
+            k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0
+        )  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+        visible = (kpos[None, :] <= q_pos[:, None]) & kmask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: position 0 is visible to every row
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = blk * stride_vb + within * stride_vs + kvh * stride_vh
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=ld_mask, other=0.0
+        )  # [BLOCK_N, BLOCK_D]
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    o_off = (q_start + qi).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, Hkv, D]
+    value: torch.Tensor,  # [num_tokens, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Scatter key/value rows into the paged caches in place (reshape_and_cache)."""
+    num_tokens, hkv, d = key.shape
+    if num_tokens == 0:
+        return
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache must have a contiguous last (head_dim) axis")
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        hkv,
+        d,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(hkv),
+        BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+def _launch_config(max_query_len: int, g_pad: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_M): 16 rows for decode-like steps, 64 when there are more query rows."""
+    rows = 16 if max_query_len * g_pad <= 16 else 64
+    block_q = max(1, rows // g_pad)
+    return block_q, block_q * g_pad
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, H, D]
+) -> torch.Tensor:  # [num_tokens, H, D]
+    """Varlen causal paged attention over the whole context of each request (see module doc)."""
+    num_tokens, h, d = query.shape
+    hkv = k_cache.shape[2]
+    if h % hkv != 0:
+        raise ValueError(f"num_heads ({h}) must be a multiple of num_kv_heads ({hkv})")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache must have a contiguous last (head_dim) axis")
+    query = _last_dim_contiguous(query)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    g = h // hkv
+    g_pad = triton.next_power_of_2(g)
+    block_q, block_m = _launch_config(max_query_len, g_pad)
+    block_d = max(16, triton.next_power_of_2(d))
+    num_reqs = seq_lens.shape[0]
+    grid = (num_reqs, triton.cdiv(max_query_len, block_q), hkv)
+    _paged_attn_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        d,
+        BLOCK_SIZE=k_cache.shape[1],
+        G=g,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+        BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # Under TRITON_INTERPRET=1 (CPU tensors) tl.dot on bf16/fp16 returns garbage in triton 3.9,
+        # so the interpreter path does its dots in fp32; compiled GPU runs keep 16-bit dots.
+        UPCAST=query.device.type != "cuda" and query.dtype != torch.float32,
+    )
+    return out
+
+
+class TritonAttentionBackend:
+    """Triton kernels behind the ``AttentionBackend`` interface. Stateless."""
+
+    name = "triton"
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, device)
+        md.extras = {"block_size": block_size}
+        return md
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, Hkv, D]
+        value: torch.Tensor,  # [num_tokens, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+    ) -> None:
+        write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+
+    def attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, H, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, H, D]
+        return paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            metadata.max_query_len,
+            scale,
+        )
