@@ -1,0 +1,293 @@
+"""The serving application's arguments (`applications[i].args` of serve_config.yaml), validated.
+
+`AppConfig.from_dict(args, where)` refuses unknown fields and bad values with messages that name
+the field, e.g. "applications[0].args.speculative.num_speculative_tokens: must be in [1, 16], got 0".
+`validate_serve_config(config)` checks a whole Serve config file: Ray's own schema, each
+deployment's autoscaling block, and our app's args. Defaults live here and only here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import SPECULATIVE_METHODS
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config.yaml"
+APP_IMPORT_PATH = "deployments.app:build_app"
+DEPLOYMENT_NAME = "SpecDecode"
+SERVICER_FUNCTION = "protos.specdecode.v1.specdecode_pb2_grpc.add_SpecDecodeServicer_to_server"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+METHODS_WITH_MODEL = ("draft", "eagle", "mtp")
+# Where `make serve` finds each drafter kind's shipped checkpoint when the config names none.
+DEFAULT_DRAFTER_MODELS = {"draft": "models/drafter", "eagle": "models/eagle-head", "mtp": "models/mtp-heads"}
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names every bad field (one per line)."""
+
+
+class _Checker:
+    """Collects `path: problem` messages while reading a mapping."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def fail(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}")
+
+    def mapping(self, path: str, value: Any, allowed: list[str]) -> dict:
+        if not isinstance(value, dict):
+            self.fail(path, f"must be a mapping, got {_show(value)}")
+            return {}
+        for key in value:
+            if key not in allowed:
+                self.fail(f"{path}.{key}", f"unknown field; allowed fields: {', '.join(allowed)}")
+        return value
+
+    def integer(self, path: str, value: Any, lo: int, hi: int | None = None, optional: bool = False) -> Any:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(path, f"must be an integer{' or null' if optional else ''}, got {_show(value)}")
+            return None
+        if value < lo or (hi is not None and value > hi):
+            self.fail(path, f"must be in [{lo}, {hi}], got {value}" if hi is not None else f"must be >= {lo}, got {value}")
+            return None
+        return value
+
+    def boolean(self, path: str, value: Any) -> Any:
+        if not isinstance(value, bool):
+            self.fail(path, f"must be true or false, got {_show(value)}")
+            return None
+        return value
+
+    def string(self, path: str, value: Any, choices: tuple[str, ...] | None = None, optional: bool = False) -> Any:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str) or not value:
+            self.fail(path, f"must be a non-empty string{' or null' if optional else ''}, got {_show(value)}")
+            return None
+        if choices is not None and value not in choices:
+            self.fail(path, f"must be one of {', '.join(choices)}, got {value!r}")
+            return None
+        return value
+
+    def raise_if_failed(self) -> None:
+        if self.errors:
+            raise ConfigError("\n".join(self.errors))
+
+
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})" if value is not None else "null"
+
+
+@dataclass(frozen=True)
+class DrafterArgs:
+    """Who drafts (engine.SpeculativeConfig names). `model` is a checkpoint dir (none for ngram)."""
+
+    method: str = "draft"
+    model: str | None = "models/drafter"
+    num_speculative_tokens: int = 4
+    adaptive: bool = True
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str, check: _Checker) -> DrafterArgs | None:
+        data = check.mapping(where, data, [f.name for f in fields(cls)])
+        n = len(check.errors)
+        method = check.string(f"{where}.method", data.get("method", cls.method), SPECULATIVE_METHODS)
+        before = len(check.errors)
+        model = check.string(f"{where}.model", data.get("model", DEFAULT_DRAFTER_MODELS.get(method)), optional=True)
+        if len(check.errors) == before and method in METHODS_WITH_MODEL and model is None:
+            check.fail(f"{where}.model", f"method {method!r} needs a checkpoint directory, got null")
+        if len(check.errors) == before and method == "ngram" and model is not None:
+            check.fail(f"{where}.model", f"must be null for method 'ngram' (n-gram lookup needs no model), got {model!r}")
+        k = check.integer(f"{where}.num_speculative_tokens", data.get("num_speculative_tokens", cls.num_speculative_tokens), 1, 16)
+        adaptive = check.boolean(f"{where}.adaptive", data.get("adaptive", cls.adaptive))
+        if len(check.errors) > n:
+            return None
+        return cls(method=method, model=model, num_speculative_tokens=k, adaptive=adaptive)
+
+    def to_engine(self, model_path: str | None) -> Any:
+        from engine import SpeculativeConfig
+
+        return SpeculativeConfig(
+            method=self.method, model=model_path, num_speculative_tokens=self.num_speculative_tokens,
+            adaptive=self.adaptive,
+        )
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Everything one replica needs: models, engine sizing, request limits, replica resources.
+
+    max_prompt_tokens None: the engine's max_model_len - 1. max_tokens caps a request's
+    max_tokens; default_max_tokens applies when a request leaves it unset. max_num_seqs is also
+    the replica's `max_ongoing_requests` and max_queued_requests the Serve queue in front of it,
+    so a full deployment refuses (RESOURCE_EXHAUSTED) instead of queueing forever. num_cpus is
+    what a replica asks Ray for on a host without GPUs (it is also its torch thread count).
+    """
+
+    model: str = "models/target"
+    tokenizer: str | None = None
+    speculative: DrafterArgs | None = field(default_factory=DrafterArgs)
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 16
+    max_model_len: int | None = None
+    max_prompt_tokens: int | None = None
+    max_tokens: int = 1024
+    default_max_tokens: int = 128
+    kv_cache_memory_bytes: int | None = None
+    max_queued_requests: int = 64
+    num_cpus: int = 2
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "args") -> AppConfig:
+        """Validate `data` (the app's args mapping); raise ConfigError naming every bad field."""
+        check = _Checker()
+        data = check.mapping(where, data if data is not None else {}, [f.name for f in fields(cls)])
+        d = cls()
+        values: dict[str, Any] = {
+            "model": check.string(f"{where}.model", data.get("model", d.model)),
+            "tokenizer": check.string(f"{where}.tokenizer", data.get("tokenizer"), optional=True),
+            "device": check.string(f"{where}.device", data.get("device", d.device), DEVICES),
+            "dtype": check.string(f"{where}.dtype", data.get("dtype", d.dtype), DTYPES),
+            "max_num_seqs": check.integer(f"{where}.max_num_seqs", data.get("max_num_seqs", d.max_num_seqs), 1, 4096),
+            "max_model_len": check.integer(f"{where}.max_model_len", data.get("max_model_len"), 2, optional=True),
+            "max_prompt_tokens": check.integer(f"{where}.max_prompt_tokens", data.get("max_prompt_tokens"), 1, optional=True),
+            "max_tokens": check.integer(f"{where}.max_tokens", data.get("max_tokens", d.max_tokens), 1),
+            "default_max_tokens": check.integer(
+                f"{where}.default_max_tokens", data.get("default_max_tokens", d.default_max_tokens), 1
+            ),
+            "kv_cache_memory_bytes": check.integer(
+                f"{where}.kv_cache_memory_bytes", data.get("kv_cache_memory_bytes"), 1, optional=True
+            ),
+            "max_queued_requests": check.integer(
+                f"{where}.max_queued_requests", data.get("max_queued_requests", d.max_queued_requests), 0
+            ),
+            "num_cpus": check.integer(f"{where}.num_cpus", data.get("num_cpus", d.num_cpus), 1, 1024),
+        }
+        if "speculative" in data and data["speculative"] is None:
+            values["speculative"] = None
+        else:
+            values["speculative"] = DrafterArgs.from_dict(data.get("speculative", {}), f"{where}.speculative", check)
+        v = values
+        if v["max_model_len"] and v["max_prompt_tokens"] and v["max_prompt_tokens"] >= v["max_model_len"]:
+            check.fail(
+                f"{where}.max_prompt_tokens",
+                f"must be < max_model_len ({v['max_model_len']}) to leave room for output, got {v['max_prompt_tokens']}",
+            )
+        if v["max_tokens"] and v["default_max_tokens"] and v["default_max_tokens"] > v["max_tokens"]:
+            check.fail(
+                f"{where}.default_max_tokens",
+                f"must be <= max_tokens ({v['max_tokens']}), got {v['default_max_tokens']}",
+            )
+        check.raise_if_failed()
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        """The args mapping this config came from (round-trips through from_dict)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.speculative is not None:
+            out["speculative"] = {f.name: getattr(self.speculative, f.name) for f in fields(self.speculative)}
+        return out
+
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments for engine.AsyncLLM (paths resolved against the repository root)."""
+        spec = self.speculative
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "tokenizer": resolve_path(self.tokenizer) if self.tokenizer else None,
+            "speculative": spec.to_engine(resolve_path(spec.model) if spec.model else None) if spec else None,
+        }
+
+
+def resolve_path(path: str) -> str:
+    """An absolute path: as given, else relative to the working directory if it exists there,
+    else relative to the repository root (Ray workers may not share the driver's cwd)."""
+    if os.path.isabs(path):
+        return path
+    if os.path.exists(path):
+        return os.path.abspath(path)
+    return str(REPO_ROOT / path)
+
+
+def missing_models(config: AppConfig) -> list[str]:
+    """Model directories the config names that hold no config.json."""
+    dirs = [config.model]
+    if config.speculative is not None and config.speculative.model:
+        dirs.append(config.speculative.model)
+    return [d for d in dirs if not os.path.isfile(os.path.join(resolve_path(d), "config.json"))]
+
+
+def load_serve_config(path: str | os.PathLike = DEFAULT_CONFIG_PATH) -> dict:
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: must be a mapping (a Serve config file), got {type(config).__name__}")
+    return config
+
+
+def validate_serve_config(config: dict) -> dict[str, AppConfig]:
+    """Check a Serve config file's contents; return {app name: AppConfig} for our applications.
+
+    Ray's ServeDeploySchema accepts unknown keys and e.g. min_replicas > max_replicas, so each
+    deployment's autoscaling block is also built as an AutoscalingConfig.
+    """
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        schema = ServeDeploySchema.model_validate(config)
+    except ValidationError as e:
+        raise ConfigError(_pydantic_errors(e, "")) from None
+    check = _Checker()
+    servicers = schema.grpc_options.grpc_servicer_functions
+    if SERVICER_FUNCTION not in servicers:
+        check.fail("grpc_options.grpc_servicer_functions", f"must include {SERVICER_FUNCTION}, got {servicers}")
+    apps: dict[str, AppConfig] = {}
+    for i, app in enumerate(config.get("applications") or []):
+        for j, deployment in enumerate(app.get("deployments") or []):
+            block = deployment.get("autoscaling_config")
+            if block is None:
+                continue
+            where = f"applications[{i}].deployments[{j}].autoscaling_config"
+            try:
+                AutoscalingConfig(**block)
+            except (ValidationError, ValueError, TypeError) as e:
+                check.fail(where, _pydantic_errors(e, where) if isinstance(e, ValidationError) else str(e))
+        if app.get("import_path") != APP_IMPORT_PATH:
+            continue
+        for j, deployment in enumerate(app.get("deployments") or []):
+            if deployment.get("name") != DEPLOYMENT_NAME:
+                check.fail(
+                    f"applications[{i}].deployments[{j}].name",
+                    f"this app has one deployment, {DEPLOYMENT_NAME!r}; got {deployment.get('name')!r}",
+                )
+        try:
+            apps[app.get("name", "default")] = AppConfig.from_dict(app.get("args"), f"applications[{i}].args")
+        except ConfigError as e:
+            check.errors.extend(str(e).splitlines())
+    check.raise_if_failed()
+    return apps
+
+
+def _pydantic_errors(e: Any, prefix: str) -> str:
+    lines = []
+    for err in e.errors():
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+        path = (prefix + loc).lstrip(".") or "(top level)"
+        lines.append(f"{path}: {err['msg']}")
+    return "\n".join(lines)
