@@ -133,18 +133,19 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.device, self.dtype, max_model_len, attention_backend)
         self.vocab_size = self.runner.arch.vocab_size
         self.eos_token_ids = _eos_token_ids(model, hf_config)
-        self.proposer = None
+        self.speculator = None
         num_lookahead = 0
         if speculative is not None:
             from engine.spec.proposers import make_proposer
+            from engine.spec.speculator import Speculator
 
-            self.proposer = make_proposer(speculative, self)
+            self.speculator = Speculator(speculative, make_proposer(speculative, self.runner), max_model_len)
             num_lookahead = speculative.num_speculative_tokens
 
         num_blocks = self._num_kv_blocks(max_model_len)
         self.runner.init_kv_cache(num_blocks, block_size)
-        if self.proposer is not None:
-            self.proposer.init_kv_cache(num_blocks, block_size)
+        if self.speculator is not None:
+            self.speculator.init_kv_cache(num_blocks, block_size)
         # One sequence of max_model_len (plus lookahead) must fit, or the oldest could starve.
         capacity = num_blocks * block_size - num_lookahead
         if capacity < max_model_len:
@@ -153,6 +154,10 @@ class LLMEngine:
         if max_model_len < 2:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {block_size} tokens")
         self.max_model_len = max_model_len
+        if self.speculator is not None:
+            self.speculator.max_model_len = max_model_len
+            if speculative.adaptive:
+                self.speculator.profile(self.runner, max_num_batched_tokens)
         self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len, num_lookahead
@@ -172,8 +177,8 @@ class LLMEngine:
     @property
     def kv_bytes_per_token(self) -> int:
         n = kv_bytes_per_token(self.runner.arch, self.dtype)
-        if self.proposer is not None:
-            n += self.proposer.kv_bytes_per_token()
+        if self.speculator is not None:
+            n += self.speculator.kv_bytes_per_token()
         return n
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
@@ -225,8 +230,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.abort_request(request_id)
-        if request is not None and self.proposer is not None:
-            self.proposer.on_request_finished(request)
+        if request is not None and self.speculator is not None:
+            self.speculator.on_request_finished(request)
         return request is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -256,12 +261,12 @@ class LLMEngine:
             if s.spec_token_ids and tokens:
                 record.accepted[s.request.request_id] = (len(s.spec_token_ids), len(tokens) - 1)
                 self.spec_stats.record(len(s.spec_token_ids), len(tokens) - 1)
-        if self.proposer is not None:
+        if self.speculator is not None:
             td = time.perf_counter()
             for r in (res.request for res in results):
                 if r.is_finished:
-                    self.proposer.on_request_finished(r)
-            self.proposer.propose_for_step(self.scheduler.running, sched, runner_out, self)
+                    self.speculator.on_request_finished(r)
+            self.speculator.propose_for_step(self.scheduler.running, sched, runner_out, self)
             record.draft_time_s = time.perf_counter() - td
             self.spec_stats.draft_time_s += record.draft_time_s
             if record.num_spec_requests:

@@ -103,6 +103,7 @@ class ModelRunner:
         max_model_len: int,
         attention_backend: str = "auto",
     ) -> None:
+        self.model_dir = model_dir
         self.device = device
         self.dtype = dtype
         self.model, self.hf_config = load_model(model_dir, dtype, device, max_model_len)

@@ -63,6 +63,23 @@ def assert_no_leaked_blocks(engine) -> None:
         assert bm.num_free_blocks == bm.num_blocks, (
             f"{bm.num_blocks - bm.num_free_blocks} blocks still held with no live request"
         )
-    proposer = getattr(engine, "proposer", None)
-    if proposer is not None and hasattr(proposer, "check_no_leaks"):
-        proposer.check_no_leaks(live)
+    speculator = getattr(engine, "speculator", None)
+    if speculator is not None:
+        speculator.check_no_leaks(live)
+
+
+def save_perturbed_copy(src: str, dst: str, noise: float, seed: int = 0, **overrides) -> str:
+    """A drafter that mostly agrees with `src`: the same weights plus Gaussian noise."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(src, name), dst)
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    noisy = {k: (v + noise * torch.randn(v.shape, generator=g)).contiguous() if v.dim() == 2 else v for k, v in weights.items()}
+    save_file(noisy, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst

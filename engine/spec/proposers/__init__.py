@@ -1,0 +1,30 @@
+"""Drafters behind one `Proposer` protocol, and the factory the engine calls."""
+
+from __future__ import annotations
+
+from engine.config import SpeculativeConfig
+from engine.spec.proposers.base import Draft, ProposeContext, Proposer
+
+
+def make_proposer(config: SpeculativeConfig, runner):
+    """Build the proposer for `config.method` on the target runner's device."""
+    if config.method == "ngram":
+        from engine.spec.proposers.ngram import NgramProposer
+
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    if config.method == "draft":
+        from engine.spec.proposers.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config.model, runner)
+    if config.method == "eagle":
+        from engine.spec.proposers.eagle import EagleProposer
+
+        return EagleProposer(config.model, runner)
+    if config.method == "mtp":
+        from engine.spec.proposers.mtp import MTPProposer
+
+        return MTPProposer(config.model, runner)
+    raise ValueError(f"unknown speculative method {config.method!r}")
+
+
+__all__ = ["Draft", "ProposeContext", "Proposer", "make_proposer"]

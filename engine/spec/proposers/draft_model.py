@@ -1,0 +1,117 @@
+"""Draft-model proposer: a small model with the target's tokenizer, co-located on the same device.
+
+Its paged KV cache has the same block layout as the target's and is indexed by the same block
+tables, so it needs no block manager of its own. `drafter_state["num_computed"]` counts the
+request's tokens whose draft KV is valid: only committed tokens. Each round first catches up over
+the tokens committed since the last round (accepted drafts + bonus token) in the same forward
+pass that makes the first draft, then makes k-1 more one token at a time. Draft tokens' own KV
+lands in lookahead slots and is simply overwritten next round.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.errors import DrafterMismatchError
+from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
+from engine.models.loader import load_model
+from engine.request import Request
+from engine.sampler import probs_from_logits, sample_from_probs
+from engine.spec.proposers.base import Draft, ProposeContext
+
+
+class DraftModelProposer:
+    method = "draft"
+
+    def __init__(self, model_dir: str, runner) -> None:
+        self.device, self.dtype = runner.device, runner.dtype
+        self.model, _ = load_model(model_dir, self.dtype, self.device, runner.model.rope_cos.shape[0])
+        self.backend = runner.backend
+        target_vocab, draft_vocab = runner.arch.vocab_size, self.model.cfg.vocab_size
+        if target_vocab != draft_vocab:
+            raise DrafterMismatchError(
+                f"drafter {model_dir!r} has vocab_size {draft_vocab} but the target "
+                f"{runner.model_dir!r} has {target_vocab}; a draft model must share the target's tokenizer"
+            )
+        self.kv_caches: list = []
+        self.block_size = 0
+        self._step_time_s = None  # EMA of one draft forward for a small batch
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(self.model.cfg, num_blocks, block_size, self.dtype, self.device)
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model.cfg, self.dtype)
+
+    def on_request_finished(self, request: Request) -> None:
+        request.drafter_state.pop("num_computed", None)
+
+    def step_cost(self, num_requests: int, k: int) -> float:
+        one = self._step_time_s if self._step_time_s is not None else 1e-3
+        return one * k
+
+    def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend)
+        last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
+        return self.model.compute_logits(hidden[last])  # [B, vocab]
+
+    def _pick(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:
+        greedy = [r.sampling_params.is_greedy for r in requests]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist(), None
+        params = [r.sampling_params for r in requests]
+        probs = probs_from_logits(
+            logits,
+            torch.tensor([max(p.temperature, 1e-5) for p in params], device=self.device),
+            torch.tensor([p.top_k for p in params], device=self.device),
+            torch.tensor([p.top_p for p in params], device=self.device),
+        )
+        sampled = sample_from_probs(probs, [r.generator for r in requests])
+        tokens = torch.where(torch.tensor(greedy, device=self.device), logits.argmax(dim=-1), sampled)
+        return tokens.tolist(), probs
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = [i for i, k in enumerate(num_tokens) if k > 0]
+        for i in active:
+            r = requests[i]
+            if r.sampling_params.seed is not None and r.generator is None:
+                r.generator = torch.Generator(device=self.device).manual_seed(r.sampling_params.seed)
+        step = 0
+        while active:
+            t0 = time.perf_counter()
+            chunks = []
+            for i in active:
+                r = requests[i]
+                if step == 0:
+                    start = r.drafter_state.get("num_computed", 0)
+                    chunk = [r.token_at(p) for p in range(start, r.num_tokens)]
+                    chunks.append(SeqChunk(chunk, start, r.block_ids))
+                    r.drafter_state["num_computed"] = r.num_tokens
+                else:
+                    chunks.append(SeqChunk([tokens[i][-1]], r.num_tokens + step - 1, r.block_ids))
+            logits = self._forward(chunks)
+            picked, p = self._pick(logits, [requests[i] for i in active])
+            for j, i in enumerate(active):
+                tokens[i].append(picked[j])
+                if p is not None:
+                    probs[i].append(p[j])
+            if step > 0:
+                dt = time.perf_counter() - t0
+                self._step_time_s = dt if self._step_time_s is None else 0.8 * self._step_time_s + 0.2 * dt
+            step += 1
+            active = [i for i in active if len(tokens[i]) < num_tokens[i]]
+        return [
+            Draft(t, torch.stack(p) if p and not r.sampling_params.is_greedy else None)
+            for t, p, r in zip(tokens, probs, requests, strict=True)
+        ]

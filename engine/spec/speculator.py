@@ -1,0 +1,192 @@
+"""Speculation control: which requests draft next step, with how many tokens, and whether the step
+speculates at all.
+
+- Per request: k is capped by the request's own setting (`SamplingParams.speculative`,
+  `num_speculative_tokens`), by the tokens it may still produce and by the model length. With
+  `adaptive`, k is the largest value whose last draft still pays: draft j is accepted with
+  probability about alpha^j (alpha = the request's per-token acceptance, an EMA), and it costs
+  one drafter step plus the marginal verify cost, both relative to a target step.
+- Per step: speculation is a latency play. Using the target's step time vs tokens-per-step curve
+  measured at start-up, the step speculates only if expected tokens per second beat not
+  speculating; large batches that already saturate the device run without drafts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.request import Request
+from engine.spec.proposers.base import ProposeContext
+
+logger = logging.getLogger("engine")
+
+PROBE_EVERY = 8  # a request whose drafts stopped paying retries k=1 this often
+
+
+class StepCostModel:
+    """Target forward time as a function of tokens in the step, measured once, interpolated."""
+
+    def __init__(self, sizes: list[int], times: list[float]) -> None:
+        self.sizes, self.times = sizes, times
+
+    def __call__(self, num_tokens: int) -> float:
+        s, t = self.sizes, self.times
+        if num_tokens <= s[0]:
+            return t[0]
+        if num_tokens >= s[-1]:
+            return t[-1] * num_tokens / s[-1]
+        i = bisect.bisect_left(s, num_tokens)
+        frac = (num_tokens - s[i - 1]) / (s[i] - s[i - 1])
+        return t[i - 1] + frac * (t[i] - t[i - 1])
+
+    def as_dict(self) -> dict:
+        return {str(n): t for n, t in zip(self.sizes, self.times, strict=True)}
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens from one verification with k drafts: 1 + alpha + ... + alpha^k."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.cost: StepCostModel | None = None
+        self.num_steps_off = 0
+        self.num_steps_on = 0
+        self.last_k: dict[str, int] = {}
+
+    # --- delegation -------------------------------------------------------------------------
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.proposer.init_kv_cache(num_blocks, block_size)
+
+    def kv_bytes_per_token(self) -> int:
+        return self.proposer.kv_bytes_per_token()
+
+    def on_request_finished(self, request: Request) -> None:
+        self.proposer.on_request_finished(request)
+
+    def check_no_leaks(self, live: list[Request]) -> None:
+        pass
+
+    # --- cost model -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile(self, runner, max_tokens: int) -> StepCostModel:
+        """Time the target on n = 1, 2, 4, ... tokens (median of 3) using free KV blocks."""
+        from engine.model_runner import SeqChunk, build_forward_batch
+
+        sizes = [n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if n <= max_tokens]
+        bs = runner.block_size
+        times = []
+        num_blocks = runner.kv_caches[0][0].shape[0]
+        for n in sizes:
+            ctx = 64  # a little context, as in decoding
+            blocks = list(range(min(num_blocks, -(-(ctx + n) // bs))))
+            if len(blocks) * bs < ctx + n:
+                ctx = max(0, len(blocks) * bs - n)
+            batch = build_forward_batch([SeqChunk([0] * n, ctx, blocks)], bs, runner.backend, runner.device)
+            samples = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                h = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata, runner.backend)
+                runner.model.compute_logits(h[-1:])
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+                samples.append(time.perf_counter() - t0)
+            times.append(sorted(samples)[1])
+        self.cost = StepCostModel(sizes, times)
+        logger.info("target step time vs tokens: %s", {n: f"{t * 1e3:.2f}ms" for n, t in zip(sizes, times, strict=True)})
+        return self.cost
+
+    # --- per-request k ----------------------------------------------------------------------
+    def update_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        """Per-token acceptance from one verification: n accepted of k means n successes and,
+        if n < k, one failure (a truncated geometric observation)."""
+        trials = num_accepted + (1 if num_accepted < num_draft else 0)
+        if trials == 0:
+            return
+        observed = num_accepted / trials
+        a = self.config.acceptance_ema_alpha
+        prev = request.acceptance_ema
+        request.acceptance_ema = observed if prev is None else (1 - a) * prev + a * observed
+
+    def max_k(self, request: Request) -> int:
+        params = request.sampling_params
+        if not params.speculative:
+            return 0
+        k = self.config.num_speculative_tokens
+        if params.num_speculative_tokens is not None:
+            k = min(k, params.num_speculative_tokens)
+        k = min(k, params.max_tokens - request.num_output_tokens - 1)  # don't draft past the end
+        k = min(k, self.max_model_len - request.num_tokens - 1)
+        k = min(k, len(request.block_ids) * self.proposer_block_size - request.num_tokens + 1)
+        return max(k, 0)
+
+    def choose_k(self, request: Request, step_index: int) -> int:
+        k_max = self.max_k(request)
+        if k_max == 0 or not self.config.adaptive or self.cost is None:
+            return k_max
+        alpha = request.acceptance_ema if request.acceptance_ema is not None else 0.8
+        marginal = self._marginal_cost()
+        k = 0
+        while k < k_max and alpha ** (k + 1) > marginal:
+            k += 1
+        if k == 0 and step_index % PROBE_EVERY == 0:
+            k = 1
+        return max(k, min(self.config.min_speculative_tokens, k_max)) if k else 0
+
+    def _marginal_cost(self) -> float:
+        """Cost of one more draft token, as a fraction of a one-token target step."""
+        base = self.cost(1)
+        verify = (self.cost(9) - base) / 8
+        draft = self.proposer.step_cost(1, 1)
+        return (verify + draft) / base
+
+    def step_pays(self, num_decoding: int, alphas: list[float], ks: list[int]) -> bool:
+        """Expected tokens/s with these drafts beat no drafts, for this batch?"""
+        if self.cost is None:
+            return True
+        plain = num_decoding / self.cost(num_decoding)
+        spec_time = self.cost(num_decoding + sum(ks)) + self.proposer.step_cost(len(ks), max(ks))
+        spec_tokens = num_decoding - len(ks) + sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
+        return spec_tokens / spec_time > plain
+
+    # --- the per-step entry point -----------------------------------------------------------
+    @property
+    def proposer_block_size(self) -> int:
+        return self._block_size
+
+    def propose_for_step(self, running: list[Request], sched, runner_out, engine) -> None:
+        self._block_size = engine.block_manager.block_size
+        for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
+            if s.spec_token_ids and tokens:
+                self.update_acceptance(s.request, len(s.spec_token_ids), len(tokens) - 1)
+        decoding = [r for r in running if r.is_decoding]
+        if not decoding:
+            return
+        ks = [self.choose_k(r, engine.step_index) for r in decoding]
+        candidates = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
+        if candidates and self.config.adaptive:
+            alphas = [r.acceptance_ema if r.acceptance_ema is not None else 0.8 for r, _ in candidates]
+            if not self.step_pays(len(decoding), alphas, [k for _, k in candidates]):
+                candidates = []
+                self.num_steps_off += 1
+        if not candidates:
+            return
+        self.num_steps_on += 1
+        requests = [r for r, _ in candidates]
+        drafts = self.proposer.propose(requests, [k for _, k in candidates], ProposeContext(engine.runner, runner_out, sched))
+        for r, d in zip(requests, drafts, strict=True):
+            r.spec_token_ids = list(d.token_ids)
+            r.spec_probs = d.probs if d.token_ids else None

@@ -1,0 +1,219 @@
+"""Speculative decoding is lossless: greedy output equals non-speculative greedy output token for
+token (fp32), and sampled output follows the target's exact distribution."""
+
+import pytest
+import torch
+import transformers
+from helpers import assert_no_leaked_blocks, save_perturbed_copy, save_tiny_model
+from test_engine import PROMPTS, run_staggered
+
+from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
+from engine.sampler import probs_from_logits
+from engine.spec.rejection_sampler import rejection_sample
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+ARRIVALS = [0, 0, 1, 3, 3, 5, 8, 13, 14]
+# Prompts with repetition, so n-gram lookup finds matches, next to the shared ones.
+SPEC_PROMPTS = PROMPTS + [[4, 5, 6, 7] * 6, [11, 12, 13, 11, 12, 13, 11, 12]]
+SPEC_ARRIVALS = ARRIVALS + [2, 6]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    target = save_tiny_model(str(root / "target"), "llama")
+    close = save_perturbed_copy(target, str(root / "close"), noise=0.02)
+    other = save_tiny_model(str(root / "other"), "llama", seed=7, num_hidden_layers=1)
+    return {"target": target, "close": close, "other": other}
+
+
+@pytest.fixture(scope="module")
+def baseline(models):
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu")
+    outs = run_staggered(engine, SPEC_PROMPTS, GREEDY, SPEC_ARRIVALS)
+    return [outs[f"r{i}"] for i in range(len(SPEC_PROMPTS))]
+
+
+CASES = [
+    ("ngram", None, k, adaptive) for k in (1, 3, 8) for adaptive in (False, True)
+] + [
+    ("draft", "close", k, adaptive) for k in (1, 2, 4, 5, 8) for adaptive in (False, True)
+] + [("draft", "other", 4, False), ("draft", "target", 6, False)]
+
+
+@pytest.mark.parametrize("method,drafter,k,adaptive", CASES)
+def test_greedy_output_equals_non_speculative(models, baseline, method, drafter, k, adaptive):
+    spec = SpeculativeConfig(method=method, model=models.get(drafter), num_speculative_tokens=k, adaptive=adaptive)
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec, max_num_batched_tokens=64)
+    outs = run_staggered(engine, SPEC_PROMPTS, GREEDY, SPEC_ARRIVALS)
+    assert [outs[f"r{i}"] for i in range(len(SPEC_PROMPTS))] == baseline
+    if not adaptive and drafter in ("close", "target"):
+        stats = engine.spec_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+        assert max(stats.drafted_by_position and [len(stats.drafted_by_position)]) <= k
+
+
+@pytest.mark.parametrize("method,drafter", [("ngram", None), ("draft", "close")])
+def test_greedy_equivalence_under_preemption(models, baseline, method, drafter):
+    spec = SpeculativeConfig(method=method, model=models.get(drafter), num_speculative_tokens=4, adaptive=False)
+    bytes_per_token = 2 * 2 * 2 * 16 * 4 * (2 if drafter else 1)
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu", block_size=4, speculative=spec,
+                       kv_cache_memory_bytes=18 * 4 * bytes_per_token, max_model_len=60)
+    prompts = [p[:30] for p in SPEC_PROMPTS]
+    outs = run_staggered(engine, prompts, GREEDY, SPEC_ARRIVALS)
+    assert engine.scheduler.num_preemptions > 0
+    ref = LLMEngine(models["target"], dtype="float32", device="cpu")
+    expected = run_staggered(ref, prompts, GREEDY, SPEC_ARRIVALS)
+    assert outs == expected
+    assert_no_leaked_blocks(engine)
+
+
+def test_per_request_speculation_control(models):
+    spec = SpeculativeConfig(method="draft", model=models["target"], num_speculative_tokens=6, adaptive=False)
+    llm = LLM(models["target"], dtype="float32", device="cpu", speculative=spec)
+    off, capped, default = llm.generate(
+        [PROMPTS[2]] * 3,
+        [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, speculative=False),
+         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, num_speculative_tokens=2),
+         GREEDY],
+    )
+    assert off.spec_stats["num_draft_tokens"] == 0
+    assert capped.spec_stats["num_draft_tokens"] > 0 and len(capped.spec_stats["drafted_by_position"]) == 2
+    assert len(default.spec_stats["drafted_by_position"]) == 6
+    assert off.token_ids == capped.token_ids == default.token_ids[:20]
+
+
+def test_adaptive_turns_speculation_off_for_useless_drafter(models):
+    """A drafter that never agrees drives the acceptance EMA down until k reaches 0 (with
+    occasional probes), so few drafts are wasted."""
+    spec = SpeculativeConfig(method="draft", model=models["other"], num_speculative_tokens=8, adaptive=True)
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec)
+    run_staggered(engine, [PROMPTS[2]], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), [0])
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens < 0.5 * 8 * 60
+
+
+# --- rejection sampler unit tests -------------------------------------------------------
+
+
+def test_rejection_sampler_greedy():
+    drafts = torch.tensor([3, 1, 2, 5, 5])
+    argmax = torch.tensor([3, 1, 4, 9, 5, 5, 7])  # req0: k=3 rows 0..3 ; req1: k=2 rows 4..6
+    out = rejection_sample([3, 2], drafts, argmax, None, None, [True, True], [None, None])
+    assert out == [[3, 1, 4], [5, 5, 7]]
+
+
+def test_rejection_sampler_hand_made_distributions():
+    """p = [.5,.5,0], q = one-hot(0), draft 0: accept w.p. 0.5, else the residual is one-hot(1)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.1, 0.2, 0.7]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    counts = {}
+    for _ in range(4000):
+        out = tuple(rejection_sample([1], torch.tensor([0]), None, p, q, [False], [g])[0])
+        counts[out] = counts.get(out, 0) + 1
+    assert set(counts) <= {(1,), (0, 0), (0, 1), (0, 2)}
+    assert abs(counts[(1,)] / 4000 - 0.5) < 0.04
+    assert abs(counts.get((0, 2), 0) / 4000 - 0.35) < 0.04  # accepted, then bonus from p[1]
+    # q == p: always accept
+    same = rejection_sample([1], torch.tensor([1]), None, p, p[:1].clone(), [False], [g])[0]
+    assert same[0] == 1 and len(same) == 2
+
+
+# --- distribution test ------------------------------------------------------------------
+
+VOCAB = 3
+NUM_NEW = 4
+NUM_SAMPLES = 3000
+
+
+def _exact_distribution(model_dir, prompt, params):
+    """P(x1..x4 | prompt) for every 3^4 continuation, from transformers logits + our filter."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seqs = torch.cartesian_prod(*[torch.arange(VOCAB)] * NUM_NEW)  # [81, 4]
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        logits = ref(ids).logits[:, len(prompt) - 1 : -1]  # [81, 4, V]
+    n = logits.shape[0] * NUM_NEW
+    probs = probs_from_logits(logits.reshape(n, VOCAB), torch.full((n,), params.temperature),
+                              torch.full((n,), params.top_k), torch.full((n,), params.top_p)).view(-1, NUM_NEW, VOCAB)
+    per_pos = probs.gather(2, seqs.unsqueeze(-1)).squeeze(-1)
+    return {tuple(s.tolist()): float(pr) for s, pr in zip(seqs, per_pos.prod(dim=1), strict=True)}
+
+
+def _chi_square_p_value(counts: dict, expected: dict, n: int) -> float:
+    # pool cells with expected count < 5 into one (standard chi-square validity rule)
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for key, p in expected.items():
+        e, o = p * n, counts.get(key, 0)
+        if e < 5:
+            pooled_obs += o
+            pooled_exp += e
+            continue
+        stat += (o - e) ** 2 / e
+        df += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        df += 1
+    assert not set(counts) - set(expected)
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def _sample_counts(target, spec, params, prompt):
+    torch.manual_seed(1234)
+    llm = LLM(target, dtype="float32", device="cpu", speculative=spec, max_num_seqs=512)
+    outs = llm.generate([prompt] * NUM_SAMPLES, params)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert_no_leaked_blocks(llm.engine)
+    return counts, llm.engine.spec_stats
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vocab3")
+    target = save_tiny_model(str(root / "t"), "llama", vocab_size=VOCAB)
+    drafter = save_tiny_model(str(root / "d"), "llama", vocab_size=VOCAB, seed=5, num_hidden_layers=1)
+    return target, drafter
+
+
+@pytest.mark.parametrize("method,params", [
+    ("draft", SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)),
+    ("draft", SamplingParams(max_tokens=NUM_NEW, temperature=0.8, top_k=2, top_p=0.9, ignore_eos=True)),
+    ("ngram", SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)),
+])
+def test_sampled_distribution_matches_target(small_vocab, method, params):
+    """Chi-square goodness of fit of 3000 speculative samples of (x1..x4) against the target's exact
+    joint distribution (81 cells, small cells pooled). The test fails when p < 1e-4, so a correct
+    sampler fails with probability 1e-4 per run (the seed is fixed, so the run is reproducible)."""
+    target, drafter = small_vocab
+    prompt = [0, 1, 2, 1, 0, 1, 2, 1, 0]
+    spec = SpeculativeConfig(method=method, model=drafter if method == "draft" else None,
+                             num_speculative_tokens=3, adaptive=False)
+    counts, stats = _sample_counts(target, spec, params, prompt)
+    assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    p = _chi_square_p_value(counts, _exact_distribution(target, prompt, params), NUM_SAMPLES)
+    assert p > 1e-4, f"speculative samples do not follow the target distribution (p={p:.2e})"
+
+
+def test_broken_sampler_is_detected(small_vocab, monkeypatch):
+    """The same test catches a sampler that always accepts drafts."""
+    import engine.model_runner as mr
+
+    def always_accept(num_draft, draft_ids, argmax, tp, dp, greedy, gens):
+        out, d0, t0 = [], 0, 0
+        for k in num_draft:
+            bonus = torch.multinomial(tp[t0 + k], 1).item()
+            out.append(draft_ids[d0 : d0 + k].tolist() + [bonus])
+            d0, t0 = d0 + k, t0 + k + 1
+        return out
+
+    monkeypatch.setattr(mr, "rejection_sample", always_accept)
+    target, drafter = small_vocab
+    prompt = [0, 1, 2, 1, 0, 1, 2, 1, 0]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)
+    spec = SpeculativeConfig(method="draft", model=drafter, num_speculative_tokens=3, adaptive=False)
+    counts, _ = _sample_counts(target, spec, params, prompt)
+    p = _chi_square_p_value(counts, _exact_distribution(target, prompt, params), NUM_SAMPLES)
+    assert p < 1e-4
