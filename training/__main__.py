@@ -169,7 +169,16 @@ def step_target(args: argparse.Namespace) -> None:
     if args.measure_steps:
         measure(cfg, model, lm_loss_fn(model), sampler, args.measure_steps)
         return
-    out = train_loop(cfg, model, lm_loss_fn(model), sampler, CKPTS / "target.pt", resume=args.resume, log=log)
+    out = train_loop(
+        cfg,
+        model,
+        lm_loss_fn(model),
+        sampler,
+        CKPTS / "target.pt",
+        resume=args.resume,
+        log=log,
+        max_threads=args.threads,
+    )
     model.eval()
     nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
     folder = MODELS / "target"
@@ -193,7 +202,16 @@ def step_drafter(args: argparse.Namespace) -> None:
     if args.measure_steps:
         measure(cfg, model, loss_fn, sampler, args.measure_steps)
         return
-    out = train_loop(cfg, model, loss_fn, sampler, CKPTS / "drafter.pt", resume=args.resume, log=log)
+    out = train_loop(
+        cfg,
+        model,
+        loss_fn,
+        sampler,
+        CKPTS / "drafter.pt",
+        resume=args.resume,
+        log=log,
+        max_threads=args.threads,
+    )
     model.eval()
     nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
     folder = MODELS / "drafter"
@@ -233,7 +251,9 @@ def step_eagle(args: argparse.Namespace) -> None:
     if args.measure_steps:
         measure(cfg, head, loss_fn, sampler, args.measure_steps)
         return
-    out = train_loop(cfg, head, loss_fn, sampler, CKPTS / "eagle.pt", resume=args.resume, log=log)
+    out = train_loop(
+        cfg, head, loss_fn, sampler, CKPTS / "eagle.pt", resume=args.resume, log=log, max_threads=args.threads
+    )
     folder = MODELS / "eagle-head"
     save_head(head, ecfg.to_json_dict(), folder)
     data.copy_tokenizer(TOKENIZER_DIR, folder)
@@ -257,7 +277,9 @@ def step_mtp(args: argparse.Namespace) -> None:
     if args.measure_steps:
         measure(cfg, heads, loss_fn, sampler, args.measure_steps)
         return
-    out = train_loop(cfg, heads, loss_fn, sampler, CKPTS / "mtp.pt", resume=args.resume, log=log)
+    out = train_loop(
+        cfg, heads, loss_fn, sampler, CKPTS / "mtp.pt", resume=args.resume, log=log, max_threads=args.threads
+    )
     folder = MODELS / "mtp-heads"
     save_head(heads, mcfg.to_json_dict(), folder)
     data.copy_tokenizer(TOKENIZER_DIR, folder)

@@ -66,8 +66,17 @@ def train_loop(
     resume: bool = False,
     log: Callable[[str], None] = print,
     progress: bool = True,
+    max_threads: int | None = None,
+    stop_after: int | None = None,
 ) -> dict:
     """Train ``model`` (its parameters with ``requires_grad``) until planned steps or time run out.
+
+    With ``max_threads > 1`` the intra-op thread count adapts to a shared, busy machine: every tenth
+    step tries the other choice of 1 or ``max_threads`` threads, the others use whichever was faster
+    last time (a reniced process whose second thread lands on a busy core stalls every barrier).
+
+    ``stop_after`` ends the run (with a checkpoint) after that many steps without changing the
+    schedule, e.g. to test resumption.
 
     Returns a summary dict (steps, tokens, elapsed seconds, final/first losses).
     """
@@ -113,7 +122,16 @@ def train_loop(
     last_ckpt = time.monotonic()
     bar = tqdm(total=cfg.planned_steps, initial=step, desc=cfg.name, disable=not progress, mininterval=10)
     ema = None
-    while step < cfg.planned_steps and elapsed < budget_s:
+    thread_choices = [1, max_threads] if max_threads and max_threads > 1 else []
+    step_time = dict.fromkeys(thread_choices, 0.0)
+    last_step = min(cfg.planned_steps, stop_after or cfg.planned_steps)
+    while step < last_step and elapsed < budget_s:
+        n_threads = 0
+        if thread_choices:
+            best = min(thread_choices, key=lambda n: step_time[n])
+            n_threads = best if step % 10 else [n for n in thread_choices if n != best][0]
+            torch.set_num_threads(n_threads)
+        t_step = time.monotonic()
         lr = lr_at(cfg, step, elapsed)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -134,6 +152,8 @@ def train_loop(
         step += 1
         tokens += cfg.tokens_per_step
         elapsed = time.monotonic() - start
+        if n_threads:
+            step_time[n_threads] = time.monotonic() - t_step
         lv = float(loss.detach())
         history.append(lv)
         ema = lv if ema is None else 0.98 * ema + 0.02 * lv
@@ -144,7 +164,7 @@ def train_loop(
             log(
                 f"[{cfg.name}] step {step}/{cfg.planned_steps} loss {lv:.4f} ema {ema:.4f} lr {lr:.2e} "
                 f"gnorm {float(gnorm):.2f} tok/s {tokens / max(elapsed, 1e-6):.0f} "
-                f"elapsed {elapsed / 60:.1f}m {extra}"
+                f"elapsed {elapsed / 60:.1f}m threads {n_threads} {extra}"
             )
         if ckpt_path is not None and time.monotonic() - last_ckpt > cfg.checkpoint_minutes * 60:
             save_checkpoint(ckpt_path, masters, opt, state())
@@ -218,7 +238,11 @@ def eagle_loss_fn(
         logits = lm_head(f[:, :n]).float()
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         acc = (logits.argmax(-1) == labels).float().mean()
-        return reg + cls_weight * ce, {"reg": float(reg), "ce": float(ce), "acc": float(acc)}
+        return reg + cls_weight * ce, {
+            "reg": float(reg.detach()),
+            "ce": float(ce.detach()),
+            "acc": float(acc),
+        }
 
     def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         bsz, seq = batch.shape
@@ -254,7 +278,7 @@ def medusa_loss_fn(heads: MedusaHeads, target: nn.Module, decay: float = 0.8) ->
             ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
             total = total + (decay**i) * ce
             if i in (0, 1, heads.config.num_heads - 1):
-                metrics[f"acc{i}"] = float((logits.argmax(-1) == labels).float().mean())
+                metrics[f"acc{i}"] = float((logits.detach().argmax(-1) == labels).float().mean())
         return total, metrics
 
     return fn
