@@ -1,0 +1,444 @@
+"""Evaluate the shipped model family on held-out stdlib code (transformers + plain torch only).
+
+Metrics:
+
+* held-out perplexity of ``models/target`` and ``models/drafter`` (512-token sequences of the
+  held-out files, each file framed as ``<|bos|> ... <|endoftext|>``);
+* teacher-forced top-1 agreement with the target: drafter; EAGLE head fed the true features
+  (depth 1); each MTP head ``i`` (its prediction for token ``t+i+2`` from ``h_t`` against the
+  target's own top-1 for that token given the true prefix);
+* mean tokens per verification step (accepted drafts + the bonus token) for chains of
+  ``k = 1..8`` drafts.
+
+Acceptance simulation.  Prompts are ``--prompt-len``-token windows of held-out files (fixed
+seed).  The target continues each prompt for ``--gen-len`` tokens, greedily (``greedy``) and by
+sampling at ``T = --temperature`` with a fixed seed (``T0.7``).  A verification step starting with
+committed tokens ``S[:n]`` gives the drafter the same information a serving engine would have: the
+tokens ``S[:n]`` and, for EAGLE / MTP, the target's final-norm features ``h_0 .. h_{n-2}`` (the
+last committed token is the previous step's bonus token, whose feature is not computed yet).
+Each method drafts up to 8 tokens conditioned on the path (drafter: plain LM; EAGLE:
+autoregressive, feeding back its own predicted features, RoPE position ``t+1`` for the element
+``(f_t, token_{t+1})``; MTP: heads 0..7 on ``h_{n-2}``).
+
+* greedy: exact.  ``m_n`` = number of leading drafts equal to the target's greedy tokens; the
+  decode is then replayed for each ``k`` (``accepted = min(m_n, k)``, advance by accepted + 1) and
+  the mean tokens per step reported.
+* T0.7: expected acceptance, not sampled.  Along the fixed-seed sampled target path,
+  ``alpha_{n,i} = sum_x min(p(x), q(x))`` (both at temperature 0.7) for draft depth ``i``; a step
+  starting at ``n`` with ``k`` drafts yields ``1 + sum_{i<=k} prod_{l<=i} alpha_{n,l}`` tokens in
+  expectation (speculative-sampling acceptance, drafts assumed to follow the sampled path),
+  averaged over all start positions ``n``.
+
+Run ``python -m bench.eval_models`` (default ~20 prompts x 128 tokens, a few minutes on 2 CPU
+cores); writes ``bench/results/eval_models.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from training import data  # noqa: E402
+from training.heads import EagleHead, load_eagle_head, load_medusa_heads  # noqa: E402
+
+MAX_K = 8
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Options of one evaluation run."""
+
+    models_dir: str = str(ROOT / "models")
+    ppl_seqs: int = 48
+    agree_seqs: int = 16
+    seq_len: int = 512
+    prompts: int = 20
+    prompt_len: int = 128
+    gen_len: int = 128
+    temperature: float = 0.7
+    seed: int = 0
+    threads: int = 2
+
+
+def load_lm(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
+    return model.eval()
+
+
+def heldout_documents(models_dir: Path, tokenizer) -> list[list[int]]:
+    """Token ids (``<|bos|> ... <|endoftext|>``) of every held-out file."""
+    root = data.stdlib_root()
+    files = data.read_file_list(models_dir / "heldout_files.txt")
+    docs = []
+    for rel in files:
+        ids = tokenizer(data.read_text(root, rel))["input_ids"]
+        docs.append([*ids, data.EOS_ID])
+    return docs
+
+
+@torch.no_grad()
+def lm_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits.float()
+
+
+@torch.no_grad()
+def perplexity(model, seqs: torch.Tensor, batch: int = 8) -> float:
+    total, count = 0.0, 0
+    for i in range(0, seqs.shape[0], batch):
+        b = seqs[i : i + batch]
+        logits = lm_logits(model, b)
+        total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1), b[:, 1:].flatten(), reduction="sum"))
+        count += b[:, 1:].numel()
+    return float(torch.tensor(total / count).exp())
+
+
+@torch.no_grad()
+def target_pass(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-norm hidden states and float logits of the target for ``ids`` ``[B, T]``."""
+    h = target.model(input_ids=ids).last_hidden_state
+    return h, target.lm_head(h).float()
+
+
+@torch.no_grad()
+def eagle_teacher_forced(head: EagleHead, target, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, T-1, V]``; index ``t`` predicts token ``t+2`` from ``(h_t, token_{t+1})``."""
+    bsz, seq = ids.shape
+    emb = target.get_input_embeddings()(ids)
+    pos = torch.arange(1, seq).unsqueeze(0).expand(bsz, -1)
+    f = head(emb[:, 1:], h[:, :-1], pos)
+    return target.lm_head(f).float()
+
+
+@torch.no_grad()
+def agreement(models: dict, seqs: torch.Tensor) -> dict[str, float]:
+    """Teacher-forced top-1 agreement with the target on ``seqs``."""
+    target = models["target"]
+    hits: dict[str, list[float]] = {}
+    for i in range(0, seqs.shape[0], 4):
+        b = seqs[i : i + 4]
+        h, t_logits = target_pass(target, b)
+        t_top = t_logits.argmax(-1)  # index t: target's prediction of token t+1
+        hits.setdefault("target_vs_truth", []).append(float((t_top[:, :-1] == b[:, 1:]).float().mean()))
+        if "drafter" in models:
+            d_top = lm_logits(models["drafter"], b).argmax(-1)
+            hits.setdefault("drafter", []).append(float((d_top == t_top).float().mean()))
+        if "eagle" in models:
+            e_top = eagle_teacher_forced(models["eagle"], target, b, h).argmax(-1)
+            hits.setdefault("eagle", []).append(float((e_top == t_top[:, 1:]).float().mean()))
+        if "mtp" in models:
+            for j, feat in enumerate(models["mtp"](h)):
+                shift = j + 1  # head j at index t predicts token t+j+2 = target top-1 at index t+j+1
+                m_top = target.lm_head(feat[:, :-shift]).argmax(-1)
+                hits.setdefault(f"mtp_head{j}", []).append(float((m_top == t_top[:, shift:]).float().mean()))
+    return {k: sum(v) / len(v) for k, v in hits.items()}
+
+
+@torch.no_grad()
+def continue_prompt(
+    target, prompt: list[int], gen_len: int, temperature: float, gen: torch.Generator
+) -> list[int]:
+    """Target continuation (greedy when ``temperature == 0``) with a KV cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    seq = list(prompt)
+    for _ in range(gen_len):
+        logits = out.logits[0, -1].float()
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            nxt = int(torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=gen))
+        seq.append(nxt)
+        out = target(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+    return seq
+
+
+def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.softmax(logits.float() / temperature, dim=-1)
+
+
+@torch.no_grad()
+def eagle_rollout_logits(
+    head: EagleHead, emb: torch.Tensor, h: torch.Tensor, seq: list[int], starts: range, depth: int
+) -> dict[int, list[torch.Tensor]]:
+    """For each start ``n``: the head's logits-features for drafts 1..depth conditioned on ``seq``.
+
+    Elements ``(h_{t-1}, token_t)`` at RoPE position ``t`` for ``t = 1..n-1`` come from true
+    features (KV-cached once); the draft chain then feeds back its own predicted features:
+    element ``(f_{t}, token_{t+1})`` at position ``t+1``.  Returns per-start lists of features.
+    """
+    from transformers import DynamicCache
+
+    lcfg = head.config.llama_config()
+    layer = head.layers[0]
+    out: dict[int, list[torch.Tensor]] = {}
+    first = starts[0]
+    cache = DynamicCache(config=lcfg)
+
+    def run(tok_emb: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = head.fc(torch.cat([tok_emb, feat.to(tok_emb.dtype)], dim=-1))
+        pe = head.rotary_emb(x, pos)
+        y = layer(
+            x,
+            attention_mask=None,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            position_embeddings=pe,
+        )
+        return y[0] if isinstance(y, tuple) else y
+
+    # prefix elements t = 1 .. first-2 (all true features) -> cache length first-2
+    t_idx = torch.arange(1, first - 1)
+    run(emb[:, 1 : first - 1], h[:, : first - 2], t_idx.unsqueeze(0))
+    for n in starts:
+        base = cache.get_seq_length()  # elements t = 1..n-2 cached
+        feat = h[:, n - 2 : n - 1]
+        feats = []
+        for i in range(depth):
+            t = n - 1 + i  # element (feature of t-1, token_t) at position t
+            if t + 1 >= len(seq):
+                break
+            f = run(emb[:, t : t + 1], feat, torch.tensor([[t]]))
+            feats.append(f[0, 0])
+            feat = f
+        drafted = cache.get_seq_length() - base
+        if drafted:
+            cache.crop(-drafted)  # transformers 5: negative = number of tokens to drop
+        # append the true element for t = n-1 so the cache holds t = 1..n-1 for start n+1
+        run(emb[:, n - 1 : n], h[:, n - 2 : n - 1], torch.tensor([[n - 1]]))
+        out[n] = feats
+    return out
+
+
+@torch.no_grad()
+def draft_distributions(
+    method: str, models: dict, seq: list[int], prompt_len: int
+) -> dict[int, list[torch.Tensor]]:
+    """Draft logits per start ``n`` (committed ``seq[:n]``) for depths 1..MAX_K along ``seq``."""
+    target = models["target"]
+    ids = torch.tensor([seq])
+    n_tot = len(seq)
+    starts = range(prompt_len + 1, n_tot)
+    h, _ = target_pass(target, ids)
+    res: dict[int, list[torch.Tensor]] = {}
+    if method == "drafter":
+        d_logits = lm_logits(models["drafter"], ids)[0]
+        for n in starts:
+            # depth i drafts token n+i-1 from prefix seq[:n+i-1] -> logits index n+i-2
+            res[n] = [d_logits[n + i - 2] for i in range(1, MAX_K + 1) if n + i - 1 < n_tot]
+    elif method == "mtp":
+        feats = models["mtp"](h[:, [s - 2 for s in starts]])
+        per_head = [target.lm_head(f[0]).float() for f in feats]
+        for j, n in enumerate(starts):
+            res[n] = [per_head[i][j] for i in range(len(per_head)) if n + i < n_tot]
+    elif method == "eagle":
+        emb = target.get_input_embeddings()(ids)
+        feats = eagle_rollout_logits(models["eagle"], emb, h, seq, starts, MAX_K)
+        for n, fs in feats.items():
+            res[n] = [target.lm_head(f).float() for f in fs]
+    else:
+        raise ValueError(method)
+    return res
+
+
+def replay_greedy(match: dict[int, int], start: int, end: int, k: int) -> float:
+    """Mean tokens per verification step when decoding ``start..end`` with ``k`` drafts."""
+    pos, steps, toks = start, 0, 0
+    while pos < end:
+        acc = min(match[pos], k, end - pos - 1) if pos in match else 0
+        steps += 1
+        toks += acc + 1
+        pos += acc + 1
+    return toks / max(steps, 1)
+
+
+@torch.no_grad()
+def acceptance(models: dict, methods: list[str], prompts: list[list[int]], cfg: EvalConfig) -> dict:
+    """Greedy (exact) and temperature (expected) mean tokens per step for k = 1..MAX_K."""
+    target = models["target"]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    greedy = {m: {k: [] for k in range(1, MAX_K + 1)} for m in methods}
+    sampled = {m: {k: [] for k in range(1, MAX_K + 1)} for m in methods}
+    t0 = time.time()
+    for pi, prompt in enumerate(prompts):
+        g_seq = continue_prompt(target, prompt, cfg.gen_len, 0.0, gen)
+        s_seq = continue_prompt(target, prompt, cfg.gen_len, cfg.temperature, gen)
+        _, g_tlog = target_pass(target, torch.tensor([g_seq]))
+        _, s_tlog = target_pass(target, torch.tensor([s_seq]))
+        n_tot = len(g_seq)
+        for m in methods:
+            drafts = draft_distributions(m, models, g_seq, cfg.prompt_len)
+            match = {}
+            for n, logits in drafts.items():
+                cnt = 0
+                for i, lg in enumerate(logits):
+                    if int(lg.argmax()) != g_seq[n + i]:
+                        break
+                    cnt += 1
+                match[n] = cnt
+            for k in range(1, MAX_K + 1):
+                greedy[m][k].append(replay_greedy(match, cfg.prompt_len + 1, n_tot, k))
+            drafts = draft_distributions(m, models, s_seq, cfg.prompt_len)
+            for n, logits in drafts.items():
+                alphas = []
+                for i, lg in enumerate(logits):
+                    p = probs(s_tlog[0, n + i - 1], cfg.temperature)
+                    q = probs(lg, cfg.temperature)
+                    alphas.append(float(torch.minimum(p, q).sum()))
+                if len(alphas) < MAX_K:
+                    continue  # too close to the end of the continuation
+                expect, prod = 1.0, 1.0
+                for k in range(1, MAX_K + 1):
+                    prod *= alphas[k - 1]
+                    expect += prod
+                    sampled[m][k].append(expect)
+        print(f"  prompt {pi + 1}/{len(prompts)} done ({time.time() - t0:.0f}s)", flush=True)
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    return {
+        "greedy": {m: {k: mean(v) for k, v in d.items()} for m, d in greedy.items()},
+        f"T{cfg.temperature}": {m: {k: mean(v) for k, v in d.items()} for m, d in sampled.items()},
+    }
+
+
+def pick_prompts(docs: list[list[int]], cfg: EvalConfig) -> list[list[int]]:
+    rng = random.Random(cfg.seed)
+    need = cfg.prompt_len + cfg.gen_len
+    long_docs = [d for d in docs if len(d) >= need]
+    prompts = []
+    for _ in range(cfg.prompts):
+        d = rng.choice(long_docs)
+        off = rng.randrange(0, len(d) - need + 1)
+        prompts.append(d[off : off + cfg.prompt_len])
+    return prompts
+
+
+def markdown(results: dict) -> str:
+    lines = ["| model | held-out ppl | top-1 agreement w/ target |", "|---|---|---|"]
+    ppl, agr = results["perplexity"], results["agreement"]
+    lines.append(
+        f"| target | {ppl.get('target', float('nan')):.2f} | (top-1 = truth: {agr['target_vs_truth']:.3f}) |"
+    )
+    if "drafter" in ppl:
+        lines.append(f"| drafter | {ppl['drafter']:.2f} | {agr['drafter']:.3f} |")
+    if "eagle" in agr:
+        lines.append(f"| eagle-head (teacher-forced, depth 1) | - | {agr['eagle']:.3f} |")
+    mtp = [
+        f"{agr[k]:.3f}"
+        for k in sorted(agr, key=lambda s: int(s[8:]) if s.startswith("mtp_head") else -1)
+        if k.startswith("mtp_head")
+    ]
+    if mtp:
+        lines.append(f"| mtp-heads (head 0..{len(mtp) - 1}) | - | {' / '.join(mtp)} |")
+    lines.append("")
+    lines.append("Mean tokens per verification step (accepted drafts + bonus), k drafts:")
+    lines.append("")
+    lines.append("| method | mode | " + " | ".join(f"k={k}" for k in range(1, MAX_K + 1)) + " |")
+    lines.append("|---|---|" + "---|" * MAX_K)
+    for mode, per_method in results["acceptance"].items():
+        for m, per_k in per_method.items():
+            vals = " | ".join(
+                f"{per_k[str(k)] if str(k) in per_k else per_k[k]:.2f}" for k in range(1, MAX_K + 1)
+            )
+            lines.append(f"| {m} | {mode} | {vals} |")
+    return "\n".join(lines)
+
+
+def load_models(models_dir: Path) -> dict:
+    models: dict = {"target": load_lm(models_dir / "target")}
+    if (models_dir / "drafter" / "model.safetensors").exists():
+        models["drafter"] = load_lm(models_dir / "drafter")
+    if (models_dir / "eagle-head" / "model.safetensors").exists():
+        models["eagle"] = load_eagle_head(models_dir / "eagle-head", torch.bfloat16)
+    if (models_dir / "mtp-heads" / "model.safetensors").exists():
+        models["mtp"] = load_medusa_heads(models_dir / "mtp-heads", torch.bfloat16)
+    return models
+
+
+def evaluate(cfg: EvalConfig, methods: list[str] | None = None) -> dict:
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(cfg.threads)
+    models_dir = Path(cfg.models_dir)
+    t0 = time.time()
+    models = load_models(models_dir)
+    tok = AutoTokenizer.from_pretrained(str(models_dir / "target"))
+    docs = heldout_documents(models_dir, tok)
+    stream = torch.tensor([t for d in docs for t in d])
+    seqs = data.chunk_stream(stream, cfg.seq_len)
+    ppl = {"target": perplexity(models["target"], seqs[: cfg.ppl_seqs])}
+    if "drafter" in models:
+        ppl["drafter"] = perplexity(models["drafter"], seqs[: cfg.ppl_seqs])
+    print(f"perplexity {ppl} ({time.time() - t0:.0f}s)", flush=True)
+    agr = agreement(models, seqs[: cfg.agree_seqs])
+    print(f"agreement {agr} ({time.time() - t0:.0f}s)", flush=True)
+    available = [m for m in ("drafter", "eagle", "mtp") if m in models]
+    methods = [m for m in (methods or available) if m in available]
+    acc = acceptance(models, methods, pick_prompts(docs, cfg), cfg)
+    return {
+        "config": asdict(cfg),
+        "heldout_tokens": int(stream.numel()),
+        "perplexity": ppl,
+        "agreement": agr,
+        "acceptance": acc,
+        "acceptance_notes": {
+            "greedy": "exact greedy speculative decoding replay; tokens per step incl. bonus",
+            f"T{cfg.temperature}": "expected tokens per step, 1 + sum_i prod_{l<=i} sum_x min(p,q), along a fixed-seed sampled target path",
+        },
+        "seconds": time.time() - t0,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    d = EvalConfig()
+    parser.add_argument("--models-dir", default=d.models_dir)
+    parser.add_argument("--ppl-seqs", type=int, default=d.ppl_seqs)
+    parser.add_argument("--agree-seqs", type=int, default=d.agree_seqs)
+    parser.add_argument("--prompts", type=int, default=d.prompts)
+    parser.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    parser.add_argument("--gen-len", type=int, default=d.gen_len)
+    parser.add_argument("--temperature", type=float, default=d.temperature)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--threads", type=int, default=d.threads)
+    parser.add_argument("--methods", nargs="*", default=None, help="subset of drafter eagle mtp")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "eval_models.json"))
+    args = parser.parse_args(argv)
+    cfg = EvalConfig(
+        models_dir=args.models_dir,
+        ppl_seqs=args.ppl_seqs,
+        agree_seqs=args.agree_seqs,
+        prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        temperature=args.temperature,
+        seed=args.seed,
+        threads=args.threads,
+    )
+    results = evaluate(cfg, args.methods)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    table = markdown(json.loads(out.read_text()))
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
