@@ -7,12 +7,13 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
   - ``extras["gather_idx"]``  ``[B * nblk]`` int64, ``nblk = ceil(max_seq_len / block_size)``: the
     block ids of each request (``block_tables[:, :nblk]``, unused entries 0). Gathering whole blocks
     (one ``index_select`` on ``k_cache``) is ~2x faster on CPU than gathering per-slot rows. The
-    padded key axis has ``S = nblk * block_size`` positions (``extras["padded_seq_len"]``); key
-    position p of request b is row p of ``k_cache[block_tables[b, :nblk]].view(S, Hkv, D)``.
+    gathered ``[B, nblk * block_size, Hkv, D]`` is sliced (a view) to the key axis of length
+    ``S = max_seq_len``: key position p of request b is row p of
+    ``k_cache[block_tables[b, :nblk]].view(-1, Hkv, D)``.
   - ``extras["attn_mask"]``   ``[B, 1, max_query_len, S]`` bool (True = attend), or None when every
-    query may see every gathered key (pure decode with all seq_lens == S, e.g. B=1 decode at a
-    block boundary). Causal + valid context. Padded query rows (i >= q_len_b) copy the last real
-    row, so no row is all-False and SDPA never produces NaN there.
+    query may see every gathered key (pure decode with equal seq_lens, e.g. any B=1 decode).
+    Causal + valid context. Padded query rows (i >= q_len_b) copy the last real row, so no row is
+    all-False and SDPA never produces NaN there.
   - ``extras["pad_idx"]``     ``[num_tokens]`` int64: flat query token -> ``b * max_query_len + i``,
     or None when all q_len are equal (pure decode / uniform verification: padding is a reshape).
   - ``extras["write_idx"]`` / ``extras["write_slots"]``: tokens whose slot is not -1 and their slots
@@ -23,13 +24,17 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
   ``[B, max_query_len, H, D]`` (a view when q_lens are uniform) and calls
   ``scaled_dot_product_attention`` once.
 
+Unused cache slots are read (then masked out), so caches must hold finite values there
+(allocate them with ``torch.zeros``; stale data from freed blocks is fine): SDPA turns a masked
+NaN/inf key into a NaN row.
+
 Worked example (block_size=4): requests with query_lens=[1, 3], seq_lens=[6, 3],
-block_tables=[[5, 1], [2]] -> nblk=2, S=8
+block_tables=[[5, 1], [2]] -> nblk=2, S=6
   gather_idx = [5, 1, 2, 0]  (request 1's second block is padding -> block 0, masked out)
   key position p=4 of request 0 -> row 4 of k_cache[[5, 1]].view(8, Hkv, D) = slot 1*4+0 = 4
   query positions: b0 -> [5], b1 -> [0, 1, 2]; pad_idx = [0, 3, 4, 5] (max_query_len=3)
-  attn_mask[b0] rows: [1 1 1 1 1 1 0 0] x3 (rows 1, 2 are padding copies of row 0)
-  attn_mask[b1] rows: [1 0 0 0 0 0 0 0], [1 1 0 0 0 0 0 0], [1 1 1 0 0 0 0 0]
+  attn_mask[b0] rows: [1 1 1 1 1 1] x3 (rows 1, 2 are padding copies of row 0)
+  attn_mask[b1] rows: [1 0 0 0 0 0], [1 1 0 0 0 0], [1 1 1 0 0 0]
 
 GQA: the G = H / Hkv query heads of one kv head are packed on SDPA's query-length axis
 (``[B, Hkv, Lq * G, D]``, row ``l * G + g``), so K/V are never repeated; the mask is expanded to
@@ -74,14 +79,14 @@ class TorchAttentionBackend:
         nblk = -(-max_s // block_size)
         s_pad = nblk * block_size
         gather = md.block_tables[:, :nblk].to(torch.int64)  # [B, nblk]
-        pos = torch.arange(s_pad, dtype=torch.int64)  # [S]
+        pos = torch.arange(max_s, dtype=torch.int64)  # [S]; the gathered [B, s_pad] is sliced to S
         seq = md.seq_lens.to(torch.int64)  # [B]
 
         # Mask: query row i of request b sits at position seq_b - q_b + i; padded rows (i >= q_b)
         # are clamped to the last real row (position seq_b - 1) so they never see zero keys.
         # Key p is visible iff p <= that position (this also excludes p >= seq_b padding).
         uniform_q = min(query_lens) == max_q
-        if max_q == 1 and min(seq_lens) == s_pad:
+        if max_q == 1 and min(seq_lens) == max_s:
             mask = None  # each query is the last position and all S gathered keys are real
         else:
             qlens = torch.tensor(query_lens, dtype=torch.int64)  # [B]
@@ -111,7 +116,7 @@ class TorchAttentionBackend:
         md.extras = {
             "num_reqs": num_reqs,
             "block_size": block_size,
-            "padded_seq_len": s_pad,  # S = nblk * block_size
+            "gathered_len": s_pad,  # nblk * block_size positions gathered per request (>= S)
             "gather_idx": gather.reshape(-1).to(device),  # [B * nblk] block ids
             "attn_mask": None if mask is None else mask.to(device),  # [B, 1, Lq, S] bool
             "packed_masks": {},  # G -> [B, 1, Lq * G, S], filled lazily by attention()
@@ -152,18 +157,22 @@ class TorchAttentionBackend:
         hkv = k_cache.shape[2]
         if h % hkv != 0:
             raise ValueError(f"num_heads ({h}) must be a multiple of num_kv_heads ({hkv})")
+        if num_tokens != metadata.slot_mapping.shape[0]:
+            raise ValueError(
+                f"query has {num_tokens} tokens, metadata expects {metadata.slot_mapping.shape[0]}"
+            )
         g = h // hkv
-        b, lq, s = ex["num_reqs"], metadata.max_query_len, ex["padded_seq_len"]
-        gidx = ex["gather_idx"]
-        k = k_cache.index_select(0, gidx).view(b, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
-        v = v_cache.index_select(0, gidx).view(b, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
+        b, lq, s = ex["num_reqs"], metadata.max_query_len, metadata.max_seq_len
+        gidx, s_pad = ex["gather_idx"], ex["gathered_len"]
+        k = k_cache.index_select(0, gidx).view(b, s_pad, hkv, d)[:, :s].transpose(1, 2)  # [B, Hkv, S, D]
+        v = v_cache.index_select(0, gidx).view(b, s_pad, hkv, d)[:, :s].transpose(1, 2)  # [B, Hkv, S, D]
 
         # GQA packing: the G query heads sharing a kv head go on SDPA's length axis, row l * G + g
         # of [B, Hkv, Lq * G, D] is query token l, head kvh * G + g. K/V are never repeated
         # (measured faster on CPU than enable_gqa=True or repeat_interleave, esp. in bf16).
         pad_idx = ex["pad_idx"]
         if pad_idx is None:
-            q = query.view(b, lq, hkv, g, d)
+            q = query.reshape(b, lq, hkv, g, d)  # a view unless query is non-contiguous
         else:
             q = query.new_zeros(b * lq, h, d).index_copy_(0, pad_idx, query).view(b, lq, hkv, g, d)
         q = q.transpose(1, 2).reshape(b, hkv, lq * g, d)  # a view when lq == 1

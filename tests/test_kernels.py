@@ -172,6 +172,18 @@ CASES: dict[str, tuple[list[int], list[int], int, int, int, int]] = {
 }
 
 
+def as_qkv_split(case: Case) -> Case:
+    """Same values, but query/key/value are non-contiguous views of one fused qkv tensor, the way
+    a model's qkv projection produces them."""
+    n, h, d = case.query.shape
+    hkv = case.key.shape[1]
+    qkv = torch.cat([case.query.reshape(n, -1), case.key.reshape(n, -1), case.value.reshape(n, -1)], dim=-1)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    case.query, case.key, case.value = q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d)
+    assert n == 1 or not case.query.is_contiguous()
+    return case
+
+
 def case_by_name(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> Case:
     ql, sl, h, hkv, d, bs = CASES[name]
     return make_case(ql, sl, h, hkv, d, bs, seed=seed, dtype=dtype)
@@ -188,6 +200,13 @@ def test_torch_backend_matches_naive_fp32(name: str) -> None:
     out, _ = run_backend("torch", case)
     assert out.shape == case.query.shape and out.dtype == torch.float32
     assert out.is_contiguous()
+    torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["mixed_gqa_bs16", "decode_batch_gqa", "verify_uniform"])
+def test_torch_backend_non_contiguous_qkv(name: str) -> None:
+    case = as_qkv_split(case_by_name(name))
+    out, _ = run_backend("torch", case)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=2e-5)
 
 
@@ -248,21 +267,21 @@ def test_torch_metadata_contents() -> None:
     assert ex["pad_idx"].tolist() == [0, 3, 4, 5]
     assert ex["write_idx"].tolist() == [0, 2, 3]
     mask = ex["attn_mask"].int()
-    assert mask.shape == (2, 1, 3, 8)
-    assert mask[0, 0].tolist() == [[1, 1, 1, 1, 1, 1, 0, 0]] * 3
-    assert mask[1, 0].tolist() == [
-        [1, 0, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0, 0, 0],
-    ]
+    assert mask.shape == (2, 1, 3, 6)
+    assert mask[0, 0].tolist() == [[1, 1, 1, 1, 1, 1]] * 3
+    assert mask[1, 0].tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
 
 
 def test_torch_fast_paths() -> None:
     be = get_attention_backend("cpu", "torch")
-    # Single decode request at a block boundary: no mask, no query padding, no write filtering.
-    md = be.build_metadata([1], [32], [[3, 1]], [1 * 16 + 15], 16, torch.device("cpu"))
-    assert md.extras["attn_mask"] is None and md.extras["pad_idx"] is None
-    assert md.extras["write_idx"] is None
+    # Single decode request: no mask, no query padding, no write filtering.
+    for seq_len in (32, 27):
+        md = be.build_metadata([1], [seq_len], [[3, 1]], [16 + seq_len - 17], 16, torch.device("cpu"))
+        assert md.extras["attn_mask"] is None and md.extras["pad_idx"] is None
+        assert md.extras["write_idx"] is None
+    # Batch decode with equal seq_lens: no mask either.
+    md = be.build_metadata([1, 1], [20, 20], [[3, 1], [0, 2]], [19, 35], 16, "cpu")
+    assert md.extras["attn_mask"] is None
     # Uniform verification: reshape instead of padding, mask still needed.
     md = be.build_metadata([3, 3], [5, 9], [[0], [1]], list(range(2, 5)) + list(range(22, 25)), 16, "cpu")
     assert md.extras["pad_idx"] is None and md.extras["attn_mask"] is not None
@@ -350,12 +369,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def compare_triton_to_torch(name: str, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
     """Run both backends on one case; max |diff| of outputs and whether caches match exactly."""
-    case = case_by_name(name, dtype=dtype, seed=seed)
+    case = as_qkv_split(case_by_name(name, dtype=dtype, seed=seed))
     # Every third token's slot is -1: both backends must skip writing it.
     case.slot_mapping = [-1 if t % 3 == 2 else s for t, s in enumerate(case.slot_mapping)]
     be_t = get_attention_backend(torch.device(device), "triton")
     be_r = get_attention_backend(torch.device(device), "torch")
-    c = case.to(device)
+    c = case if device == "cpu" else as_qkv_split(case.to(device))
     caches, mds = {}, {}
     for be in (be_t, be_r):
         kc, vc = c.k_cache.clone(), c.v_cache.clone()
