@@ -1,0 +1,421 @@
+"""The SpecDecode gRPC service end to end: a real Ray Serve on loopback with a tiny random model.
+
+Ray and Serve start once for the module (slow: seconds each). Greedy streams must equal
+`engine.LLM` token for token; every error maps to its status code without taking the replica
+down; cancelled and timed-out streams leave no KV blocks held; reflection lets a generic client
+call the service; `python -m deployments.serve` comes up, answers and exits cleanly on SIGINT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deployments.client import SpecDecodeClient
+from protos.specdecode.v1 import specdecode_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SERVICER = "protos.specdecode.v1.specdecode_pb2_grpc.add_SpecDecodeServicer_to_server"
+APP = "specdecode-test"
+NGRAM_APP = "specdecode-ngram"
+MAX_NUM_SEQS = 4
+MAX_QUEUED = 2
+LONG = 480  # output tokens of a request meant to still be running when we act on it
+PROMPTS = [[5, 17, 33, 8], [40, 41, 42, 43, 44, 45], [90, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 77], [1, 60]]
+GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_char_tokenizer(path: str) -> None:
+    """A character-level tokenizer for the tiny model: 3 specials + 94 printable chars = 97 ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in range(32, 126):
+        vocab[chr(c)] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    ).save_pretrained(path)
+
+
+def app_args(model: str, speculative: dict | None) -> dict:
+    return {
+        "model": model, "speculative": speculative, "device": "cpu", "dtype": "float32",
+        "max_num_seqs": MAX_NUM_SEQS, "max_queued_requests": MAX_QUEUED, "max_prompt_tokens": 64,
+        "max_tokens": 500, "default_max_tokens": 16, "num_cpus": 1,
+    }
+
+
+def collect(chunks: Iterator[pb.GenerateResponse]) -> tuple[list[int], str, pb.GenerateResponse]:
+    ids: list[int] = []
+    text = ""
+    last = None
+    for chunk in chunks:
+        ids.extend(chunk.token_ids)
+        text += chunk.text
+        last = chunk
+    assert last is not None
+    return ids, text, last
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value
+
+
+def wait_no_blocks(client: SpecDecodeClient, timeout: float = 5.0) -> pb.EngineUsage:
+    """Poll the replica until it holds no request and no KV block (or return the last usage)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = client.model_info().usage
+        idle = usage.num_running == 0 and usage.num_waiting == 0 and usage.num_used_blocks == 0
+        if idle or time.monotonic() > deadline:
+            return usage
+        time.sleep(0.05)
+
+
+# --- make serve's entry point (runs first, before the module's Ray starts) -------------------
+def test_serve_entry_point_comes_up_answers_and_stops_on_sigint(tiny_llama: str) -> None:
+    port, http_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deployments.serve", "--model", tiny_llama, "--no-speculation",
+         "--port", str(port), "--http-port", str(http_port), "--num-cpus", "2", "--device", "cpu"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "service ready" in line:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(120), "deployments.serve did not become ready:\n" + "".join(lines[-40:])
+        assert f"--target localhost:{port}" in "".join(lines)
+        with SpecDecodeClient(f"localhost:{port}", timeout=30) as client:
+            ids, _, last = collect(client.generate([1, 2, 3], max_tokens=5, temperature=0.0, ignore_eos=True))
+        assert len(ids) == 5 and last.finish_reason == pb.FINISH_REASON_LENGTH
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, "".join(lines[-40:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+    assert any("stopped" in line for line in lines)
+
+
+# --- one Serve for the rest of the module ----------------------------------------------------
+@dataclass
+class Served:
+    port: int
+    model: str
+    replica_id: str
+    llm: object  # engine.LLM, the in-process reference
+
+    def client(self, app: str = APP, timeout: float | None = 60) -> SpecDecodeClient:
+        return SpecDecodeClient(f"127.0.0.1:{self.port}", application=app, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    import ray
+    from helpers import save_tiny_model
+    from ray import serve
+
+    from deployments.app import build_app
+    from engine import LLM
+
+    model = save_tiny_model(str(tmp_path_factory.mktemp("served_model")), "llama")
+    save_char_tokenizer(model)
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": free_port()},
+            grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]},
+        )
+        serve.run(build_app(app_args(model, None)), name=APP, route_prefix=f"/{APP}")
+        llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=MAX_NUM_SEQS)
+        with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
+            replica_id = client.wait_ready(60).replica_id
+        yield Served(port, model, replica_id, llm)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ngram_app(served: Served) -> str:
+    """A second app on the same Serve whose replica speculates with n-gram lookup."""
+    try:
+        from engine.spec.proposers import make_proposer  # noqa: F401
+    except ImportError:
+        pytest.skip("speculative decoding (engine.spec.proposers.make_proposer) has not landed yet")
+    from ray import serve
+
+    from deployments.app import build_app
+
+    args = app_args(served.model, {"method": "ngram", "model": None, "num_speculative_tokens": 4, "adaptive": False})
+    serve.run(build_app(args), name=NGRAM_APP, route_prefix=f"/{NGRAM_APP}")
+    return NGRAM_APP
+
+
+def reference(served: Served, prompt, **params) -> tuple[list[int], str]:
+    from engine import SamplingParams
+
+    out = served.llm.generate(prompt, SamplingParams(**params))[0]
+    return out.token_ids, out.text
+
+
+# --- correctness -----------------------------------------------------------------------------
+@pytest.mark.parametrize("speculation", ["default", "off"])
+def test_greedy_stream_matches_llm_generate(served: Served, speculation: str) -> None:
+    with served.client() as client:
+        for prompt in PROMPTS:
+            ids, _, last = collect(client.generate(prompt, speculation=speculation, **GREEDY))
+            assert ids == reference(served, prompt, **GREEDY)[0]
+            assert last.finish_reason == pb.FINISH_REASON_LENGTH
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), len(ids))
+            assert not last.speculation.enabled
+
+
+@pytest.mark.parametrize("speculation", ["default", "on", "off"])
+def test_ngram_speculation_matches_llm_generate(served: Served, ngram_app: str, speculation: str) -> None:
+    with served.client(ngram_app) as client:
+        info = client.model_info()
+        assert (info.drafter_method, info.num_speculative_tokens) == ("ngram", 4)
+        drafted = 0
+        for prompt in PROMPTS:
+            ids, _, last = collect(client.generate(prompt, speculation=speculation, **GREEDY))
+            assert ids == reference(served, prompt, **GREEDY)[0]
+            assert last.speculation.enabled == (speculation != "off")
+            drafted += last.speculation.num_draft_tokens
+            assert last.speculation.num_accepted_tokens <= last.speculation.num_draft_tokens
+        assert (drafted > 0) == (speculation != "off")
+        capped = collect(client.generate(PROMPTS[2], max_speculative_tokens=1, **GREEDY))
+        assert capped[0] == reference(served, PROMPTS[2], **GREEDY)[0]
+        assert wait_no_blocks(client).num_used_blocks == 0
+
+
+def test_text_prompt_streams_text_deltas(served: Served) -> None:
+    prompt = "def fib(n):"
+    with served.client() as client:
+        ids, text, last = collect(client.generate(prompt, max_tokens=20, temperature=0.0, ignore_eos=True))
+    ref_ids, ref_text = reference(served, prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert ids == ref_ids and text == ref_text and text
+    assert last.usage.prompt_tokens == len(prompt)  # one token per character
+
+
+def test_stop_string_ends_the_stream(served: Served) -> None:
+    ref_ids, ref_text = reference(served, "x = ", max_tokens=40, temperature=0.0, ignore_eos=True)
+    stop = ref_text[5:7]
+    with served.client() as client:
+        _, text, last = collect(client.generate("x = ", max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))
+    assert text == ref_text[: ref_text.index(stop)]
+    assert last.finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_concurrent_streams_interleave(served: Served) -> None:
+    arrivals: list[tuple[float, int]] = []
+    lock = threading.Lock()
+    params = dict(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    def run(i: int) -> tuple[list[int], set[str]]:
+        ids: list[int] = []
+        request_ids: set[str] = set()
+        with served.client() as client:
+            for chunk in client.generate(PROMPTS[i], request_id=f"concurrent-{i}", **params):
+                with lock:
+                    arrivals.append((time.monotonic(), i))
+                ids.extend(chunk.token_ids)
+                request_ids.add(chunk.request_id)
+        return ids, request_ids
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(run, range(len(PROMPTS))))
+    for i, (ids, request_ids) in enumerate(results):
+        assert ids == reference(served, PROMPTS[i], **params)[0]
+        assert request_ids == {f"concurrent-{i}"}
+    order = [i for _, i in sorted(arrivals)]
+    switches = sum(a != b for a, b in zip(order, order[1:], strict=False))
+    assert switches > len(PROMPTS), f"streams did not interleave: {order}"
+
+
+def test_model_info(served: Served) -> None:
+    with served.client() as client:
+        info = client.model_info()
+    assert info.model == served.model and info.drafter_method == "" and info.has_tokenizer
+    assert info.limits.max_num_seqs == MAX_NUM_SEQS and info.limits.max_queued_requests == MAX_QUEUED
+    assert (info.limits.max_prompt_tokens, info.limits.max_tokens, info.limits.vocab_size) == (64, 500, 97)
+    assert info.usage.num_blocks > 0
+
+
+# --- errors ----------------------------------------------------------------------------------
+BAD_REQUESTS = {
+    "empty text prompt": pb.GenerateRequest(prompt=""),
+    "no prompt": pb.GenerateRequest(),
+    "empty token ids": pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[])),
+    "token id above vocab": pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 97])),
+    "negative token id": pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[-1])),
+    "prompt too long": pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[3] * 65)),
+    "text prompt too long": pb.GenerateRequest(prompt="a" * 65),
+    "max_tokens over cap": pb.GenerateRequest(prompt="a", max_tokens=501),
+    "max_tokens zero": pb.GenerateRequest(prompt="a", max_tokens=0),
+    "negative temperature": pb.GenerateRequest(prompt="a", temperature=-0.5),
+    "top_p zero": pb.GenerateRequest(prompt="a", top_p=0.0),
+    "negative top_k": pb.GenerateRequest(prompt="a", top_k=-1),
+    "empty stop string": pb.GenerateRequest(prompt="a", stop=[""]),
+    "unknown speculation mode": pb.GenerateRequest(prompt="a", speculation=7),  # type: ignore[arg-type]
+    "stop token outside vocab": pb.GenerateRequest(prompt="a", stop_token_ids=[500]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_bad_request_is_invalid_argument(served: Served, name: str) -> None:
+    with served.client() as client:
+        err = rpc_error(lambda: list(client.stream(BAD_REQUESTS[name])))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.code(), err.details())
+    assert err.details() and "Traceback" not in err.details()
+
+
+def test_speculation_on_without_drafter_is_failed_precondition(served: Served) -> None:
+    with served.client() as client:
+        err = rpc_error(lambda: list(client.generate([1, 2], speculation="on")))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "no drafter" in err.details()
+
+
+def test_duplicate_request_id_is_already_exists(served: Served) -> None:
+    with served.client() as client, served.client() as other:
+        stream = client.generate([1, 2, 3], max_tokens=LONG, ignore_eos=True, request_id="dup")
+        next(stream)
+        err = rpc_error(lambda: list(other.generate([1, 2], request_id="dup")))
+        stream.close()
+        assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert wait_no_blocks(client).num_used_blocks == 0
+
+
+def test_cancel_mid_stream_frees_blocks(served: Served) -> None:
+    with served.client() as client:
+        stream = client.generate([4, 5, 6, 7], max_tokens=LONG, temperature=0.0, ignore_eos=True)
+        received = [next(stream) for _ in range(3)]
+        assert all(chunk.token_ids for chunk in received)
+        busy = client.model_info().usage
+        assert busy.num_running == 1 and busy.num_used_blocks > 0
+        stream.close()  # cancels the call
+        usage = wait_no_blocks(client)
+    assert (usage.num_running, usage.num_waiting, usage.num_used_blocks) == (0, 0, 0)
+
+
+def test_deadline_exceeded_aborts_engine_request(served: Served) -> None:
+    with served.client() as client:
+        err = rpc_error(lambda: list(client.generate([8, 9, 10], max_tokens=LONG, ignore_eos=True, timeout=0.3)))
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        usage = wait_no_blocks(client)
+    assert (usage.num_running, usage.num_waiting, usage.num_used_blocks) == (0, 0, 0)
+
+
+def test_overload_is_refused_not_queued(served: Served) -> None:
+    """max_ongoing (= max_num_seqs) streams run, max_queued wait, the rest get RESOURCE_EXHAUSTED."""
+    n = MAX_NUM_SEQS + MAX_QUEUED + 3
+    barrier = threading.Barrier(n)
+    rejected = threading.Event()
+
+    def run(i: int) -> str:
+        with served.client(timeout=120) as client:
+            barrier.wait()
+            try:
+                for _ in client.generate([10 + i, 11], max_tokens=LONG, ignore_eos=True):
+                    if rejected.is_set():
+                        return "cancelled"  # closing the generator cancels the stream
+                return "finished"
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    rejected.set()
+                return e.code().name
+
+    with ThreadPoolExecutor(n) as pool:
+        outcomes = list(pool.map(run, range(n)))
+    assert outcomes.count("RESOURCE_EXHAUSTED") >= 1, outcomes
+    assert set(outcomes) <= {"RESOURCE_EXHAUSTED", "cancelled", "finished"}, outcomes
+    assert outcomes.count("RESOURCE_EXHAUSTED") <= n - MAX_NUM_SEQS, outcomes
+    with served.client() as client:
+        usage = wait_no_blocks(client)
+    assert (usage.num_running, usage.num_waiting, usage.num_used_blocks) == (0, 0, 0)
+
+
+# --- generic clients -------------------------------------------------------------------------
+def test_reflection_lets_a_generic_client_call_generate(served: Served) -> None:
+    from google.protobuf import descriptor_pool, json_format, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert "specdecode.v1.SpecDecode" in db.get_services()
+        pool = descriptor_pool.DescriptorPool(db)
+        method = pool.FindServiceByName("specdecode.v1.SpecDecode").methods_by_name["Generate"]
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        request = json_format.ParseDict(
+            {"promptTokenIds": {"ids": PROMPTS[0]}, "maxTokens": 6, "temperature": 0, "ignoreEos": True}, request_cls()
+        )
+        call = channel.unary_stream(
+            "/specdecode.v1.SpecDecode/Generate",
+            request_serializer=request_cls.SerializeToString,
+            response_deserializer=response_cls.FromString,
+        )
+        chunks = list(call(request, timeout=30, metadata=(("application", APP),)))
+    ids = [t for chunk in chunks for t in chunk.token_ids]
+    assert ids == reference(served, PROMPTS[0], max_tokens=6, temperature=0.0, ignore_eos=True)[0]
+    assert json_format.MessageToDict(chunks[-1])["finishReason"] == "FINISH_REASON_LENGTH"
+
+
+def test_client_cli_streams_and_prints_stats(served: Served, capsys) -> None:
+    from deployments import client as cli
+
+    rc = cli.main(["def f", "--target", f"127.0.0.1:{served.port}", "--application", APP,
+                   "--max-tokens", "8", "--temperature", "0", "--timeout", "30"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("def f")
+    assert "completion_tokens=8" in out and "speculation: off" in out
+    rc = cli.main(["--token-ids", "1,200", "--target", f"127.0.0.1:{served.port}", "--application", APP])
+    assert rc == 1 and "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+def test_replica_survived_every_error(served: Served) -> None:
+    with served.client() as client:
+        info = client.model_info()
+        ids, _, _ = collect(client.generate(PROMPTS[1], **GREEDY))
+    assert info.replica_id == served.replica_id, "the replica was restarted"
+    assert ids == reference(served, PROMPTS[1], **GREEDY)[0]
+    assert (info.usage.num_running, info.usage.num_used_blocks) == (0, 0)
