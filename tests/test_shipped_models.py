@@ -1,0 +1,150 @@
+"""Checks of the shipped checkpoints in ``models/`` (skipped until a model folder exists).
+
+Regression floors sit a little below the values measured when the models were trained
+(see the model cards); the snippets are the first 256 tokens of a few held-out files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from training import data
+from training.heads import EAGLE_KEYS, load_eagle_head, load_medusa_heads
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+HELDOUT = MODELS / "heldout_files.txt"
+N_SNIPPETS = 4
+SNIPPET_LEN = 256
+DRAFTER_AGREEMENT_FLOOR = 0.60
+EAGLE_AGREEMENT_FLOOR = 0.55
+MTP_HEAD0_AGREEMENT_FLOOR = 0.30
+MAX_TOTAL_BYTES = 100 * 1024 * 1024
+
+
+def need(folder: str) -> Path:
+    path = MODELS / folder
+    if not (path / "model.safetensors").exists():
+        pytest.skip(f"models/{folder} has not been trained/shipped yet (run `python -m training ...`)")
+    return path
+
+
+def heldout_files(n: int) -> list[str]:
+    if not HELDOUT.exists():
+        pytest.skip("models/heldout_files.txt missing (run `python -m training corpus`)")
+    return data.read_file_list(HELDOUT)[:n]
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    return AutoModelForCausalLM.from_pretrained(str(need("target")), dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def snippets() -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(need("target")))
+    rows = []
+    for rel in data.read_file_list(HELDOUT):
+        ids = tok(data.read_text(data.stdlib_root(), rel))["input_ids"]
+        if len(ids) >= SNIPPET_LEN:
+            rows.append(ids[:SNIPPET_LEN])
+        if len(rows) == N_SNIPPETS:
+            break
+    return torch.tensor(rows)
+
+
+@pytest.fixture(scope="module")
+def target_out(target, snippets):
+    with torch.no_grad():
+        h = target.model(input_ids=snippets).last_hidden_state
+        return h, target.lm_head(h).float().argmax(-1)
+
+
+@pytest.mark.parametrize("folder", ["target", "drafter", "eagle-head", "mtp-heads"])
+def test_tokenizer_loads_and_roundtrips(folder):
+    from transformers import AutoTokenizer
+
+    path = need(folder)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    assert (tok.bos_token_id, tok.eos_token_id) == (data.BOS_ID, data.EOS_ID)
+    assert len(tok) == 8192
+    for rel in heldout_files(3):
+        text = data.read_text(data.stdlib_root(), rel)
+        ids = tok(text)["input_ids"]
+        assert ids[0] == data.BOS_ID
+        assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+def test_lm_checkpoints_load(target):
+    from transformers import AutoModelForCausalLM
+
+    drafter_path = need("drafter")
+    drafter = AutoModelForCausalLM.from_pretrained(str(drafter_path), dtype=torch.bfloat16)
+    assert type(target).__name__ == type(drafter).__name__ == "LlamaForCausalLM"
+    n_t = sum(p.numel() for p in target.parameters())
+    n_d = sum(p.numel() for p in drafter.parameters())
+    assert n_d * 8 <= n_t
+    assert drafter.config.vocab_size == target.config.vocab_size == 8192
+
+
+def test_total_weight_size():
+    total = sum(p.stat().st_size for p in MODELS.glob("*/model.safetensors"))
+    if total == 0:
+        pytest.skip("no shipped weights yet")
+    assert total <= MAX_TOTAL_BYTES
+
+
+def test_drafter_agreement_regression(snippets, target_out):
+    from transformers import AutoModelForCausalLM
+
+    drafter = AutoModelForCausalLM.from_pretrained(str(need("drafter")), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        d_top = drafter(input_ids=snippets).logits.argmax(-1)
+    agree = float((d_top == target_out[1]).float().mean())
+    assert agree >= DRAFTER_AGREEMENT_FLOOR, agree
+
+
+def test_eagle_head_layout_and_agreement(target, snippets, target_out):
+    from safetensors import safe_open
+
+    path = need("eagle-head")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["EagleHead"] and cfg["model_type"] == "eagle"
+    assert cfg["eagle"]["target"] == "target"
+    assert cfg["eagle"]["target_hidden_size"] == target.config.hidden_size == cfg["hidden_size"]
+    assert cfg["eagle"]["target_vocab_size"] == target.config.vocab_size == cfg["vocab_size"]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(EAGLE_KEYS)
+    head = load_eagle_head(path, torch.bfloat16)  # strict key matching
+    h, t_top = target_out
+    bsz, seq = snippets.shape
+    with torch.no_grad():
+        emb = target.get_input_embeddings()(snippets)
+        pos = torch.arange(1, seq).unsqueeze(0).expand(bsz, -1)
+        f = head(emb[:, 1:], h[:, :-1], pos)
+        e_top = target.lm_head(f).argmax(-1)
+    agree = float((e_top == t_top[:, 1:]).float().mean())
+    assert agree >= EAGLE_AGREEMENT_FLOOR, agree
+
+
+def test_mtp_heads_layout_and_agreement(target, target_out):
+    path = need("mtp-heads")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["MedusaHeads"] and cfg["model_type"] == "medusa"
+    assert cfg["target"] == "target"
+    assert cfg["hidden_size"] == target.config.hidden_size and cfg["vocab_size"] == target.config.vocab_size
+    heads = load_medusa_heads(path, torch.bfloat16)  # strict key matching
+    assert len(heads.heads) == cfg["num_heads"]
+    h, t_top = target_out
+    with torch.no_grad():
+        m_top = target.lm_head(heads(h)[0][:, :-1]).argmax(-1)
+    agree = float((m_top == t_top[:, 1:]).float().mean())
+    assert agree >= MTP_HEAD0_AGREEMENT_FLOOR, agree
