@@ -282,10 +282,14 @@ def deployment_options(config: AppConfig, overrides: dict | None = None) -> dict
     return options
 
 
-def build_app(args: dict | None = None, overrides: dict | None = None) -> Application:
-    """Serve application builder (`import_path: deployments.app:build_app`): validate the args,
-    size the deployment from them and bind it. `overrides` are deployment options as in a
-    config file's `deployments:` entry (Serve applies that section itself for config files)."""
-    config = args if isinstance(args, AppConfig) else AppConfig.from_dict(args or {})
+def build_app(args: dict) -> Application:
+    """Serve application builder (`import_path: deployments.app:build_app`): validate the args
+    and bind the deployment. Serve applies a config file's `deployments:` overrides itself."""
+    return bind_app(AppConfig.from_dict(args or {}))
+
+
+def bind_app(config: AppConfig, overrides: dict | None = None) -> Application:
+    """The bound deployment, sized from `config`, with `overrides` (deployment options as in a
+    config file's `deployments:` entry: num_replicas, autoscaling_config, ...) applied on top."""
     deployment = serve.deployment(SpecDecodeServer, name=DEPLOYMENT_NAME)
     return deployment.options(**deployment_options(config, overrides)).bind(config)

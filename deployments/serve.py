@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import bind_app
 
     stop = threading.Event()
     ready = False
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = next((d for d in app.get("deployments") or [] if d.get("name") == DEPLOYMENT_NAME), {})
         print(f"deploying {app_name!r}: {app_config}", flush=True)
         start = time.monotonic()
-        serve.run(build_app(app_config, overrides), name=app_name, route_prefix=app.get("route_prefix"))
+        serve.run(bind_app(app_config, overrides), name=app_name, route_prefix=app.get("route_prefix"))
         from deployments.client import SpecDecodeClient
 
         with SpecDecodeClient(f"localhost:{port}") as client:

@@ -1,0 +1,185 @@
+"""The shipped Serve config parses with Ray's schemas, its import paths resolve, and the app-arg
+validator refuses bad or unknown fields with messages naming the field. No Ray cluster needed."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from ray.serve.config import AutoscalingConfig
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.config import (
+    DEFAULT_CONFIG_PATH,
+    AppConfig,
+    ConfigError,
+    load_serve_config,
+    validate_serve_config,
+)
+
+SHIPPED = load_serve_config(DEFAULT_CONFIG_PATH)
+
+
+def test_shipped_config_parses_with_ray_schema() -> None:
+    schema = ServeDeploySchema.model_validate(SHIPPED)
+    assert schema.grpc_options.port == 9000
+    assert schema.grpc_options.enable_reflection
+    assert len(schema.applications) == 1
+    for app in SHIPPED["applications"]:
+        for deployment in app.get("deployments") or []:
+            if deployment.get("autoscaling_config") is not None:
+                AutoscalingConfig(**deployment["autoscaling_config"])
+
+
+def test_shipped_config_passes_our_validator() -> None:
+    apps = validate_serve_config(SHIPPED)
+    (config,) = apps.values()
+    assert config.model == "models/target"
+    assert config.speculative is not None
+    assert (config.speculative.method, config.speculative.model, config.speculative.num_speculative_tokens) == (
+        "draft", "models/drafter", 4,
+    )
+
+
+def test_import_paths_resolve() -> None:
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.config import gRPCOptions
+
+    grpc_options = gRPCOptions(**SHIPPED["grpc_options"])
+    assert len(grpc_options.grpc_servicer_func_callable) == 1
+    for app in SHIPPED["applications"]:
+        builder = import_attr(app["import_path"])
+        # What `serve run` does with the import path: one-parameter builder returning an Application.
+        built = call_user_app_builder_with_args_if_necessary(builder, app["args"])
+        deployment = built._bound_deployment
+        assert deployment.name == app["deployments"][0]["name"]
+        assert deployment.max_ongoing_requests == app["args"]["max_num_seqs"]
+        assert deployment._deployment_config.max_queued_requests == app["args"]["max_queued_requests"]
+        assert deployment.ray_actor_options == {"num_cpus": app["args"]["num_cpus"]}  # Ray is not running
+
+
+def test_deployment_overrides_are_applied() -> None:
+    from deployments.app import bind_app
+
+    overrides = {"name": "SpecDecode", "autoscaling_config": {"min_replicas": 1, "max_replicas": 3},
+                 "ray_actor_options": {"num_gpus": 1}, "max_queued_requests": 5}
+    deployment = bind_app(AppConfig(), overrides)._bound_deployment
+    assert deployment.ray_actor_options["num_gpus"] == 1
+    assert deployment._deployment_config.max_queued_requests == 5
+    assert deployment._deployment_config.autoscaling_config.max_replicas == 3
+
+
+def test_defaults_round_trip() -> None:
+    config = AppConfig.from_dict(SHIPPED["applications"][0]["args"])
+    assert AppConfig.from_dict(config.to_dict()) == config
+    assert AppConfig.from_dict({}) == AppConfig()
+    assert AppConfig.from_dict({"speculative": None}).speculative is None
+    ngram = AppConfig.from_dict({"speculative": {"method": "ngram"}}).speculative
+    assert ngram is not None and ngram.model is None
+    eagle = AppConfig.from_dict({"speculative": {"method": "eagle"}}).speculative
+    assert eagle is not None and eagle.model == "models/eagle-head"
+
+
+def with_args(**changes) -> dict:
+    config = copy.deepcopy(SHIPPED)
+    args = config["applications"][0]["args"]
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        target = args
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    return config
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"speculative__num_speculative_tokens": 0},
+         "applications[0].args.speculative.num_speculative_tokens: must be in [1, 16], got 0"),
+        ({"speculative__num_speculative_tokens": 17}, "applications[0].args.speculative.num_speculative_tokens"),
+        ({"speculative__method": "medusa"}, "applications[0].args.speculative.method: must be one of"),
+        ({"speculative__method": "ngram"}, "applications[0].args.speculative.model: must be null for method 'ngram'"),
+        ({"speculative__model": None}, "applications[0].args.speculative.model: method 'draft' needs"),
+        ({"speculative__adaptive": "yes"}, "applications[0].args.speculative.adaptive: must be true or false"),
+        ({"speculative__temperature": 1}, "applications[0].args.speculative.temperature: unknown field"),
+        ({"max_batch": 8}, "applications[0].args.max_batch: unknown field"),
+        ({"max_num_seqs": 0}, "applications[0].args.max_num_seqs: must be in [1, 4096], got 0"),
+        ({"max_num_seqs": "16"}, "applications[0].args.max_num_seqs: must be an integer"),
+        ({"max_num_seqs": True}, "applications[0].args.max_num_seqs: must be an integer"),
+        ({"device": "tpu"}, "applications[0].args.device: must be one of auto, cpu, cuda, got 'tpu'"),
+        ({"dtype": "fp8"}, "applications[0].args.dtype: must be one of"),
+        ({"model": ""}, "applications[0].args.model: must be a non-empty string"),
+        ({"max_tokens": 0}, "applications[0].args.max_tokens: must be >= 1, got 0"),
+        ({"default_max_tokens": 2000}, "applications[0].args.default_max_tokens: must be <= max_tokens (1024)"),
+        ({"max_model_len": 256, "max_prompt_tokens": 300}, "applications[0].args.max_prompt_tokens: must be <"),
+        ({"kv_cache_memory_bytes": -1}, "applications[0].args.kv_cache_memory_bytes: must be >= 1"),
+        ({"max_queued_requests": -2}, "applications[0].args.max_queued_requests: must be >= 0"),
+    ],
+)
+def test_validator_names_the_bad_field(changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_serve_config(with_args(**changes))
+    assert message in str(info.value)
+
+
+def test_validator_reports_every_bad_field_at_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_serve_config(with_args(max_num_seqs=0, device="tpu"))
+    assert "max_num_seqs" in str(info.value) and "device" in str(info.value)
+
+
+def test_validator_checks_autoscaling_blocks_and_servicer() -> None:
+    config = copy.deepcopy(SHIPPED)
+    del config["applications"][0]["deployments"][0]["num_replicas"]
+    config["applications"][0]["deployments"][0]["autoscaling_config"] = {"min_replicas": 4, "max_replicas": 2}
+    with pytest.raises(ConfigError, match=r"applications\[0\]\.deployments\[0\]\.autoscaling_config"):
+        validate_serve_config(config)
+    config = copy.deepcopy(SHIPPED)
+    config["grpc_options"]["grpc_servicer_functions"] = []
+    with pytest.raises(ConfigError, match="grpc_options.grpc_servicer_functions"):
+        validate_serve_config(config)
+    config = copy.deepcopy(SHIPPED)
+    config["applications"][0]["deployments"][0]["name"] = "Other"
+    with pytest.raises(ConfigError, match=r"applications\[0\]\.deployments\[0\]\.name"):
+        validate_serve_config(config)
+
+
+def test_build_app_refuses_bad_args_naming_the_field() -> None:
+    from deployments.app import build_app
+
+    with pytest.raises(ConfigError, match=r"args\.speculative\.num_speculative_tokens: must be in \[1, 16\], got 0"):
+        build_app({"speculative": {"num_speculative_tokens": 0}})
+
+
+def test_serve_flags_override_the_config() -> None:
+    from deployments.serve import apply_flags, parse_args
+
+    config = apply_flags(SHIPPED, parse_args(["--port", "9100", "--method", "ngram", "-k", "6", "--device", "cpu"]))
+    args = config["applications"][0]["args"]
+    assert config["grpc_options"]["port"] == 9100
+    assert args["speculative"]["method"] == "ngram" and args["speculative"]["model"] is None
+    assert args["speculative"]["num_speculative_tokens"] == 6 and args["device"] == "cpu"
+    validate_serve_config(config)
+    config = apply_flags(SHIPPED, parse_args(["--no-speculation", "--model", "/x"]))
+    assert config["applications"][0]["args"]["speculative"] is None
+    assert SHIPPED["applications"][0]["args"]["model"] == "models/target"  # not mutated
+
+
+def test_serve_says_how_to_train_missing_models(tmp_path: Path, capsys) -> None:
+    from deployments.serve import main
+
+    rc = main(["--model", str(tmp_path / "nope"), "--no-speculation"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model directory not found" in err and "nope" in err
+    rc = main(["--drafter", str(tmp_path / "nodrafter"), "--model", str(tmp_path / "nope2")])
+    assert rc == 2 and "nodrafter" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_flag_value(capsys) -> None:
+    from deployments.serve import main
+
+    assert main(["-k", "0"]) == 2
+    assert "applications[0].args.speculative.num_speculative_tokens: must be in [1, 16], got 0" in capsys.readouterr().err
