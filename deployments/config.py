@@ -264,10 +264,13 @@ def validate_serve_config(config: dict) -> dict[str, AppConfig]:
             if block is None:
                 continue
             where = f"applications[{i}].deployments[{j}].autoscaling_config"
+            check.mapping(where, block, list(AutoscalingConfig.model_fields))
             try:
                 AutoscalingConfig(**block)
-            except (ValidationError, ValueError, TypeError) as e:
-                check.fail(where, _pydantic_errors(e, where) if isinstance(e, ValidationError) else str(e))
+            except ValidationError as e:
+                check.errors.extend(_pydantic_errors(e, where).splitlines())
+            except (ValueError, TypeError) as e:
+                check.fail(where, str(e))
         if app.get("import_path") != APP_IMPORT_PATH:
             continue
         for j, deployment in enumerate(app.get("deployments") or []):

@@ -134,9 +134,11 @@ def test_validator_reports_every_bad_field_at_once() -> None:
 def test_validator_checks_autoscaling_blocks_and_servicer() -> None:
     config = copy.deepcopy(SHIPPED)
     del config["applications"][0]["deployments"][0]["num_replicas"]
-    config["applications"][0]["deployments"][0]["autoscaling_config"] = {"min_replicas": 4, "max_replicas": 2}
-    with pytest.raises(ConfigError, match=r"applications\[0\]\.deployments\[0\]\.autoscaling_config"):
+    config["applications"][0]["deployments"][0]["autoscaling_config"] = {"min_replicas": 4, "max_replicas": 2, "x": 1}
+    with pytest.raises(ConfigError) as info:
         validate_serve_config(config)
+    assert "applications[0].deployments[0].autoscaling_config: Value error, max_replicas (2)" in str(info.value)
+    assert "applications[0].deployments[0].autoscaling_config.x: unknown field" in str(info.value)
     config = copy.deepcopy(SHIPPED)
     config["grpc_options"]["grpc_servicer_functions"] = []
     with pytest.raises(ConfigError, match="grpc_options.grpc_servicer_functions"):
