@@ -140,6 +140,7 @@ class LLMEngine:
             from engine.spec.speculator import Speculator
 
             self.speculator = Speculator(speculative, make_proposer(speculative, self.runner), max_model_len)
+            self.runner.keep_hidden_states = hasattr(self.speculator.proposer, "observe_step")
             num_lookahead = speculative.num_speculative_tokens
 
         num_blocks = self._num_kv_blocks(max_model_len)

@@ -83,3 +83,28 @@ def save_perturbed_copy(src: str, dst: str, noise: float, seed: int = 0, **overr
     noisy = {k: (v + noise * torch.randn(v.shape, generator=g)).contiguous() if v.dim() == 2 else v for k, v in weights.items()}
     save_file(noisy, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def save_tiny_heads(root: str, target_dir: str, seed: int = 0, scale: float = 1.0) -> tuple[str, str]:
+    """Random EAGLE head and MTP heads for a `save_tiny_model` target, in the shipped layouts."""
+    from pathlib import Path
+
+    from training.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_head
+
+    name = os.path.basename(os.path.normpath(target_dir))
+    torch.manual_seed(seed)
+    ecfg = EagleConfig(hidden_size=TINY["hidden_size"], num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, vocab_size=TINY["vocab_size"], max_position_embeddings=512,
+                       target=name)
+    eagle = EagleHead(ecfg)
+    mcfg = MedusaConfig(num_heads=4, hidden_size=TINY["hidden_size"], vocab_size=TINY["vocab_size"], target=name)
+    mtp = MedusaHeads(mcfg)
+    with torch.no_grad():
+        for p in eagle.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+        for p in mtp.parameters():  # zero-initialized for training; random here
+            p.normal_(0, 0.3 * scale)
+    save_head(eagle, ecfg.to_json_dict(), Path(root) / "eagle")
+    save_head(mtp, mcfg.to_json_dict(), Path(root) / "mtp")
+    return os.path.join(root, "eagle"), os.path.join(root, "mtp")

@@ -9,10 +9,10 @@ import transformers
 from helpers import assert_no_leaked_blocks, save_tiny_model
 
 from engine import (
+    LLM,
     AsyncLLM,
     CheckpointError,
     InvalidRequestError,
-    LLM,
     LLMEngine,
     SamplingParams,
 )
@@ -120,7 +120,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(model_dir):
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.7), (5, 1.0), (10, 0.5), (1, 0.3), (0, 1.0)])
 def test_top_k_top_p_match_transformers_warpers(top_k, top_p):
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3

@@ -111,9 +111,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    """Pre-norm attention + SwiGLU MLP. `input_norm=False` drops the first RMSNorm (EAGLE-1's
+    draft layer has none)."""
+
+    def __init__(self, cfg: ArchConfig, input_norm: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
+        self.input_norm = input_norm
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -134,7 +138,7 @@ class DecoderLayer(nn.Module):
             residual = x
         else:
             residual = residual + x
-        h = F.rms_norm(residual, (cfg.hidden_size,), self.input_layernorm, eps)
+        h = F.rms_norm(residual, (cfg.hidden_size,), self.input_layernorm, eps) if self.input_norm else residual
         qkv = self.qkv_proj(h)
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -125,7 +125,7 @@ class Speculator:
         params = request.sampling_params
         if not params.speculative:
             return 0
-        k = self.config.num_speculative_tokens
+        k = min(self.config.num_speculative_tokens, getattr(self.proposer, "max_k", 64))
         if params.num_speculative_tokens is not None:
             k = min(k, params.num_speculative_tokens)
         k = min(k, params.max_tokens - request.num_output_tokens - 1)  # don't draft past the end
@@ -169,6 +169,8 @@ class Speculator:
 
     def propose_for_step(self, running: list[Request], sched, runner_out, engine) -> None:
         self._block_size = engine.block_manager.block_size
+        if hasattr(self.proposer, "observe_step"):
+            self.proposer.observe_step(sched, runner_out)
         for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
             if s.spec_token_ids and tokens:
                 self.update_acceptance(s.request, len(s.spec_token_ids), len(tokens) - 1)

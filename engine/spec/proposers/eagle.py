@@ -1,0 +1,170 @@
+"""EAGLE proposer: one decoder layer over (token embedding, target hidden state) pairs.
+
+Element j pairs the target's final-norm hidden state h_j with token j+1: x = fc(cat(embed(t_{j+1}),
+h_j)), one Llama decoder layer without input norm, and lm_head(output) predicts token j+2. The
+element sits at RoPE position j+1 and in the head's own paged KV cache at position j (same block
+tables as the target; one layer, so its KV costs 1/L of the target's). Drafting runs the layer
+autoregressively: the predicted feature and the drafted token form the next element. The head's
+KV, like the target's, only keeps committed elements: each round first adds the elements of the
+newly committed positions (in the same forward as the first draft), and draft elements land in
+lookahead slots that the next round overwrites.
+
+The target's embedding and LM head are used in place (no copy). With prefix caching, the element
+at the last position of a shared block was computed for the earlier request's next token; that
+can only lower acceptance, never change outputs (verification decides).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
+from engine.models.llama import ArchConfig, DecoderLayer
+from engine.models.loader import load_safetensors
+from engine.request import Request
+from engine.sampler import probs_from_logits, sample_from_probs
+from engine.spec.proposers.base import Draft, ProposeContext
+from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
+from engine.spec.proposers.mtp import check_head_matches_target, read_head_config
+
+
+class EagleProposer:
+    method = "eagle"
+
+    def __init__(self, model_dir: str, runner) -> None:
+        cfg = read_head_config(model_dir, "EagleHead")
+        eagle = cfg.get("eagle", {})
+        check_head_matches_target(
+            model_dir, runner, eagle.get("target_hidden_size", cfg["hidden_size"]),
+            eagle.get("target_vocab_size", cfg["vocab_size"]), eagle.get("target"),
+        )
+        self.device, self.dtype = runner.device, runner.dtype
+        t = runner.arch
+        self.arch = ArchConfig(
+            model_type="eagle", vocab_size=t.vocab_size, hidden_size=cfg["hidden_size"], num_layers=1,
+            num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg["rms_norm_eps"],
+            tie_word_embeddings=True, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+            max_position_embeddings=cfg["max_position_embeddings"], sliding_window=None,
+        )
+        w = load_safetensors(model_dir)
+        self.fc = torch.nn.Linear(2 * t.hidden_size, self.arch.hidden_size, bias="fc.bias" in w)
+        self.layer = DecoderLayer(self.arch, input_norm=False)
+        p = "layers.0."
+        with torch.no_grad():
+            self.fc.weight.copy_(w["fc.weight"])
+            if "fc.bias" in w:
+                self.fc.bias.copy_(w["fc.bias"])
+            self.layer.qkv_proj.weight.copy_(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+            self.layer.o_proj.weight.copy_(w[p + "self_attn.o_proj.weight"])
+            self.layer.post_attention_layernorm.copy_(w[p + "post_attention_layernorm.weight"])
+            self.layer.gate_up_proj.weight.copy_(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]))
+            self.layer.down_proj.weight.copy_(w[p + "mlp.down_proj.weight"])
+        self.fc = self.fc.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.layer = self.layer.to(self.device, self.dtype).eval().requires_grad_(False)
+        # Shared with the target, in place.
+        self.embed_tokens = runner.model.embed_tokens
+        self.lm_head = runner.model.lm_head
+        from transformers import LlamaConfig
+
+        from engine.models.llama import rope_cos_sin
+
+        hf = LlamaConfig(hidden_size=self.arch.num_heads * self.arch.head_dim, num_attention_heads=self.arch.num_heads,
+                         head_dim=self.arch.head_dim, rope_parameters={"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)})
+        max_pos = runner.model.rope_cos.shape[0] + 1
+        self.rope_cos, self.rope_sin = rope_cos_sin(hf, max_pos, self.dtype, self.device)
+        self.backend = runner.backend
+        self.kv_caches: list = []
+        self.block_size = 0
+        self._step_time_s: float | None = None
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for m in (self.fc, self.layer) for p in m.parameters())
+
+    def modules(self):
+        return [self.fc, self.layer]
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, self.device)
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.arch, self.dtype)
+
+    def on_request_finished(self, request: Request) -> None:
+        request.drafter_state.clear()
+
+    def step_cost(self, num_requests: int, k: int) -> float:
+        return (self._step_time_s if self._step_time_s is not None else 5e-4) * k
+
+    def observe_step(self, sched, runner_out) -> None:
+        collect_committed_hidden(sched, runner_out)
+
+    def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Run the layer on elements (features[i], token_ids[i]) at cache positions of `chunks`;
+        returns the output feature of each chunk's last element [B, H]."""
+        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
+        emb = self.embed_tokens(torch.tensor(token_ids, device=self.device))
+        x = self.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
+        rope_pos = batch.positions + 1
+        cos, sin = self.rope_cos[rope_pos].unsqueeze(1), self.rope_sin[rope_pos].unsqueeze(1)
+        k_cache, v_cache = self.kv_caches[0]
+        out, residual = self.layer(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
+        last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
+        return (residual + out)[last]
+
+    def _pick(self, feats: torch.Tensor, requests: list[Request]):
+        logits = self.lm_head(feats).float()
+        greedy = [r.sampling_params.is_greedy for r in requests]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist(), None
+        params = [r.sampling_params for r in requests]
+        probs = probs_from_logits(
+            logits,
+            torch.tensor([max(p.temperature, 1e-5) for p in params], device=self.device),
+            torch.tensor([p.top_k for p in params], device=self.device),
+            torch.tensor([p.top_p for p in params], device=self.device),
+        )
+        sampled = sample_from_probs(probs, [r.generator for r in requests])
+        return torch.where(torch.tensor(greedy, device=self.device), logits.argmax(-1), sampled).tolist(), probs
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        feats_in: list[torch.Tensor] = []
+        chunks, elem_tokens = [], []
+        for r in requests:
+            n = r.num_tokens
+            start, rows = pop_hidden(r, n - 1)  # hidden of positions [start, n-1)
+            chunks.append(SeqChunk([0] * len(rows), start, r.block_ids))
+            elem_tokens.extend(r.token_at(j + 1) for j in range(start, n - 1))
+            feats_in.append(rows)
+        feats = self._forward(chunks, elem_tokens, torch.cat(feats_in))
+        active = list(range(len(requests)))
+        step = 0
+        while True:
+            t0 = time.perf_counter()
+            picked, p = self._pick(feats, [requests[i] for i in active])
+            for j, i in enumerate(active):
+                tokens[i].append(picked[j])
+                if p is not None:
+                    probs[i].append(p[j])
+            keep = [j for j, i in enumerate(active) if len(tokens[i]) < num_tokens[i]]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            feats = feats[keep]
+            step += 1
+            chunks = [SeqChunk([0], requests[i].num_tokens - 2 + step, requests[i].block_ids) for i in active]
+            feats = self._forward(chunks, [tokens[i][-1] for i in active], feats)
+            dt = time.perf_counter() - t0
+            self._step_time_s = dt if self._step_time_s is None else 0.8 * self._step_time_s + 0.2 * dt
+        return [
+            Draft(t, torch.stack(pr) if pr and not r.sampling_params.is_greedy else None)
+            for t, pr, r in zip(tokens, probs, requests, strict=True)
+        ]

@@ -1,0 +1,118 @@
+"""MTP proposer: Medusa-style residual heads on the target's last hidden state.
+
+Head i maps h_t to h_t + SiLU(W_i h_t + b_i) and, through the target's own LM head (shared in
+memory, not copied), predicts token t+i+2. At propose time the request's last committed position
+is t = N-2 (token N-1 was just sampled from h_{N-2}), so head i drafts token N+i: k drafts in one
+pass, no KV cache. Drafts of sampled requests come with their probabilities (exactness).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import CheckpointError, DrafterMismatchError
+from engine.models.loader import load_safetensors
+from engine.request import Request
+from engine.sampler import probs_from_logits, sample_from_probs
+from engine.spec.proposers.base import Draft, ProposeContext
+from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
+
+
+def read_head_config(model_dir: str, expected_arch: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"drafter directory {model_dir!r} has no config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    archs = cfg.get("architectures") or []
+    if expected_arch not in archs:
+        raise DrafterMismatchError(f"{model_dir!r} is not an {expected_arch} checkpoint (architectures={archs})")
+    return cfg
+
+
+def check_head_matches_target(model_dir: str, runner, hidden: int, vocab: int, target_name: str | None) -> None:
+    arch = runner.arch
+    problems = []
+    if hidden != arch.hidden_size:
+        problems.append(f"hidden size {hidden} vs the target's {arch.hidden_size}")
+    if vocab != arch.vocab_size:
+        problems.append(f"vocab size {vocab} vs the target's {arch.vocab_size}")
+    if target_name and os.path.basename(os.path.normpath(target_name)) != os.path.basename(
+        os.path.normpath(runner.model_dir)
+    ):
+        problems.append(f"it was trained for target {target_name!r}, not {runner.model_dir!r}")
+    if problems:
+        raise DrafterMismatchError(
+            f"drafter {model_dir!r} does not match target {runner.model_dir!r}: " + "; ".join(problems)
+        )
+
+
+class MTPProposer:
+    method = "mtp"
+
+    def __init__(self, model_dir: str, runner) -> None:
+        cfg = read_head_config(model_dir, "MedusaHeads")
+        check_head_matches_target(model_dir, runner, cfg["hidden_size"], cfg["vocab_size"], cfg.get("target"))
+        self.num_heads = int(cfg["num_heads"])
+        self.max_k = self.num_heads
+        self.device, self.dtype = runner.device, runner.dtype
+        weights = load_safetensors(model_dir)
+        self.weight = torch.stack([weights[f"heads.{i}.linear.weight"] for i in range(self.num_heads)]).to(
+            self.device, self.dtype
+        )  # [heads, H, H]
+        self.bias = torch.stack([weights[f"heads.{i}.linear.bias"] for i in range(self.num_heads)]).to(
+            self.device, self.dtype
+        )  # [heads, H]
+        self.lm_head = runner.model.lm_head  # shared with the target: no copy
+        self._step_time_s = 2e-4
+
+    @property
+    def num_parameters(self) -> int:
+        return self.weight.numel() + self.bias.numel()
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        pass
+
+    def kv_bytes_per_token(self) -> int:
+        return 0
+
+    def on_request_finished(self, request: Request) -> None:
+        request.drafter_state.clear()
+
+    def step_cost(self, num_requests: int, k: int) -> float:
+        return self._step_time_s
+
+    def observe_step(self, sched, runner_out) -> None:
+        collect_committed_hidden(sched, runner_out)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        t0 = time.perf_counter()
+        last = []
+        for r in requests:
+            _, rows = pop_hidden(r, r.num_tokens - 1)
+            last.append(rows[-1])
+        h = torch.stack(last)  # [B, H]
+        k = max(num_tokens)
+        # [B, k, H]: h + silu(W_i h + b_i) for heads 0..k-1
+        z = torch.einsum("bh,koh->bko", h, self.weight[:k]) + self.bias[:k]
+        logits = self.lm_head(h.unsqueeze(1) + F.silu(z)).float()  # [B, k, vocab]
+        drafts = []
+        for b, (r, kb) in enumerate(zip(requests, num_tokens, strict=True)):
+            lg = logits[b, :kb]
+            p = r.sampling_params
+            if p.is_greedy:
+                drafts.append(Draft(lg.argmax(dim=-1).tolist()))
+                continue
+            probs = probs_from_logits(
+                lg, torch.full((kb,), max(p.temperature, 1e-5), device=lg.device),
+                torch.full((kb,), p.top_k, device=lg.device), torch.full((kb,), p.top_p, device=lg.device),
+            )
+            drafts.append(Draft(sample_from_probs(probs, [r.generator] * kb).tolist(), probs))
+        self._step_time_s = 0.8 * self._step_time_s + 0.2 * (time.perf_counter() - t0)
+        return drafts
