@@ -1,0 +1,219 @@
+"""Speculative decoding benchmark, in one run, on the shipped target and drafters (bf16, this CPU).
+
+Workloads: held-out code completion, greedy (predictable), and the same prompts sampled at
+temperature 1.0 (unpredictable). Peers on the same weights and prompts: our engine without
+speculation, transformers `generate`, transformers assisted generation
+(`generate(assistant_model=drafter)`), and our engine with each drafter (draft, ngram, eagle, mtp).
+Part 1: batch 1 and 16 concurrent requests with adaptive speculation. Part 2 (`--sweep`): each
+method at fixed k = 1..8 (per-request cap), batch 1 and 16 concurrent, both workloads; PNGs of
+tokens/s vs k and accepted length vs k.
+
+    python -m bench.bench_spec [--sweep] [--prompts 4] [--new-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from bench.common import MODELS, RESULTS, code_prompts, machine_info, table, timed, write_results
+from engine import LLM, SamplingParams, SpeculativeConfig
+
+METHODS = {
+    "draft": str(MODELS / "drafter"),
+    "ngram": None,
+    "eagle": str(MODELS / "eagle-head"),
+    "mtp": str(MODELS / "mtp-heads"),
+}
+
+
+def params_for(workload: str, new_tokens: int, seed: int, k: int | None = None) -> SamplingParams:
+    if workload == "code":
+        return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, num_speculative_tokens=k)
+    return SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=seed, ignore_eos=True, num_speculative_tokens=k)
+
+
+def run_ours(llm: LLM, prompts, workload: str, new_tokens: int, concurrent: bool, k: int | None = None) -> dict:
+    """Tokens/s and speculation stats of one configuration over the prompts."""
+    before = llm.engine.spec_stats.as_dict()
+    if concurrent:
+        sps = [params_for(workload, new_tokens, i, k) for i in range(len(prompts))]
+        _, total = timed(lambda: llm.generate(prompts, sps))
+    else:
+        total = 0.0
+        for i, p in enumerate(prompts):
+            _, dt = timed(lambda p=p, i=i: llm.generate([p], params_for(workload, new_tokens, i, k)))
+            total += dt
+    after = llm.engine.spec_stats.as_dict()
+    drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    steps = after["num_verify_steps"] - before["num_verify_steps"]
+    draft_time = after["draft_time_s"] - before["draft_time_s"]
+    tokens = len(prompts) * new_tokens
+    return {
+        "tokens_per_s": tokens / total,
+        "tpot_ms": 1e3 * total / new_tokens / (1 if concurrent else len(prompts)),
+        "mean_accepted_length": (accepted + steps) / steps if steps else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "draft_time_per_draft_token_ms": 1e3 * draft_time / drafted if drafted else None,
+    }
+
+
+def run_hf(target_dir: str, prompts, workload: str, new_tokens: int, assistant_dir: str | None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=torch.bfloat16).eval() if assistant_dir else None
+    total = 0.0
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        if workload == "code":
+            kw["do_sample"] = False
+        else:
+            kw.update(do_sample=True, temperature=1.0, top_k=0)
+            torch.manual_seed(i)
+        if assistant is not None:
+            kw["assistant_model"] = assistant
+        with torch.inference_mode():
+            _, dt = timed(lambda ids=ids, kw=kw: model.generate(ids, **kw))
+        total += dt
+    return {"tokens_per_s": len(prompts) * new_tokens / total, "tpot_ms": 1e3 * total / new_tokens / len(prompts)}
+
+
+def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int) -> LLM:
+    spec = None
+    if method is not None:
+        spec = SpeculativeConfig(method=method, model=METHODS[method], num_speculative_tokens=k, adaptive=adaptive)
+    return LLM(str(MODELS / "target"), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=max_num_seqs)
+
+
+def part1(prompts, batch_prompts, new_tokens: int, k: int, methods: list[str]) -> list[dict]:
+    rows = []
+    for workload in ("code", "unpredictable"):
+        for method in [None, *methods]:
+            llm = make_llm(method, k, adaptive=True, max_num_seqs=32)
+            llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+            name = f"ours, {method or 'no speculation'}" + (f" (adaptive, k<={k})" if method else "")
+            r1 = run_ours(llm, prompts, workload, new_tokens, concurrent=False)
+            rows.append({"workload": workload, "batch": 1, "system": name, **r1})
+            r16 = run_ours(llm, batch_prompts, workload, new_tokens, concurrent=True)
+            rows.append({"workload": workload, "batch": len(batch_prompts), "system": name, **r16})
+            if method and llm.engine.speculator.cost is not None:
+                rows[-1]["target_step_ms"] = 1e3 * llm.engine.speculator.cost(1)
+        rows.append({"workload": workload, "batch": 1, "system": "transformers generate",
+                     **run_hf(str(MODELS / "target"), prompts, workload, new_tokens, None)})
+        rows.append({"workload": workload, "batch": 1, "system": "transformers assisted (drafter)",
+                     **run_hf(str(MODELS / "target"), prompts, workload, new_tokens, METHODS["draft"])})
+    return rows
+
+
+def sweep(prompts, batch_prompts, new_tokens: int, methods: list[str]) -> list[dict]:
+    rows = []
+    base = make_llm(None, 1, adaptive=False, max_num_seqs=32)
+    for workload in ("code", "unpredictable"):
+        for concurrent, ps in ((False, prompts), (True, batch_prompts)):
+            r = run_ours(base, ps, workload, new_tokens, concurrent)
+            rows.append({"method": "off", "k": 0, "workload": workload, "batch": len(ps) if concurrent else 1, **r})
+    for method in methods:
+        llm = make_llm(method, 8, adaptive=False, max_num_seqs=32)
+        llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
+        for workload in ("code", "unpredictable"):
+            for k in range(1, 9):
+                for concurrent, ps in ((False, prompts), (True, batch_prompts)):
+                    r = run_ours(llm, ps, workload, new_tokens, concurrent, k=k)
+                    rows.append({"method": method, "k": k, "workload": workload,
+                                 "batch": len(ps) if concurrent else 1, **r})
+                print(f"sweep {method} {workload} k={k}: {rows[-2]['tokens_per_s']:.1f} tok/s (b1), "
+                      f"accepted {rows[-2]['mean_accepted_length']}", flush=True)
+    return rows
+
+
+def plot_sweep(rows: list[dict]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for metric, fname, ylabel in (("tokens_per_s", "spec_tokens_per_s_vs_k.png", "tokens/s"),
+                                  ("mean_accepted_length", "spec_accepted_length_vs_k.png", "mean accepted length")):
+        fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+        for ax, (workload, batch) in zip(axes.flat, [("code", 1), ("code", 16), ("unpredictable", 1), ("unpredictable", 16)], strict=True):
+            for method in sorted({r["method"] for r in rows if r["method"] != "off"}):
+                pts = [(r["k"], r[metric]) for r in rows if r["method"] == method and r["workload"] == workload
+                       and (r["batch"] == 1) == (batch == 1) and r[metric] is not None]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            if metric == "tokens_per_s":
+                off = [r[metric] for r in rows if r["method"] == "off" and r["workload"] == workload and (r["batch"] == 1) == (batch == 1)]
+                if off:
+                    ax.axhline(off[0], color="gray", linestyle="--", label="no speculation")
+            ax.set_title(f"{workload}, batch {batch if batch == 1 else 'concurrent'}")
+            ax.set_xlabel("k (draft tokens)")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes.flat[0].legend()
+        fig.tight_layout()
+        path = RESULTS / fname
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
+
+
+def plot_part1(rows: list[dict]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, workload in zip(axes, ("code", "unpredictable"), strict=True):
+        sel = [r for r in rows if r["workload"] == workload and r["batch"] == 1]
+        ax.barh([r["system"] for r in sel], [r["tokens_per_s"] for r in sel], color="tab:blue")
+        ax.set_title(f"{workload}, batch 1 (tokens/s, higher is better)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    path = RESULTS / "spec_batch1.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("-k", type=int, default=6, help="k cap for the adaptive runs of part 1")
+    ap.add_argument("--methods", default="draft,ngram,eagle,mtp")
+    ap.add_argument("--sweep", action="store_true", help="also run the k = 1..8 sweep (part 2)")
+    ap.add_argument("--skip-part1", action="store_true")
+    args = ap.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m and (METHODS[m] is None or os.path.isdir(METHODS[m]))]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
+    prompts = code_prompts(tokenizer, args.prompts, args.prompt_len, seed=1)
+    batch_prompts = code_prompts(tokenizer, args.concurrency, args.prompt_len, seed=2)
+    results: dict = {"machine": machine_info(), "args": vars(args)}
+    if not args.skip_part1:
+        rows = part1(prompts, batch_prompts, args.new_tokens, args.k, methods)
+        results["part1"] = rows
+        results["part1_plot"] = plot_part1(rows)
+        print(table(rows, ["workload", "batch", "system", "tokens_per_s", "tpot_ms", "mean_accepted_length",
+                           "acceptance_rate", "draft_time_per_draft_token_ms"]))
+        write_results("spec", results)
+    if args.sweep:
+        srows = sweep(prompts, batch_prompts, args.new_tokens, methods)
+        results["sweep"] = srows
+        results["sweep_plots"] = plot_sweep(srows)
+        write_results("spec", results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
