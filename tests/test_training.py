@@ -31,6 +31,15 @@ SNIPPETS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny models run fastest (and least disruptively) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
     return data.train_tokenizer(SNIPPETS * 4, vocab_size=TINY.vocab_size)
@@ -139,7 +148,7 @@ def test_distillation_loss_decreases(seqs):
     teacher = frozen(tiny_llama(seed=1))
     student = tiny_llama(seed=2)
     loss_fn = distill_loss_fn(student, teacher)
-    out = train_loop(cfg(30), student, loss_fn, data.SequenceSampler(seqs, 4, 0), None, progress=False)
+    out = train_loop(cfg(20), student, loss_fn, data.SequenceSampler(seqs, 4, 0), None, progress=False)
     first, last = drop(out["history"])
     assert last < 0.7 * first
 
@@ -158,7 +167,7 @@ def test_eagle_loss_decreases_and_layout(seqs, tmp_path):
     head = EagleHead(ecfg)
     assert tuple(sorted(head.state_dict())) == tuple(sorted(EAGLE_KEYS))
     loss_fn = eagle_loss_fn(head, target, rollout_weight=0.5)
-    out = train_loop(cfg(30), head, loss_fn, data.SequenceSampler(seqs, 4, 0), None, progress=False)
+    out = train_loop(cfg(20), head, loss_fn, data.SequenceSampler(seqs, 4, 0), None, progress=False)
     first, last = drop(out["history"])
     assert last < 0.9 * first
     save_head(head, ecfg.to_json_dict(), tmp_path)
@@ -229,3 +238,37 @@ def test_checkpoint_resume_restores_state(seqs, tmp_path):
     assert out["steps"] == 8 and len(out["history"]) == 8
     for (n, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.allclose(a.float(), b.float(), atol=1e-6), n
+
+
+def test_joint_draft_training_shares_target_forward(seqs):
+    from training.trainer import TargetOutputs, joint_loss_fn
+
+    target = frozen(tiny_llama(seed=1), embed_scale=25.0)
+    calls = []
+    target.model.register_forward_hook(lambda *_: calls.append(1))
+    drafter = tiny_llama(seed=2)
+    ecfg = EagleConfig(
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, vocab_size=320
+    )
+    eagle = EagleHead(ecfg)
+    mtp = MedusaHeads(MedusaConfig(num_heads=2, hidden_size=32, vocab_size=320))
+    joint = torch.nn.ModuleDict({"drafter": drafter, "eagle": eagle, "mtp": mtp})
+    before = {n: p.detach().clone() for n, p in joint.named_parameters()}
+    outputs = TargetOutputs(target)
+    loss_fn = joint_loss_fn(
+        {
+            "drafter": distill_loss_fn(drafter, outputs),
+            "eagle": eagle_loss_fn(eagle, outputs),
+            "mtp": medusa_loss_fn(mtp, outputs),
+        }
+    )
+    comps = {"drafter.": 2.0, "eagle.": 1.0, "mtp.": 1.0}
+    out = train_loop(
+        cfg(12), joint, loss_fn, data.SequenceSampler(seqs, 4, 0), None, progress=False, components=comps
+    )
+    assert len(calls) == 12  # one target forward per batch, shared by the three losses
+    first, last = drop(out["history"])
+    assert last < first
+    assert {"drafter_loss", "eagle_loss", "mtp_loss"} <= set(out["first_metrics"])
+    for n, p in joint.named_parameters():
+        assert not torch.equal(p.detach().float(), before[n].float()), n

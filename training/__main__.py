@@ -8,6 +8,8 @@ Steps (run in this order)::
     drafter    distil models/drafter from the frozen target (KL(target || drafter))
     eagle      train models/eagle-head (EAGLE-1) on the frozen target's features
     mtp        train models/mtp-heads (Medusa-style) on the frozen target's features
+    draft-all  drafter + eagle + mtp in one loop on shared batches (one target forward per batch)
+    cards      write the README.md model cards from runs/*_stats.json and bench/results
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ import torch
 from . import data
 from .config import DRAFTER_SPEC, TARGET_SPEC, LlamaSpec, TrainConfig
 from .heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_head
-from .trainer import distill_loss_fn, eagle_loss_fn, lm_loss_fn, medusa_loss_fn, train_loop
+from .trainer import (
+    TargetOutputs,
+    distill_loss_fn,
+    eagle_loss_fn,
+    joint_loss_fn,
+    lm_loss_fn,
+    medusa_loss_fn,
+    train_loop,
+)
 
 RUNS = Path("runs")
 CKPTS = Path("checkpoints")
@@ -102,9 +112,10 @@ def build_llama(spec: LlamaSpec, seed: int):
     return LlamaForCausalLM(cfg)
 
 
-def load_target(folder: Path = MODELS / "target"):
+def load_target(folder: Path | None = None):
     from transformers import LlamaForCausalLM
 
+    folder = folder or MODELS / "target"
     model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, attn_implementation="sdpa")
     model.eval()
     for p in model.parameters():
@@ -146,6 +157,7 @@ def train_config(args: argparse.Namespace, name: str) -> TrainConfig:
 def write_stats(name: str, stats: dict) -> None:
     RUNS.mkdir(exist_ok=True)
     stats = {k: v for k, v in stats.items() if k != "history"}
+    stats["argv"] = " ".join(sys.argv[1:])
     (RUNS / f"{name}_stats.json").write_text(json.dumps(stats, indent=2))
     log(f"{name}: {stats}")
 
@@ -287,17 +299,116 @@ def step_mtp(args: argparse.Namespace) -> None:
     write_stats("mtp", out)
 
 
+class DraftAll(torch.nn.Module):
+    """Container so one optimizer loop trains the three independent draft models."""
+
+    def __init__(self, drafter, eagle: EagleHead, mtp: MedusaHeads) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.eagle = eagle
+        self.mtp = mtp
+
+
+def step_draft_all(args: argparse.Namespace) -> None:
+    """Train drafter, EAGLE head and MTP heads together; each batch's target forward is shared.
+
+    The three models are independent (separate parameters, per-component gradient clipping and
+    learning-rate multipliers ``--drafter-lr-scale`` for the drafter); the summed loss only
+    shares the frozen target's work.
+    """
+    cfg = train_config(args, "draft-all")
+    train, held = load_streams(cfg.seq_len)
+    target = load_target()
+    drafter = build_llama(DRAFTER_SPEC, cfg.seed)
+    torch.manual_seed(cfg.seed + 2)
+    ecfg = eagle_config_from_target(target)
+    eagle = EagleHead(ecfg)
+    torch.manual_seed(cfg.seed + 3)
+    mcfg = MedusaConfig(
+        num_heads=args.num_heads, hidden_size=target.config.hidden_size, vocab_size=target.config.vocab_size
+    )
+    mtp = MedusaHeads(mcfg)
+    joint = DraftAll(drafter, eagle, mtp)
+    outputs = TargetOutputs(target)
+    loss_fn = joint_loss_fn(
+        {
+            "drafter": distill_loss_fn(drafter, outputs),
+            "eagle": eagle_loss_fn(eagle, outputs, rollout_weight=args.rollout_weight),
+            "mtp": medusa_loss_fn(mtp, outputs),
+        }
+    )
+    sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in joint.named_children()}
+    log(f"draft-all: params {sizes}, config {asdict(cfg)}")
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 1)
+    comps = {"drafter.": args.drafter_lr_scale, "eagle.": 1.0, "mtp.": 1.0}
+    if args.measure_steps:
+        tcfg = replace(cfg, planned_tokens=cfg.tokens_per_step * args.measure_steps, warmup_steps=1)
+        out = train_loop(tcfg, joint, loss_fn, sampler, None, log=log, progress=False, components=comps)
+        log(f"measure: {out['tokens_per_s']:.0f} tok/s, {out['elapsed_s'] / args.measure_steps:.2f} s/step")
+        return
+    out = train_loop(
+        cfg,
+        joint,
+        loss_fn,
+        sampler,
+        CKPTS / "draft-all.pt",
+        resume=args.resume,
+        log=log,
+        max_threads=args.threads,
+        components=comps,
+    )
+    drafter.eval()
+    nll = heldout_nll(lambda b: drafter(input_ids=b).logits, held, max_seqs=args.eval_seqs)
+    drafter.to(torch.bfloat16).save_pretrained(str(MODELS / "drafter"))
+    save_head(eagle, ecfg.to_json_dict(), MODELS / "eagle-head")
+    save_head(mtp, mcfg.to_json_dict(), MODELS / "mtp-heads")
+    for folder in ("drafter", "eagle-head", "mtp-heads"):
+        data.copy_tokenizer(TOKENIZER_DIR, MODELS / folder)
+    shared = {k: v for k, v in out.items() if k not in ("first_metrics", "final_metrics_ema", "history")}
+    for name in ("drafter", "eagle", "mtp"):
+        stats = dict(shared, params=sizes[name], config=asdict(cfg), joint=True)
+        stats["first_loss"] = out["first_metrics"].get(f"{name}_loss", float("nan"))
+        stats["final_loss_ema"] = out["final_metrics_ema"].get(f"{name}_loss", float("nan"))
+        stats["metrics_ema"] = {k: v for k, v in out["final_metrics_ema"].items() if k.startswith(name)}
+        if name == "drafter":
+            stats.update(
+                heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), lr_scale=args.drafter_lr_scale
+            )
+        if name == "eagle":
+            stats["rollout_weight"] = args.rollout_weight
+        write_stats(name, stats)
+
+
+def step_cards(args: argparse.Namespace) -> None:
+    from .cards import write_cards
+
+    def stats(name: str) -> dict:
+        path = RUNS / f"{name}_stats.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    run = "nohup nice -n 19 python -m training {} > runs/{}.log 2>&1 &"
+    if stats("drafter").get("joint"):
+        downstream = run.format(stats("drafter")["argv"], "draft-all")
+    else:
+        downstream = "\n".join(run.format(stats(n).get("argv", n), n) for n in ("drafter", "eagle", "mtp"))
+    for path in write_cards({"downstream": downstream}, MODELS):
+        log(f"cards: wrote {path}")
+
+
 STEP_DEFAULTS: dict[str, dict] = {
     "target": {"lr": 1e-3, "planned_tokens": 16_000_000, "max_minutes": 70.0, "warmup_steps": 100},
     "drafter": {"lr": 2e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
     "eagle": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
     "mtp": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 10.0, "warmup_steps": 50},
+    "draft-all": {"lr": 1e-3, "planned_tokens": 2_000_000, "max_minutes": 25.0, "warmup_steps": 30},
 }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n")[0])
-    parser.add_argument("step", choices=["corpus", "tokenizer", "target", "drafter", "eagle", "mtp"])
+    parser.add_argument(
+        "step", choices=["corpus", "tokenizer", "target", "drafter", "eagle", "mtp", "draft-all", "cards"]
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -318,7 +429,14 @@ def main(argv: list[str] | None = None) -> None:
         "--rollout-weight", type=float, default=0.5, help="eagle: weight of the 2nd-step loss"
     )
     parser.add_argument("--num-heads", type=int, default=8, help="mtp: number of heads")
+    parser.add_argument(
+        "--drafter-lr-scale", type=float, default=2.0, help="draft-all: drafter lr multiplier"
+    )
+    parser.add_argument("--models-dir", default=None, help="output/input models folder (default models/)")
     args = parser.parse_args(argv)
+    if args.models_dir:
+        global MODELS
+        MODELS = Path(args.models_dir)
     for key, value in STEP_DEFAULTS.get(args.step, {}).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -331,6 +449,8 @@ def main(argv: list[str] | None = None) -> None:
         "drafter": step_drafter,
         "eagle": step_eagle,
         "mtp": step_mtp,
+        "draft-all": step_draft_all,
+        "cards": step_cards,
     }[args.step](args)
 
 

@@ -68,12 +68,17 @@ def train_loop(
     progress: bool = True,
     max_threads: int | None = None,
     stop_after: int | None = None,
+    components: dict[str, float] | None = None,
 ) -> dict:
     """Train ``model`` (its parameters with ``requires_grad``) until planned steps or time run out.
 
     With ``max_threads > 1`` the intra-op thread count adapts to a shared, busy machine: every tenth
     step tries the other choice of 1 or ``max_threads`` threads, the others use whichever was faster
     last time (a reniced process whose second thread lands on a busy core stalls every barrier).
+
+    ``components`` maps parameter-name prefixes (e.g. ``"drafter."``) to learning-rate multipliers;
+    each component then gets its own parameter groups and its own gradient clipping, so several
+    independent models can be trained on shared batches in one loop.
 
     ``stop_after`` ends the run (with a checkpoint) after that many steps without changing the
     schedule, e.g. to test resumption.
@@ -84,13 +89,20 @@ def train_loop(
     model.to(torch.bfloat16)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in named}
-    decay = [m for m in masters.values() if m.ndim >= 2]
-    no_decay = [m for m in masters.values() if m.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=cfg.betas,
+    comps = components or {"": 1.0}
+    comp_params = {c: [m for n, m in masters.items() if n.startswith(c)] for c in comps}
+    assert sum(len(v) for v in comp_params.values()) == len(masters), (
+        "components must partition the parameters"
     )
+    groups = []
+    for c, scale in comps.items():
+        for decay in (True, False):
+            ps = [m for m in comp_params[c] if (m.ndim >= 2) == decay]
+            if ps:
+                groups.append(
+                    {"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0, "lr_scale": scale}
+                )
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
     step, tokens, elapsed = 0, 0, 0.0
     history: list[float] = []
     if resume and ckpt_path is not None and ckpt_path.exists():
@@ -122,6 +134,8 @@ def train_loop(
     last_ckpt = time.monotonic()
     bar = tqdm(total=cfg.planned_steps, initial=step, desc=cfg.name, disable=not progress, mininterval=10)
     ema = None
+    first_metrics: dict[str, float] = {}
+    metrics_ema: dict[str, float] = {}
     thread_choices = [1, max_threads] if max_threads and max_threads > 1 else []
     step_time = dict.fromkeys(thread_choices, 0.0)
     last_step = min(cfg.planned_steps, stop_after or cfg.planned_steps)
@@ -134,7 +148,7 @@ def train_loop(
         t_step = time.monotonic()
         lr = lr_at(cfg, step, elapsed)
         for group in opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
         metrics: dict[str, float] = {}
         for _ in range(cfg.grad_accum):
             batch = sampler.next_batch()
@@ -143,7 +157,7 @@ def train_loop(
         for n, p in named:
             masters[n].grad = p.grad.float() if p.grad is not None else torch.zeros_like(masters[n])
             p.grad = None
-        gnorm = torch.nn.utils.clip_grad_norm_(list(masters.values()), cfg.grad_clip)
+        gnorm = max(float(torch.nn.utils.clip_grad_norm_(ps, cfg.grad_clip)) for ps in comp_params.values())
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -156,6 +170,10 @@ def train_loop(
             step_time[n_threads] = time.monotonic() - t_step
         lv = float(loss.detach())
         history.append(lv)
+        first_metrics = first_metrics or dict(metrics)
+        metrics_ema = {
+            k: v if k not in metrics_ema else 0.98 * metrics_ema[k] + 0.02 * v for k, v in metrics.items()
+        }
         ema = lv if ema is None else 0.98 * ema + 0.02 * lv
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens / max(elapsed, 1e-6):.0f}")
@@ -163,7 +181,7 @@ def train_loop(
             extra = " ".join(f"{k}={v:.3f}" for k, v in metrics.items())
             log(
                 f"[{cfg.name}] step {step}/{cfg.planned_steps} loss {lv:.4f} ema {ema:.4f} lr {lr:.2e} "
-                f"gnorm {float(gnorm):.2f} tok/s {tokens / max(elapsed, 1e-6):.0f} "
+                f"gnorm {gnorm:.2f} tok/s {tokens / max(elapsed, 1e-6):.0f} "
                 f"elapsed {elapsed / 60:.1f}m threads {n_threads} {extra}"
             )
         if ckpt_path is not None and time.monotonic() - last_ckpt > cfg.checkpoint_minutes * 60:
@@ -179,6 +197,8 @@ def train_loop(
         "tokens_per_s": tokens / max(elapsed, 1e-6),
         "first_loss": history[0] if history else float("nan"),
         "final_loss_ema": ema if ema is not None else float("nan"),
+        "first_metrics": first_metrics,
+        "final_metrics_ema": metrics_ema,
         "history": history,
     }
 
@@ -198,12 +218,44 @@ def lm_loss_fn(model: nn.Module) -> LossFn:
     return fn
 
 
-def distill_loss_fn(student: nn.Module, teacher: nn.Module) -> LossFn:
+class TargetOutputs:
+    """Frozen-target outputs for a batch, computed once and shared by several losses."""
+
+    def __init__(self, target: nn.Module) -> None:
+        self.target = target
+        self._batch: torch.Tensor | None = None
+        self._hidden: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def hidden(self, batch: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states (``last_hidden_state``) ``[B, T, H]``."""
+        if self._batch is not batch:
+            self._hidden = self.target.model(input_ids=batch).last_hidden_state
+            self._logits = None
+            self._batch = batch
+        return self._hidden
+
+    @torch.no_grad()
+    def log_probs(self, batch: torch.Tensor) -> torch.Tensor:
+        """fp32 log-softmax of the target's logits ``[B, T, V]``."""
+        h = self.hidden(batch)
+        if self._logits is None:
+            self._logits = F.log_softmax(self.target.lm_head(h).float(), dim=-1)
+        return self._logits
+
+
+def _outputs(target: nn.Module | TargetOutputs) -> TargetOutputs:
+    return target if isinstance(target, TargetOutputs) else TargetOutputs(target)
+
+
+def distill_loss_fn(student: nn.Module, teacher: nn.Module | TargetOutputs) -> LossFn:
     """Token-level ``KL(teacher || student)`` on the frozen teacher's logits."""
+    outputs = _outputs(teacher)
 
     def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         with torch.no_grad():
-            t_logp = F.log_softmax(teacher(input_ids=batch).logits.float(), dim=-1).flatten(0, 1)
+            t_logp = outputs.log_probs(batch).flatten(0, 1)
         s_logp = F.log_softmax(student(input_ids=batch).logits.float(), dim=-1).flatten(0, 1)
         loss = F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
         with torch.no_grad():
@@ -213,14 +265,8 @@ def distill_loss_fn(student: nn.Module, teacher: nn.Module) -> LossFn:
     return fn
 
 
-@torch.no_grad()
-def target_features(target: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Final-norm hidden states of the frozen target (``last_hidden_state``)."""
-    return target.model(input_ids=batch).last_hidden_state
-
-
 def eagle_loss_fn(
-    head: EagleHead, target: nn.Module, cls_weight: float = 0.1, rollout_weight: float = 0.0
+    head: EagleHead, target: nn.Module | TargetOutputs, cls_weight: float = 0.1, rollout_weight: float = 0.0
 ) -> LossFn:
     """EAGLE-1 loss: ``SmoothL1(f, h_{t+1}) + cls_weight * CE(lm_head(f), token_{t+2})``.
 
@@ -229,8 +275,9 @@ def eagle_loss_fn(
     features back in place of the true ones (shifted by one), adding the same loss for the
     two-steps-ahead predictions, which reduces exposure bias.
     """
-    embed = target.get_input_embeddings()
-    lm_head = target.get_output_embeddings()
+    outputs = _outputs(target)
+    embed = outputs.target.get_input_embeddings()
+    lm_head = outputs.target.get_output_embeddings()
 
     def step_loss(f: torch.Tensor, h_next: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
         reg = F.smooth_l1_loss(f.float(), h_next.float())
@@ -246,7 +293,7 @@ def eagle_loss_fn(
 
     def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         bsz, seq = batch.shape
-        h = target_features(target, batch)
+        h = outputs.hidden(batch)
         with torch.no_grad():
             emb = embed(batch)
         pos = torch.arange(1, seq, device=batch.device).unsqueeze(0).expand(bsz, -1)
@@ -263,12 +310,13 @@ def eagle_loss_fn(
     return fn
 
 
-def medusa_loss_fn(heads: MedusaHeads, target: nn.Module, decay: float = 0.8) -> LossFn:
+def medusa_loss_fn(heads: MedusaHeads, target: nn.Module | TargetOutputs, decay: float = 0.8) -> LossFn:
     """Sum over heads of ``decay**i * CE(lm_head(head_i(h_t)), token_{t+i+2})``."""
-    lm_head = target.get_output_embeddings()
+    outputs = _outputs(target)
+    lm_head = outputs.target.get_output_embeddings()
 
     def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        h = target_features(target, batch)
+        h = outputs.hidden(batch)
         total = torch.zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         for i, feat in enumerate(heads(h)):
@@ -279,6 +327,22 @@ def medusa_loss_fn(heads: MedusaHeads, target: nn.Module, decay: float = 0.8) ->
             total = total + (decay**i) * ce
             if i in (0, 1, heads.config.num_heads - 1):
                 metrics[f"acc{i}"] = float((logits.detach().argmax(-1) == labels).float().mean())
+        return total, metrics
+
+    return fn
+
+
+def joint_loss_fn(parts: dict[str, LossFn]) -> LossFn:
+    """Sum of independent losses (one per component) on the same batch; metrics are prefixed."""
+
+    def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        total = torch.zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for name, part in parts.items():
+            loss, m = part(batch)
+            total = total + loss
+            metrics[f"{name}_loss"] = float(loss.detach())
+            metrics.update({f"{name}_{k}": v for k, v in m.items()})
         return total, metrics
 
     return fn
