@@ -26,6 +26,12 @@ python -m training cards       # these README.md files
 ```"""
 
 
+def _notes(name: str) -> str:
+    """Free-form run notes from ``runs/<name>_notes.md`` (e.g. interruptions/resumptions)."""
+    path = RUNS / f"{name}_notes.md"
+    return f"\nRun notes: {path.read_text().strip()}\n" if path.exists() else ""
+
+
 def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -117,7 +123,7 @@ Held-out NLL at save time: {st.get("heldout_nll", float("nan")):.4f} nats/token 
 ## Reproduce
 
 {REPRODUCE.format(**args)}
-
+{_notes("target")}
 The time-aware learning-rate schedule makes wall-clock budgets (and so the exact weights) depend on machine load.
 """
 
