@@ -259,7 +259,7 @@ def test_joint_draft_training_shares_target_forward(seqs):
         {
             "drafter": distill_loss_fn(drafter, outputs),
             "eagle": eagle_loss_fn(eagle, outputs),
-            "mtp": medusa_loss_fn(mtp, outputs),
+            "mtp": medusa_loss_fn(mtp, outputs, stride=3),
         }
     )
     comps = {"drafter.": 2.0, "eagle.": 1.0, "mtp.": 1.0}

@@ -334,7 +334,7 @@ def step_draft_all(args: argparse.Namespace) -> None:
         {
             "drafter": distill_loss_fn(drafter, outputs),
             "eagle": eagle_loss_fn(eagle, outputs, rollout_weight=args.rollout_weight),
-            "mtp": medusa_loss_fn(mtp, outputs),
+            "mtp": medusa_loss_fn(mtp, outputs, stride=args.mtp_stride),
         }
     )
     sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in joint.named_children()}
@@ -376,6 +376,8 @@ def step_draft_all(args: argparse.Namespace) -> None:
             )
         if name == "eagle":
             stats["rollout_weight"] = args.rollout_weight
+        if name == "mtp":
+            stats["position_stride"] = args.mtp_stride
         write_stats(name, stats)
 
 

@@ -236,7 +236,9 @@ starts as the identity). Reference: `training/heads.py::MedusaHeads` (`load_medu
 
 ## Training
 
-Frozen target (bf16, features recomputed per batch). Loss `sum_i 0.8^i * CE(lm_head(head_i(h_t)), x_(t+i+2))`.
+Frozen target (bf16, features recomputed per batch). Loss `sum_i 0.8^i * CE(lm_head(head_i(h_t)), x_(t+i+2))`,
+over every {st.get("position_stride", 1)}-th position `t` of each sequence (random offset per batch; the full-vocabulary
+projections dominate the cost, the heads are tiny).
 {_train_line(st)}
 Training time: {_fmt_minutes(st)}. Loss: first {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}.
 

@@ -310,19 +310,32 @@ def eagle_loss_fn(
     return fn
 
 
-def medusa_loss_fn(heads: MedusaHeads, target: nn.Module | TargetOutputs, decay: float = 0.8) -> LossFn:
-    """Sum over heads of ``decay**i * CE(lm_head(head_i(h_t)), token_{t+i+2})``."""
+def medusa_loss_fn(
+    heads: MedusaHeads, target: nn.Module | TargetOutputs, decay: float = 0.8, stride: int = 1
+) -> LossFn:
+    """Sum over heads of ``decay**i * CE(lm_head(head_i(h_t)), token_{t+i+2})``.
+
+    With ``stride > 1`` only every ``stride``-th position (random offset per batch) is used: the
+    heads are tiny, and the full-vocabulary projections dominate the cost.
+    """
     outputs = _outputs(target)
     lm_head = outputs.target.get_output_embeddings()
 
     def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         h = outputs.hidden(batch)
+        seq = batch.shape[1]
         total = torch.zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
-        for i, feat in enumerate(heads(h)):
+        if stride > 1:
+            offset = int(torch.randint(stride, ()))
+            idx = torch.arange(offset, seq - heads.config.num_heads - 1, stride)
+        else:
+            idx = torch.arange(seq)
+        for i, feat in enumerate(heads(h[:, idx])):
             shift = i + 2
-            labels = batch[:, shift:]
-            logits = lm_head(feat[:, :-shift]).float()
+            keep = idx + shift < seq
+            labels = batch[:, idx[keep] + shift]
+            logits = lm_head(feat[:, keep]).float()
             ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
             total = total + (decay**i) * ce
             if i in (0, 1, heads.config.num_heads - 1):
