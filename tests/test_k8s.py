@@ -89,12 +89,10 @@ def checkable(config: dict) -> dict:
 
 
 # --- KubeRay's CRD schema -----------------------------------------------------------------------
-def crd_dir() -> Path | None:
-    candidates = [os.environ.get("KUBERAY_CRD_DIR"), str(REPO_ROOT.parent / "shared" / "kuberay" / "crds")]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "ray.io_rayservices.yaml").is_file():
-            return Path(candidate)
-    return None
+def crd_dir() -> Path:
+    """$KUBERAY_CRD_DIR if set, else <repo>/../shared/kuberay/crds (CI clones beside shared/)."""
+    env = os.environ.get("KUBERAY_CRD_DIR")
+    return Path(env) if env else REPO_ROOT.parent / "shared" / "kuberay" / "crds"
 
 
 def strict(schema: Any) -> Any:
@@ -133,10 +131,10 @@ CRDValidator = jsonschema.validators.extend(jsonschema.Draft7Validator, {"x-kube
 
 @pytest.fixture(scope="module")
 def rayservice_validator() -> Any:
-    directory = crd_dir()
-    if directory is None:
-        pytest.skip("KubeRay CRDs not found: set KUBERAY_CRD_DIR or put them at <repo>/../shared/kuberay/crds")
-    with open(directory / "ray.io_rayservices.yaml") as f:
+    path = crd_dir() / "ray.io_rayservices.yaml"
+    if not path.is_file():
+        pytest.skip(f"KubeRay CRDs not found at {path}: set KUBERAY_CRD_DIR or put them at <repo>/../shared/kuberay/crds")
+    with open(path) as f:
         crd = yaml.load(f, Loader=YAML_LOADER)
     versions = {v["name"]: v for v in crd["spec"]["versions"]}
     schema = strict(versions["v1"]["schema"]["openAPIV3Schema"])
