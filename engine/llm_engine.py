@@ -79,7 +79,12 @@ class EngineOutput:
 
 @dataclass
 class StepRecord:
-    """Timings of one engine step, handed to step listeners (metrics, tracing)."""
+    """Timings of one engine step, handed to step listeners (metrics, tracing).
+
+    A step is schedule -> target forward (verifies drafts) -> rejection sampling -> commit ->
+    drafting for the next step. `draft_time_s` is that last part: the drafts it makes are verified
+    by the next step. `duration_s` covers the whole step.
+    """
 
     step_index: int
     start_time: float  # time.time()
@@ -111,6 +116,7 @@ class LLMEngine:
         attention_backend: str = "auto",
         max_waiting_requests: int | None = None,
         gpu_memory_utilization: float = 0.85,
+        num_threads: int | None = None,
     ) -> None:
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
@@ -120,6 +126,12 @@ class LLMEngine:
         self.model_dir = model
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if num_threads is not None:
+            # CPU matmul threads. On a shared or busy host, fewer threads than cores avoids
+            # threads spinning at barriers while another process holds a core.
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
         from engine.models.loader import load_hf_config
 
         hf_config = load_hf_config(model)
