@@ -299,48 +299,47 @@ def step_mtp(args: argparse.Namespace) -> None:
     write_stats("mtp", out)
 
 
-class DraftAll(torch.nn.Module):
-    """Container so one optimizer loop trains the three independent draft models."""
-
-    def __init__(self, drafter, eagle: EagleHead, mtp: MedusaHeads) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.eagle = eagle
-        self.mtp = mtp
+DRAFT_PARTS = ("drafter", "eagle", "mtp")
 
 
 def step_draft_all(args: argparse.Namespace) -> None:
-    """Train drafter, EAGLE head and MTP heads together; each batch's target forward is shared.
+    """Train the draft models named by ``--parts`` together; each batch's target forward is shared.
 
-    The three models are independent (separate parameters, per-component gradient clipping and
-    learning-rate multipliers ``--drafter-lr-scale`` for the drafter); the summed loss only
-    shares the frozen target's work.
+    The models are independent (separate parameters, per-component gradient clipping, learning-rate
+    multiplier ``--drafter-lr-scale`` for the drafter); the summed loss only shares the frozen
+    target's forward pass.  ``--parts drafter`` alone is plain distillation.
     """
-    cfg = train_config(args, "draft-all")
+    parts = [p for p in DRAFT_PARTS if p in args.parts.split(",")]
+    tag = "draft-" + "-".join(parts)
+    cfg = train_config(args, tag)
     train, held = load_streams(cfg.seq_len)
     target = load_target()
-    drafter = build_llama(DRAFTER_SPEC, cfg.seed)
-    torch.manual_seed(cfg.seed + 2)
-    ecfg = eagle_config_from_target(target)
-    eagle = EagleHead(ecfg)
-    torch.manual_seed(cfg.seed + 3)
-    mcfg = MedusaConfig(
-        num_heads=args.num_heads, hidden_size=target.config.hidden_size, vocab_size=target.config.vocab_size
-    )
-    mtp = MedusaHeads(mcfg)
-    joint = DraftAll(drafter, eagle, mtp)
     outputs = TargetOutputs(target)
-    loss_fn = joint_loss_fn(
-        {
-            "drafter": distill_loss_fn(drafter, outputs),
-            "eagle": eagle_loss_fn(eagle, outputs, rollout_weight=args.rollout_weight),
-            "mtp": medusa_loss_fn(mtp, outputs, stride=args.mtp_stride),
-        }
-    )
-    sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in joint.named_children()}
-    log(f"draft-all: params {sizes}, config {asdict(cfg)}")
+    modules: dict[str, torch.nn.Module] = {}
+    losses = {}
+    if "drafter" in parts:
+        modules["drafter"] = build_llama(DRAFTER_SPEC, cfg.seed)
+        losses["drafter"] = distill_loss_fn(modules["drafter"], outputs)
+    if "eagle" in parts:
+        torch.manual_seed(cfg.seed + 2)
+        ecfg = eagle_config_from_target(target)
+        modules["eagle"] = EagleHead(ecfg)
+        losses["eagle"] = eagle_loss_fn(modules["eagle"], outputs, rollout_weight=args.rollout_weight)
+    if "mtp" in parts:
+        torch.manual_seed(cfg.seed + 3)
+        mcfg = MedusaConfig(
+            num_heads=args.num_heads,
+            hidden_size=target.config.hidden_size,
+            vocab_size=target.config.vocab_size,
+        )
+        modules["mtp"] = MedusaHeads(mcfg)
+        losses["mtp"] = medusa_loss_fn(modules["mtp"], outputs, stride=args.mtp_stride)
+    joint = torch.nn.ModuleDict(modules)
+    loss_fn = joint_loss_fn(losses)
+    sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in modules.items()}
+    log(f"{tag}: params {sizes}, config {asdict(cfg)}")
     sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 1)
-    comps = {"drafter.": args.drafter_lr_scale, "eagle.": 1.0, "mtp.": 1.0}
+    comps = {f"{n}.": (args.drafter_lr_scale if n == "drafter" else 1.0) for n in parts}
     if args.measure_steps:
         tcfg = replace(cfg, planned_tokens=cfg.tokens_per_step * args.measure_steps, warmup_steps=1)
         out = train_loop(tcfg, joint, loss_fn, sampler, None, log=log, progress=False, components=comps)
@@ -351,32 +350,33 @@ def step_draft_all(args: argparse.Namespace) -> None:
         joint,
         loss_fn,
         sampler,
-        CKPTS / "draft-all.pt",
+        CKPTS / f"{tag}.pt",
         resume=args.resume,
         log=log,
         max_threads=args.threads,
         components=comps,
     )
-    drafter.eval()
-    nll = heldout_nll(lambda b: drafter(input_ids=b).logits, held, max_seqs=args.eval_seqs)
-    drafter.to(torch.bfloat16).save_pretrained(str(MODELS / "drafter"))
-    save_head(eagle, ecfg.to_json_dict(), MODELS / "eagle-head")
-    save_head(mtp, mcfg.to_json_dict(), MODELS / "mtp-heads")
-    for folder in ("drafter", "eagle-head", "mtp-heads"):
-        data.copy_tokenizer(TOKENIZER_DIR, MODELS / folder)
     shared = {k: v for k, v in out.items() if k not in ("first_metrics", "final_metrics_ema", "history")}
-    for name in ("drafter", "eagle", "mtp"):
-        stats = dict(shared, params=sizes[name], config=asdict(cfg), joint=True)
+    for name in parts:
+        stats = dict(shared, params=sizes[name], config=asdict(cfg), joint=True, parts=parts)
         stats["first_loss"] = out["first_metrics"].get(f"{name}_loss", float("nan"))
         stats["final_loss_ema"] = out["final_metrics_ema"].get(f"{name}_loss", float("nan"))
         stats["metrics_ema"] = {k: v for k, v in out["final_metrics_ema"].items() if k.startswith(name)}
         if name == "drafter":
+            drafter = modules["drafter"].eval()
+            nll = heldout_nll(lambda b, m=drafter: m(input_ids=b).logits, held, max_seqs=args.eval_seqs)
+            drafter.to(torch.bfloat16).save_pretrained(str(MODELS / "drafter"))
+            data.copy_tokenizer(TOKENIZER_DIR, MODELS / "drafter")
             stats.update(
                 heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), lr_scale=args.drafter_lr_scale
             )
         if name == "eagle":
+            save_head(modules["eagle"], ecfg.to_json_dict(), MODELS / "eagle-head")
+            data.copy_tokenizer(TOKENIZER_DIR, MODELS / "eagle-head")
             stats["rollout_weight"] = args.rollout_weight
         if name == "mtp":
+            save_head(modules["mtp"], mcfg.to_json_dict(), MODELS / "mtp-heads")
+            data.copy_tokenizer(TOKENIZER_DIR, MODELS / "mtp-heads")
             stats["position_stride"] = args.mtp_stride
         write_stats(name, stats)
 
@@ -389,10 +389,14 @@ def step_cards(args: argparse.Namespace) -> None:
         return json.loads(path.read_text()) if path.exists() else {}
 
     run = "nohup nice -n 19 python -m training {} > runs/{}.log 2>&1 &"
-    if stats("drafter").get("joint"):
-        downstream = run.format(stats("drafter")["argv"], "draft-all")
-    else:
-        downstream = "\n".join(run.format(stats(n).get("argv", n), n) for n in ("drafter", "eagle", "mtp"))
+    lines: list[str] = []
+    for n in DRAFT_PARTS:
+        st = stats(n)
+        log_name = "draft-" + "-".join(st.get("parts", DRAFT_PARTS)) if st.get("joint") else n
+        line = run.format(st.get("argv", n), log_name)
+        if line not in lines:
+            lines.append(line)
+    downstream = "\n".join(lines)
     for path in write_cards({"downstream": downstream}, MODELS):
         log(f"cards: wrote {path}")
 
@@ -433,6 +437,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-heads", type=int, default=8, help="mtp: number of heads")
     parser.add_argument(
         "--drafter-lr-scale", type=float, default=2.0, help="draft-all: drafter lr multiplier"
+    )
+    parser.add_argument("--parts", default="drafter,eagle,mtp", help="draft-all: comma-separated models")
+    parser.add_argument(
+        "--mtp-stride", type=int, default=4, help="draft-all: MTP loss on every n-th position"
     )
     parser.add_argument("--models-dir", default=None, help="output/input models folder (default models/)")
     args = parser.parse_args(argv)

@@ -39,10 +39,11 @@ def _load(path: Path) -> dict:
 def _fmt_minutes(stats: dict) -> str:
     if not stats:
         return "n/a"
+    parts = stats.get("parts", [])
     joint = (
-        " (shared: drafter, EAGLE head and MTP heads were trained together by `python -m training draft-all`, "
-        "one frozen-target forward per batch feeding all three independent losses/optimizer groups)"
-        if stats.get("joint")
+        f" (shared: {', '.join(parts)} trained together by `python -m training draft-all --parts {','.join(parts)}`, "
+        "one frozen-target forward per batch feeding independent losses/optimizer groups)"
+        if len(parts) > 1
         else ""
     )
     return f"{stats['elapsed_s'] / 60:.1f} min wall{joint} ({stats['steps']} steps, {stats['tokens'] / 1e6:.2f}M tokens, {stats['tokens_per_s']:.0f} tokens/s)"
