@@ -57,7 +57,8 @@ def test_import_paths_resolve() -> None:
         assert deployment.name == app["deployments"][0]["name"]
         assert deployment.max_ongoing_requests == app["args"]["max_num_seqs"]
         assert deployment._deployment_config.max_queued_requests == app["args"]["max_queued_requests"]
-        assert deployment.ray_actor_options == {"num_cpus": app["args"]["num_cpus"]}  # Ray is not running
+        assert deployment.ray_actor_options["num_cpus"] == app["args"]["num_cpus"]  # Ray is not running
+        assert "num_gpus" not in deployment.ray_actor_options
 
 
 def test_deployment_overrides_are_applied() -> None:
