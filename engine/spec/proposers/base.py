@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from engine.request import Request
+from engine.sampler import probs_from_logits, sample_from_probs
 
 
 @dataclass
@@ -45,3 +46,26 @@ class ProposeContext:
     runner: object  # engine.model_runner.ModelRunner
     runner_output: object  # engine.model_runner.ModelRunnerOutput
     scheduler_output: object  # engine.scheduler.SchedulerOutput
+
+
+def sample_drafts(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:
+    """One draft token per row, with the same temperature/top-k/top-p as the target will use.
+
+    logits [n, vocab]; requests[i] owns row i. Greedy rows take the argmax; sampled rows draw from
+    the filtered distribution with the request's own generator. Returns (tokens, probs [n, vocab]
+    or None when every row is greedy).
+    """
+    greedy = [r.sampling_params.is_greedy for r in requests]
+    argmax = logits.argmax(dim=-1)
+    if all(greedy):
+        return argmax.tolist(), None
+    params = [r.sampling_params for r in requests]
+    device = logits.device
+    probs = probs_from_logits(
+        logits.float(),
+        torch.tensor([max(p.temperature, 1e-5) for p in params], device=device),
+        torch.tensor([p.top_k for p in params], device=device),
+        torch.tensor([p.top_p for p in params], device=device),
+    )
+    sampled = sample_from_probs(probs, [r.generator for r in requests])
+    return torch.where(torch.tensor(greedy, device=device), argmax, sampled).tolist(), probs

@@ -18,8 +18,7 @@ from engine.errors import DrafterMismatchError
 from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
 from engine.models.loader import load_model
 from engine.request import Request
-from engine.sampler import probs_from_logits, sample_from_probs
-from engine.spec.proposers.base import Draft, ProposeContext
+from engine.spec.proposers.base import Draft, ProposeContext, sample_drafts
 
 
 class DraftModelProposer:
@@ -63,21 +62,6 @@ class DraftModelProposer:
         last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])  # [B, vocab]
 
-    def _pick(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:
-        greedy = [r.sampling_params.is_greedy for r in requests]
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist(), None
-        params = [r.sampling_params for r in requests]
-        probs = probs_from_logits(
-            logits,
-            torch.tensor([max(p.temperature, 1e-5) for p in params], device=self.device),
-            torch.tensor([p.top_k for p in params], device=self.device),
-            torch.tensor([p.top_p for p in params], device=self.device),
-        )
-        sampled = sample_from_probs(probs, [r.generator for r in requests])
-        tokens = torch.where(torch.tensor(greedy, device=self.device), logits.argmax(dim=-1), sampled)
-        return tokens.tolist(), probs
-
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         tokens: list[list[int]] = [[] for _ in requests]
@@ -101,7 +85,7 @@ class DraftModelProposer:
                 else:
                     chunks.append(SeqChunk([tokens[i][-1]], r.num_tokens + step - 1, r.block_ids))
             logits = self._forward(chunks)
-            picked, p = self._pick(logits, [requests[i] for i in active])
+            picked, p = sample_drafts(logits, [requests[i] for i in active])
             for j, i in enumerate(active):
                 tokens[i].append(picked[j])
                 if p is not None:

@@ -24,8 +24,7 @@ from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch
 from engine.models.llama import ArchConfig, DecoderLayer
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.sampler import probs_from_logits, sample_from_probs
-from engine.spec.proposers.base import Draft, ProposeContext
+from engine.spec.proposers.base import Draft, ProposeContext, sample_drafts
 from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
 from engine.spec.proposers.mtp import check_head_matches_target, read_head_config
 
@@ -117,21 +116,6 @@ class EagleProposer:
         last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
         return (residual + out)[last]
 
-    def _pick(self, feats: torch.Tensor, requests: list[Request]):
-        logits = self.lm_head(feats).float()
-        greedy = [r.sampling_params.is_greedy for r in requests]
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist(), None
-        params = [r.sampling_params for r in requests]
-        probs = probs_from_logits(
-            logits,
-            torch.tensor([max(p.temperature, 1e-5) for p in params], device=self.device),
-            torch.tensor([p.top_k for p in params], device=self.device),
-            torch.tensor([p.top_p for p in params], device=self.device),
-        )
-        sampled = sample_from_probs(probs, [r.generator for r in requests])
-        return torch.where(torch.tensor(greedy, device=self.device), logits.argmax(-1), sampled).tolist(), probs
-
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         tokens: list[list[int]] = [[] for _ in requests]
@@ -149,7 +133,7 @@ class EagleProposer:
         step = 0
         while True:
             t0 = time.perf_counter()
-            picked, p = self._pick(feats, [requests[i] for i in active])
+            picked, p = sample_drafts(self.lm_head(feats).float(), [requests[i] for i in active])
             for j, i in enumerate(active):
                 tokens[i].append(picked[j])
                 if p is not None:

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from engine.errors import CheckpointError, DrafterMismatchError
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.sampler import probs_from_logits, sample_from_probs
-from engine.spec.proposers.base import Draft, ProposeContext
+from engine.spec.proposers.base import Draft, ProposeContext, sample_drafts
 from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
 
 
@@ -102,17 +101,14 @@ class MTPProposer:
         # [B, k, H]: h + silu(W_i h + b_i) for heads 0..k-1
         z = torch.einsum("bh,koh->bko", h, self.weight[:k]) + self.bias[:k]
         logits = self.lm_head(h.unsqueeze(1) + F.silu(z)).float()  # [B, k, vocab]
-        drafts = []
-        for b, (r, kb) in enumerate(zip(requests, num_tokens, strict=True)):
-            lg = logits[b, :kb]
-            p = r.sampling_params
-            if p.is_greedy:
-                drafts.append(Draft(lg.argmax(dim=-1).tolist()))
-                continue
-            probs = probs_from_logits(
-                lg, torch.full((kb,), max(p.temperature, 1e-5), device=lg.device),
-                torch.full((kb,), p.top_k, device=lg.device), torch.full((kb,), p.top_p, device=lg.device),
-            )
-            drafts.append(Draft(sample_from_probs(probs, [r.generator] * kb).tolist(), probs))
+        rows = [(b, i) for b, kb in enumerate(num_tokens) for i in range(kb)]
+        owners = [requests[b] for b, _ in rows]
+        flat = logits[[b for b, _ in rows], [i for _, i in rows]]  # [sum k, vocab]
+        picked, probs = sample_drafts(flat, owners)
+        drafts, at = [], 0
+        for r, kb in zip(requests, num_tokens, strict=True):
+            p = probs[at : at + kb] if probs is not None and not r.sampling_params.is_greedy else None
+            drafts.append(Draft(picked[at : at + kb], p))
+            at += kb
         self._step_time_s = 0.8 * self._step_time_s + 0.2 * (time.perf_counter() - t0)
         return drafts
