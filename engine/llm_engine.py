@@ -98,6 +98,7 @@ class StepRecord:
     sample_time_s: float = 0.0
     accepted: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (drafted, accepted)
     prefill_request_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # id -> tokens incl. drafts
 
 
 class LLMEngine:
@@ -269,6 +270,7 @@ class LLMEngine:
             verify_time_s=runner_out.forward_time_s,
             sample_time_s=runner_out.sample_time_s,
             prefill_request_ids=[s.request.request_id for s in sched.scheduled if s.num_new_tokens > 1],
+            num_scheduled_tokens={s.request.request_id: s.num_scheduled_tokens for s in sched.scheduled},
         )
         for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
             if s.spec_token_ids and tokens:
