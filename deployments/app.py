@@ -20,7 +20,9 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.grpc_util import RayServegRPCContext
 
+from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
 from deployments.config import DEPLOYMENT_NAME, AppConfig, resolve_path
+from deployments.router import routing_stats
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 logger = logging.getLogger("ray.serve")
@@ -55,6 +57,7 @@ class SpecDecodeServer:
         self.max_prompt_tokens = min(config.max_prompt_tokens or engine.max_model_len - 1, engine.max_model_len - 1)
         self.has_drafter = config.speculative is not None
         self.live_request_ids: set[str] = set()
+        self.latency = LatencyTracker(config.metrics_window_s)  # p95s for the SLO autoscaling policy
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a replica (direct construction in tests)
@@ -77,11 +80,14 @@ class SpecDecodeServer:
                 raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in use")
             speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
             self.live_request_ids.add(request_id)
+            self.latency.start(request_id)
             try:
                 async for out in self.llm.generate(prompt, params, request_id=request_id):
+                    self.latency.on_tokens(request_id, len(out.delta_token_ids))
                     yield self.to_response(out, request_id, speculating)
             finally:
                 self.live_request_ids.discard(request_id)
+                self.latency.finish(request_id)
         except RequestRejected as e:
             _fail(grpc_context, e.code, e.details)
             raise
@@ -142,6 +148,15 @@ class SpecDecodeServer:
             await asyncio.wait_for(self.llm.call(_noop), HEALTH_CHECK_TIMEOUT_S)
         except TimeoutError:
             raise RuntimeError(f"the engine loop did not answer within {HEALTH_CHECK_TIMEOUT_S} s") from None
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve autoscaling metrics for deployments.autoscaling.SLOAutoscalingPolicy: windowed
+        p95 TTFT/TPOT, engine queue and KV-cache use (cheap: a snapshot, no engine call)."""
+        return replica_autoscaling_stats(self.llm.stats(), self.latency.snapshot())
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Engine load for deployments.router.EngineLoadRouter (queued tokens, KV-cache use)."""
+        return routing_stats(self.llm.stats())
 
     def __del__(self) -> None:
         llm = getattr(self, "llm", None)

@@ -8,6 +8,7 @@ deployment's autoscaling block, and our app's args. Defaults live here and only 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -21,6 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config.yaml"
 APP_IMPORT_PATH = "deployments.app:build_app"
 DEPLOYMENT_NAME = "SpecDecode"
+SLO_POLICY_PATH = "deployments.autoscaling:SLOAutoscalingPolicy"  # its policy_kwargs are checked here
 SERVICER_FUNCTION = "protos.specdecode.v1.specdecode_pb2_grpc.add_SpecDecodeServicer_to_server"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -61,6 +63,16 @@ class _Checker:
             self.fail(path, f"must be in [{lo}, {hi}], got {value}" if hi is not None else f"must be >= {lo}, got {value}")
             return None
         return value
+
+    def number(self, path: str, value: Any, lo: float, hi: float | None = None) -> Any:
+        """A finite int or float in (lo, hi]."""
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            self.fail(path, f"must be a number, got {_show(value)}")
+            return None
+        if value <= lo or (hi is not None and value > hi):
+            self.fail(path, f"must be in ({lo}, {hi}], got {value}" if hi is not None else f"must be > {lo}, got {value}")
+            return None
+        return float(value)
 
     def boolean(self, path: str, value: Any) -> Any:
         if not isinstance(value, bool):
@@ -132,6 +144,8 @@ class AppConfig:
     the replica's `max_ongoing_requests` and max_queued_requests the Serve queue in front of it,
     so a full deployment refuses (RESOURCE_EXHAUSTED) instead of queueing forever. num_cpus is
     what a replica asks Ray for on a host without GPUs (it is also its torch thread count).
+    metrics_window_s is the window of the p95 TTFT/TPOT each replica reports to the SLO
+    autoscaling policy (deployments/autoscaling.py; the SLO targets are its policy_kwargs).
     """
 
     model: str = "models/target"
@@ -147,6 +161,7 @@ class AppConfig:
     kv_cache_memory_bytes: int | None = None
     max_queued_requests: int = 64
     num_cpus: int = 2
+    metrics_window_s: float = 30.0
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "args") -> AppConfig:
@@ -173,6 +188,9 @@ class AppConfig:
                 f"{where}.max_queued_requests", data.get("max_queued_requests", d.max_queued_requests), 0
             ),
             "num_cpus": check.integer(f"{where}.num_cpus", data.get("num_cpus", d.num_cpus), 1, 1024),
+            "metrics_window_s": check.number(
+                f"{where}.metrics_window_s", data.get("metrics_window_s", d.metrics_window_s), 0.0, 3600.0
+            ),
         }
         if "speculative" in data and data["speculative"] is None:
             values["speculative"] = None
@@ -271,6 +289,11 @@ def validate_serve_config(config: dict) -> dict[str, AppConfig]:
                 check.errors.extend(_pydantic_errors(e, where).splitlines())
             except (ValueError, TypeError) as e:
                 check.fail(where, str(e))
+            policy = block.get("policy") if isinstance(block, dict) else None
+            if isinstance(policy, dict) and policy.get("policy_function") == SLO_POLICY_PATH:
+                from deployments.autoscaling import SLOPolicyConfig
+
+                check.errors.extend(SLOPolicyConfig.check(policy.get("policy_kwargs") or {}, f"{where}.policy.policy_kwargs"))
         if app.get("import_path") != APP_IMPORT_PATH:
             continue
         for j, deployment in enumerate(app.get("deployments") or []):
