@@ -36,6 +36,8 @@ METRIC_KV_USAGE = "kv_usage"
 STATE_CAPACITY = "slo_capacity_per_replica"  # ongoing requests per replica at the last violation
 STATE_CAPACITY_TIME = "slo_capacity_time"
 STATE_DECISION = "slo_last_decision"  # "up", "down" or "hold" (logged on change)
+STATE_NUM_RUNNING = "slo_num_running"  # running replicas at the last tick ...
+STATE_GREW_AT = "slo_grew_at"  # ... and when that number last went up (new replicas came up)
 
 MAX_SAMPLES = 20_000  # per series, so a flood of short requests cannot grow memory without bound
 
@@ -165,7 +167,9 @@ class SLOPolicyConfig:
     target_utilization: a scale-up aims for pressure (latency / SLO) this high, leaving headroom.
     scale_down_below: pressure must be under this (and nothing queued) to consider removing one.
     max_upscale_ratio: one decision multiplies the replica count by at most this.
-    upscale_cooldown_s: after a scale-up, wait this long (new replicas' latencies to show) first.
+    upscale_cooldown_s: after a scale-up decision, and after new replicas come up, wait this long
+      before the next scale-up (>= the replicas' metrics_window_s + look_back_period_s, so the
+      p95s no longer hold the overload that the last scale-up answered).
     downscale_load_margin: remove a replica only if the load per remaining replica stays under
       this fraction of the load per replica seen at the last violation (the learned capacity).
     kv_usage_high: KV-cache use (0..1) that counts as pressure 1.0 (preemptions come next).
@@ -271,8 +275,9 @@ class SLOAutoscalingPolicy:
 
     pressure = max(ttft_p95 / ttft_slo, tpot_p95 / tpot_slo, kv_usage / kv_usage_high)
     * pressure > 1 with load on the replicas: up to n' = clamp(ceil(n * pressure / target_utilization),
-      n + 1, ceil(n * max_upscale_ratio)), at most once per upscale_cooldown_s; the load per replica
-      at that moment is remembered as the replicas' capacity.
+      n + 1, ceil(n * max_upscale_ratio)), then nothing more for upscale_cooldown_s; the load per
+      replica at the violation is remembered as the replicas' capacity. While replicas are still
+      starting (running < target), hold the target.
     * pressure < scale_down_below, nothing waiting, and the load fits on n - 1 replicas (ongoing /
       (n - 1) <= downscale_load_margin * capacity, or without a remembered capacity
       pressure * n / (n - 1) <= target_utilization): down by one.
@@ -324,6 +329,9 @@ class SLOAutoscalingPolicy:
         n, target = ctx.current_num_replicas, ctx.target_num_replicas
         lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
         now = ctx.current_time if ctx.current_time is not None else time.time()
+        if n > state.get(STATE_NUM_RUNNING, n):
+            state[STATE_GREW_AT] = now
+        state[STATE_NUM_RUNNING] = n
         if n == 0:
             return Decision("hold", max(target, lo), "no running replica")
         capacity = state.get(STATE_CAPACITY)
@@ -343,7 +351,10 @@ class SLOAutoscalingPolicy:
                 state[STATE_CAPACITY_TIME] = now
             if n >= hi:
                 return Decision("hold", n, f"SLO violated but already at max_replicas {hi}", up)
-            last_up = ctx.last_scale_up_time
+            # Cool down from the later of the last scale-up decision and the last replica coming up
+            # (a slow start can outlast the cooldown; its p95s still hold the overload).
+            ups = [t for t in (ctx.last_scale_up_time, state.get(STATE_GREW_AT)) if t is not None]
+            last_up = max(ups, default=None)
             if last_up is not None and now - last_up < cfg.upscale_cooldown_s:
                 return Decision(
                     "hold", n, f"SLO violated; cooling down {cfg.upscale_cooldown_s - (now - last_up):.1f} s more "

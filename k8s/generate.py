@@ -80,6 +80,8 @@ class Variant:
     worker_resources: dict
     trace_sampling_ratio: str
     idle_timeout_s: int  # Ray autoscaler: how long an idle worker pod lives
+    ttft_p95_ms: float  # the SLO the Serve policy holds (its policy_kwargs)
+    tpot_p95_ms: float
     ha: bool = False
 
     @property
@@ -115,6 +117,9 @@ VARIANTS: dict[str, Variant] = {
             worker_resources=_resources("1", "2", "3Gi"),
             trace_sampling_ratio="1.0",
             idle_timeout_s=60,
+            # A small model on shared CPUs: the laptop SLO of deployments/serve_config.yaml.
+            ttft_p95_ms=2000,
+            tpot_p95_ms=200,
         ),
         Variant(
             name="gpu",
@@ -126,6 +131,8 @@ VARIANTS: dict[str, Variant] = {
             worker_resources=_resources("4", "4", "16Gi", gpus=1),
             trace_sampling_ratio="0.1",
             idle_timeout_s=300,
+            ttft_p95_ms=500,
+            tpot_p95_ms=50,
         ),
         Variant(
             name="ha",
@@ -137,6 +144,8 @@ VARIANTS: dict[str, Variant] = {
             worker_resources=_resources("4", "4", "16Gi", gpus=1),
             trace_sampling_ratio="0.1",
             idle_timeout_s=300,
+            ttft_p95_ms=500,
+            tpot_p95_ms=50,
             ha=True,
         ),
     )
@@ -152,6 +161,12 @@ def load_serve_config(path: Path = SERVE_CONFIG_PATH) -> dict:
     return config
 
 
+def slo_policy_kwargs(variant: Variant) -> dict:
+    """The SLO policy's targets for `variant` (deployments.autoscaling.SLOPolicyConfig fields); the
+    policy knobs the Serve config sets (target_utilization, cooldown, ...) merge in unchanged."""
+    return {"ttft_p95_ms": variant.ttft_p95_ms, "tpot_p95_ms": variant.tpot_p95_ms}
+
+
 def serve_overrides(variant: Variant) -> dict:
     """The only changes a manifest makes to deployments/serve_config.yaml, for the application
     `APP_IMPORT_PATH`: `args` keys and keys of its `DEPLOYMENT_NAME` deployment entry."""
@@ -161,7 +176,7 @@ def serve_overrides(variant: Variant) -> dict:
             "min_replicas": variant.min_replicas,
             "max_replicas": variant.max_replicas,
             "target_ongoing_requests": TARGET_ONGOING_REQUESTS,
-            "policy": {"policy_function": SLO_POLICY},
+            "policy": {"policy_function": SLO_POLICY, "policy_kwargs": slo_policy_kwargs(variant)},
         },
     }
     if variant.gpu:
