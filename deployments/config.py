@@ -135,6 +135,34 @@ class DrafterArgs:
         )
 
 
+TRACE_EXPORTERS = ("file", "otlp", "console", "none")
+
+
+@dataclass(frozen=True)
+class TracingArgs:
+    """Request tracing (deployments/tracing.py); a `tracing:` block turns it on. Null fields fall
+    back to the OpenTelemetry variables: exporter to OTEL_TRACES_EXPORTER (else "file"),
+    sampling_ratio to OTEL_TRACES_SAMPLER[_ARG], file to SPECDECODE_TRACES_FILE (else
+    traces/spans.jsonl). Without the block, OTEL_TRACES_EXPORTER alone decides (unset: off)."""
+
+    exporter: str | None = None
+    file: str | None = None
+    sampling_ratio: float | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str, check: _Checker) -> TracingArgs | None:
+        data = check.mapping(where, data, [f.name for f in fields(cls)])
+        n = len(check.errors)
+        exporter = check.string(f"{where}.exporter", data.get("exporter"), TRACE_EXPORTERS, optional=True)
+        file = check.string(f"{where}.file", data.get("file"), optional=True)
+        ratio = data.get("sampling_ratio")
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1):
+            check.fail(f"{where}.sampling_ratio", f"must be a number in [0, 1] or null, got {_show(ratio)}")
+        if len(check.errors) > n:
+            return None
+        return cls(exporter=exporter, file=file, sampling_ratio=None if ratio is None else float(ratio))
+
+
 @dataclass(frozen=True)
 class AppConfig:
     """Everything one replica needs: models, engine sizing, request limits, replica resources.
@@ -162,6 +190,7 @@ class AppConfig:
     max_queued_requests: int = 64
     num_cpus: int = 2
     metrics_window_s: float = 30.0
+    tracing: TracingArgs | None = None
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "args") -> AppConfig:
@@ -196,6 +225,8 @@ class AppConfig:
             values["speculative"] = None
         else:
             values["speculative"] = DrafterArgs.from_dict(data.get("speculative", {}), f"{where}.speculative", check)
+        tracing = data.get("tracing")
+        values["tracing"] = None if tracing is None else TracingArgs.from_dict(tracing, f"{where}.tracing", check)
         v = values
         if v["max_model_len"] and v["max_prompt_tokens"] and v["max_prompt_tokens"] >= v["max_model_len"]:
             check.fail(
@@ -215,6 +246,8 @@ class AppConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if self.speculative is not None:
             out["speculative"] = {f.name: getattr(self.speculative, f.name) for f in fields(self.speculative)}
+        if self.tracing is not None:
+            out["tracing"] = {f.name: getattr(self.tracing, f.name) for f in fields(self.tracing)}
         return out
 
     def engine_kwargs(self) -> dict:
