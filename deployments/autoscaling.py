@@ -362,7 +362,10 @@ class SLOAutoscalingPolicy:
                 )
             ratio = min(up.pressure / cfg.target_utilization, cfg.max_upscale_ratio)
             desired = min(max(math.ceil(n * ratio), n + 1), hi)
-            return Decision("up", desired, f"SLO violated: x{ratio:.2f} toward pressure {cfg.target_utilization:g}", up)
+            return Decision(
+                "up", desired, f"SLO violated: {n} x min({up.pressure:.2f} / {cfg.target_utilization:g}, "
+                f"{cfg.max_upscale_ratio:g}) -> {desired}", up,
+            )
 
         # Scale-down sees latencies however few their samples (the cautious side).
         down = self.figures(ctx, 1)
