@@ -22,7 +22,9 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
 from deployments.config import DEPLOYMENT_NAME, AppConfig, resolve_path
+from deployments.metrics import start_replica_metrics
 from deployments.router import routing_stats
+from deployments.tracing import grpc_span_attributes, setup_tracing
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 logger = logging.getLogger("ray.serve")
@@ -58,6 +60,10 @@ class SpecDecodeServer:
         self.has_drafter = config.speculative is not None
         self.live_request_ids: set[str] = set()
         self.latency = LatencyTracker(config.metrics_window_s)  # p95s for the SLO autoscaling policy
+        # Prometheus metrics always; tracing only when configured (else None: nothing registered).
+        k = config.speculative.num_speculative_tokens if config.speculative else 0
+        self.metrics = start_replica_metrics(self.llm, k)
+        self.tracing = setup_tracing(config.tracing, self.llm)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a replica (direct construction in tests)
@@ -82,8 +88,15 @@ class SpecDecodeServer:
             self.live_request_ids.add(request_id)
             self.latency.start(request_id)
             try:
-                async for out in self.llm.generate(prompt, params, request_id=request_id):
+                stream = self.llm.generate(prompt, params, request_id=request_id)
+                if self.tracing is not None:
+                    attributes = grpc_span_attributes("Generate", self.replica_id, params, speculating)
+                    parent = self.tracing.parent_context(grpc_context)
+                    stream = self.tracing.trace(stream, request_id, parent=parent, server=True, attributes=attributes)
+                async for out in stream:
                     self.latency.on_tokens(request_id, len(out.delta_token_ids))
+                    if out.finished:
+                        self.metrics.on_request_finished(out, speculating)
                     yield self.to_response(out, request_id, speculating)
             finally:
                 self.live_request_ids.discard(request_id)
@@ -159,6 +172,9 @@ class SpecDecodeServer:
         return routing_stats(self.llm.stats())
 
     def __del__(self) -> None:
+        for hook in (getattr(self, "metrics", None), getattr(self, "tracing", None)):
+            if hook is not None:
+                hook.shutdown()
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()

@@ -1,0 +1,267 @@
+"""Prometheus metrics of one replica, through `ray.serve.metrics` (Ray exports them with a `ray_` prefix).
+
+`METRICS` is the one list of what a replica exports; the Grafana dashboard
+(deployments/grafana_dashboard.json) may reference only these. The engine-thread step listener
+and the per-request hook only add to plain Python totals under a lock; a flush thread pushes them
+to Ray every `flush_interval_s` together with the engine's queue depth and KV block counts, so
+the engine loop never calls into Ray. Serve adds the deployment/replica/application tags.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine import AsyncLLM
+    from engine.llm_engine import StepRecord
+    from engine.outputs import RequestOutput
+
+logger = logging.getLogger("ray.serve")
+
+PROMETHEUS_PREFIX = "ray_"
+DEFAULT_BACKEND = "ray.serve.metrics"
+DEFAULT_FLUSH_INTERVAL_S = 2.0
+SERVE_TAGS = ("deployment", "replica", "application")  # Serve adds these; ours must not clash
+PHASES = ("draft", "verify", "sample", "other")
+
+TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                  0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One exported metric. Counter names end in `_total` (what Prometheus shows for them)."""
+
+    kind: str  # counter | gauge | histogram
+    name: str
+    description: str
+    tag_keys: tuple[str, ...] = ()
+    boundaries: tuple[float, ...] = ()
+
+    @property
+    def prometheus_names(self) -> tuple[str, ...]:
+        """The series names Prometheus scrapes for it."""
+        base = PROMETHEUS_PREFIX + self.name
+        if self.kind == "histogram":
+            return (base + "_bucket", base + "_sum", base + "_count")
+        return (base,)
+
+
+def _c(name: str, description: str, *tags: str) -> MetricDef:
+    return MetricDef("counter", name, description, tags)
+
+
+def _g(name: str, description: str, *tags: str) -> MetricDef:
+    return MetricDef("gauge", name, description, tags)
+
+
+def _h(name: str, description: str, boundaries: tuple[float, ...], *tags: str) -> MetricDef:
+    return MetricDef("histogram", name, description, tags, boundaries)
+
+
+METRICS: tuple[MetricDef, ...] = (
+    # Latency, per finished request; `speculation` is on/off for that request.
+    _h("specdecode_time_to_first_token_seconds", "Time from arrival at the replica to the first token.",
+       TTFT_BUCKETS_S, "speculation"),
+    _h("specdecode_time_per_output_token_seconds", "Mean time per output token after the first (TPOT).",
+       TPOT_BUCKETS_S, "speculation"),
+    _h("specdecode_e2e_request_latency_seconds", "Time from arrival at the replica to the last token.",
+       E2E_BUCKETS_S, "speculation"),
+    _c("specdecode_requests_finished_total", "Requests finished, by finish reason.", "finish_reason"),
+    _c("specdecode_prompt_tokens_total", "Prompt tokens of finished requests."),
+    _c("specdecode_generation_tokens_total", "Output tokens of finished requests."),
+    # Speculation: rate(accepted) / rate(draft) is the acceptance rate over any window.
+    _c("specdecode_spec_draft_tokens_total", "Draft tokens verified by the target."),
+    _c("specdecode_spec_accepted_tokens_total", "Draft tokens accepted."),
+    _c("specdecode_spec_verify_steps_total", "Verifications (one per speculating request per step)."),
+    _c("specdecode_spec_drafted_by_position_total", "Draft tokens verified at each draft position.", "position"),
+    _c("specdecode_spec_accepted_by_position_total", "Draft tokens accepted at each draft position.", "position"),
+    _g("specdecode_spec_acceptance_rate", "Accepted / drafted tokens over the last flush interval with drafts."),
+    _g("specdecode_spec_mean_accepted_length",
+       "Tokens per verification (accepted + 1) over the last flush interval with drafts."),
+    _g("specdecode_spec_enabled", "1 if the replica has a drafter, else 0."),
+    _g("specdecode_spec_active_ratio",
+       "Share of engine steps that verified drafts over the last flush interval with steps (0: speculation off)."),
+    _g("specdecode_spec_k", "Mean draft tokens per verification over the last flush interval (the k in use)."),
+    _g("specdecode_spec_k_max", "Configured num_speculative_tokens (0 without a drafter)."),
+    # Engine.
+    _c("specdecode_engine_steps_total", "Engine steps."),
+    _c("specdecode_engine_step_seconds_total", "Engine step time by phase (draft, verify, sample, other).", "phase"),
+    _g("specdecode_num_requests_running", "Requests in the engine's running batch."),
+    _g("specdecode_num_requests_waiting", "Requests waiting in the engine's queue."),
+    _g("specdecode_kv_blocks_used", "KV cache blocks in use."),
+    _g("specdecode_kv_blocks_free", "KV cache blocks free."),
+    _c("specdecode_preemptions_total", "Requests preempted (their KV freed, recomputed later)."),
+)
+METRICS_BY_NAME = {m.name: m for m in METRICS}
+PROMETHEUS_NAMES = frozenset(n for m in METRICS for n in m.prometheus_names)
+_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+@dataclass
+class _Totals:
+    """What happened since the last flush (plain Python; filled on the engine/event-loop threads)."""
+
+    num_steps: int = 0
+    num_spec_steps: int = 0
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    # (speculation "on"/"off", ttft_s, tpot_s or None, e2e_s, finish_reason, prompt tokens, output tokens)
+    finished: list[tuple[str, float | None, float | None, float | None, str, int, int]] = field(default_factory=list)
+
+
+class ReplicaMetrics:
+    """The replica's metrics. `backend` provides Counter/Gauge/Histogram with Ray's signatures
+    (default `ray.serve.metrics`; tests pass a fake). `start(llm)` hooks it to an AsyncLLM."""
+
+    def __init__(self, backend: Any = None, *, num_speculative_tokens: int = 0,
+                 flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S) -> None:
+        if flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
+        backend = backend if backend is not None else importlib.import_module(DEFAULT_BACKEND)
+        self.metrics: dict[str, Any] = {m.name: _make(backend, m) for m in METRICS}
+        self.flush_interval_s = flush_interval_s
+        self._lock = threading.Lock()
+        self._totals = _Totals()
+        self._last_preemptions = 0  # the engine's count at the last flush
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._llm: AsyncLLM | None = None
+        self.metrics["specdecode_spec_enabled"].set(1 if num_speculative_tokens else 0)
+        self.metrics["specdecode_spec_k_max"].set(num_speculative_tokens)
+
+    # --- wiring ---------------------------------------------------------------------------------
+    def start(self, llm: AsyncLLM) -> ReplicaMetrics:
+        """Listen to `llm`'s engine steps and flush every flush_interval_s on a daemon thread."""
+        self._llm = llm
+        llm.engine.step_listeners.append(self.on_step)
+        self._thread = threading.Thread(target=self._run, name="replica-metrics", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        """Stop listening and flushing (what accumulated since the last flush is dropped)."""
+        self._stop.set()
+        if self._llm is not None and self.on_step in self._llm.engine.step_listeners:
+            self._llm.engine.step_listeners.remove(self.on_step)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            try:
+                self.flush(self._llm.stats() if self._llm is not None else None)
+            except Exception:  # noqa: BLE001 - a failed flush must not end the metrics thread
+                logger.exception("replica metrics flush failed")
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def on_step(self, record: StepRecord) -> None:
+        """Step listener (engine thread)."""
+        other = max(0.0, record.duration_s - record.draft_time_s - record.verify_time_s - record.sample_time_s)
+        with self._lock:
+            t = self._totals
+            t.num_steps += 1
+            t.phase_s["draft"] += record.draft_time_s
+            t.phase_s["verify"] += record.verify_time_s
+            t.phase_s["sample"] += record.sample_time_s
+            t.phase_s["other"] += other
+            if record.num_spec_requests:
+                t.num_spec_steps += 1
+            for drafted, accepted in record.accepted.values():
+                t.num_draft_tokens += drafted
+                t.num_accepted_tokens += accepted
+                t.num_verify_steps += 1
+                while len(t.drafted_by_position) < drafted:
+                    t.drafted_by_position.append(0)
+                    t.accepted_by_position.append(0)
+                for i in range(drafted):
+                    t.drafted_by_position[i] += 1
+                for i in range(accepted):
+                    t.accepted_by_position[i] += 1
+
+    def on_request_finished(self, out: RequestOutput, speculating: bool) -> None:
+        """A request's last RequestOutput (event loop): its TTFT, TPOT and end-to-end latency."""
+        m = out.metrics
+        ttft, e2e = m.get("ttft_s"), m.get("e2e_s")
+        num_out = len(out.token_ids)
+        tpot = (e2e - ttft) / (num_out - 1) if ttft is not None and e2e is not None and num_out > 1 else None
+        row = ("on" if speculating else "off", ttft, tpot, e2e, out.finish_reason or "unknown",
+               len(out.prompt_token_ids), num_out)
+        with self._lock:
+            self._totals.finished.append(row)
+
+    # --- export ---------------------------------------------------------------------------------
+    def flush(self, stats: dict | None = None) -> None:
+        """Push what accumulated since the last flush; `stats` is `AsyncLLM.stats()` (queue, KV)."""
+        with self._lock:
+            t, self._totals = self._totals, _Totals()
+        m = self.metrics
+        for spec, ttft, tpot, e2e, reason, num_prompt, num_out in t.finished:
+            tags = {"speculation": spec}
+            if ttft is not None:
+                m["specdecode_time_to_first_token_seconds"].observe(ttft, tags)
+            if tpot is not None:
+                m["specdecode_time_per_output_token_seconds"].observe(tpot, tags)
+            if e2e is not None:
+                m["specdecode_e2e_request_latency_seconds"].observe(e2e, tags)
+            m["specdecode_requests_finished_total"].inc(1, {"finish_reason": reason})
+            _inc(m["specdecode_prompt_tokens_total"], num_prompt)
+            _inc(m["specdecode_generation_tokens_total"], num_out)
+        _inc(m["specdecode_engine_steps_total"], t.num_steps)
+        for phase, seconds in t.phase_s.items():
+            _inc(m["specdecode_engine_step_seconds_total"], seconds, {"phase": phase})
+        _inc(m["specdecode_spec_draft_tokens_total"], t.num_draft_tokens)
+        _inc(m["specdecode_spec_accepted_tokens_total"], t.num_accepted_tokens)
+        _inc(m["specdecode_spec_verify_steps_total"], t.num_verify_steps)
+        for i, n in enumerate(t.drafted_by_position):
+            _inc(m["specdecode_spec_drafted_by_position_total"], n, {"position": str(i)})
+        for i, n in enumerate(t.accepted_by_position):
+            _inc(m["specdecode_spec_accepted_by_position_total"], n, {"position": str(i)})
+        if t.num_steps:
+            m["specdecode_spec_active_ratio"].set(t.num_spec_steps / t.num_steps)
+        if t.num_verify_steps:
+            m["specdecode_spec_acceptance_rate"].set(t.num_accepted_tokens / t.num_draft_tokens)
+            m["specdecode_spec_mean_accepted_length"].set((t.num_accepted_tokens + t.num_verify_steps) / t.num_verify_steps)
+            m["specdecode_spec_k"].set(t.num_draft_tokens / t.num_verify_steps)
+        if stats:
+            m["specdecode_num_requests_running"].set(stats["num_running"])
+            m["specdecode_num_requests_waiting"].set(stats["num_waiting"])
+            m["specdecode_kv_blocks_used"].set(stats["num_used_blocks"])
+            m["specdecode_kv_blocks_free"].set(stats["num_free_blocks"])
+            _inc(m["specdecode_preemptions_total"], stats["num_preemptions"] - self._last_preemptions)
+            self._last_preemptions = stats["num_preemptions"]
+
+
+def _inc(counter: Any, value: float, tags: dict[str, str] | None = None) -> None:
+    """Ray's Counter.inc refuses values <= 0; nothing happened then anyway."""
+    if value > 0:
+        counter.inc(value, tags)
+
+
+def _make(backend: Any, m: MetricDef) -> Any:
+    if not _NAME_RE.match(m.name):
+        raise ValueError(f"metric name {m.name!r} is not a valid Prometheus name")
+    if m.kind == "counter":
+        return backend.Counter(m.name, description=m.description, tag_keys=m.tag_keys)
+    if m.kind == "gauge":
+        return backend.Gauge(m.name, description=m.description, tag_keys=m.tag_keys)
+    if m.kind == "histogram":
+        return backend.Histogram(m.name, description=m.description, boundaries=list(m.boundaries),
+                                 tag_keys=m.tag_keys)
+    raise ValueError(f"metric {m.name}: kind must be counter, gauge or histogram, got {m.kind!r}")
+
+
+def start_replica_metrics(llm: AsyncLLM, num_speculative_tokens: int, backend: Any = None) -> ReplicaMetrics:
+    """The replica's metrics, listening to `llm` and flushing to Ray (see ReplicaMetrics)."""
+    return ReplicaMetrics(backend, num_speculative_tokens=num_speculative_tokens).start(llm)
