@@ -6,11 +6,14 @@ streams the completion to stdout as it arrives, then prints usage and speculatio
 As a library: `SpecDecodeClient("localhost:9000").generate("def fib(n):", max_tokens=64)` yields
 `GenerateResponse` chunks (closing the generator cancels the call); `.model_info()` returns
 `ModelInfo`. Failures raise `grpc.RpcError` with the server's status code and details.
+A call made while an OpenTelemetry span is active (or with `traceparent=`/`--traceparent`) sends
+W3C `traceparent` metadata, so the replica's spans join the caller's trace.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -21,6 +24,7 @@ from protos.specdecode.v1 import specdecode_pb2 as pb
 from protos.specdecode.v1 import specdecode_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "localhost:9000"
+TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 SPECULATION_MODES = {"default": pb.SPECULATION_MODE_DEFAULT, "off": pb.SPECULATION_MODE_OFF, "on": pb.SPECULATION_MODE_ON}
 
 
@@ -56,6 +60,20 @@ def make_request(
     return req
 
 
+def trace_metadata(traceparent: str | None = None) -> tuple[tuple[str, str], ...]:
+    """W3C trace context metadata: `traceparent` if given (validated), else the current
+    OpenTelemetry span's context (nothing when no span is active)."""
+    if traceparent is not None:
+        if not TRACEPARENT_RE.match(traceparent):
+            raise ValueError(f"traceparent must look like 00-<32 hex>-<16 hex>-<2 hex>, got {traceparent!r}")
+        return (("traceparent", traceparent),)
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple((key, carrier[key]) for key in ("traceparent", "tracestate") if key in carrier)
+
+
 class SpecDecodeClient:
     """Blocking client over one channel. `application` is the Serve app name (needed only when
     several apps share the proxy); `timeout` is the default deadline in seconds."""
@@ -69,13 +87,16 @@ class SpecDecodeClient:
         self.timeout = timeout
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
-                 **kwargs) -> Iterator[pb.GenerateResponse]:
+                 traceparent: str | None = None, **kwargs) -> Iterator[pb.GenerateResponse]:
         """Stream a completion (keyword arguments as `make_request`). Breaking out of the loop
         or closing the generator cancels the call, which aborts the request on the server."""
-        return self.stream(make_request(prompt, **kwargs), timeout=timeout)
+        return self.stream(make_request(prompt, **kwargs), timeout=timeout, traceparent=traceparent)
 
-    def stream(self, request: pb.GenerateRequest, *, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
-        call = self.stub.Generate(request, timeout=timeout or self.timeout, metadata=self.metadata)
+    def stream(self, request: pb.GenerateRequest, *, timeout: float | None = None,
+               traceparent: str | None = None) -> Iterator[pb.GenerateResponse]:
+        """Stream; the trace context is the span active when iteration starts (or `traceparent`)."""
+        metadata = self.metadata + trace_metadata(traceparent)
+        call = self.stub.Generate(request, timeout=timeout or self.timeout, metadata=metadata)
         try:
             yield from call
         finally:
@@ -142,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     parser.add_argument("--application", default=None, help="Serve application name (several apps only)")
     parser.add_argument("--info", action="store_true", help="print the model info and exit")
+    parser.add_argument("--traceparent", default=None,
+                        help="W3C traceparent (00-<trace id>-<span id>-<flags>) the server's spans join")
     args = parser.parse_args(argv)
+    if args.traceparent is not None and not TRACEPARENT_RE.match(args.traceparent):
+        parser.error(f"--traceparent must look like 00-<32 hex>-<16 hex>-<2 hex>, got {args.traceparent!r}")
 
     with SpecDecodeClient(args.target, application=args.application, timeout=args.timeout) as client:
         try:
@@ -160,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             for chunk in client.generate(
                 prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, stop=args.stop, max_speculative_tokens=args.k,
-                speculation="off" if args.no_spec else "default",
+                speculation="off" if args.no_spec else "default", traceparent=args.traceparent,
             ):
                 if first is None and chunk.token_ids:
                     first = time.perf_counter() - start
