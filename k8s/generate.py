@@ -45,7 +45,7 @@ GCS_PORT, DASHBOARD_PORT, CLIENT_PORT, AGENT_PORT = 6379, 8265, 10001, 52365
 
 # Tracing: the standard OpenTelemetry variables, read by deployments' tracing setup.
 OTLP_ENDPOINT = "http://otel-collector.observability.svc.cluster.local:4317"
-TRACING_EXPORTER_ENV = ("SPECDECODE_TRACING", "otlp")  # the file exporter is the local default
+TRACING_EXPORTER_ENV = ("OTEL_TRACES_EXPORTER", "otlp")  # deployments/tracing.py: unset is off locally
 
 REDIS_NAME = f"{NAME}-redis"
 REDIS_IMAGE = "redis:7.4.2"
