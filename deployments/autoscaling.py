@@ -27,6 +27,7 @@ SLO_POLICY_PATH = "deployments.autoscaling:SLOAutoscalingPolicy"
 METRIC_TTFT_P95_MS = "ttft_p95_ms"
 METRIC_TPOT_P95_MS = "tpot_p95_ms"
 METRIC_NUM_SAMPLES = "num_latency_samples"
+METRIC_E2E_MEAN_MS = "e2e_mean_ms"  # mean duration of the requests finished in the window
 METRIC_NUM_RUNNING = "num_running"
 METRIC_NUM_WAITING = "num_waiting"
 METRIC_QUEUED_TOKENS = "queued_tokens"
@@ -64,12 +65,14 @@ class _Live:
 
 @dataclass(frozen=True)
 class LatencySnapshot:
-    """p95s over the window, in seconds, and how many samples each came from."""
+    """p95s over the window, in seconds, how many samples each came from, and the mean duration
+    (arrival to last token) of the requests that finished in the window."""
 
     ttft_p95_s: float
     tpot_p95_s: float
     num_ttft_samples: int
     num_tpot_samples: int
+    e2e_mean_s: float = 0.0
 
 
 class LatencyTracker:
@@ -90,6 +93,7 @@ class LatencyTracker:
         self.live: dict[str, _Live] = {}
         self.ttft: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (time, seconds)
         self.tpot: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+        self.e2e: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
 
     def start(self, request_id: str) -> None:
         self.live[request_id] = _Live(arrival=self.clock())
@@ -109,14 +113,16 @@ class LatencyTracker:
     def finish(self, request_id: str) -> None:
         """The request ended (finished, failed or cancelled): keep its TPOT, forget the rest."""
         req = self.live.pop(request_id, None)
-        if req is None or req.first_token is None or req.last_token is None or req.num_tokens < 2:
+        if req is None or req.first_token is None or req.last_token is None:
             return
-        self.tpot.append((req.last_token, (req.last_token - req.first_token) / (req.num_tokens - 1)))
+        self.e2e.append((req.last_token, req.last_token - req.arrival))
+        if req.num_tokens >= 2:
+            self.tpot.append((req.last_token, (req.last_token - req.first_token) / (req.num_tokens - 1)))
 
     def snapshot(self) -> LatencySnapshot:
         now = self.clock()
         horizon = now - self.window_s
-        for series in (self.ttft, self.tpot):
+        for series in (self.ttft, self.tpot, self.e2e):
             while series and series[0][0] < horizon:
                 series.popleft()
         ttft = [v for _, v in self.ttft]
@@ -126,7 +132,8 @@ class LatencyTracker:
                 ttft.append(now - req.arrival)
             elif req.num_tokens >= 2:
                 tpot.append((now - req.first_token) / (req.num_tokens - 1))
-        return LatencySnapshot(percentile(ttft, 95), percentile(tpot, 95), len(ttft), len(tpot))
+        e2e_mean = sum(v for _, v in self.e2e) / len(self.e2e) if self.e2e else 0.0
+        return LatencySnapshot(percentile(ttft, 95), percentile(tpot, 95), len(ttft), len(tpot), e2e_mean)
 
 
 def replica_autoscaling_stats(engine_stats: Mapping[str, Any], latency: LatencySnapshot) -> dict[str, float]:
@@ -136,6 +143,7 @@ def replica_autoscaling_stats(engine_stats: Mapping[str, Any], latency: LatencyS
         METRIC_TTFT_P95_MS: latency.ttft_p95_s * 1e3,
         METRIC_TPOT_P95_MS: latency.tpot_p95_s * 1e3,
         METRIC_NUM_SAMPLES: float(max(latency.num_ttft_samples, latency.num_tpot_samples)),
+        METRIC_E2E_MEAN_MS: latency.e2e_mean_s * 1e3,
         METRIC_NUM_RUNNING: float(engine_stats.get("num_running", 0)),
         METRIC_NUM_WAITING: float(engine_stats.get("num_waiting", 0)),
         METRIC_QUEUED_TOKENS: float(engine_stats.get("queued_tokens", 0)),
@@ -236,7 +244,8 @@ class Figures:
     """What one decision was based on (deployment-wide, from the replicas' windowed reports)."""
 
     num_replicas: int
-    ttft_p95_ms: float  # sample-weighted mean of the replicas' p95s
+    ttft_p95_ms: float  # sample-weighted mean of the replicas' p95s, plus queue_wait_ms
+    queue_wait_ms: float  # estimated wait at Serve's handles before a replica takes a request
     tpot_p95_ms: float
     num_samples: float
     kv_usage: float  # the fullest replica's
@@ -247,7 +256,8 @@ class Figures:
 
     def describe(self, config: SLOPolicyConfig) -> str:
         return (
-            f"pressure {self.pressure:.2f} = max(TTFT p95 {self.ttft_p95_ms:.1f}/{config.ttft_p95_ms:g} ms, "
+            f"pressure {self.pressure:.2f} = max(TTFT p95 {self.ttft_p95_ms:.1f} (queue {self.queue_wait_ms:.0f})"
+            f"/{config.ttft_p95_ms:g} ms, "
             f"TPOT p95 {self.tpot_p95_ms:.1f}/{config.tpot_p95_ms:g} ms, KV {self.kv_usage:.2f}/{config.kv_usage_high:g}) "
             f"from {self.num_samples:.0f} samples; {self.num_ongoing:.1f} ongoing, {self.num_waiting:.1f} waiting in "
             f"engines, {self.num_queued:.1f} queued at handles, {self.num_replicas} replicas"
@@ -273,7 +283,9 @@ class SLOAutoscalingPolicy:
     """Serve autoscaling policy (`autoscaling_config.policy.policy_function`) keeping p95 TTFT and
     p95 TPOT under the SLO in `policy_kwargs` (see SLOPolicyConfig).
 
-    pressure = max(ttft_p95 / ttft_slo, tpot_p95 / tpot_slo, kv_usage / kv_usage_high)
+    pressure = max(ttft_p95 / ttft_slo, tpot_p95 / tpot_slo, kv_usage / kv_usage_high), where the
+    p95s are the replicas' (sample-weighted), TTFT plus the estimated wait at Serve's handles
+    (`figures`), and kv_usage the fullest replica's.
     * pressure > 1 with load on the replicas: up to n' = clamp(ceil(n * pressure / target_utilization),
       n + 1, ceil(n * max_upscale_ratio)), then nothing more for upscale_cooldown_s; the load per
       replica at the violation is remembered as the replicas' capacity. While replicas are still
@@ -302,11 +314,22 @@ class SLOAutoscalingPolicy:
         return decision.num_replicas, state
 
     def figures(self, ctx: Any, latency_min_samples: int = 1) -> Figures:
-        """Deployment-wide figures; latencies count only with >= `latency_min_samples` samples."""
+        """Deployment-wide figures; latencies count only with >= `latency_min_samples` samples.
+
+        Replicas measure TTFT from when they get a request; requests queued at Serve's handles
+        (all replicas at max_ongoing_requests) wait longer. By Little's law the replicas finish
+        on_replicas / e2e_mean requests a second, so a queue of q waits about
+        q * e2e_mean / on_replicas; that is added to the TTFT p95.
+        """
         metrics = ctx.aggregated_metrics or {}
         samples = metrics.get(METRIC_NUM_SAMPLES, {})
         num_samples = float(sum(samples.values()))
-        ttft = _weighted_mean(metrics.get(METRIC_TTFT_P95_MS, {}), samples)
+        num_queued = float(ctx.total_queued_requests or 0.0)
+        num_waiting = float(sum(metrics.get(METRIC_NUM_WAITING, {}).values()))
+        on_replicas = float(sum(metrics.get(METRIC_NUM_RUNNING, {}).values())) + num_waiting
+        e2e_mean = _weighted_mean(metrics.get(METRIC_E2E_MEAN_MS, {}), samples)
+        queue_wait = num_queued * e2e_mean / max(1.0, on_replicas)
+        ttft = _weighted_mean(metrics.get(METRIC_TTFT_P95_MS, {}), samples) + queue_wait
         tpot = _weighted_mean(metrics.get(METRIC_TPOT_P95_MS, {}), samples)
         kv = max(metrics.get(METRIC_KV_USAGE, {}).values(), default=0.0)
         cfg = self.config
@@ -314,11 +337,12 @@ class SLOAutoscalingPolicy:
         return Figures(
             num_replicas=ctx.current_num_replicas,
             ttft_p95_ms=ttft,
+            queue_wait_ms=queue_wait,
             tpot_p95_ms=tpot,
             num_samples=num_samples,
             kv_usage=kv,
-            num_waiting=float(sum(metrics.get(METRIC_NUM_WAITING, {}).values())),
-            num_queued=float(ctx.total_queued_requests or 0.0),
+            num_waiting=num_waiting,
+            num_queued=num_queued,
             num_ongoing=float(ctx.total_num_requests or 0.0),
             pressure=max(latency, kv / cfg.kv_usage_high),
         )

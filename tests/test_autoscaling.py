@@ -25,7 +25,9 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy
 
 from deployments.autoscaling import (
+    METRIC_E2E_MEAN_MS,
     METRIC_KV_USAGE,
+    METRIC_NUM_RUNNING,
     METRIC_NUM_SAMPLES,
     METRIC_NUM_WAITING,
     METRIC_TPOT_P95_MS,
@@ -57,6 +59,8 @@ def context(
     samples: float = 50.0,
     kv: float = 0.1,
     waiting: float = 0.0,
+    running: float | None = None,
+    e2e_ms: float = 1000.0,
     ongoing: float = 4.0,
     queued: float = 0.0,
     state: dict | None = None,
@@ -74,6 +78,8 @@ def context(
         METRIC_NUM_SAMPLES: dict.fromkeys(ids, samples / max(n, 1)),
         METRIC_KV_USAGE: dict.fromkeys(ids, kv),
         METRIC_NUM_WAITING: dict.fromkeys(ids, waiting / max(n, 1)),
+        METRIC_NUM_RUNNING: dict.fromkeys(ids, (ongoing - queued if running is None else running) / max(n, 1)),
+        METRIC_E2E_MEAN_MS: dict.fromkeys(ids, e2e_ms),
     }
     return AutoscalingContext(
         deployment_id=DEPLOYMENT,
@@ -151,6 +157,18 @@ def test_violation_scales_up_proportionally_and_remembers_capacity() -> None:
     assert p(context(2, kv=0.99, ongoing=24.0))[0] == 4  # KV nearly full: pressure 1.1
 
 
+def test_requests_queued_at_handles_count_toward_ttft() -> None:
+    """Replicas at max_ongoing_requests: 16 run (2 s each), 24 more wait at Serve's handles. The
+    replicas' own TTFT p95 is fine, but by Little's law the queue waits 24 * 2000 / 16 = 3000 ms."""
+    p = policy()
+    ctx = context(2, ttft_ms=100.0, tpot_ms=20.0, ongoing=40.0, queued=24.0, e2e_ms=2000.0)
+    figures = p.figures(ctx)
+    assert figures.queue_wait_ms == pytest.approx(3000.0)
+    assert figures.ttft_p95_ms == pytest.approx(3100.0) and figures.pressure == pytest.approx(3.1)
+    assert p(ctx)[0] == 4
+    assert p.figures(context(2, ongoing=16.0, queued=0.0, e2e_ms=2000.0)).queue_wait_ms == 0.0
+
+
 def test_scale_up_respects_max_cooldown_samples_and_starting_replicas() -> None:
     p = policy(upscale_cooldown_s=30, min_latency_samples=10)
     assert p(context(3, tpot_ms=300.0, hi=4))[0] == 4
@@ -174,7 +192,7 @@ def test_scale_down_needs_low_pressure_no_queue_and_a_fit() -> None:
     p = policy()
     assert p(context(3, tpot_ms=20.0, ongoing=2.0))[0] == 2  # projected 0.2 * 3 / 2 = 0.3
     assert p(context(3, tpot_ms=20.0, ongoing=2.0, waiting=2.0))[0] == 3  # engines have a queue
-    assert p(context(3, tpot_ms=20.0, ongoing=2.0, queued=1.0))[0] == 3  # handles have a queue
+    assert p(context(3, tpot_ms=20.0, ongoing=2.0, queued=1.0, e2e_ms=100.0))[0] == 3  # handles have a queue
     assert p(context(3, tpot_ms=60.0, ongoing=2.0))[0] == 3  # 0.6 >= scale_down_below
     assert p(context(2, tpot_ms=40.0, ongoing=2.0))[0] == 2  # projected 0.4 * 2 / 1 = 0.8 > 0.7
     assert p(context(1, tpot_ms=1.0, ongoing=0.0))[0] == 1  # min_replicas
@@ -206,7 +224,7 @@ def test_decisions_are_logged_with_their_figures(caplog: pytest.LogCaptureFixtur
     assert record.name == "ray.serve"
     assert "SpecDecode: up 2 -> 4" in message
     assert "2 x min(1.30 / 0.7, 2) -> 4" in message
-    assert "TPOT p95 130.0/100 ms" in message and "TTFT p95 200.0/1000 ms" in message
+    assert "TPOT p95 130.0/100 ms" in message and "TTFT p95 200.0 (queue 0)/1000 ms" in message
     assert "24.0 ongoing" in message
 
 
@@ -374,9 +392,10 @@ def test_tracker_measures_ttft_and_tpot_over_the_window() -> None:
     tracker.finish("a")  # 4 tokens, 0.6 s after the first: TPOT 0.2 s
     snap = tracker.snapshot()
     assert snap.ttft_p95_s == pytest.approx(0.5) and snap.tpot_p95_s == pytest.approx(0.2)
+    assert snap.e2e_mean_s == pytest.approx(1.1)
     assert (snap.num_ttft_samples, snap.num_tpot_samples) == (1, 1)
     clock.now = 11.2  # both samples leave the window
-    assert tracker.snapshot() == type(snap)(0.0, 0.0, 0, 0)
+    assert tracker.snapshot() == type(snap)(0.0, 0.0, 0, 0, 0.0)
 
 
 def test_tracker_counts_requests_in_flight() -> None:
