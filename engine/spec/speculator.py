@@ -26,6 +26,7 @@ from engine.spec.proposers.base import ProposeContext
 logger = logging.getLogger("engine")
 
 PROBE_EVERY = 8  # a request whose drafts stopped paying retries k=1 this often
+PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before a request's first verification
 
 
 class StepCostModel:
@@ -83,7 +84,9 @@ class Speculator:
     # --- cost model -------------------------------------------------------------------------
     @torch.inference_mode()
     def profile(self, runner, max_tokens: int) -> StepCostModel:
-        """Time the target on n = 1, 2, 4, ... tokens (median of 3) using free KV blocks."""
+        """Time the target on n = 1, 2, 4, ... tokens using free KV blocks: the minimum of 5 runs
+        (the least disturbed by other work), then made non-decreasing in n (a larger step never
+        costs less), so noise cannot invert the curve."""
         from engine.model_runner import SeqChunk, build_forward_batch
 
         sizes = [n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if n <= max_tokens]
@@ -97,14 +100,16 @@ class Speculator:
                 ctx = max(0, len(blocks) * bs - n)
             batch = build_forward_batch([SeqChunk([0] * n, ctx, blocks)], bs, runner.backend, runner.device)
             samples = []
-            for _ in range(3):
+            for _ in range(5):
                 t0 = time.perf_counter()
                 h = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata, runner.backend)
                 runner.model.compute_logits(h[-1:])
                 if runner.device.type == "cuda":
                     torch.cuda.synchronize(runner.device)
                 samples.append(time.perf_counter() - t0)
-            times.append(sorted(samples)[1])
+            times.append(min(samples))
+        for i in range(len(times) - 2, -1, -1):
+            times[i] = min(times[i], times[i + 1])
         self.cost = StepCostModel(sizes, times)
         logger.info("target step time vs tokens: %s", {n: f"{t * 1e3:.2f}ms" for n, t in zip(sizes, times, strict=True)})
         return self.cost
@@ -118,8 +123,8 @@ class Speculator:
             return
         observed = num_accepted / trials
         a = self.config.acceptance_ema_alpha
-        prev = request.acceptance_ema
-        request.acceptance_ema = observed if prev is None else (1 - a) * prev + a * observed
+        prev = request.acceptance_ema if request.acceptance_ema is not None else PRIOR_ACCEPTANCE
+        request.acceptance_ema = (1 - a) * prev + a * observed
 
     def max_k(self, request: Request) -> int:
         params = request.sampling_params
@@ -137,7 +142,7 @@ class Speculator:
         k_max = self.max_k(request)
         if k_max == 0 or not self.config.adaptive or self.cost is None:
             return k_max
-        alpha = request.acceptance_ema if request.acceptance_ema is not None else 0.8
+        alpha = request.acceptance_ema if request.acceptance_ema is not None else PRIOR_ACCEPTANCE
         marginal = self._marginal_cost()
         k = 0
         while k < k_max and alpha ** (k + 1) > marginal:
@@ -180,7 +185,7 @@ class Speculator:
         ks = [self.choose_k(r, engine.step_index) for r in decoding]
         candidates = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         if candidates and self.config.adaptive:
-            alphas = [r.acceptance_ema if r.acceptance_ema is not None else 0.8 for r, _ in candidates]
+            alphas = [r.acceptance_ema if r.acceptance_ema is not None else PRIOR_ACCEPTANCE for r, _ in candidates]
             if not self.step_pays(len(decoding), alphas, [k for _, k in candidates]):
                 candidates = []
                 self.num_steps_off += 1
