@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -77,7 +78,8 @@ ATTR_FINISH_REASON = "specdecode.finish_reason"
 ATTR_TTFT_S = "specdecode.ttft_s"
 ATTR_SPECULATIVE = "specdecode.speculative"
 ATTR_SPEC_PREFIX = "specdecode.spec."  # + num_draft_tokens, acceptance_rate, ... (request totals)
-ATTR_TIME_PREFIX = "specdecode.time."  # + queue_s, prefill_s, draft_s, verify_s, sample_s, engine_other_s
+# + queue_s, prefill_s, draft_s, verify_s, sample_s, engine_other_s, overhead_s (outside any step)
+ATTR_TIME_PREFIX = "specdecode.time."
 ATTR_NUM_STEPS = "specdecode.num_steps"  # engine steps that served the request
 # Step attributes: on `engine.step` and copied onto each request's prefill/decode span.
 ATTR_STEP_INDEX = "engine.step.index"
@@ -291,7 +293,12 @@ class _Traced:
 class RequestTracer:
     """Spans for requests served by one engine. `attach(engine)` registers the step listener (it
     runs on the engine thread); `trace(stream, request_id, parent=...)` wraps an AsyncLLM output
-    stream in the request's span (on the event loop)."""
+    stream in the request's span (on the event loop).
+
+    Making spans costs tens of microseconds each, so neither thread makes them: the listener only
+    queues the step record (a few microseconds) and a builder thread makes the step spans, with
+    their recorded timestamps, and ends request spans, in the order things happened.
+    """
 
     def __init__(self, provider: TracerProvider) -> None:
         self.provider = provider
@@ -299,6 +306,9 @@ class RequestTracer:
         self._live: dict[str, _Traced] = {}
         self._engine: LLMEngine | None = None
         self._root = Context()  # steps start traces of their own
+        self._work: queue.SimpleQueue = queue.SimpleQueue()  # (function, args); (None, ()) stops
+        self._builder = threading.Thread(target=self._build, name="trace-builder", daemon=True)
+        self._builder.start()
 
     # --- wiring ---------------------------------------------------------------------------------
     def attach(self, engine: LLMEngine) -> None:
@@ -311,12 +321,30 @@ class RequestTracer:
         self._engine = None
 
     def shutdown(self) -> None:
-        """Detach and export what is still buffered."""
+        """Detach, make the spans still queued, and export what is buffered."""
         self.detach()
+        self._work.put((None, ()))
+        self._builder.join(timeout=10)
         self.provider.shutdown()
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
-        return self.provider.force_flush(int(timeout_s * 1000))
+        """Make the queued spans and export them; True if all was done within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        done = threading.Event()
+        self._work.put((done.set, ()))
+        if not done.wait(timeout_s):
+            return False
+        return self.provider.force_flush(max(1, int((deadline - time.monotonic()) * 1000)))
+
+    def _build(self) -> None:
+        while True:
+            fn, args = self._work.get()
+            if fn is None:
+                return
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - a bad span must not end the builder
+                logger.exception("tracing: making spans failed")
 
     # --- parents --------------------------------------------------------------------------------
     @staticmethod
@@ -378,20 +406,27 @@ class RequestTracer:
             raise
         finally:
             self._live.pop(request_id, None)
-            if last is not None:
-                span.set_attributes(_final_attributes(last))
-            span.set_attributes({ATTR_TIME_PREFIX + k + "_s": v for k, v in traced.times.items()})
-            span.set_attribute(ATTR_NUM_STEPS, traced.num_steps)
-            span.end()
+            final = _final_attributes(last) if last is not None else {}
+            self._work.put((self._end_request, (traced, final, time.time_ns())))
 
-    # --- per step (engine thread) ---------------------------------------------------------------
+    # --- per step: queued on the engine thread, spans made on the builder thread -----------------
     def on_step(self, record: StepRecord) -> None:
         live = self._live
         if not live:
             return
         traced = [(rid, t) for rid in record.request_ids if (t := live.get(rid)) is not None]
-        if not traced:
-            return
+        if traced:
+            self._work.put((self._step_spans, (record, traced)))
+
+    def _end_request(self, t: _Traced, final: dict, end_ns: int) -> None:
+        t.span.set_attributes(final)
+        wall_s = (end_ns - (t.span.start_time or t.start_ns)) / 1e9
+        times = {**t.times, "overhead": max(0.0, wall_s - sum(t.times.values()))}
+        t.span.set_attributes({ATTR_TIME_PREFIX + k + "_s": v for k, v in times.items()})
+        t.span.set_attribute(ATTR_NUM_STEPS, t.num_steps)
+        t.span.end(end_time=end_ns)
+
+    def _step_spans(self, record: StepRecord, traced: list[tuple[str, _Traced]]) -> None:
         start_ns = int(record.start_time * 1e9)
         end_ns = start_ns + int(record.duration_s * 1e9)
         other_s = max(0.0, record.duration_s - record.draft_time_s - record.verify_time_s - record.sample_time_s)
