@@ -69,7 +69,10 @@ STEP_SPAN = "engine.step"
 FIRST_TOKEN_EVENT = "first_token"
 
 ATTR_REQUEST_ID = "specdecode.request_id"
-ATTR_PREEMPTED = "specdecode.preempted"  # on a queue span: waiting again after a preemption
+# On a queue span after the first: engine steps ran without the request (it was preempted and
+# now recomputes, or the step's token budget left it out) and it waited.
+ATTR_SKIPPED_STEPS = "specdecode.queue.skipped_steps"
+ATTR_PREEMPTED = "specdecode.preempted"  # ... and it comes back with a prefill (recompute)
 ATTR_CANCELLED = "specdecode.cancelled"
 ATTR_NUM_PROMPT_TOKENS = "specdecode.num_prompt_tokens"
 ATTR_NUM_OUTPUT_TOKENS = "specdecode.num_output_tokens"
@@ -284,7 +287,7 @@ class _Traced:
     context: Context
     start_ns: int
     last_end_ns: int | None = None  # end of the last step that served it
-    decoded: bool = False  # it has had a decode step (a prefill after that is a recompute)
+    last_step_index: int = -1
     first_token_ns: int | None = None
     times: dict[str, float] = field(default_factory=dict)  # seconds per phase, summed over its steps
     num_steps: int = 0
@@ -463,13 +466,14 @@ class RequestTracer:
             if t.last_end_ns is None:
                 self._child(QUEUE_SPAN, t, t.start_ns, start_ns, {})
                 times["queue"] = times.get("queue", 0.0) + (start_ns - t.start_ns) / 1e9
-            elif is_prefill and t.decoded:  # preempted, waited, now recomputes its tokens
-                self._child(QUEUE_SPAN, t, t.last_end_ns, start_ns, {ATTR_PREEMPTED: True})
+            elif record.step_index > t.last_step_index + 1:  # steps ran without it: it waited
+                skipped = record.step_index - t.last_step_index - 1
+                self._child(QUEUE_SPAN, t, t.last_end_ns, start_ns, {ATTR_SKIPPED_STEPS: skipped,
+                                                                      ATTR_PREEMPTED: is_prefill})
                 times["queue"] = times.get("queue", 0.0) + (start_ns - t.last_end_ns) / 1e9
             if is_prefill:
                 times["prefill"] = times.get("prefill", 0.0) + record.duration_s
             else:
-                t.decoded = True
                 for phase, seconds in (("draft", record.draft_time_s), ("verify", record.verify_time_s),
                                        ("sample", record.sample_time_s), ("engine_other", other_s)):
                     times[phase] = times.get(phase, 0.0) + seconds
@@ -477,6 +481,7 @@ class RequestTracer:
             self._child(PREFILL_SPAN if is_prefill else DECODE_SPAN, t, start_ns, end_ns,
                         {**step_attrs, **shares[rid]}, to_step)
             t.last_end_ns = end_ns
+            t.last_step_index = record.step_index
 
     def _child(self, name: str, t: _Traced, start_ns: int, end_ns: int, attrs: dict, links: list | None = None) -> None:
         span = self.tracer.start_span(name, context=t.context, start_time=start_ns, attributes=attrs, links=links)

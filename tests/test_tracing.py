@@ -264,6 +264,49 @@ def test_a_step_serving_two_requests_is_one_span_linked_to_both(
             tr.ATTR_STEP_NUM_BATCHED_TOKENS]
 
 
+def test_a_request_left_out_of_steps_gets_a_queue_span() -> None:
+    """Synthetic steps: `a` prefills, decodes, is preempted (step 2 runs without it), recomputes."""
+    from opentelemetry.sdk.trace import TracerProvider, sampling
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.llm_engine import StepRecord
+    from engine.outputs import RequestOutput
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(sampler=tr.StepLinkSampler(sampling.ALWAYS_ON))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = tr.RequestTracer(provider)
+    t0 = time.time()
+    plan = [(["a"], ["a"], {"a": 8}), (["a"], [], {"a": 3}), (["b"], ["b"], {"b": 8}), (["a"], ["a"], {"a": 9}),
+            (["a"], [], {"a": 1})]
+
+    async def stream() -> Any:
+        for i, (ids, prefill, tokens) in enumerate(plan):
+            drafted = {r: (n - 1, 1) for r, n in tokens.items() if r not in prefill}
+            tracer.on_step(StepRecord(i, t0 + 0.01 * (i + 1), 0.005, sum(tokens.values()), len(ids), ids,
+                                      len(drafted), 0.001, 0.002, 0.001, drafted, prefill, tokens))
+        yield RequestOutput("a", None, [1] * 8, [3, 4, 5], "", [3], "", True, "length", metrics={})
+
+    async def consume() -> None:
+        async for _ in tracer.trace(stream(), "a"):
+            pass
+
+    asyncio.run(consume())
+    tracer.shutdown()
+    spans = memory.get_finished_spans()
+    names = [s.name for s in sorted((s for s in spans if s.name != tr.STEP_SPAN), key=lambda s: s.start_time)]
+    assert names == [tr.REQUEST_SPAN, tr.QUEUE_SPAN, tr.PREFILL_SPAN, tr.DECODE_SPAN, tr.QUEUE_SPAN,
+                     tr.PREFILL_SPAN, tr.DECODE_SPAN]
+    requeued = sorted((s for s in spans if s.name == tr.QUEUE_SPAN), key=lambda s: s.start_time)[1]
+    assert requeued.attributes[tr.ATTR_SKIPPED_STEPS] == 1 and requeued.attributes[tr.ATTR_PREEMPTED]
+    assert requeued.end_time - requeued.start_time == pytest.approx(0.015e9, abs=1e3)  # step 1 end -> step 3
+    assert sorted(s.attributes[tr.ATTR_STEP_INDEX] for s in spans if s.name == tr.STEP_SPAN) == [0, 1, 3, 4]
+    (req,) = [s for s in spans if s.name == tr.REQUEST_SPAN]
+    assert req.attributes[tr.ATTR_NUM_STEPS] == 4
+    assert req.attributes[tr.ATTR_TIME_PREFIX + "prefill_s"] == pytest.approx(0.010)
+
+
 # --- off, unsampled, settings ----------------------------------------------------------------
 def test_tracing_off_registers_nothing(llm: AsyncLLM) -> None:
     before = list(llm.engine.step_listeners)
