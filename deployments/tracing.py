@@ -135,7 +135,7 @@ def resolve_settings(args: TracingArgs | None, environ: Mapping[str, str] = os.e
     return TracingSettings(exporters, resolve_path(path), args.sampling_ratio if args is not None else None)
 
 
-def sampler_from_env(environ: Mapping[str, str] = os.environ) -> Any:
+def sampler_from_env(environ: Mapping[str, str] = os.environ) -> sampling.Sampler:
     """The sampler OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG name (parentbased_always_on if unset)."""
     name = environ.get(ENV_SAMPLER, "parentbased_always_on").strip().lower()
     if name not in SAMPLERS:
@@ -176,8 +176,9 @@ class StepLinkSampler(sampling.Sampler):
 
 
 def make_exporter(name: str, settings: TracingSettings, environ: Mapping[str, str] = os.environ) -> SpanExporter:
-    """One span exporter: `otlp` (OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL grpc or http/protobuf; the
-    endpoint, headers and TLS from the other OTEL_EXPORTER_OTLP_* variables), `console`, `file`."""
+    """One span exporter: `otlp` (OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL in `environ` picks grpc or
+    http/protobuf; the OTLP exporter itself reads the endpoint, headers, TLS and timeout from the
+    process's OTEL_EXPORTER_OTLP_* variables), `console` (stdout) or `file` (JSON lines)."""
     if name == "file":
         return JsonLinesSpanExporter(settings.file)
     if name == "console":
