@@ -36,7 +36,9 @@ METRIC_KV_USAGE = "kv_usage"
 # Policy-state keys (Serve keeps the dict between ticks next to its own delay counters).
 STATE_CAPACITY = "slo_capacity_per_replica"  # ongoing requests per replica at the last violation
 STATE_CAPACITY_TIME = "slo_capacity_time"
-STATE_DECISION = "slo_last_decision"  # "up", "down" or "hold" (logged on change)
+STATE_DECISION = "slo_last_decision"  # "kind:replicas:code" of the last logged decision
+STATE_LOGGED_AT = "slo_logged_at"  # when a hold was last logged (holds: at most every HOLD_LOG_S)
+HOLD_LOG_S = 10.0
 STATE_NUM_RUNNING = "slo_num_running"  # running replicas at the last tick ...
 STATE_GREW_AT = "slo_grew_at"  # ... and when that number last went up (new replicas came up)
 
@@ -268,7 +270,8 @@ class Figures:
 class Decision:
     kind: str  # "up", "down" or "hold"
     num_replicas: int
-    reason: str
+    code: str  # why, in one stable word (what the log de-duplicates on)
+    reason: str  # why, with the numbers
     figures: Figures | None = None
 
 
@@ -302,16 +305,26 @@ class SLOAutoscalingPolicy:
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         state = dict(ctx.policy_state or {})
         decision = self.decide(ctx, state)
-        key = f"{decision.kind}:{decision.num_replicas}"
-        if state.get(STATE_DECISION) != key:
-            level = logging.INFO if decision.kind != "hold" or state.get(STATE_DECISION) else logging.DEBUG
-            figures = f"; {decision.figures.describe(self.config)}" if decision.figures else ""
-            logger.log(
-                level, "SLO autoscaling %s: %s %d -> %d (%s)%s", ctx.deployment_name, decision.kind,
-                ctx.current_num_replicas, decision.num_replicas, decision.reason, figures,
-            )
-            state[STATE_DECISION] = key
+        self.log(ctx, decision, state)
         return decision.num_replicas, state
+
+    def log(self, ctx: Any, decision: Decision, state: dict[str, Any]) -> None:
+        """Log a decision with its figures when it differs from the last one logged: every scale-up
+        and scale-down, and holds at most every HOLD_LOG_S (Serve calls the policy ~10 times a s)."""
+        key = f"{decision.kind}:{decision.num_replicas}:{decision.code}"
+        if state.get(STATE_DECISION) == key:
+            return
+        now = ctx.current_time if ctx.current_time is not None else time.time()
+        if decision.kind == "hold":
+            if now - state.get(STATE_LOGGED_AT, -math.inf) < HOLD_LOG_S:
+                return
+            state[STATE_LOGGED_AT] = now
+        state[STATE_DECISION] = key
+        figures = f"; {decision.figures.describe(self.config)}" if decision.figures else ""
+        logger.info(
+            "SLO autoscaling %s: %s %d -> %d (%s)%s", ctx.deployment_name, decision.kind,
+            ctx.current_num_replicas, decision.num_replicas, decision.reason, figures,
+        )
 
     def figures(self, ctx: Any, latency_min_samples: int = 1) -> Figures:
         """Deployment-wide figures; latencies count only with >= `latency_min_samples` samples.
@@ -353,18 +366,18 @@ class SLOAutoscalingPolicy:
         n, target = ctx.current_num_replicas, ctx.target_num_replicas
         lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
         now = ctx.current_time if ctx.current_time is not None else time.time()
-        if n > state.get(STATE_NUM_RUNNING, n):
+        if 0 < state.get(STATE_NUM_RUNNING, 0) < n:  # replicas added to running ones (not a cold start)
             state[STATE_GREW_AT] = now
         state[STATE_NUM_RUNNING] = n
         if n == 0:
-            return Decision("hold", max(target, lo), "no running replica")
+            return Decision("hold", max(target, lo), "no-replica", "no running replica")
         capacity = state.get(STATE_CAPACITY)
         if capacity is not None and now - state.get(STATE_CAPACITY_TIME, now) > cfg.capacity_memory_s:
             capacity = None
             state.pop(STATE_CAPACITY, None)
             state.pop(STATE_CAPACITY_TIME, None)
         if target > n:
-            return Decision("hold", target, f"waiting for {target - n} starting replica(s)")
+            return Decision("hold", target, "starting", f"waiting for {target - n} starting replica(s)")
 
         up = self.figures(ctx, cfg.min_latency_samples)
         loaded = up.num_ongoing > 0 or up.num_waiting > 0
@@ -374,42 +387,42 @@ class SLOAutoscalingPolicy:
                 state[STATE_CAPACITY] = per_replica if capacity is None else min(capacity, per_replica)
                 state[STATE_CAPACITY_TIME] = now
             if n >= hi:
-                return Decision("hold", n, f"SLO violated but already at max_replicas {hi}", up)
+                return Decision("hold", n, "at-max", f"SLO violated but already at max_replicas {hi}", up)
             # Cool down from the later of the last scale-up decision and the last replica coming up
             # (a slow start can outlast the cooldown; its p95s still hold the overload).
             ups = [t for t in (ctx.last_scale_up_time, state.get(STATE_GREW_AT)) if t is not None]
             last_up = max(ups, default=None)
             if last_up is not None and now - last_up < cfg.upscale_cooldown_s:
                 return Decision(
-                    "hold", n, f"SLO violated; cooling down {cfg.upscale_cooldown_s - (now - last_up):.1f} s more "
+                    "hold", n, "cooldown", f"SLO violated; cooling down {cfg.upscale_cooldown_s - (now - last_up):.1f} s more "
                     "after the last scale-up", up,
                 )
             ratio = min(up.pressure / cfg.target_utilization, cfg.max_upscale_ratio)
             desired = min(max(math.ceil(n * ratio), n + 1), hi)
             return Decision(
-                "up", desired, f"SLO violated: {n} x min({up.pressure:.2f} / {cfg.target_utilization:g}, "
+                "up", desired, "violation", f"SLO violated: {n} x min({up.pressure:.2f} / {cfg.target_utilization:g}, "
                 f"{cfg.max_upscale_ratio:g}) -> {desired}", up,
             )
 
         # Scale-down sees latencies however few their samples (the cautious side).
         down = self.figures(ctx, 1)
         if n <= lo:
-            return Decision("hold", n, "at min_replicas", down)
+            return Decision("hold", n, "at-min", "at min_replicas", down)
         if down.pressure >= cfg.scale_down_below:
-            return Decision("hold", n, f"pressure not under scale_down_below {cfg.scale_down_below:g}", down)
+            return Decision("hold", n, "pressure", f"pressure not under scale_down_below {cfg.scale_down_below:g}", down)
         if down.num_waiting + down.num_queued >= 0.5:
-            return Decision("hold", n, "requests are waiting", down)
+            return Decision("hold", n, "queue", "requests are waiting", down)
         m = n - 1
         capacity = state.get(STATE_CAPACITY)
         if capacity is not None:
             limit = cfg.downscale_load_margin * capacity
             if down.num_ongoing / m > limit:
                 return Decision(
-                    "hold", n, f"{down.num_ongoing:.1f} ongoing would exceed {limit:.1f}/replica on {m} "
+                    "hold", n, "capacity", f"{down.num_ongoing:.1f} ongoing would exceed {limit:.1f}/replica on {m} "
                     f"(capacity {capacity:.1f}/replica at the last violation)", down,
                 )
-            return Decision("down", m, f"load fits {m} replica(s) at <= {limit:.1f}/replica", down)
+            return Decision("down", m, "capacity", f"load fits {m} replica(s) at <= {limit:.1f}/replica", down)
         projected = down.pressure * n / m
         if projected > cfg.target_utilization:
-            return Decision("hold", n, f"projected pressure on {m} replica(s) {projected:.2f} > target", down)
-        return Decision("down", m, f"projected pressure on {m} replica(s) {projected:.2f}", down)
+            return Decision("hold", n, "projection", f"projected pressure on {m} replica(s) {projected:.2f} > target", down)
+        return Decision("down", m, "projection", f"projected pressure on {m} replica(s) {projected:.2f}", down)
