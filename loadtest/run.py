@@ -104,7 +104,7 @@ def read_history(path: Path) -> dict[str, dict[str, list[float]]]:
             t = float(row["Timestamp"])
             start = t if start is None else min(start, t)
             values = [row.get(p, "N/A") for p in PERCENTILES]
-            if "N/A" in values or "" in values:
+            if "N/A" in values or "" in values or row.get("Total Request Count") in ("0", None):
                 continue
             out = series[name]
             out["t"].append(t)
@@ -133,8 +133,12 @@ def plot_history(history_csv: Path, png: Path, title: str, slo: dict[str, float]
             continue
         for p in PERCENTILES:
             ax.plot(data["t"], data[p], label=f"p{p.rstrip('%')}")
-        if slo.get(name):
+        top = max(max(data[p]) for p in PERCENTILES)
+        if slo.get(name) and slo[name] <= 2 * top:
             ax.axhline(slo[name], color="red", linestyle="--", linewidth=1, label=f"SLO p95 {slo[name]:g} ms")
+        elif slo.get(name):
+            ax.plot([], [], color="red", linestyle="--", label=f"SLO p95 {slo[name]:g} ms (off the scale)")
+        ax.set_ylim(bottom=0)
         users = ax.twinx()
         users.plot(data["t"], data["users"], color="grey", alpha=0.4, linewidth=1)
         users.set_ylabel("users", color="grey")

@@ -94,6 +94,7 @@ def test_plot_reads_locusts_full_history(tmp_path: Path) -> None:
     header = ["Timestamp", "User Count", "Type", "Name", "Requests/s", "Failures/s", "50%", "66%", "75%", "80%",
               "90%", "95%", "98%", "99%", "99.9%", "99.99%", "100%", "Total Request Count", "Total Failure Count"]
     rows = [
+        [999, 1, "grpc", "TTFT", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
         [1000, 1, "grpc", "TTFT", 0, 0, "N/A", "N/A", "N/A", "N/A", "N/A", "N/A", "N/A", "N/A", "N/A", "N/A", "N/A", 0, 0],
         [1001, 2, "grpc", "TTFT", 1, 0, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 3, 0],
         [1002, 4, "grpc", "TPOT", 1, 0, 5, 5, 5, 5, 6, 7, 8, 9, 9, 9, 9, 3, 0],
@@ -104,7 +105,7 @@ def test_plot_reads_locusts_full_history(tmp_path: Path) -> None:
         csv.writer(f).writerows([header, *rows])
     series = loadtest_run.read_history(history)
     assert set(series) == {"TTFT", "TPOT"}
-    assert series["TTFT"]["t"] == [1.0] and series["TTFT"]["95%"] == [35.0] and series["TPOT"]["users"] == [4.0]
+    assert series["TTFT"]["t"] == [2.0] and series["TTFT"]["95%"] == [35.0] and series["TPOT"]["users"] == [4.0]
     png = loadtest_run.plot_history(history, tmp_path / "x.png", "test", {"TPOT": 8.0})
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
