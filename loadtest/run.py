@@ -9,7 +9,8 @@ runs loadtest/locustfile.py (plus loadtest/shapes/<shape>.py) with --csv/--csv-f
 writes <out-dir>/<name>_{stats,stats_history,failures,exceptions}.csv and <name>_latency.png
 (p50/p95/p99 of TTFT, TPOT and end-to-end latency, and the user count, over time). The SLO gates
 default to the targets of the SLO autoscaling policy in deployments/serve_config.yaml. Exits with
-locust's code: 0 when every gate passed, 1 when one failed (or a request failed).
+locust's code: 0 when every gate passed, 1 when one failed (or a request failed); 2 when the
+target does not answer at all.
 """
 
 from __future__ import annotations
@@ -152,9 +153,29 @@ def plot_history(history_csv: Path, png: Path, title: str, slo: dict[str, float]
     return png
 
 
+def check_target(target: str, application: str, timeout_s: float = 15.0) -> str | None:
+    """None if the service answers GetModelInfo within `timeout_s`, else why not."""
+    import grpc
+
+    from deployments.client import SpecDecodeClient
+
+    try:
+        with SpecDecodeClient(target, application=application or None) as client:
+            info = client.wait_ready(timeout=timeout_s)
+    except grpc.RpcError as e:
+        return f"{target} does not answer ({e.code().name}: {e.details()}); start it with `make serve`"
+    print(f"target {target}: model {info.model}, drafter {info.drafter_method or 'none'}, device {info.device}", flush=True)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from loadtest.workloads import build_prompts
+
+    problem = check_target(args.target, args.application)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = args.name or f"{args.workload}-{args.shape}-{time.strftime('%Y%m%d-%H%M%S')}"

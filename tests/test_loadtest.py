@@ -175,3 +175,18 @@ def test_headless_smoke_run_has_no_failures(served_port: int, tmp_path: Path) ->
     assert (tmp_path / "smoke_stats_history.csv").is_file() and (tmp_path / "smoke_failures.csv").is_file()
     assert (tmp_path / "smoke_latency.png").read_bytes()[:4] == b"\x89PNG"
     assert "SLO gates passed" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(100)
+def test_a_missed_slo_fails_the_run(served_port: int, tmp_path: Path) -> None:
+    """No server makes 0.01 ms per output token: the TPOT gate sets locust's exit code to 1."""
+    command = [
+        sys.executable, "-m", "loadtest.run", "--target", f"127.0.0.1:{served_port}", "--application", APP,
+        "--users", "2", "--spawn-rate", "2", "--run-time", "4s", "--workload", "code", "--max-tokens", "8",
+        "--no-heldout", "--slo-ttft-ms", "0", "--slo-tpot-ms", "0.01", "--out-dir", str(tmp_path), "--name", "gate",
+    ]
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=90)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-4000:]
+    assert "SLO gate failed: TPOT: p95" in output and "> SLO 0.01 ms" in output
