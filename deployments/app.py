@@ -162,12 +162,14 @@ class SpecDecodeServer:
         except TimeoutError:
             raise RuntimeError(f"the engine loop did not answer within {HEALTH_CHECK_TIMEOUT_S} s") from None
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve autoscaling metrics for deployments.autoscaling.SLOAutoscalingPolicy: windowed
-        p95 TTFT/TPOT, engine queue and KV-cache use (cheap: a snapshot, no engine call)."""
+        p95 TTFT/TPOT, engine queue and KV-cache use (cheap: a snapshot, no engine call). Async
+        so that it runs on the event loop that updates the latency tracker (Serve runs sync
+        methods in a thread pool)."""
         return replica_autoscaling_stats(self.llm.stats(), self.latency.snapshot())
 
-    def record_routing_stats(self) -> dict[str, float]:
+    async def record_routing_stats(self) -> dict[str, float]:
         """Engine load for deployments.router.EngineLoadRouter (queued tokens, KV-cache use)."""
         return routing_stats(self.llm.stats())
 

@@ -129,7 +129,7 @@ class LatencyTracker:
                 series.popleft()
         ttft = [v for _, v in self.ttft]
         tpot = [v for _, v in self.tpot]
-        for req in self.live.values():
+        for req in list(self.live.values()):
             if req.first_token is None:
                 ttft.append(now - req.arrival)
             elif req.num_tokens >= 2:
