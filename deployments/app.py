@@ -287,12 +287,6 @@ def _spec_stats(spec: dict, enabled: bool) -> pb.SpeculationStats:
     )
 
 
-# Run Generate on the replica's main event loop instead of a separate user-code thread: one
-# thread hop less per streamed message (on a 2-core CPU host, ~1 ms of the per-token overhead
-# of a tiny model). Everything this deployment runs per request is non-blocking.
-REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
-
-
 def replica_resources(config: AppConfig) -> dict:
     """`ray_actor_options`: one GPU per replica when the cluster has GPUs (and the device allows),
     else `num_cpus` CPUs. Decided where the app is built, i.e. on the cluster."""
@@ -301,8 +295,7 @@ def replica_resources(config: AppConfig) -> dict:
     wants_gpu = config.device == "cuda"
     if config.device == "auto" and ray.is_initialized():
         wants_gpu = ray.cluster_resources().get("GPU", 0) >= 1
-    resources = {"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": config.num_cpus}
-    return {**resources, "runtime_env": {"env_vars": dict(REPLICA_ENV)}}
+    return {"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": config.num_cpus}
 
 
 def deployment_options(config: AppConfig, overrides: dict | None = None) -> dict:

@@ -261,6 +261,9 @@ class AppConfig:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "tokenizer": resolve_path(self.tokenizer) if self.tokenizer else None,
             "speculative": spec.to_engine(resolve_path(spec.model) if spec.model else None) if spec else None,
+            # Serve admits at most max_num_seqs per replica, but its limits are approximate under
+            # bursts; the engine refuses (RESOURCE_EXHAUSTED) rather than queue without bound.
+            "max_waiting_requests": self.max_num_seqs + self.max_queued_requests,
         }
 
 
