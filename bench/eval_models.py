@@ -27,7 +27,7 @@ autoregressive, feeding back its own predicted features, RoPE position ``t+1`` f
   ``alpha_{n,i} = sum_x min(p(x), q(x))`` (both at temperature 0.7) for draft depth ``i``; a step
   starting at ``n`` with ``k`` drafts yields ``1 + sum_{i<=k} prod_{l<=i} alpha_{n,l}`` tokens in
   expectation (speculative-sampling acceptance, drafts assumed to follow the sampled path),
-  averaged over all start positions ``n``.
+  averaged over every ``--temp-start-stride``-th start position ``n`` (default 4).
 
 Run ``python -m bench.eval_models`` (default ~20 prompts x 128 tokens, a few minutes on 2 CPU
 cores); writes ``bench/results/eval_models.json`` and prints a markdown table.
@@ -69,6 +69,7 @@ class EvalConfig:
     temperature: float = 0.7
     seed: int = 0
     threads: int = 2
+    temp_start_stride: int = 4
 
 
 def load_lm(folder: Path):
@@ -175,13 +176,22 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 @torch.no_grad()
 def eagle_rollout_logits(
-    head: EagleHead, emb: torch.Tensor, h: torch.Tensor, seq: list[int], starts: range, depth: int
+    head: EagleHead,
+    lm_head: torch.nn.Module,
+    emb: torch.Tensor,
+    h: torch.Tensor,
+    seq: list[int],
+    starts: range,
+    depth: int,
+    greedy_stop: bool,
+    wanted: set[int],
 ) -> dict[int, list[torch.Tensor]]:
-    """For each start ``n``: the head's logits-features for drafts 1..depth conditioned on ``seq``.
+    """For each wanted start ``n``: the head's draft logits for depths 1..depth conditioned on ``seq``.
 
-    Elements ``(h_{t-1}, token_t)`` at RoPE position ``t`` for ``t = 1..n-1`` come from true
-    features (KV-cached once); the draft chain then feeds back its own predicted features:
-    element ``(f_{t}, token_{t+1})`` at position ``t+1``.  Returns per-start lists of features.
+    Elements ``(h_{t-1}, token_t)`` at RoPE position ``t`` for ``t = 1..n-1`` use true features
+    (KV-cached once, in order); the element for ``t = n-1`` is also the depth-1 draft.  Deeper drafts
+    feed back the head's own predicted features: element ``(f_t, token_{t+1})`` at position ``t+1``.
+    With ``greedy_stop`` a chain stops at the first draft that differs from ``seq``.
     """
     from transformers import DynamicCache
 
@@ -205,37 +215,43 @@ def eagle_rollout_logits(
         return y[0] if isinstance(y, tuple) else y
 
     # prefix elements t = 1 .. first-2 (all true features) -> cache length first-2
-    t_idx = torch.arange(1, first - 1)
-    run(emb[:, 1 : first - 1], h[:, : first - 2], t_idx.unsqueeze(0))
+    run(emb[:, 1 : first - 1], h[:, : first - 2], torch.arange(1, first - 1).unsqueeze(0))
     for n in starts:
-        base = cache.get_seq_length()  # elements t = 1..n-2 cached
-        feat = h[:, n - 2 : n - 1]
-        feats = []
-        for i in range(depth):
-            t = n - 1 + i  # element (feature of t-1, token_t) at position t
+        # true element t = n-1: cached for later starts, and its output is the depth-1 draft
+        feat = run(emb[:, n - 1 : n], h[:, n - 2 : n - 1], torch.tensor([[n - 1]]))
+        if n not in wanted:
+            continue
+        base = cache.get_seq_length()
+        logits = [lm_head(feat[0, 0]).float()]
+        for i in range(1, depth):
+            if greedy_stop and int(logits[-1].argmax()) != seq[n + i - 1]:
+                break
+            t = n - 1 + i  # element (feature of t-1, token_t) at position t predicts token t+1
             if t + 1 >= len(seq):
                 break
-            f = run(emb[:, t : t + 1], feat, torch.tensor([[t]]))
-            feats.append(f[0, 0])
-            feat = f
+            feat = run(emb[:, t : t + 1], feat, torch.tensor([[t]]))
+            logits.append(lm_head(feat[0, 0]).float())
         drafted = cache.get_seq_length() - base
         if drafted:
             cache.crop(-drafted)  # transformers 5: negative = number of tokens to drop
-        # append the true element for t = n-1 so the cache holds t = 1..n-1 for start n+1
-        run(emb[:, n - 1 : n], h[:, n - 2 : n - 1], torch.tensor([[n - 1]]))
-        out[n] = feats
+        out[n] = logits
     return out
 
 
 @torch.no_grad()
 def draft_distributions(
-    method: str, models: dict, seq: list[int], prompt_len: int
+    method: str, models: dict, seq: list[int], prompt_len: int, greedy: bool, start_stride: int = 1
 ) -> dict[int, list[torch.Tensor]]:
-    """Draft logits per start ``n`` (committed ``seq[:n]``) for depths 1..MAX_K along ``seq``."""
+    """Draft logits per start ``n`` (committed ``seq[:n]``) for depths 1..MAX_K along ``seq``.
+
+    ``greedy``: EAGLE chains stop at the first mismatch with ``seq`` (enough for exact greedy
+    acceptance).  ``start_stride``: only every ``start_stride``-th start is returned.
+    """
     target = models["target"]
     ids = torch.tensor([seq])
     n_tot = len(seq)
-    starts = range(prompt_len + 1, n_tot)
+    all_starts = range(prompt_len + 1, n_tot)
+    starts = all_starts[::start_stride]
     h, _ = target_pass(target, ids)
     res: dict[int, list[torch.Tensor]] = {}
     if method == "drafter":
@@ -250,9 +266,9 @@ def draft_distributions(
             res[n] = [per_head[i][j] for i in range(len(per_head)) if n + i < n_tot]
     elif method == "eagle":
         emb = target.get_input_embeddings()(ids)
-        feats = eagle_rollout_logits(models["eagle"], emb, h, seq, starts, MAX_K)
-        for n, fs in feats.items():
-            res[n] = [target.lm_head(f).float() for f in fs]
+        res = eagle_rollout_logits(
+            models["eagle"], target.lm_head, emb, h, seq, all_starts, MAX_K, greedy, set(starts)
+        )
     else:
         raise ValueError(method)
     return res
@@ -284,7 +300,7 @@ def acceptance(models: dict, methods: list[str], prompts: list[list[int]], cfg: 
         _, s_tlog = target_pass(target, torch.tensor([s_seq]))
         n_tot = len(g_seq)
         for m in methods:
-            drafts = draft_distributions(m, models, g_seq, cfg.prompt_len)
+            drafts = draft_distributions(m, models, g_seq, cfg.prompt_len, greedy=True)
             match = {}
             for n, logits in drafts.items():
                 cnt = 0
@@ -295,7 +311,9 @@ def acceptance(models: dict, methods: list[str], prompts: list[list[int]], cfg: 
                 match[n] = cnt
             for k in range(1, MAX_K + 1):
                 greedy[m][k].append(replay_greedy(match, cfg.prompt_len + 1, n_tot, k))
-            drafts = draft_distributions(m, models, s_seq, cfg.prompt_len)
+            drafts = draft_distributions(
+                m, models, s_seq, cfg.prompt_len, greedy=False, start_stride=cfg.temp_start_stride
+            )
             for n, logits in drafts.items():
                 alphas = []
                 for i, lg in enumerate(logits):
@@ -417,6 +435,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=d.temperature)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--threads", type=int, default=d.threads)
+    parser.add_argument(
+        "--temp-start-stride",
+        type=int,
+        default=d.temp_start_stride,
+        help="T0.7: use every n-th start position",
+    )
     parser.add_argument("--methods", nargs="*", default=None, help="subset of drafter eagle mtp")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "eval_models.json"))
     args = parser.parse_args(argv)
@@ -430,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         temperature=args.temperature,
         seed=args.seed,
         threads=args.threads,
+        temp_start_stride=args.temp_start_stride,
     )
     results = evaluate(cfg, args.methods)
     out = Path(args.out)
