@@ -46,6 +46,9 @@ class Sample:
     ttft_s: float
     tpot_s: float
     num_tokens: int
+    # Served only: the same two measured inside the replica (engine arrival -> first / last token).
+    server_ttft_s: float | None = None
+    server_tpot_s: float | None = None
 
 
 def summarize(samples: list[Sample]) -> dict:
@@ -55,6 +58,10 @@ def summarize(samples: list[Sample]) -> dict:
         "ttft_ms": [round(s.ttft_s * 1e3, 3) for s in samples],
         "tpot_ms": [round(s.tpot_s * 1e3, 3) for s in samples],
         "num_tokens": [s.num_tokens for s in samples],
+        **({
+            "server_side_ttft_ms_median": statistics.median(s.server_ttft_s for s in samples) * 1e3,
+            "server_side_tpot_ms_median": statistics.median(s.server_tpot_s for s in samples) * 1e3,
+        } if all(s.server_tpot_s is not None for s in samples) else {}),
     }
 
 
@@ -133,7 +140,11 @@ class Served:
             if chunk.token_ids and first is None:
                 first = time.perf_counter()
             n += len(chunk.token_ids)
-        return sample(start, first, time.perf_counter(), n)
+            last = chunk
+        result = sample(start, first, time.perf_counter(), n)
+        result.server_ttft_s = last.timing.ttft_s
+        result.server_tpot_s = (last.timing.e2e_s - last.timing.ttft_s) / (n - 1)
+        return result
 
     def close(self) -> None:
         import ray
@@ -219,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         config = replace(config, kv_cache_memory_bytes=4 << 30)
     print(f"{config.model}, drafter {config.speculative}: {args.num_requests} requests x {args.max_tokens} tokens, "
           "in-process AsyncLLM and Ray Serve + gRPC alternating")
+    load_before = os.getloadavg()
     in_process = InProcess(config)
     try:
         served = Served(config, args.port)
@@ -245,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "serve_overhead_batch1",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "host": {
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            # Other work on the machine inflates both paths, the served one (more processes) more.
+            "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
+        },
         "config": asdict(config),
         "num_requests": args.num_requests,
         "warmup": args.warmup,
@@ -258,16 +274,22 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
 
-    print(f"\n{'mode':<8} {'path':<12} {'TTFT ms':>9} {'TPOT ms':>9}")
+    print(f"\n{'mode':<8} {'path':<14} {'TTFT ms':>9} {'TPOT ms':>9}")
     for row in rows:
         for path in ("in_process", "serve_grpc"):
             r = row[path]
-            print(f"{row['mode']:<8} {path:<12} {r['ttft_ms_median']:>9.2f} {r['tpot_ms_median']:>9.2f}")
+            print(f"{row['mode']:<8} {path:<14} {r['ttft_ms_median']:>9.2f} {r['tpot_ms_median']:>9.2f}")
         ok = lambda flag: "ok" if flag else "MISSED"  # noqa: E731
-        print(f"{row['mode']:<8} {'added':<12} {row['ttft_added_ms']:>+9.2f} {row['tpot_added_fraction']:>+9.1%}"
+        print(f"{row['mode']:<8} {'added':<14} {row['ttft_added_ms']:>+9.2f} {row['tpot_added_fraction']:>+9.1%}"
               f"   (goals: < {TTFT_GOAL_MS:.0f} ms {ok(row['meets_ttft_goal'])}, "
               f"< {TPOT_GOAL:.0%} {ok(row['meets_tpot_goal'])})")
-    print(f"\nwrote {out}")
+        b = row["serve_grpc"]
+        print(f"{row['mode']:<8} {'  in replica':<14} {b['server_side_ttft_ms_median']:>9.2f} "
+              f"{b['server_side_tpot_ms_median']:>9.2f}   (engine timings inside the replica)")
+        print(f"{row['mode']:<8} {'added, paired':<14} {row['ttft_added_ms_paired_median']:>+9.2f} "
+              f"{row['tpot_added_fraction_paired_median']:>+9.1%}   (median of per-prompt differences)")
+    print(f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"wrote {out}")
     return 0
 
 
