@@ -158,14 +158,22 @@ class Speculator:
         draft = self.proposer.step_cost(1, 1)
         return (verify + draft) / base
 
-    def step_pays(self, num_decoding: int, alphas: list[float], ks: list[int]) -> bool:
-        """Expected tokens/s with these drafts beat no drafts, for this batch?"""
+    def best_cap(self, num_decoding: int, alphas: list[float], ks: list[int]) -> int:
+        """The uniform cap c on k (0 = no drafts this step) that maximizes expected tokens/s.
+
+        Rate(c) = (non-speculating tokens + sum_i E[tokens | alpha_i, min(k_i, c)]) /
+        (target time for num_decoding + sum_i min(k_i, c) tokens + drafting time at c).
+        """
         if self.cost is None:
-            return True
-        plain = num_decoding / self.cost(num_decoding)
-        spec_time = self.cost(num_decoding + sum(ks)) + self.proposer.step_cost(len(ks), max(ks))
-        spec_tokens = num_decoding - len(ks) + sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
-        return spec_tokens / spec_time > plain
+            return max(ks)
+        best_c, best_rate = 0, num_decoding / self.cost(num_decoding)
+        for c in range(1, max(ks) + 1):
+            capped = [min(k, c) for k in ks]
+            time_s = self.cost(num_decoding + sum(capped)) + self.proposer.step_cost(len(ks), c)
+            tokens = num_decoding - len(ks) + sum(expected_tokens(a, k) for a, k in zip(alphas, capped, strict=True))
+            if tokens / time_s > best_rate:
+                best_c, best_rate = c, tokens / time_s
+        return best_c
 
     # --- the per-step entry point -----------------------------------------------------------
     @property
@@ -186,8 +194,11 @@ class Speculator:
         candidates = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         if candidates and self.config.adaptive:
             alphas = [r.acceptance_ema if r.acceptance_ema is not None else PRIOR_ACCEPTANCE for r, _ in candidates]
-            if not self.step_pays(len(decoding), alphas, [k for _, k in candidates]):
-                candidates = []
+            cap = self.best_cap(len(decoding), alphas, [k for _, k in candidates])
+            if cap == 0 and engine.step_index % (4 * PROBE_EVERY) == 0:
+                cap = 1  # a rare probe keeps the acceptance and drafting-cost estimates fresh
+            candidates = [(r, min(k, cap)) for r, k in candidates if cap > 0]
+            if not candidates:
                 self.num_steps_off += 1
         if not candidates:
             return

@@ -8,6 +8,8 @@ n-gram lookup). Proposers never commit anything: their own caches only keep acce
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +48,22 @@ class ProposeContext:
     runner: object  # engine.model_runner.ModelRunner
     runner_output: object  # engine.model_runner.ModelRunnerOutput
     scheduler_output: object  # engine.scheduler.SchedulerOutput
+
+
+class StepTimer:
+    """Running estimate of one drafting step: the median of the last 32 measurements, so one
+    step slowed by other work on the host cannot switch speculation off for good."""
+
+    def __init__(self, initial_s: float) -> None:
+        self.initial_s = initial_s
+        self.samples: deque[float] = deque(maxlen=32)
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.samples) if self.samples else self.initial_s
 
 
 def sample_drafts(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:

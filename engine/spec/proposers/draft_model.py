@@ -18,7 +18,7 @@ from engine.errors import DrafterMismatchError
 from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
 from engine.models.loader import load_model
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, sample_drafts
+from engine.spec.proposers.base import Draft, ProposeContext, StepTimer, sample_drafts
 
 
 class DraftModelProposer:
@@ -36,7 +36,7 @@ class DraftModelProposer:
             )
         self.kv_caches: list = []
         self.block_size = 0
-        self._step_time_s = None  # EMA of one draft forward for a small batch
+        self.timer = StepTimer(1e-3)  # one draft forward (after the first of a round)
 
     @property
     def num_parameters(self) -> int:
@@ -53,8 +53,7 @@ class DraftModelProposer:
         request.drafter_state.pop("num_computed", None)
 
     def step_cost(self, num_requests: int, k: int) -> float:
-        one = self._step_time_s if self._step_time_s is not None else 1e-3
-        return one * k
+        return self.timer.seconds * k
 
     def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
@@ -91,8 +90,7 @@ class DraftModelProposer:
                 if p is not None:
                     probs[i].append(p[j])
             if step > 0:
-                dt = time.perf_counter() - t0
-                self._step_time_s = dt if self._step_time_s is None else 0.8 * self._step_time_s + 0.2 * dt
+                self.timer.add(time.perf_counter() - t0)
             step += 1
             active = [i for i in active if len(tokens[i]) < num_tokens[i]]
         return [

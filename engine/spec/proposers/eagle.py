@@ -24,7 +24,7 @@ from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch
 from engine.models.llama import ArchConfig, DecoderLayer
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, sample_drafts
+from engine.spec.proposers.base import Draft, ProposeContext, StepTimer, sample_drafts
 from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
 from engine.spec.proposers.mtp import check_head_matches_target, read_head_config
 
@@ -78,7 +78,7 @@ class EagleProposer:
         self.backend = runner.backend
         self.kv_caches: list = []
         self.block_size = 0
-        self._step_time_s: float | None = None
+        self.timer = StepTimer(5e-4)  # one autoregressive step of the head
 
     @property
     def num_parameters(self) -> int:
@@ -98,7 +98,7 @@ class EagleProposer:
         request.drafter_state.clear()
 
     def step_cost(self, num_requests: int, k: int) -> float:
-        return (self._step_time_s if self._step_time_s is not None else 5e-4) * k
+        return self.timer.seconds * k
 
     def observe_step(self, sched, runner_out) -> None:
         collect_committed_hidden(sched, runner_out)
@@ -146,8 +146,7 @@ class EagleProposer:
             step += 1
             chunks = [SeqChunk([0], requests[i].num_tokens - 2 + step, requests[i].block_ids) for i in active]
             feats = self._forward(chunks, [tokens[i][-1] for i in active], feats)
-            dt = time.perf_counter() - t0
-            self._step_time_s = dt if self._step_time_s is None else 0.8 * self._step_time_s + 0.2 * dt
+            self.timer.add(time.perf_counter() - t0)
         return [
             Draft(t, torch.stack(pr) if pr and not r.sampling_params.is_greedy else None)
             for t, pr, r in zip(tokens, probs, requests, strict=True)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from engine.errors import CheckpointError, DrafterMismatchError
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, sample_drafts
+from engine.spec.proposers.base import Draft, ProposeContext, StepTimer, sample_drafts
 from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
 
 
@@ -68,7 +68,7 @@ class MTPProposer:
             self.device, self.dtype
         )  # [heads, H]
         self.lm_head = runner.model.lm_head  # shared with the target: no copy
-        self._step_time_s = 2e-4
+        self.timer = StepTimer(2e-4)  # one pass of all heads
 
     @property
     def num_parameters(self) -> int:
@@ -84,7 +84,7 @@ class MTPProposer:
         request.drafter_state.clear()
 
     def step_cost(self, num_requests: int, k: int) -> float:
-        return self._step_time_s
+        return self.timer.seconds
 
     def observe_step(self, sched, runner_out) -> None:
         collect_committed_hidden(sched, runner_out)
@@ -110,5 +110,5 @@ class MTPProposer:
             p = probs[at : at + kb] if probs is not None and not r.sampling_params.is_greedy else None
             drafts.append(Draft(picked[at : at + kb], p))
             at += kb
-        self._step_time_s = 0.8 * self._step_time_s + 0.2 * (time.perf_counter() - t0)
+        self.timer.add(time.perf_counter() - t0)
         return drafts
