@@ -87,7 +87,11 @@ def _eval_section() -> str:
         return "## Evaluation\n\n(not run yet: `python bench/eval_models.py`)\n"
     ev = _load(EVAL_JSON)
     c = ev.get("config", {})
-    return f"""## Evaluation (`bench/eval_models.py`, held-out files)
+    cmd = (
+        f"python bench/eval_models.py --prompts {c.get('prompts')} --gen-len {c.get('gen_len')} "
+        f"--ppl-seqs {c.get('ppl_seqs')} --agree-seqs {c.get('agree_seqs')}"
+    )
+    return f"""## Evaluation (`{cmd}`, held-out files)
 
 Perplexity over {c.get("ppl_seqs", "?")} x 512 held-out tokens; agreement = teacher-forced top-1 match with the
 target over {c.get("agree_seqs", "?")} x 512 tokens. Acceptance: {c.get("prompts", "?")} held-out prompts of
