@@ -122,7 +122,7 @@ Weights: `model.safetensors` in bf16.
 Next-token cross-entropy, from scratch. {_train_line(st)}
 Training time: {_fmt_minutes(st)} on a shared 2-core CPU (AMX bf16), niced, with an adaptive 1/2 thread count.
 Loss: first step {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}.
-Held-out NLL at save time: {st.get("heldout_nll", float("nan")):.4f} nats/token (perplexity {st.get("heldout_ppl", float("nan")):.2f}).
+Held-out NLL at save time (first 64 x 512 held-out tokens): {st.get("heldout_nll", float("nan")):.4f} nats/token (perplexity {st.get("heldout_ppl", float("nan")):.2f}).
 
 {_eval_section()}
 ## Reproduce
@@ -153,13 +153,13 @@ Distillation from the frozen target (bf16, recomputed per batch, no grad): loss 
 {_train_line(st)}
 Training time: {_fmt_minutes(st)}.
 Loss (KL, nats): first step {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}.
-Held-out NLL on the true tokens: {st.get("heldout_nll", float("nan")):.4f} (perplexity {st.get("heldout_ppl", float("nan")):.2f}).
+Held-out NLL on the true tokens (first 64 x 512 held-out tokens): {st.get("heldout_nll", float("nan")):.4f} (perplexity {st.get("heldout_ppl", float("nan")):.2f}).
 
 {_eval_section()}
 ## Reproduce
 
 {REPRODUCE.format(**args)}
-"""
+{_notes("drafts")}"""
 
 
 def eagle_card(tok: dict, st: dict, tst: dict, args: dict) -> str:
@@ -217,7 +217,7 @@ Training time: {_fmt_minutes(st)}. Loss: first {st.get("first_loss", float("nan"
 ## Reproduce
 
 {REPRODUCE.format(**args)}
-"""
+{_notes("drafts")}"""
 
 
 def mtp_card(tok: dict, st: dict, tst: dict, args: dict) -> str:
@@ -252,7 +252,7 @@ Training time: {_fmt_minutes(st)}. Loss: first {st.get("first_loss", float("nan"
 ## Reproduce
 
 {REPRODUCE.format(**args)}
-"""
+{_notes("drafts")}"""
 
 
 def write_cards(args: dict[str, str], models_dir: Path = MODELS) -> list[Path]:
