@@ -98,7 +98,8 @@ target over {c.get("agree_seqs", "?")} x 512 tokens. Acceptance: {c.get("prompts
 {c.get("prompt_len", "?")} tokens, {c.get("gen_len", "?")} generated tokens each; mean tokens per verification
 step = accepted drafts + the bonus token. `greedy` is an exact replay of greedy speculative decoding; `T0.7`
 is the *expected* value `1 + sum_i prod_(l<=i) sum_x min(p_l(x), q_l(x))` along a fixed-seed T=0.7 sample of
-the target (speculative-sampling acceptance probabilities, not a sampled run).
+the target (speculative-sampling acceptance probabilities, not a sampled run), averaged over every
+{c.get("temp_start_stride", 1)}-th start position.
 
 {EVAL_MD.read_text().strip()}
 """
