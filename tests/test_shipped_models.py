@@ -91,10 +91,18 @@ def test_lm_checkpoints_load(target):
     assert type(target).__name__ == type(drafter).__name__ == "LlamaForCausalLM"
     n_t = sum(p.numel() for p in target.parameters())
     n_d = sum(p.numel() for p in drafter.parameters())
-    # Spec: at most 1/8 of the target. The shipped pair is 3.57M / 27.80M = 1/7.78 (the example target config
-    # came out below 30M); this guards against growth beyond the shipped ratio until the pair is retrained.
-    assert n_d * 7.75 <= n_t
     assert drafter.config.vocab_size == target.config.vocab_size == 8192
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (issue 3): the shipped drafter is 3.57M / 27.80M = 1/7.78 of "
+                   "the target, over the 1/8 cap; retrain a smaller drafter or a larger target")
+def test_drafter_is_at_most_one_eighth_of_target(target):
+    from transformers import AutoModelForCausalLM
+
+    drafter = AutoModelForCausalLM.from_pretrained(str(need("drafter")), dtype=torch.bfloat16)
+    n_t = sum(p.numel() for p in target.parameters())
+    n_d = sum(p.numel() for p in drafter.parameters())
+    assert n_d * 8 <= n_t
 
 
 def test_total_weight_size():
@@ -150,3 +158,20 @@ def test_mtp_heads_layout_and_agreement(target, target_out):
         m_top = target.lm_head(heads(h)[0][:, :-1]).argmax(-1)
     agree = float((m_top == t_top[:, 1:]).float().mean())
     assert agree >= MTP_HEAD0_AGREEMENT_FLOOR, agree
+
+
+def test_shipped_models_run_in_our_engine():
+    """The target and each shipped drafter load in our engine; speculative greedy output equals
+    non-speculative greedy output in fp32 for a held-out-style prompt."""
+    from engine import LLM, SamplingParams, SpeculativeConfig
+
+    target = str(need("target"))
+    prompt = "def read_config(path):\n    with open(path) as f:\n"
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    base = LLM(target, dtype="float32", device="cpu").generate([prompt], sp)[0]
+    assert len(base.token_ids) == 24 and base.text
+    for method, folder in (("draft", "drafter"), ("eagle", "eagle-head"), ("mtp", "mtp-heads")):
+        spec = SpeculativeConfig(method=method, model=str(need(folder)), num_speculative_tokens=4, adaptive=False)
+        out = LLM(target, dtype="float32", device="cpu", speculative=spec).generate([prompt], sp)[0]
+        assert out.token_ids == base.token_ids, method
+        assert out.spec_stats["num_draft_tokens"] > 0, method
