@@ -76,6 +76,10 @@ class AsyncLLM:
             if not finished:
                 self._send(("abort", rid))
 
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt, as `generate` will see it."""
+        return self.llm.encode(prompt)
+
     def abort(self, request_id: str) -> None:
         """Finish a request now; its KV blocks are freed before the engine's next step."""
         self._send(("abort", request_id))
@@ -150,13 +154,16 @@ class AsyncLLM:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.execute_step()
             except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
                 logger.error("engine step failed:\n%s", traceback.format_exc())
                 for r in self.engine.live_requests():
                     self.engine.abort_request(r.request_id)
                     self._deliver(r.request_id, EngineError(f"engine step failed: {e!r}"))
                 continue
+            # Tokens go out before drafting for the next step. A request's final output waits
+            # until the step is finished, so step listeners (tracing) see its last step first.
+            final = []
             for out in outputs:
                 entry = self._streams.get(out.request_id)
                 if entry is None:
@@ -166,7 +173,18 @@ class AsyncLLM:
                 ro, stop_hit = entry[2].process(out)
                 if stop_hit:
                     self.engine.abort_request(out.request_id)
-                self._deliver(out.request_id, ro)
+                if ro.finished:
+                    final.append(ro)
+                else:
+                    self._deliver(out.request_id, ro)
+            try:
+                self.engine.finish_step()
+            except Exception:  # noqa: BLE001 - a failed draft only loses this step's drafts
+                logger.error("drafting failed:\n%s", traceback.format_exc())
+                for r in self.engine.live_requests():
+                    r.spec_token_ids, r.spec_probs = [], None
+            for ro in final:
+                self._deliver(ro.request_id, ro)
             self._snapshot = self.engine.stats()
 
 

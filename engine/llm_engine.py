@@ -179,6 +179,7 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.step_listeners: list = []
         self.step_index = 0
+        self._pending_step = None
         self.spec_stats = SpecStats()
         logger.info(
             "engine ready: %s on %s/%s, %d params, KV: %d blocks x %d tokens, %d bytes/token, max_model_len %d%s",
@@ -253,6 +254,14 @@ class LLMEngine:
 
     # --- the loop ---------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        """One continuous-batching iteration: `execute_step` then `finish_step`."""
+        outputs = self.execute_step()
+        self.finish_step()
+        return outputs
+
+    def execute_step(self) -> list[EngineOutput]:
+        """Schedule, run the target once, sample/verify and commit. The outputs are final, so a
+        streaming caller can send them before `finish_step` drafts for the next step."""
         start_wall, t0 = time.time(), time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -272,24 +281,15 @@ class LLMEngine:
             prefill_request_ids=[s.request.request_id for s in sched.scheduled if s.num_new_tokens > 1],
             num_scheduled_tokens={s.request.request_id: s.num_scheduled_tokens for s in sched.scheduled},
         )
+        verify_s = runner_out.forward_time_s + runner_out.sample_time_s
         for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
             if s.spec_token_ids and tokens:
                 record.accepted[s.request.request_id] = (len(s.spec_token_ids), len(tokens) - 1)
                 self.spec_stats.record(len(s.spec_token_ids), len(tokens) - 1)
-        if self.speculator is not None:
-            td = time.perf_counter()
-            for r in (res.request for res in results):
-                if r.is_finished:
-                    self.speculator.on_request_finished(r)
-            self.speculator.propose_for_step(self.scheduler.running, sched, runner_out, self)
-            record.draft_time_s = time.perf_counter() - td
-            self.spec_stats.draft_time_s += record.draft_time_s
-            if record.num_spec_requests:
-                self.spec_stats.verify_time_s += runner_out.forward_time_s + runner_out.sample_time_s
-        self.step_index += 1
-        record.duration_s = time.perf_counter() - t0
-        for listener in self.step_listeners:
-            listener(record)
+                s.request.spec_stats.verify_time_s += verify_s
+        if record.num_spec_requests:
+            self.spec_stats.verify_time_s += verify_s
+        self._pending_step = (sched, runner_out, results, record, t0)
         return [
             EngineOutput(
                 request_id=res.request.request_id,
@@ -302,6 +302,28 @@ class LLMEngine:
             )
             for res in results
         ]
+
+    def finish_step(self) -> None:
+        """Draft for the next step (when speculating) and hand the step's record to listeners."""
+        if self._pending_step is None:
+            return
+        sched, runner_out, results, record, t0 = self._pending_step
+        self._pending_step = None
+        if self.speculator is not None:
+            td = time.perf_counter()
+            for r in (res.request for res in results):
+                if r.is_finished:
+                    self.speculator.on_request_finished(r)
+            self.speculator.propose_for_step(self.scheduler.running, sched, runner_out, self)
+            record.draft_time_s = time.perf_counter() - td
+            self.spec_stats.draft_time_s += record.draft_time_s
+            for r in self.scheduler.running:
+                if r.spec_token_ids:
+                    r.spec_stats.draft_time_s += record.draft_time_s
+        self.step_index += 1
+        record.duration_s = time.perf_counter() - t0
+        for listener in self.step_listeners:
+            listener(record)
 
     # --- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
