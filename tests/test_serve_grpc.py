@@ -265,6 +265,8 @@ def test_concurrent_streams_interleave(served: Served) -> None:
                 request_ids.add(chunk.request_id)
         return ids, request_ids
 
+    with served.client() as client:  # earlier tests' cancelled streams must be gone first
+        wait_no_blocks(client, timeout=30.0)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(run, range(len(PROMPTS))))
     for i, (ids, request_ids) in enumerate(results):
