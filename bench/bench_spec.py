@@ -102,7 +102,7 @@ def part1(prompts, batch_prompts, new_tokens: int, k: int, methods: list[str]) -
             r16 = run_ours(llm, batch_prompts, workload, new_tokens, concurrent=True)
             rows.append({"workload": workload, "batch": len(batch_prompts), "system": name, **r16})
             if method and llm.engine.speculator.cost is not None:
-                rows[-1]["target_step_ms"] = 1e3 * llm.engine.speculator.cost(1)
+                rows[-1]["target_step_ms"] = 1e3 * llm.engine.speculator.cost(1, 1)
         rows.append({"workload": workload, "batch": 1, "system": "transformers generate",
                      **run_hf(str(MODELS / "target"), prompts, workload, new_tokens, None)})
         rows.append({"workload": workload, "batch": 1, "system": "transformers assisted (drafter)",
@@ -192,7 +192,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--methods", default="draft,ngram,eagle,mtp")
     ap.add_argument("--sweep", action="store_true", help="also run the k = 1..8 sweep (part 2)")
     ap.add_argument("--skip-part1", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for every system measured (1: steady on a shared 2-core host)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     methods = [m for m in args.methods.split(",") if m and (METHODS[m] is None or os.path.isdir(METHODS[m]))]
     from transformers import AutoTokenizer
 
@@ -209,9 +212,8 @@ def main(argv=None) -> dict:
         write_results("spec", results)
     if args.sweep:
         srows = sweep(prompts, batch_prompts, args.new_tokens, methods)
-        results["sweep"] = srows
-        results["sweep_plots"] = plot_sweep(srows)
-        write_results("spec", results)
+        write_results("spec_sweep", {"machine": results["machine"], "args": vars(args), "sweep": srows,
+                                     "sweep_plots": plot_sweep(srows)})
     return results
 
 

@@ -171,7 +171,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.max_model_len = max_model_len
             if speculative.adaptive:
-                self.speculator.profile(self.runner, max_num_batched_tokens)
+                self.speculator.profile(self.runner, max_num_seqs, max_num_batched_tokens)
         self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len, num_lookahead

@@ -30,23 +30,39 @@ PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before a request's first 
 
 
 class StepCostModel:
-    """Target forward time as a function of tokens in the step, measured once, interpolated."""
+    """Target step time as a function of (requests in the step, tokens in the step), measured
+    once at start-up on a grid of batch sizes x tokens per request, interpolated linearly.
 
-    def __init__(self, sizes: list[int], times: list[float]) -> None:
-        self.sizes, self.times = sizes, times
+    Batch size matters on its own: each request attends over its own context, so 16 requests
+    verifying 5 tokens cost more than one request with 80 tokens.
+    """
 
-    def __call__(self, num_tokens: int) -> float:
-        s, t = self.sizes, self.times
-        if num_tokens <= s[0]:
-            return t[0]
-        if num_tokens >= s[-1]:
-            return t[-1] * num_tokens / s[-1]
-        i = bisect.bisect_left(s, num_tokens)
-        frac = (num_tokens - s[i - 1]) / (s[i] - s[i - 1])
-        return t[i - 1] + frac * (t[i] - t[i - 1])
+    def __init__(self, batch_sizes: list[int], tokens_per_request: list[int], times: list[list[float]]) -> None:
+        self.batch_sizes, self.tokens_per_request, self.times = batch_sizes, tokens_per_request, times
+
+    def _row(self, i: int, q: float) -> float:
+        qs, ts = self.tokens_per_request, self.times[i]
+        if q <= qs[0]:
+            return ts[0]
+        if q >= qs[-1]:
+            return ts[-1] * q / qs[-1]
+        j = bisect.bisect_left(qs, q)
+        return ts[j - 1] + (q - qs[j - 1]) / (qs[j] - qs[j - 1]) * (ts[j] - ts[j - 1])
+
+    def __call__(self, num_requests: int, num_tokens: int) -> float:
+        b = self.batch_sizes
+        q = num_tokens / max(num_requests, 1)
+        if num_requests <= b[0]:
+            return self._row(0, q)
+        if num_requests >= b[-1]:
+            return self._row(len(b) - 1, q) * num_requests / b[-1]
+        i = bisect.bisect_left(b, num_requests)
+        frac = (num_requests - b[i - 1]) / (b[i] - b[i - 1])
+        return self._row(i - 1, q) + frac * (self._row(i, q) - self._row(i - 1, q))
 
     def as_dict(self) -> dict:
-        return {str(n): t for n, t in zip(self.sizes, self.times, strict=True)}
+        return {f"{b}x{q}": self.times[i][j] for i, b in enumerate(self.batch_sizes)
+                for j, q in enumerate(self.tokens_per_request)}
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -83,35 +99,43 @@ class Speculator:
 
     # --- cost model -------------------------------------------------------------------------
     @torch.inference_mode()
-    def profile(self, runner, max_tokens: int) -> StepCostModel:
-        """Time the target on n = 1, 2, 4, ... tokens using free KV blocks: the minimum of 5 runs
-        (the least disturbed by other work), then made non-decreasing in n (a larger step never
-        costs less), so noise cannot invert the curve."""
+    def profile(self, runner, max_num_seqs: int, max_tokens: int) -> StepCostModel:
+        """Time the target on B requests x q tokens each (B = 1, 4, 16; q = 1, 2, 3, 5, 9: one
+        token, or k + 1 for k = 1, 2, 4, 8), each over 128 tokens of context, using free KV
+        blocks. Each point is the minimum of 3 runs (the least disturbed by other work on the
+        host), then made non-decreasing in q, so noise cannot invert the curve."""
         from engine.model_runner import SeqChunk, build_forward_batch
 
-        sizes = [n for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if n <= max_tokens]
         bs = runner.block_size
-        times = []
         num_blocks = runner.kv_caches[0][0].shape[0]
-        for n in sizes:
-            ctx = 64  # a little context, as in decoding
-            blocks = list(range(min(num_blocks, -(-(ctx + n) // bs))))
-            if len(blocks) * bs < ctx + n:
-                ctx = max(0, len(blocks) * bs - n)
-            batch = build_forward_batch([SeqChunk([0] * n, ctx, blocks)], bs, runner.backend, runner.device)
-            samples = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                h = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata, runner.backend)
-                runner.model.compute_logits(h[-1:])
-                if runner.device.type == "cuda":
-                    torch.cuda.synchronize(runner.device)
-                samples.append(time.perf_counter() - t0)
-            times.append(min(samples))
-        for i in range(len(times) - 2, -1, -1):
-            times[i] = min(times[i], times[i + 1])
-        self.cost = StepCostModel(sizes, times)
-        logger.info("target step time vs tokens: %s", {n: f"{t * 1e3:.2f}ms" for n, t in zip(sizes, times, strict=True)})
+        batch_sizes = [b for b in (1, 4, 16) if b <= max_num_seqs] or [1]
+        per_request = [1, 2, 3, 5, 9]
+        times: list[list[float]] = []
+        for b in batch_sizes:
+            row = []
+            for q in per_request:
+                if b * q > max_tokens:
+                    row.append(row[-1] * q / per_request[len(row) - 1] if row else 0.0)
+                    continue
+                ctx = min(128, num_blocks * bs - q)
+                blocks = list(range(-(-(ctx + q) // bs)))  # shared by the b requests: timing only
+                chunks = [SeqChunk([0] * q, ctx, blocks) for _ in range(b)]
+                batch = build_forward_batch(chunks, bs, runner.backend, runner.device)
+                samples = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    h = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata, runner.backend)
+                    runner.model.compute_logits(h)
+                    if runner.device.type == "cuda":
+                        torch.cuda.synchronize(runner.device)
+                    samples.append(time.perf_counter() - t0)
+                row.append(min(samples))
+            for j in range(len(row) - 2, -1, -1):
+                row[j] = min(row[j], row[j + 1])
+            times.append(row)
+        self.cost = StepCostModel(batch_sizes, per_request, times)
+        logger.info("target step time (requests x tokens each): %s",
+                    {k: f"{v * 1e3:.2f}ms" for k, v in self.cost.as_dict().items()})
         return self.cost
 
     # --- per-request k ----------------------------------------------------------------------
@@ -153,8 +177,8 @@ class Speculator:
 
     def _marginal_cost(self) -> float:
         """Cost of one more draft token, as a fraction of a one-token target step."""
-        base = self.cost(1)
-        verify = (self.cost(9) - base) / 8
+        base = self.cost(1, 1)
+        verify = (self.cost(1, 9) - base) / 8
         draft = self.proposer.step_cost(1, 1)
         return (verify + draft) / base
 
@@ -166,10 +190,10 @@ class Speculator:
         """
         if self.cost is None:
             return max(ks)
-        best_c, best_rate = 0, num_decoding / self.cost(num_decoding)
+        best_c, best_rate = 0, num_decoding / self.cost(num_decoding, num_decoding)
         for c in range(1, max(ks) + 1):
             capped = [min(k, c) for k in ks]
-            time_s = self.cost(num_decoding + sum(capped)) + self.proposer.step_cost(len(ks), c)
+            time_s = self.cost(num_decoding, num_decoding + sum(capped)) + self.proposer.step_cost(len(ks), c)
             tokens = num_decoding - len(ks) + sum(expected_tokens(a, k) for a, k in zip(alphas, capped, strict=True))
             if tokens / time_s > best_rate:
                 best_c, best_rate = c, tokens / time_s
