@@ -51,19 +51,32 @@ class ProposeContext:
 
 
 class StepTimer:
-    """Running estimate of one drafting step: the median of the last 32 measurements, so one
-    step slowed by other work on the host cannot switch speculation off for good."""
+    """Running estimate of one drafting step for a batch of n requests.
+
+    Samples are kept per batch-size bucket (1, 2-3, 4-7, 8-15, 16+), the last 32 of each, and
+    the estimate is their median, so one step slowed by other work on the host cannot switch
+    speculation off for good. A bucket with no sample borrows the nearest measured one.
+    """
+
+    BUCKETS = (1, 2, 4, 8, 16)
 
     def __init__(self, initial_s: float) -> None:
         self.initial_s = initial_s
-        self.samples: deque[float] = deque(maxlen=32)
+        self.samples: list[deque[float]] = [deque(maxlen=32) for _ in self.BUCKETS]
 
-    def add(self, seconds: float) -> None:
-        self.samples.append(seconds)
+    def _bucket(self, num_requests: int) -> int:
+        return max(i for i, b in enumerate(self.BUCKETS) if num_requests >= b) if num_requests >= 1 else 0
 
-    @property
-    def seconds(self) -> float:
-        return statistics.median(self.samples) if self.samples else self.initial_s
+    def add(self, num_requests: int, seconds: float) -> None:
+        self.samples[self._bucket(num_requests)].append(seconds)
+
+    def seconds(self, num_requests: int = 1) -> float:
+        i = self._bucket(num_requests)
+        measured = [j for j, d in enumerate(self.samples) if d]
+        if not measured:
+            return self.initial_s
+        j = min(measured, key=lambda j: (abs(j - i), -j))
+        return statistics.median(self.samples[j])
 
 
 def sample_drafts(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:

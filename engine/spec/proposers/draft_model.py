@@ -36,7 +36,7 @@ class DraftModelProposer:
             )
         self.kv_caches: list = []
         self.block_size = 0
-        self.timer = StepTimer(1e-3)  # one draft forward (after the first of a round)
+        self.timer = StepTimer(1e-3)  # one draft forward, averaged over a round
 
     @property
     def num_parameters(self) -> int:
@@ -53,7 +53,7 @@ class DraftModelProposer:
         request.drafter_state.pop("num_computed", None)
 
     def step_cost(self, num_requests: int, k: int) -> float:
-        return self.timer.seconds * k
+        return self.timer.seconds(num_requests) * k
 
     def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
@@ -71,8 +71,9 @@ class DraftModelProposer:
             if r.sampling_params.seed is not None and r.generator is None:
                 r.generator = torch.Generator(device=self.device).manual_seed(r.sampling_params.seed)
         step = 0
+        t_start = time.perf_counter()
+        num_requests = len(active)
         while active:
-            t0 = time.perf_counter()
             chunks = []
             for i in active:
                 r = requests[i]
@@ -89,10 +90,10 @@ class DraftModelProposer:
                 tokens[i].append(picked[j])
                 if p is not None:
                     probs[i].append(p[j])
-            if step > 0:
-                self.timer.add(time.perf_counter() - t0)
             step += 1
             active = [i for i in active if len(tokens[i]) < num_tokens[i]]
+        if step:  # the round's whole time per forward, catch-up included
+            self.timer.add(num_requests, (time.perf_counter() - t_start) / step)
         return [
             Draft(t, torch.stack(p) if p and not r.sampling_params.is_greedy else None)
             for t, p, r in zip(tokens, probs, requests, strict=True)

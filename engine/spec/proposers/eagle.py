@@ -98,7 +98,7 @@ class EagleProposer:
         request.drafter_state.clear()
 
     def step_cost(self, num_requests: int, k: int) -> float:
-        return self.timer.seconds * k
+        return self.timer.seconds(num_requests) * k
 
     def observe_step(self, sched, runner_out) -> None:
         collect_committed_hidden(sched, runner_out)
@@ -118,6 +118,7 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        t_start = time.perf_counter()
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         feats_in: list[torch.Tensor] = []
@@ -132,7 +133,6 @@ class EagleProposer:
         active = list(range(len(requests)))
         step = 0
         while True:
-            t0 = time.perf_counter()
             picked, p = sample_drafts(self.lm_head(feats).float(), [requests[i] for i in active])
             for j, i in enumerate(active):
                 tokens[i].append(picked[j])
@@ -146,7 +146,8 @@ class EagleProposer:
             step += 1
             chunks = [SeqChunk([0], requests[i].num_tokens - 2 + step, requests[i].block_ids) for i in active]
             feats = self._forward(chunks, [tokens[i][-1] for i in active], feats)
-            self.timer.add(time.perf_counter() - t0)
+        # the round's whole time per drafted position (catch-up forward included)
+        self.timer.add(len(requests), (time.perf_counter() - t_start) / (step + 1))
         return [
             Draft(t, torch.stack(pr) if pr and not r.sampling_params.is_greedy else None)
             for t, pr, r in zip(tokens, probs, requests, strict=True)

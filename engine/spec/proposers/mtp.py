@@ -84,7 +84,7 @@ class MTPProposer:
         request.drafter_state.clear()
 
     def step_cost(self, num_requests: int, k: int) -> float:
-        return self.timer.seconds
+        return self.timer.seconds(num_requests)
 
     def observe_step(self, sched, runner_out) -> None:
         collect_committed_hidden(sched, runner_out)
@@ -110,5 +110,5 @@ class MTPProposer:
             p = probs[at : at + kb] if probs is not None and not r.sampling_params.is_greedy else None
             drafts.append(Draft(picked[at : at + kb], p))
             at += kb
-        self.timer.add(time.perf_counter() - t0)
+        self.timer.add(len(requests), time.perf_counter() - t0)
         return drafts
