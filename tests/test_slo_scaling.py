@@ -52,13 +52,13 @@ def padded_server_class(step_base_s: float, step_per_seq_s: float) -> type:
         def __init__(self, config) -> None:  # noqa: ANN001 - AppConfig
             super().__init__(config)
             engine = self.llm.engine
-            step = engine.step
+            execute_step = engine.execute_step  # what AsyncLLM's loop calls each step
 
-            def padded_step():  # noqa: ANN202 - engine.step's own result
+            def padded_step():  # noqa: ANN202 - execute_step's own result
                 time.sleep(step_base_s + step_per_seq_s * len(engine.scheduler.running))
-                return step()
+                return execute_step()
 
-            engine.step = padded_step
+            engine.execute_step = padded_step
 
     return PaddedStepServer
 
