@@ -50,7 +50,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for every system measured (1: steady on a shared 2-core host)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
     llm = LLM(args.model, dtype=args.dtype, device="cpu", max_num_seqs=max(64, args.concurrency))

@@ -1,0 +1,31 @@
+"""`make bench`: every benchmark in one go (about 15-30 minutes on a 2-core CPU).
+
+    python -m bench.run_all [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sweep", action="store_true", help="also the k = 1..8 sweep of every drafter")
+    args = ap.parse_args(argv)
+    steps = [
+        ["bench/eval_models.py"],
+        ["-m", "bench.bench_engine"],
+        ["-m", "bench.bench_spec", *(["--sweep"] if args.sweep else [])],
+        ["-m", "bench.bench_serve"],
+    ]
+    failed = 0
+    for step in steps:
+        print(f"== {' '.join(step)}", flush=True)
+        failed |= subprocess.call([sys.executable, *step]) != 0
+    return int(failed)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
