@@ -44,7 +44,7 @@ class LlamaSpec:
 
 TARGET_SPEC = LlamaSpec()
 DRAFTER_SPEC = LlamaSpec(
-    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=704
+    hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512
 )
 
 
