@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
+from training.config import DRAFTER_SPEC
 
 RUNS = Path("runs")
 MODELS = Path("models")
@@ -143,7 +144,7 @@ Draft model for speculative decoding with `models/target` (same tokenizer and vo
 ## Architecture
 
 `transformers.LlamaForCausalLM`: hidden 256, 2 layers, 4 attention heads, 2 KV heads (head_dim 64),
-intermediate 704, RMSNorm eps 1e-5, RoPE theta 10000, max_position_embeddings 2048, vocab 8192, tied embeddings.
+intermediate {DRAFTER_SPEC.intermediate_size}, RMSNorm eps 1e-5, RoPE theta 10000, max_position_embeddings 2048, vocab 8192, tied embeddings.
 Parameters: {st.get("params", 0):,} (~{st.get("params", 0) / 1e6:.2f}M, 1/{ratio:.1f} of the target). bf16 weights.
 
 {_common(tok)}
