@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
+
 from training.config import DRAFTER_SPEC
 
 RUNS = Path("runs")
