@@ -191,15 +191,20 @@ def step_target(args: argparse.Namespace) -> None:
         log=log,
         max_threads=args.threads,
     )
+    save_lm("target", model, held, out, cfg, n_params, args)
+
+
+def save_lm(name: str, model, held, out: dict, cfg, n_params: int, args: argparse.Namespace) -> None:
+    """Held-out NLL, then the bf16 checkpoint + tokenizer in models/<name>/ and runs/<name>_stats.json."""
     model.eval()
     nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
-    folder = MODELS / "target"
+    folder = MODELS / name
     model.to(torch.bfloat16).save_pretrained(str(folder))
     data.copy_tokenizer(TOKENIZER_DIR, folder)
     out.update(
         params=n_params, heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), config=asdict(cfg)
     )
-    write_stats("target", out)
+    write_stats(name, out)
 
 
 def step_drafter(args: argparse.Namespace) -> None:
@@ -224,15 +229,7 @@ def step_drafter(args: argparse.Namespace) -> None:
         log=log,
         max_threads=args.threads,
     )
-    model.eval()
-    nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
-    folder = MODELS / "drafter"
-    model.to(torch.bfloat16).save_pretrained(str(folder))
-    data.copy_tokenizer(TOKENIZER_DIR, folder)
-    out.update(
-        params=n_params, heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), config=asdict(cfg)
-    )
-    write_stats("drafter", out)
+    save_lm("drafter", model, held, out, cfg, n_params, args)
 
 
 def eagle_config_from_target(target) -> EagleConfig:
