@@ -53,6 +53,9 @@ class SpeculativeConfig:
     model), "eagle" (`model` = an EAGLE head dir), "mtp" (`model` = MTP heads dir).
     adaptive: choose k per request from its recent acceptance (EMA) and switch speculation off
     for a step when the batch is large enough that verifying costs more than it saves.
+    draft_vocab_size: draft over the N most frequent tokens only (FR-Spec; the drafter's LM head
+    reads N/V of its rows; outputs stay exact). None: the drafter folder's `draft_vocab.json`
+    default when it ships one, else the whole vocabulary; 0: the whole vocabulary.
     """
 
     method: str = "draft"
@@ -63,6 +66,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     acceptance_ema_alpha: float = 0.3
     min_speculative_tokens: int = 1
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -79,3 +83,8 @@ class SpeculativeConfig:
             raise ValueError(f"acceptance_ema_alpha must be in (0, 1], got {self.acceptance_ema_alpha!r}")
         if not 1 <= self.min_speculative_tokens <= self.num_speculative_tokens:
             raise ValueError("min_speculative_tokens must be in [1, num_speculative_tokens]")
+        if self.draft_vocab_size is not None:
+            if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
+                raise ValueError(f"draft_vocab_size must be None or an integer >= 0, got {self.draft_vocab_size!r}")
+            if self.method == "ngram" and self.draft_vocab_size:
+                raise ValueError("draft_vocab_size does not apply to ngram drafting (it has no LM head)")

@@ -168,7 +168,7 @@ def test_eagle_adds_only_its_layer_and_kv(setup):
     eng = LLMEngine(setup["target"], dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 20, speculative=spec)
     proposer = eng.speculator.proposer
     assert proposer.embed_tokens.weight.data_ptr() == eng.runner.model.embed_tokens.weight.data_ptr()
-    assert proposer.lm_head.weight.data_ptr() == eng.runner.model.lm_head.weight.data_ptr()
+    assert proposer.head.weight.data_ptr() == eng.runner.model.lm_head.weight.data_ptr()
 
     def all_tensors(e):
         ts = list(e.runner.model.parameters()) + [t for kv in e.runner.kv_caches for t in kv]

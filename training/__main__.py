@@ -9,6 +9,7 @@ Steps (run in this order)::
     eagle      train models/eagle-head (EAGLE-1) on the frozen target's features
     mtp        train models/mtp-heads (Medusa-style) on the frozen target's features
     draft-all  drafter + eagle + mtp in one loop on shared batches (one target forward per batch)
+    draft-vocab  rank tokens by training-set frequency into each drafter's draft_vocab.json
     cards      write the README.md model cards from runs/*_stats.json and bench/results
 """
 
@@ -378,6 +379,36 @@ def step_draft_all(args: argparse.Namespace) -> None:
         write_stats(name, stats)
 
 
+DRAFT_FOLDERS = ("drafter", "eagle-head", "mtp-heads")
+
+
+def step_draft_vocab(args: argparse.Namespace) -> None:
+    """Frequency ranking of the vocabulary on the training split (FR-Spec draft vocabulary)."""
+    train = torch.load(DATA / "train_tokens.pt").long()
+    held = torch.load(DATA / "heldout_tokens.pt").long()
+    counts = torch.bincount(train, minlength=args.vocab_size)
+    ranked = torch.sort(counts, descending=True, stable=True).indices  # ties: lower id first
+    held_counts = torch.bincount(held, minlength=args.vocab_size).double()
+    coverage = {
+        str(n): round(float(held_counts[ranked[:n]].sum() / held_counts.sum()), 4)
+        for n in (512, 1024, 2048, 4096)
+        if n < args.vocab_size
+    }
+    doc = {
+        "description": "token ids ranked by frequency on the training split, most frequent first; "
+        "the engine drafts over the first `default_size` (SpeculativeConfig.draft_vocab_size)",
+        "source": f"{DATA / 'train_tokens.pt'} ({train.numel()} tokens)",
+        "default_size": args.draft_vocab_size,
+        "heldout_token_coverage": coverage,
+        "ranked_token_ids": ranked.tolist(),
+    }
+    for name in DRAFT_FOLDERS:
+        folder = MODELS / name
+        if folder.is_dir():
+            (folder / "draft_vocab.json").write_text(json.dumps(doc) + "\n")
+            log(f"draft-vocab: wrote {folder / 'draft_vocab.json'} (default {args.draft_vocab_size}, held-out coverage {coverage})")
+
+
 def step_cards(args: argparse.Namespace) -> None:
     from .cards import write_cards
 
@@ -410,7 +441,8 @@ STEP_DEFAULTS: dict[str, dict] = {
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n")[0])
     parser.add_argument(
-        "step", choices=["corpus", "tokenizer", "target", "drafter", "eagle", "mtp", "draft-all", "cards"]
+        "step",
+        choices=["corpus", "tokenizer", "target", "drafter", "eagle", "mtp", "draft-all", "draft-vocab", "cards"],
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=8192)
@@ -439,6 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--mtp-stride", type=int, default=4, help="draft-all: MTP loss on every n-th position"
     )
+    parser.add_argument("--draft-vocab-size", type=int, default=2048, help="draft-vocab: default size")
     parser.add_argument("--models-dir", default=None, help="output/input models folder (default models/)")
     args = parser.parse_args(argv)
     if args.models_dir:
@@ -457,6 +490,7 @@ def main(argv: list[str] | None = None) -> None:
         "eagle": step_eagle,
         "mtp": step_mtp,
         "draft-all": step_draft_all,
+        "draft-vocab": step_draft_vocab,
         "cards": step_cards,
     }[args.step](args)
 

@@ -13,7 +13,7 @@ class LlamaSpec:
 
     vocab_size: int = 8192
     hidden_size: int = 512
-    num_hidden_layers: int = 8
+    num_hidden_layers: int = 16
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
     intermediate_size: int = 1408

@@ -15,15 +15,15 @@ def make_proposer(config: SpeculativeConfig, runner):
     if config.method == "draft":
         from engine.spec.proposers.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config.model, runner)
+        return DraftModelProposer(config.model, runner, config.draft_vocab_size)
     if config.method == "eagle":
         from engine.spec.proposers.eagle import EagleProposer
 
-        return EagleProposer(config.model, runner)
+        return EagleProposer(config.model, runner, config.draft_vocab_size)
     if config.method == "mtp":
         from engine.spec.proposers.mtp import MTPProposer
 
-        return MTPProposer(config.model, runner)
+        return MTPProposer(config.model, runner, config.draft_vocab_size)
     raise ValueError(f"unknown speculative method {config.method!r}")
 
 

@@ -79,17 +79,22 @@ class StepTimer:
         return statistics.median(self.samples[j])
 
 
-def sample_drafts(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:
+def sample_drafts(
+    logits: torch.Tensor, requests: list[Request], token_ids: torch.Tensor | None = None, vocab_size: int = 0
+) -> tuple[list[int], torch.Tensor | None]:
     """One draft token per row, with the same temperature/top-k/top-p as the target will use.
 
-    logits [n, vocab]; requests[i] owns row i. Greedy rows take the argmax; sampled rows draw from
-    the filtered distribution with the request's own generator. Returns (tokens, probs [n, vocab]
-    or None when every row is greedy).
+    logits [n, V'] over the vocabulary, or over a draft vocabulary when `token_ids` [V'] gives
+    the target token id of each column (then `vocab_size` is the target's vocabulary size); requests[i] owns row i. Greedy rows take the argmax;
+    sampled rows draw from the filtered distribution with the request's own generator. Returns
+    (target token ids, probs [n, vocab] over the target's whole vocabulary, zero outside the
+    draft vocabulary, or None when every row is greedy).
     """
     greedy = [r.sampling_params.is_greedy for r in requests]
     argmax = logits.argmax(dim=-1)
     if all(greedy):
-        return argmax.tolist(), None
+        picked = argmax if token_ids is None else token_ids[argmax]
+        return picked.tolist(), None
     params = [r.sampling_params for r in requests]
     device = logits.device
     probs = probs_from_logits(
@@ -99,4 +104,8 @@ def sample_drafts(logits: torch.Tensor, requests: list[Request]) -> tuple[list[i
         torch.tensor([p.top_p for p in params], device=device),
     )
     sampled = sample_from_probs(probs, [r.generator for r in requests])
-    return torch.where(torch.tensor(greedy, device=device), argmax, sampled).tolist(), probs
+    picked = torch.where(torch.tensor(greedy, device=device), argmax, sampled)
+    if token_ids is not None:
+        picked = token_ids[picked]
+        probs = probs.new_zeros(probs.shape[0], vocab_size).index_copy_(1, token_ids, probs)
+    return picked.tolist(), probs

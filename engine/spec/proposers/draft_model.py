@@ -18,13 +18,14 @@ from engine.errors import DrafterMismatchError
 from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
 from engine.models.loader import load_model
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, StepTimer, sample_drafts
+from engine.spec.proposers.base import Draft, ProposeContext, StepTimer
+from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
 
 
 class DraftModelProposer:
     method = "draft"
 
-    def __init__(self, model_dir: str, runner) -> None:
+    def __init__(self, model_dir: str, runner, draft_vocab_size: int | None = None) -> None:
         self.device, self.dtype = runner.device, runner.dtype
         self.model, _ = load_model(model_dir, self.dtype, self.device, runner.model.rope_cos.shape[0])
         self.backend = runner.backend
@@ -34,13 +35,16 @@ class DraftModelProposer:
                 f"drafter {model_dir!r} has vocab_size {draft_vocab} but the target "
                 f"{runner.model_dir!r} has {target_vocab}; a draft model must share the target's tokenizer"
             )
+        self.head = DraftLMHead(
+            self.model.lm_head.weight, resolve_draft_token_ids(draft_vocab_size, model_dir, draft_vocab)
+        )
         self.kv_caches: list = []
         self.block_size = 0
         self.timer = StepTimer(1e-3)  # one draft forward, averaged over a round
 
     @property
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return sum(p.numel() for p in self.model.parameters()) + self.head.num_parameters
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
@@ -56,10 +60,11 @@ class DraftModelProposer:
         return self.timer.seconds(num_requests) * k
 
     def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Final hidden state of each chunk's last token [B, H]."""
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend)
         last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
-        return self.model.compute_logits(hidden[last])  # [B, vocab]
+        return hidden[last]  # [B, H]
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
@@ -84,8 +89,7 @@ class DraftModelProposer:
                     r.drafter_state["num_computed"] = r.num_tokens
                 else:
                     chunks.append(SeqChunk([tokens[i][-1]], r.num_tokens + step - 1, r.block_ids))
-            logits = self._forward(chunks)
-            picked, p = sample_drafts(logits, [requests[i] for i in active])
+            picked, p = self.head.sample(self._forward(chunks), [requests[i] for i in active])
             for j, i in enumerate(active):
                 tokens[i].append(picked[j])
                 if p is not None:

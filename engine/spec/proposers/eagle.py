@@ -24,7 +24,8 @@ from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch
 from engine.models.llama import ArchConfig, DecoderLayer
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, StepTimer, sample_drafts
+from engine.spec.proposers.base import Draft, ProposeContext, StepTimer
+from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
 from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
 from engine.spec.proposers.mtp import check_head_matches_target, read_head_config
 
@@ -32,7 +33,7 @@ from engine.spec.proposers.mtp import check_head_matches_target, read_head_confi
 class EagleProposer:
     method = "eagle"
 
-    def __init__(self, model_dir: str, runner) -> None:
+    def __init__(self, model_dir: str, runner, draft_vocab_size: int | None = None) -> None:
         cfg = read_head_config(model_dir, "EagleHead")
         eagle = cfg.get("eagle", {})
         check_head_matches_target(
@@ -66,7 +67,9 @@ class EagleProposer:
         self.layer = self.layer.to(self.device, self.dtype).eval().requires_grad_(False)
         # Shared with the target, in place.
         self.embed_tokens = runner.model.embed_tokens
-        self.lm_head = runner.model.lm_head
+        self.head = DraftLMHead(
+            runner.model.lm_head.weight, resolve_draft_token_ids(draft_vocab_size, model_dir, t.vocab_size)
+        )
         from transformers import LlamaConfig
 
         from engine.models.llama import rope_cos_sin
@@ -82,7 +85,7 @@ class EagleProposer:
 
     @property
     def num_parameters(self) -> int:
-        return sum(p.numel() for m in (self.fc, self.layer) for p in m.parameters())
+        return sum(p.numel() for m in (self.fc, self.layer) for p in m.parameters()) + self.head.num_parameters
 
     def modules(self):
         return [self.fc, self.layer]
@@ -133,7 +136,7 @@ class EagleProposer:
         active = list(range(len(requests)))
         step = 0
         while True:
-            picked, p = sample_drafts(self.lm_head(feats).float(), [requests[i] for i in active])
+            picked, p = self.head.sample(feats, [requests[i] for i in active])
             for j, i in enumerate(active):
                 tokens[i].append(picked[j])
                 if p is not None:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from engine.errors import CheckpointError, DrafterMismatchError
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, StepTimer, sample_drafts
+from engine.spec.proposers.base import Draft, ProposeContext, StepTimer
+from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
 from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
 
 
@@ -54,7 +55,7 @@ def check_head_matches_target(model_dir: str, runner, hidden: int, vocab: int, t
 class MTPProposer:
     method = "mtp"
 
-    def __init__(self, model_dir: str, runner) -> None:
+    def __init__(self, model_dir: str, runner, draft_vocab_size: int | None = None) -> None:
         cfg = read_head_config(model_dir, "MedusaHeads")
         check_head_matches_target(model_dir, runner, cfg["hidden_size"], cfg["vocab_size"], cfg.get("target"))
         self.num_heads = int(cfg["num_heads"])
@@ -67,12 +68,16 @@ class MTPProposer:
         self.bias = torch.stack([weights[f"heads.{i}.linear.bias"] for i in range(self.num_heads)]).to(
             self.device, self.dtype
         )  # [heads, H]
-        self.lm_head = runner.model.lm_head  # shared with the target: no copy
+        # the target's LM head, in place, or a copy of its draft-vocabulary rows
+        self.head = DraftLMHead(
+            runner.model.lm_head.weight,
+            resolve_draft_token_ids(draft_vocab_size, model_dir, runner.arch.vocab_size),
+        )
         self.timer = StepTimer(2e-4)  # one pass of all heads
 
     @property
     def num_parameters(self) -> int:
-        return self.weight.numel() + self.bias.numel()
+        return self.weight.numel() + self.bias.numel() + self.head.num_parameters
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         pass
@@ -100,11 +105,11 @@ class MTPProposer:
         k = max(num_tokens)
         # [B, k, H]: h + silu(W_i h + b_i) for heads 0..k-1
         z = torch.einsum("bh,koh->bko", h, self.weight[:k]) + self.bias[:k]
-        logits = self.lm_head(h.unsqueeze(1) + F.silu(z)).float()  # [B, k, vocab]
+        feats = h.unsqueeze(1) + F.silu(z)  # [B, k, H]
         rows = [(b, i) for b, kb in enumerate(num_tokens) for i in range(kb)]
         owners = [requests[b] for b, _ in rows]
-        flat = logits[[b for b, _ in rows], [i for _, i in rows]]  # [sum k, vocab]
-        picked, probs = sample_drafts(flat, owners)
+        flat = feats[[b for b, _ in rows], [i for _, i in rows]]  # [sum k, H]
+        picked, probs = self.head.sample(flat, owners)
         drafts, at = [], 0
         for r, kb in zip(requests, num_tokens, strict=True):
             p = probs[at : at + kb] if probs is not None and not r.sampling_params.is_greedy else None
