@@ -108,6 +108,7 @@ class DrafterArgs:
     model: str | None = "models/drafter"
     num_speculative_tokens: int = 4
     adaptive: bool = True
+    draft_vocab_size: int | None = None
 
     @classmethod
     def from_dict(cls, data: Any, where: str, check: _Checker) -> DrafterArgs | None:
@@ -122,16 +123,20 @@ class DrafterArgs:
             check.fail(f"{where}.model", f"must be null for method 'ngram' (n-gram lookup needs no model), got {model!r}")
         k = check.integer(f"{where}.num_speculative_tokens", data.get("num_speculative_tokens", cls.num_speculative_tokens), 1, 16)
         adaptive = check.boolean(f"{where}.adaptive", data.get("adaptive", cls.adaptive))
+        before = len(check.errors)
+        dv = check.integer(f"{where}.draft_vocab_size", data.get("draft_vocab_size"), 0, optional=True)
+        if len(check.errors) == before and method == "ngram" and dv:
+            check.fail(f"{where}.draft_vocab_size", f"does not apply to method 'ngram' (no LM head), got {dv}")
         if len(check.errors) > n:
             return None
-        return cls(method=method, model=model, num_speculative_tokens=k, adaptive=adaptive)
+        return cls(method=method, model=model, num_speculative_tokens=k, adaptive=adaptive, draft_vocab_size=dv)
 
     def to_engine(self, model_path: str | None) -> Any:
         from engine import SpeculativeConfig
 
         return SpeculativeConfig(
             method=self.method, model=model_path, num_speculative_tokens=self.num_speculative_tokens,
-            adaptive=self.adaptive,
+            adaptive=self.adaptive, draft_vocab_size=self.draft_vocab_size,
         )
 
 
