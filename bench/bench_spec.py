@@ -4,7 +4,8 @@ Workloads: held-out code completion, greedy (predictable), and the same prompts 
 temperature 1.0 (unpredictable). Peers on the same weights and prompts: our engine without
 speculation, transformers `generate`, transformers assisted generation
 (`generate(assistant_model=drafter)`), and our engine with each drafter (draft, ngram, eagle, mtp).
-Part 1: batch 1 and 16 concurrent requests with adaptive speculation. Part 2 (`--sweep`): each
+Part 1: batch 1 and 16 concurrent requests with adaptive speculation, each model drafter over
+its shipped draft vocabulary, plus (batch 1, code) the same drafter over the whole vocabulary. Part 2 (`--sweep`): each
 method at fixed k = 1..8 (per-request cap), batch 1 and 16 concurrent, both workloads; PNGs of
 tokens/s vs k and accepted length vs k.
 
@@ -83,26 +84,48 @@ def run_hf(target_dir: str, prompts, workload: str, new_tokens: int, assistant_d
     return {"tokens_per_s": len(prompts) * new_tokens / total, "tpot_ms": 1e3 * total / new_tokens / len(prompts)}
 
 
-def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int) -> LLM:
+def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int, draft_vocab_size: int | None = None) -> LLM:
+    """draft_vocab_size None: each drafter's shipped draft_vocab.json default; 0: whole vocabulary."""
     spec = None
     if method is not None:
-        spec = SpeculativeConfig(method=method, model=METHODS[method], num_speculative_tokens=k, adaptive=adaptive)
+        spec = SpeculativeConfig(method=method, model=METHODS[method], num_speculative_tokens=k, adaptive=adaptive,
+                                 draft_vocab_size=draft_vocab_size if method != "ngram" else None)
     return LLM(str(MODELS / "target"), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=max_num_seqs)
 
 
-def part1(prompts, batch_prompts, new_tokens: int, k: int, methods: list[str]) -> list[dict]:
+def draft_vocab_of(llm: LLM) -> int | None:
+    head = getattr(llm.engine.speculator.proposer, "head", None) if llm.engine.speculator else None
+    return head.size if head is not None else None
+
+
+def with_step_fraction(row: dict, target_step_ms: float | None) -> dict:
+    """Add the target's batch-1 step time (start-up profile) and each draft token's cost relative to it."""
+    row["target_step_ms"] = target_step_ms
+    d = row.get("draft_time_per_draft_token_ms")
+    row["draft_token_over_target_step"] = d / target_step_ms if d is not None and target_step_ms else None
+    return row
+
+
+def part1(prompts, batch_prompts, new_tokens: int, k: int, methods: list[str], ablate_draft_vocab: bool) -> list[dict]:
     rows = []
     for workload in ("code", "unpredictable"):
-        for method in [None, *methods]:
-            llm = make_llm(method, k, adaptive=True, max_num_seqs=32)
+        configs = [(m, None) for m in [None, *methods]]
+        if ablate_draft_vocab and workload == "code":
+            configs += [(m, 0) for m in methods if m != "ngram"]
+        for method, dv in configs:
+            llm = make_llm(method, k, adaptive=True, max_num_seqs=32, draft_vocab_size=dv)
             llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-            name = f"ours, {method or 'no speculation'}" + (f" (adaptive, k<={k})" if method else "")
+            vocab = draft_vocab_of(llm)
+            name = f"ours, {method or 'no speculation'}" + (f" (adaptive, k<={k}" if method else "")
+            if method:
+                name += (f", draft vocab {vocab})" if vocab is not None and dv is None else ", whole vocab)" if dv == 0 else ")")
+            step_ms = 1e3 * llm.engine.speculator.cost(1, 1) if method and llm.engine.speculator.cost is not None else None
             r1 = run_ours(llm, prompts, workload, new_tokens, concurrent=False)
-            rows.append({"workload": workload, "batch": 1, "system": name, **r1})
+            rows.append(with_step_fraction({"workload": workload, "batch": 1, "system": name, **r1}, step_ms))
+            if dv == 0:
+                continue  # the whole-vocabulary ablation is measured at batch 1 only
             r16 = run_ours(llm, batch_prompts, workload, new_tokens, concurrent=True)
-            rows.append({"workload": workload, "batch": len(batch_prompts), "system": name, **r16})
-            if method and llm.engine.speculator.cost is not None:
-                rows[-1]["target_step_ms"] = 1e3 * llm.engine.speculator.cost(1, 1)
+            rows.append(with_step_fraction({"workload": workload, "batch": len(batch_prompts), "system": name, **r16}, step_ms))
         rows.append({"workload": workload, "batch": 1, "system": "transformers generate",
                      **run_hf(str(MODELS / "target"), prompts, workload, new_tokens, None)})
         rows.append({"workload": workload, "batch": 1, "system": "transformers assisted (drafter)",
@@ -192,6 +215,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--methods", default="draft,ngram,eagle,mtp")
     ap.add_argument("--sweep", action="store_true", help="also run the k = 1..8 sweep (part 2)")
     ap.add_argument("--skip-part1", action="store_true")
+    ap.add_argument("--no-ablation", action="store_true",
+                    help="skip the batch-1 code rows of each model drafter over the whole vocabulary")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for every system measured (1: steady on a shared 2-core host)")
     args = ap.parse_args(argv)
@@ -204,11 +229,11 @@ def main(argv=None) -> dict:
     batch_prompts = code_prompts(tokenizer, args.concurrency, args.prompt_len, seed=2)
     results: dict = {"machine": machine_info(), "args": vars(args)}
     if not args.skip_part1:
-        rows = part1(prompts, batch_prompts, args.new_tokens, args.k, methods)
+        rows = part1(prompts, batch_prompts, args.new_tokens, args.k, methods, not args.no_ablation)
         results["part1"] = rows
         results["part1_plot"] = plot_part1(rows)
         print(table(rows, ["workload", "batch", "system", "tokens_per_s", "tpot_ms", "mean_accepted_length",
-                           "acceptance_rate", "draft_time_per_draft_token_ms"]))
+                           "acceptance_rate", "draft_time_per_draft_token_ms", "draft_token_over_target_step"]))
         write_results("spec", results)
     if args.sweep:
         srows = sweep(prompts, batch_prompts, args.new_tokens, methods)

@@ -8,7 +8,9 @@ Metrics:
   (depth 1); each MTP head ``i`` (its prediction for token ``t+i+2`` from ``h_t`` against the
   target's own top-1 for that token given the true prefix);
 * mean tokens per verification step (accepted drafts + the bonus token) for chains of
-  ``k = 1..8`` drafts.
+  ``k = 1..8`` drafts; each method also as drafted by the engine by default, over the
+  drafter's frequency-ranked draft vocabulary (``draft_vocab.json``, top ``default_size``
+  tokens; logits outside it masked), rows ``<method>@dv<N>``.
 
 Acceptance simulation.  Prompts are ``--prompt-len``-token windows of held-out files (fixed
 seed).  The target continues each prompt for ``--gen-len`` tokens, greedily (``greedy``) and by
@@ -126,21 +128,48 @@ def eagle_teacher_forced(head: EagleHead, target, ids: torch.Tensor, h: torch.Te
 
 
 @torch.no_grad()
+def load_draft_vocab(models_dir: Path) -> torch.Tensor | None:
+    """Boolean mask [vocab] of the drafter's default draft vocabulary, or None without one."""
+    path = models_dir / "drafter" / "draft_vocab.json"
+    if not path.exists():
+        return None
+    doc = json.loads(path.read_text())
+    ids = doc["ranked_token_ids"][: doc["default_size"]]
+    mask = torch.zeros(len(doc["ranked_token_ids"]), dtype=torch.bool)
+    mask[ids] = True
+    return mask
+
+
+def restrict(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Logits of a drafter that only drafts tokens in ``mask`` (the others at -inf)."""
+    return logits.masked_fill(~mask, float("-inf"))
+
+
 def agreement(models: dict, seqs: torch.Tensor) -> dict[str, float]:
-    """Teacher-forced top-1 agreement with the target on ``seqs``."""
+    """Teacher-forced top-1 agreement with the target on ``seqs`` (and, with a draft vocabulary,
+    of the drafter/EAGLE restricted to it: ``<name>@dv``)."""
     target = models["target"]
+    dv = models.get("draft_vocab")
     hits: dict[str, list[float]] = {}
     for i in range(0, seqs.shape[0], 4):
         b = seqs[i : i + 4]
         h, t_logits = target_pass(target, b)
         t_top = t_logits.argmax(-1)  # index t: target's prediction of token t+1
         hits.setdefault("target_vs_truth", []).append(float((t_top[:, :-1] == b[:, 1:]).float().mean()))
+        if dv is not None:
+            hits.setdefault("target_top1_in_draft_vocab", []).append(float(dv[t_top].float().mean()))
         if "drafter" in models:
-            d_top = lm_logits(models["drafter"], b).argmax(-1)
-            hits.setdefault("drafter", []).append(float((d_top == t_top).float().mean()))
+            d_log = lm_logits(models["drafter"], b)
+            hits.setdefault("drafter", []).append(float((d_log.argmax(-1) == t_top).float().mean()))
+            if dv is not None:
+                d_top = restrict(d_log, dv).argmax(-1)
+                hits.setdefault("drafter@dv", []).append(float((d_top == t_top).float().mean()))
         if "eagle" in models:
-            e_top = eagle_teacher_forced(models["eagle"], target, b, h).argmax(-1)
-            hits.setdefault("eagle", []).append(float((e_top == t_top[:, 1:]).float().mean()))
+            e_log = eagle_teacher_forced(models["eagle"], target, b, h)
+            hits.setdefault("eagle", []).append(float((e_log.argmax(-1) == t_top[:, 1:]).float().mean()))
+            if dv is not None:
+                e_top = restrict(e_log, dv).argmax(-1)
+                hits.setdefault("eagle@dv", []).append(float((e_top == t_top[:, 1:]).float().mean()))
         if "mtp" in models:
             for j, feat in enumerate(models["mtp"](h)):
                 shift = j + 1  # head j at index t predicts token t+j+2 = target top-1 at index t+j+1
@@ -289,9 +318,12 @@ def replay_greedy(match: dict[int, int], start: int, end: int, k: int) -> float:
 def acceptance(models: dict, methods: list[str], prompts: list[list[int]], cfg: EvalConfig) -> dict:
     """Greedy (exact) and temperature (expected) mean tokens per step for k = 1..MAX_K."""
     target = models["target"]
+    dv = models.get("draft_vocab")
+    variants = [("", None)] + ([(f"@dv{int(dv.sum())}", dv)] if dv is not None else [])
+    names = [m + suffix for m in methods for suffix, _ in variants]
     gen = torch.Generator().manual_seed(cfg.seed)
-    greedy = {m: {k: [] for k in range(1, MAX_K + 1)} for m in methods}
-    sampled = {m: {k: [] for k in range(1, MAX_K + 1)} for m in methods}
+    greedy = {m: {k: [] for k in range(1, MAX_K + 1)} for m in names}
+    sampled = {m: {k: [] for k in range(1, MAX_K + 1)} for m in names}
     t0 = time.time()
     for pi, prompt in enumerate(prompts):
         g_seq = continue_prompt(target, prompt, cfg.gen_len, 0.0, gen)
@@ -300,33 +332,37 @@ def acceptance(models: dict, methods: list[str], prompts: list[list[int]], cfg: 
         _, s_tlog = target_pass(target, torch.tensor([s_seq]))
         n_tot = len(g_seq)
         for m in methods:
-            drafts = draft_distributions(m, models, g_seq, cfg.prompt_len, greedy=True)
-            match = {}
-            for n, logits in drafts.items():
-                cnt = 0
-                for i, lg in enumerate(logits):
-                    if int(lg.argmax()) != g_seq[n + i]:
-                        break
-                    cnt += 1
-                match[n] = cnt
-            for k in range(1, MAX_K + 1):
-                greedy[m][k].append(replay_greedy(match, cfg.prompt_len + 1, n_tot, k))
-            drafts = draft_distributions(
+            g_drafts = draft_distributions(m, models, g_seq, cfg.prompt_len, greedy=True)
+            s_drafts = draft_distributions(
                 m, models, s_seq, cfg.prompt_len, greedy=False, start_stride=cfg.temp_start_stride
             )
-            for n, logits in drafts.items():
-                alphas = []
-                for i, lg in enumerate(logits):
-                    p = probs(s_tlog[0, n + i - 1], cfg.temperature)
-                    q = probs(lg, cfg.temperature)
-                    alphas.append(float(torch.minimum(p, q).sum()))
-                if len(alphas) < MAX_K:
-                    continue  # too close to the end of the continuation
-                expect, prod = 1.0, 1.0
+            for suffix, mask in variants:
+                name = m + suffix
+                match = {}
+                for n, logits in g_drafts.items():
+                    cnt = 0
+                    for i, lg in enumerate(logits):
+                        lg = lg if mask is None else restrict(lg, mask)
+                        if int(lg.argmax()) != g_seq[n + i]:
+                            break
+                        cnt += 1
+                    match[n] = cnt
                 for k in range(1, MAX_K + 1):
-                    prod *= alphas[k - 1]
-                    expect += prod
-                    sampled[m][k].append(expect)
+                    greedy[name][k].append(replay_greedy(match, cfg.prompt_len + 1, n_tot, k))
+                for n, logits in s_drafts.items():
+                    alphas = []
+                    for i, lg in enumerate(logits):
+                        lg = lg if mask is None else restrict(lg, mask)
+                        p = probs(s_tlog[0, n + i - 1], cfg.temperature)
+                        q = probs(lg, cfg.temperature)
+                        alphas.append(float(torch.minimum(p, q).sum()))
+                    if len(alphas) < MAX_K:
+                        continue  # too close to the end of the continuation
+                    expect, prod = 1.0, 1.0
+                    for k in range(1, MAX_K + 1):
+                        prod *= alphas[k - 1]
+                        expect += prod
+                        sampled[name][k].append(expect)
         print(f"  prompt {pi + 1}/{len(prompts)} done ({time.time() - t0:.0f}s)", flush=True)
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     return {
@@ -355,8 +391,12 @@ def markdown(results: dict) -> str:
     )
     if "drafter" in ppl:
         lines.append(f"| drafter | {ppl['drafter']:.2f} | {agr['drafter']:.3f} |")
+    if "drafter@dv" in agr:
+        lines.append(f"| drafter, draft vocabulary | - | {agr['drafter@dv']:.3f} |")
     if "eagle" in agr:
         lines.append(f"| eagle-head (teacher-forced, depth 1) | - | {agr['eagle']:.3f} |")
+    if "eagle@dv" in agr:
+        lines.append(f"| eagle-head, draft vocabulary | - | {agr['eagle@dv']:.3f} |")
     mtp = [
         f"{agr[k]:.3f}"
         for k in sorted(agr, key=lambda s: int(s[8:]) if s.startswith("mtp_head") else -1)
@@ -364,6 +404,9 @@ def markdown(results: dict) -> str:
     ]
     if mtp:
         lines.append(f"| mtp-heads (head 0..{len(mtp) - 1}) | - | {' / '.join(mtp)} |")
+    if "target_top1_in_draft_vocab" in agr:
+        lines.append("")
+        lines.append(f"Target's top-1 inside the draft vocabulary: {agr['target_top1_in_draft_vocab']:.4f} of positions.")
     lines.append("")
     lines.append("Mean tokens per verification step (accepted drafts + bonus), k drafts:")
     lines.append("")
@@ -386,6 +429,9 @@ def load_models(models_dir: Path) -> dict:
         models["eagle"] = load_eagle_head(models_dir / "eagle-head", torch.bfloat16)
     if (models_dir / "mtp-heads" / "model.safetensors").exists():
         models["mtp"] = load_medusa_heads(models_dir / "mtp-heads", torch.bfloat16)
+    dv = load_draft_vocab(models_dir)
+    if dv is not None:
+        models["draft_vocab"] = dv
     return models
 
 
