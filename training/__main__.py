@@ -409,6 +409,15 @@ def step_draft_vocab(args: argparse.Namespace) -> None:
             log(f"draft-vocab: wrote {folder / 'draft_vocab.json'} (default {args.draft_vocab_size}, held-out coverage {coverage})")
 
 
+def strip_models_dir(argv: str) -> str:
+    """A recorded command line without its `--models-dir X` (runs staged elsewhere before shipping)."""
+    words = argv.split()
+    if "--models-dir" in words:
+        i = words.index("--models-dir")
+        del words[i : i + 2]
+    return " ".join(words)
+
+
 def step_cards(args: argparse.Namespace) -> None:
     from .cards import write_cards
 
@@ -421,11 +430,12 @@ def step_cards(args: argparse.Namespace) -> None:
     for n in DRAFT_PARTS:
         st = stats(n)
         log_name = "draft-" + "-".join(st.get("parts", DRAFT_PARTS)) if st.get("joint") else n
-        line = run.format(st.get("argv", n), log_name)
+        line = run.format(strip_models_dir(st.get("argv", n)), log_name)
         if line not in lines:
             lines.append(line)
     downstream = "\n".join(lines)
-    for path in write_cards({"downstream": downstream}, MODELS):
+    target_argv = strip_models_dir(stats("target").get("argv", "target"))
+    for path in write_cards({"downstream": downstream, "target": target_argv.removeprefix("target ")}, MODELS):
         log(f"cards: wrote {path}")
 
 

@@ -10,7 +10,7 @@ import json
 import platform
 from pathlib import Path
 
-from training.config import DRAFTER_SPEC
+from training.config import DRAFTER_SPEC, TARGET_SPEC
 
 RUNS = Path("runs")
 MODELS = Path("models")
@@ -20,9 +20,9 @@ EVAL_JSON = Path("bench/results/eval_models.json")
 REPRODUCE = """```bash
 python -m training corpus      # models/heldout_files.txt (+ runs/data/*_files.txt)
 python -m training tokenizer   # runs/tokenizer (copied into every model folder), token caches
-nohup nice -n 19 python -m training target --max-minutes 60 --planned-tokens 3000000 \\
-    --lr 1.5e-3 --warmup-steps 60 > runs/target.log 2>&1 &      # add --resume to continue
+nohup nice -n 10 python -m training {target} > runs/target.log 2>&1 &   # add --resume to continue
 {downstream}
+python -m training draft-vocab # draft_vocab.json (token frequency ranking) in drafter, eagle-head, mtp-heads
 python bench/eval_models.py    # bench/results/eval_models.{{json,md}}
 python -m training cards       # these README.md files
 ```"""
@@ -63,6 +63,25 @@ def _train_line(stats: dict) -> str:
         f"x {c['grad_accum']} accumulation, seed {c['seed']}; bf16 weights/activations with fp32 master "
         "weights for AdamW."
     )
+
+
+def _draft_vocab(folder: Path) -> str:
+    """The draft-vocabulary paragraph of a drafter's card (from its draft_vocab.json)."""
+    path = folder / "draft_vocab.json"
+    if not path.exists():
+        return ""
+    doc = json.loads(path.read_text())
+    cov = doc.get("heldout_token_coverage", {})
+    return f"""## Draft vocabulary
+
+`draft_vocab.json` ranks the token ids by frequency on the training split (`python -m training draft-vocab`);
+the engine drafts over the first `default_size` = {doc["default_size"]} of them by default
+(`SpeculativeConfig.draft_vocab_size`; FR-Spec), so the LM head it computes per draft token is
+{doc["default_size"]} x hidden instead of {len(doc["ranked_token_ids"])} x hidden. Outputs stay exact (verification decides
+every token; sampled drafts carry q over the whole vocabulary). Share of held-out tokens inside the top N:
+{", ".join(f"N={n}: {c:.3f}" for n, c in cov.items())}; the target's own top-1 is inside the default set far more
+often (see the evaluation below).
+"""
 
 
 def _common(tok: dict) -> str:
@@ -114,8 +133,8 @@ The project's target (verifier) model, trained from scratch on CPU.
 
 ## Architecture
 
-`transformers.LlamaForCausalLM`: hidden 512, 8 layers, 8 attention heads, 4 KV heads (GQA, head_dim 64),
-SwiGLU intermediate 1408, RMSNorm eps 1e-5, RoPE theta 10000, max_position_embeddings 2048, vocab 8192,
+`transformers.LlamaForCausalLM`: hidden {TARGET_SPEC.hidden_size}, {TARGET_SPEC.num_hidden_layers} layers, {TARGET_SPEC.num_attention_heads} attention heads, {TARGET_SPEC.num_key_value_heads} KV heads (GQA, head_dim {TARGET_SPEC.hidden_size // TARGET_SPEC.num_attention_heads}),
+SwiGLU intermediate {TARGET_SPEC.intermediate_size}, RMSNorm eps 1e-5, RoPE theta 10000, max_position_embeddings 2048, vocab 8192,
 tied input/output embeddings, no biases. Parameters: {st.get("params", 0):,} (~{st.get("params", 0) / 1e6:.1f}M).
 Weights: `model.safetensors` in bf16.
 
@@ -136,7 +155,7 @@ The time-aware learning-rate schedule makes wall-clock budgets (and so the exact
 """
 
 
-def drafter_card(tok: dict, st: dict, tst: dict, args: dict) -> str:
+def drafter_card(tok: dict, st: dict, tst: dict, args: dict, folder: Path) -> str:
     ratio = tst.get("params", 1) / max(st.get("params", 1), 1)
     return f"""# drafter: small LlamaForCausalLM distilled from `target`
 
@@ -158,6 +177,7 @@ Training time: {_fmt_minutes(st)}.
 Loss (KL, nats): first step {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}.
 Held-out NLL on the true tokens (first 64 x 512 held-out tokens): {st.get("heldout_nll", float("nan")):.4f} (perplexity {st.get("heldout_ppl", float("nan")):.2f}).
 
+{_draft_vocab(folder)}
 {_eval_section()}
 ## Reproduce
 
@@ -165,7 +185,7 @@ Held-out NLL on the true tokens (first 64 x 512 held-out tokens): {st.get("heldo
 {_notes("drafts")}"""
 
 
-def eagle_card(tok: dict, st: dict, tst: dict, args: dict) -> str:
+def eagle_card(tok: dict, st: dict, tst: dict, args: dict, folder: Path) -> str:
     return f"""# eagle-head: EAGLE-1 draft head for `target`
 
 ## Architecture (published EAGLE-1 checkpoint layout)
@@ -216,6 +236,7 @@ at index `t` is `(embed(x_(t+1)), h_t)` at position `t+1`; loss `SmoothL1(f_(t+1
 Training time: {_fmt_minutes(st)}. Loss: first {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}.
 
 {_common(tok)}
+{_draft_vocab(folder)}
 {_eval_section()}
 ## Reproduce
 
@@ -223,7 +244,7 @@ Training time: {_fmt_minutes(st)}. Loss: first {st.get("first_loss", float("nan"
 {_notes("drafts")}"""
 
 
-def mtp_card(tok: dict, st: dict, tst: dict, args: dict) -> str:
+def mtp_card(tok: dict, st: dict, tst: dict, args: dict, folder: Path) -> str:
     return f"""# mtp-heads: Medusa-style multi-token-prediction heads for `target`
 
 ## Architecture
@@ -251,6 +272,7 @@ projections dominate the cost, the heads are tiny).
 Training time: {_fmt_minutes(st)}. Loss: first {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}.
 
 {_common(tok)}
+{_draft_vocab(folder)}
 {_eval_section()}
 ## Reproduce
 
@@ -272,7 +294,7 @@ def write_cards(args: dict[str, str], models_dir: Path = MODELS) -> list[Path]:
         if not (models_dir / folder / "model.safetensors").exists():
             continue
         st = _load(RUNS / f"{name}_stats.json")
-        text = target_card(tok, target, args) if fn is None else fn(tok, st, target, args)
+        text = target_card(tok, target, args) if fn is None else fn(tok, st, target, args, models_dir / folder)
         (models_dir / folder / "README.md").write_text(text)
         written.append(models_dir / folder / "README.md")
     return written
