@@ -22,6 +22,7 @@ SNIPPET_LEN = 256
 DRAFTER_AGREEMENT_FLOOR = 0.25  # measured 0.305
 EAGLE_AGREEMENT_FLOOR = 0.35  # measured 0.417
 MTP_HEAD0_AGREEMENT_FLOOR = 0.20  # measured 0.267
+DRAFT_VOCAB_TOP1_FLOOR = 0.98  # share of the target's top-1 inside each default draft vocabulary
 MAX_TOTAL_BYTES = 100 * 1024 * 1024
 
 
@@ -116,6 +117,20 @@ def test_drafter_agreement_regression(snippets, target_out):
         d_top = drafter(input_ids=snippets).logits.argmax(-1)
     agree = float((d_top == target_out[1]).float().mean())
     assert agree >= DRAFTER_AGREEMENT_FLOOR, agree
+
+
+@pytest.mark.parametrize("folder", ["drafter", "eagle-head", "mtp-heads"])
+def test_draft_vocab_holds_the_targets_predictions(folder, target_out):
+    """Each shipped draft vocabulary (the engine's default) contains the target's own top-1 at
+    nearly every snippet position: a broken or mismatched ranking would cut acceptance."""
+    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
+
+    ids = resolve_draft_token_ids(None, str(need(folder)), 8192)
+    assert ids is not None and len(ids) < 8192
+    inside = torch.zeros(8192, dtype=torch.bool)
+    inside[ids] = True
+    share = float(inside[target_out[1]].float().mean())
+    assert share >= DRAFT_VOCAB_TOP1_FLOOR, share
 
 
 def test_eagle_head_layout_and_agreement(target, snippets, target_out):
