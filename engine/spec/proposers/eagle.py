@@ -9,7 +9,8 @@ KV, like the target's, only keeps committed elements: each round first adds the 
 newly committed positions (in the same forward as the first draft), and draft elements land in
 lookahead slots that the next round overwrites.
 
-The target's embedding and LM head are used in place (no copy). With prefix caching, the element
+The target's embedding and LM head are used in place (no copy); with a draft vocabulary
+(`draft_vocab.py`) the head's logits cover its N rows only, which it keeps as an N x H copy. With prefix caching, the element
 at the last position of a shared block was computed for the earlier request's next token; that
 can only lower acceptance, never change outputs (verification decides).
 """

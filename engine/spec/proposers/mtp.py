@@ -1,7 +1,7 @@
 """MTP proposer: Medusa-style residual heads on the target's last hidden state.
 
 Head i maps h_t to h_t + SiLU(W_i h_t + b_i) and, through the target's own LM head (shared in
-memory, not copied), predicts token t+i+2. At propose time the request's last committed position
+memory, not copied; or its draft-vocabulary rows, see `draft_vocab.py`), predicts token t+i+2. At propose time the request's last committed position
 is t = N-2 (token N-1 was just sampled from h_{N-2}), so head i drafts token N+i: k drafts in one
 pass, no KV cache. Drafts of sampled requests come with their probabilities (exactness).
 """
