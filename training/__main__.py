@@ -5,6 +5,8 @@ Steps (run in this order)::
     corpus     split the stdlib sources into train / held-out files (models/heldout_files.txt)
     tokenizer  train the byte-level BPE, check round-trip, cache token streams under runs/data
     target     pre-train models/target (LlamaForCausalLM) from scratch
+    shrink     drop decoder layers of a pre-trained target and heal it by distillation from the
+               full model (fits the 100 MB weight budget; --teacher, --drop-layers)
     drafter    distil models/drafter from the frozen target (KL(target || drafter))
     eagle      train models/eagle-head (EAGLE-1) on the frozen target's features
     mtp        train models/mtp-heads (Medusa-style) on the frozen target's features
@@ -195,7 +197,49 @@ def step_target(args: argparse.Namespace) -> None:
     save_lm("target", model, held, out, cfg, n_params, args)
 
 
-def save_lm(name: str, model, held, out: dict, cfg, n_params: int, args: argparse.Namespace) -> None:
+def step_shrink(args: argparse.Namespace) -> None:
+    """models/target = the --teacher model without --drop-layers, healed by KL(teacher || student).
+
+    Dropping every third layer of a deep target costs far less than training a shallower one
+    for the same time (measured on the 16-layer target: held-out loss 4.39 -> 4.52 before
+    healing, dropping layers 3, 6, 9, 12; dropping the last four: 5.12)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = train_config(args, "shrink")
+    train, held = load_streams(cfg.seq_len)
+    teacher = load_target(Path(args.teacher))
+    student = LlamaForCausalLM.from_pretrained(args.teacher, dtype=torch.float32, attn_implementation="sdpa")
+    drop = sorted({int(i) for i in args.drop_layers.split(",") if i.strip()})
+    n_layers = student.config.num_hidden_layers
+    if not drop or any(not 0 <= i < n_layers for i in drop):
+        raise SystemExit(f"--drop-layers must name layers in [0, {n_layers}), got {args.drop_layers!r}")
+    keep = [i for i in range(n_layers) if i not in drop]
+    student.model.layers = torch.nn.ModuleList(student.model.layers[i] for i in keep)
+    for new, layer in enumerate(student.model.layers):
+        layer.self_attn.layer_idx = new
+    student.config.num_hidden_layers = len(keep)
+    if getattr(student.config, "layer_types", None):
+        student.config.layer_types = [student.config.layer_types[i] for i in keep]
+    n_params = sum(p.numel() for p in student.parameters())
+    log(f"shrink: {n_layers} -> {len(keep)} layers (dropped {drop}), {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 3)
+    out = train_loop(
+        cfg,
+        student,
+        distill_loss_fn(student, teacher),
+        sampler,
+        CKPTS / "shrink.pt",
+        resume=args.resume,
+        log=log,
+        max_threads=args.threads,
+    )
+    out.update(dropped_layers=drop, teacher=args.teacher, teacher_layers=n_layers)
+    save_lm("target", student, held, out, cfg, n_params, args, stats_name="shrink")
+
+
+def save_lm(
+    name: str, model, held, out: dict, cfg, n_params: int, args: argparse.Namespace, stats_name: str | None = None
+) -> None:
     """Held-out NLL, then the bf16 checkpoint + tokenizer in models/<name>/ and runs/<name>_stats.json."""
     model.eval()
     nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
@@ -205,7 +249,7 @@ def save_lm(name: str, model, held, out: dict, cfg, n_params: int, args: argpars
     out.update(
         params=n_params, heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), config=asdict(cfg)
     )
-    write_stats(name, out)
+    write_stats(stats_name or name, out)
 
 
 def step_drafter(args: argparse.Namespace) -> None:
@@ -435,12 +479,22 @@ def step_cards(args: argparse.Namespace) -> None:
             lines.append(line)
     downstream = "\n".join(lines)
     target_argv = strip_models_dir(stats("target").get("argv", "target"))
-    for path in write_cards({"downstream": downstream, "target": target_argv.removeprefix("target ")}, MODELS):
+    shrink = stats("shrink")
+    shrink_line = ""
+    if shrink:
+        # the full-depth target goes to runs/target-full first (the shrink step's --teacher default)
+        words = [w for w in strip_models_dir(shrink.get("argv", "shrink")).split() if w]
+        if "--teacher" in words:
+            del words[words.index("--teacher") : words.index("--teacher") + 2]
+        shrink_line = "mv models/target runs/target-full\npython -m training " + " ".join(words)
+    args_ = {"downstream": downstream, "target": target_argv.removeprefix("target "), "shrink": shrink_line}
+    for path in write_cards(args_, MODELS):
         log(f"cards: wrote {path}")
 
 
 STEP_DEFAULTS: dict[str, dict] = {
     "target": {"lr": 1e-3, "planned_tokens": 16_000_000, "max_minutes": 70.0, "warmup_steps": 100},
+    "shrink": {"lr": 3e-4, "planned_tokens": 1_000_000, "max_minutes": 10.0, "warmup_steps": 10},
     "drafter": {"lr": 2e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
     "eagle": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
     "mtp": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 10.0, "warmup_steps": 50},
@@ -452,7 +506,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n")[0])
     parser.add_argument(
         "step",
-        choices=["corpus", "tokenizer", "target", "drafter", "eagle", "mtp", "draft-all", "draft-vocab", "cards"],
+        choices=[
+            "corpus", "tokenizer", "target", "shrink", "drafter", "eagle", "mtp", "draft-all", "draft-vocab", "cards"
+        ],
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=8192)
@@ -481,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--mtp-stride", type=int, default=4, help="draft-all: MTP loss on every n-th position"
     )
+    parser.add_argument("--teacher", default="runs/target-full", help="shrink: the pre-trained full-depth target")
+    parser.add_argument("--drop-layers", default="3,6,9,12", help="shrink: decoder layers to remove")
     parser.add_argument("--draft-vocab-size", type=int, default=2048, help="draft-vocab: default size")
     parser.add_argument("--models-dir", default=None, help="output/input models folder (default models/)")
     args = parser.parse_args(argv)
@@ -496,6 +554,7 @@ def main(argv: list[str] | None = None) -> None:
         "corpus": step_corpus,
         "tokenizer": step_tokenizer,
         "target": step_target,
+        "shrink": step_shrink,
         "drafter": step_drafter,
         "eagle": step_eagle,
         "mtp": step_mtp,

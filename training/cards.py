@@ -21,6 +21,7 @@ REPRODUCE = """```bash
 python -m training corpus      # models/heldout_files.txt (+ runs/data/*_files.txt)
 python -m training tokenizer   # runs/tokenizer (copied into every model folder), token caches
 nohup nice -n 10 python -m training {target} > runs/target.log 2>&1 &   # add --resume to continue
+{shrink}
 {downstream}
 python -m training draft-vocab # draft_vocab.json (token frequency ranking) in drafter, eagle-head, mtp-heads
 python bench/eval_models.py    # bench/results/eval_models.{{json,md}}
@@ -126,30 +127,50 @@ the target (speculative-sampling acceptance probabilities, not a sampled run), a
 """
 
 
-def target_card(tok: dict, st: dict, args: dict) -> str:
+def _shrink_section(sh: dict) -> str:
+    if not sh:
+        return ""
+    return f"""
+### Shrinking to the shipped depth
+
+The pre-trained {sh["teacher_layers"]}-layer model (above) is 103 MB in bf16, over the project's 100 MB budget
+for all shipped weights. `python -m training shrink` removes decoder layers {sh["dropped_layers"]} (every third
+one: on the held-out set this cost 0.13 nats before healing, dropping the last four cost 0.73) and heals the
+result by distillation from the full model (token-level `KL(p_full || p_shrunk)`).
+{_train_line(sh)}
+Healing time: {_fmt_minutes(sh)}. KL: first step {sh.get("first_loss", float("nan")):.3f}, final (EMA) {sh.get("final_loss_ema", float("nan")):.3f}.
+Held-out NLL of the shipped model at save time (first 64 x 512 held-out tokens): {sh.get("heldout_nll", float("nan")):.4f} nats/token (perplexity {sh.get("heldout_ppl", float("nan")):.2f}).
+"""
+
+
+def target_card(tok: dict, st: dict, args: dict, folder: Path) -> str:
+    c = _load(folder / "config.json")
+    sh = _load(RUNS / "shrink_stats.json")
+    params = sh.get("params", st.get("params", 0))
+    heads = c.get("num_attention_heads", TARGET_SPEC.num_attention_heads)
     return f"""# target: LlamaForCausalLM trained on Python stdlib code
 
 The project's target (verifier) model, trained from scratch on CPU.
 
 ## Architecture
 
-`transformers.LlamaForCausalLM`: hidden {TARGET_SPEC.hidden_size}, {TARGET_SPEC.num_hidden_layers} layers, {TARGET_SPEC.num_attention_heads} attention heads, {TARGET_SPEC.num_key_value_heads} KV heads (GQA, head_dim {TARGET_SPEC.hidden_size // TARGET_SPEC.num_attention_heads}),
-SwiGLU intermediate {TARGET_SPEC.intermediate_size}, RMSNorm eps 1e-5, RoPE theta 10000, max_position_embeddings 2048, vocab 8192,
-tied input/output embeddings, no biases. Parameters: {st.get("params", 0):,} (~{st.get("params", 0) / 1e6:.1f}M).
+`transformers.LlamaForCausalLM`: hidden {c.get("hidden_size")}, {c.get("num_hidden_layers")} layers, {heads} attention heads, {c.get("num_key_value_heads")} KV heads (GQA, head_dim {c.get("hidden_size", 0) // heads}),
+SwiGLU intermediate {c.get("intermediate_size")}, RMSNorm eps 1e-5, RoPE theta 10000, max_position_embeddings 2048, vocab 8192,
+tied input/output embeddings, no biases. Parameters: {params:,} (~{params / 1e6:.1f}M).
 Weights: `model.safetensors` in bf16.
 
 {_common(tok)}
 ## Training
 
-Next-token cross-entropy, from scratch. {_train_line(st)}
-Training time: {_fmt_minutes(st)} on a shared 2-core CPU (AMX bf16), niced, with an adaptive 1/2 thread count.
+Next-token cross-entropy, from scratch, at {TARGET_SPEC.num_hidden_layers} layers ({st.get("params", 0) / 1e6:.1f}M parameters). {_train_line(st)}
+Training time: {_fmt_minutes(st)} on a 2-core CPU (AMX bf16), niced, with an adaptive 1/2 thread count.
 Loss: first step {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}.
 Held-out NLL at save time (first 64 x 512 held-out tokens): {st.get("heldout_nll", float("nan")):.4f} nats/token (perplexity {st.get("heldout_ppl", float("nan")):.2f}).
-
+{_shrink_section(sh)}
 {_eval_section()}
 ## Reproduce
 
-{REPRODUCE.format(**args)}
+{REPRODUCE.format(**{"shrink": "", **args})}
 {_notes("target")}
 The time-aware learning-rate schedule makes wall-clock budgets (and so the exact weights) depend on machine load.
 """
@@ -181,7 +202,7 @@ Held-out NLL on the true tokens (first 64 x 512 held-out tokens): {st.get("heldo
 {_eval_section()}
 ## Reproduce
 
-{REPRODUCE.format(**args)}
+{REPRODUCE.format(**{"shrink": "", **args})}
 {_notes("drafts")}"""
 
 
@@ -240,7 +261,7 @@ Training time: {_fmt_minutes(st)}. Loss: first {st.get("first_loss", float("nan"
 {_eval_section()}
 ## Reproduce
 
-{REPRODUCE.format(**args)}
+{REPRODUCE.format(**{"shrink": "", **args})}
 {_notes("drafts")}"""
 
 
@@ -276,7 +297,7 @@ Training time: {_fmt_minutes(st)}. Loss: first {st.get("first_loss", float("nan"
 {_eval_section()}
 ## Reproduce
 
-{REPRODUCE.format(**args)}
+{REPRODUCE.format(**{"shrink": "", **args})}
 {_notes("drafts")}"""
 
 
@@ -294,7 +315,7 @@ def write_cards(args: dict[str, str], models_dir: Path = MODELS) -> list[Path]:
         if not (models_dir / folder / "model.safetensors").exists():
             continue
         st = _load(RUNS / f"{name}_stats.json")
-        text = target_card(tok, target, args) if fn is None else fn(tok, st, target, args, models_dir / folder)
+        text = target_card(tok, target, args, models_dir / folder) if fn is None else fn(tok, st, target, args, models_dir / folder)
         (models_dir / folder / "README.md").write_text(text)
         written.append(models_dir / folder / "README.md")
     return written
