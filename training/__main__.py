@@ -487,7 +487,7 @@ def step_cards(args: argparse.Namespace) -> None:
         if "--teacher" in words:
             del words[words.index("--teacher") : words.index("--teacher") + 2]
         shrink_line = "mv models/target runs/target-full\npython -m training " + " ".join(words)
-    args_ = {"downstream": downstream, "target": target_argv.removeprefix("target "), "shrink": shrink_line}
+    args_ = {"downstream": downstream, "target": target_argv, "shrink": shrink_line}
     for path in write_cards(args_, MODELS):
         log(f"cards: wrote {path}")
 
