@@ -90,7 +90,10 @@ def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int, draf
     if method is not None:
         spec = SpeculativeConfig(method=method, model=METHODS[method], num_speculative_tokens=k, adaptive=adaptive,
                                  draft_vocab_size=draft_vocab_size if method != "ngram" else None)
-    return LLM(str(MODELS / "target"), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=max_num_seqs)
+    # No prefix caching: the sweep runs the same prompts once per k, and cached prompts would skip
+    # the prefill in every run after the first (flattering them against the baseline).
+    return LLM(str(MODELS / "target"), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=max_num_seqs,
+               enable_prefix_caching=False)
 
 
 def draft_vocab_of(llm: LLM) -> int | None:

@@ -241,3 +241,30 @@ def test_bf16_agreement_and_divergence_at_near_ties(models):
             f"divergence at a clear winner: {logits[a.token_ids[i]]:.3f} vs {logits[b.token_ids[i]]:.3f}, top {top:.3f}"
         )
     print(f"bf16 greedy agreement, speculative vs not: {same}/{len(SPEC_PROMPTS)} prompts identical")
+
+
+def test_drafting_cost_ignores_prompt_catch_up_rounds():
+    """A drafter's first round after a prefill also processes the whole prompt; that one-off cost
+    must not become the per-step estimate the adaptive policy uses."""
+    from engine.spec.proposers.base import StepTimer
+
+    timer = StepTimer(1e-3)
+    timer.add_round(16, seconds=0.8, num_forwards=4, catch_up=128, k_max=4)  # after a 128-token prefill
+    assert timer.seconds(16) == 1e-3  # nothing measured yet: the initial guess
+    timer.add_round(16, seconds=0.012, num_forwards=4, catch_up=5, k_max=4)  # steady state: accepted + bonus
+    assert timer.seconds(16) == pytest.approx(0.003)
+    timer.add_round(16, seconds=0.4, num_forwards=2, catch_up=40, k_max=4)  # resumed after speculation was off
+    assert timer.seconds(16) == pytest.approx(0.003)
+
+
+def test_adaptive_drafting_cost_is_steady_state_after_long_prompts(models):
+    """End to end: after prompts of 40 tokens the drafter's estimate reflects its per-token rounds
+    (a prompt-sized catch-up round would be several times more per forward)."""
+    spec = SpeculativeConfig(method="draft", model=models["close"], num_speculative_tokens=3, adaptive=False)
+    llm = LLM(models["target"], dtype="float32", device="cpu", speculative=spec)
+    llm.generate([list(range(1, 41))], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert llm.engine.spec_stats.num_verify_steps == 1  # exactly one drafting round ran...
+    timer = llm.engine.speculator.proposer.timer
+    assert timer.seconds(1) == timer.initial_s  # ...the prompt's catch-up round: not recorded
+    llm.generate([list(range(1, 41))], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert any(len(d) for d in timer.samples)

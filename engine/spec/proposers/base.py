@@ -70,6 +70,16 @@ class StepTimer:
     def add(self, num_requests: int, seconds: float) -> None:
         self.samples[self._bucket(num_requests)].append(seconds)
 
+    def add_round(self, num_requests: int, seconds: float, num_forwards: int, catch_up: int, k_max: int) -> None:
+        """Record a drafting round of `num_forwards` forwards whose first forward also caught up
+        over `catch_up` committed tokens (of one request, at most). Steady-state rounds catch up
+        over at most k_max + 1 tokens (accepted drafts + the bonus token); a round after a prefill
+        or after speculation was off catches up over a whole prompt or more, a one-off cost that
+        must not become the per-step estimate (at a large batch it would switch speculation off
+        and, with speculation off, never be measured again)."""
+        if num_forwards and catch_up <= k_max + 1:
+            self.add(num_requests, seconds / num_forwards)
+
     def seconds(self, num_requests: int = 1) -> float:
         i = self._bucket(num_requests)
         measured = [j for j, d in enumerate(self.samples) if d]

@@ -78,6 +78,7 @@ class DraftModelProposer:
         step = 0
         t_start = time.perf_counter()
         num_requests = len(active)
+        catch_up = 0
         while active:
             chunks = []
             for i in active:
@@ -86,6 +87,7 @@ class DraftModelProposer:
                     start = r.drafter_state.get("num_computed", 0)
                     chunk = [r.token_at(p) for p in range(start, r.num_tokens)]
                     chunks.append(SeqChunk(chunk, start, r.block_ids))
+                    catch_up = max(catch_up, len(chunk))
                     r.drafter_state["num_computed"] = r.num_tokens
                 else:
                     chunks.append(SeqChunk([tokens[i][-1]], r.num_tokens + step - 1, r.block_ids))
@@ -96,8 +98,8 @@ class DraftModelProposer:
                     probs[i].append(p[j])
             step += 1
             active = [i for i in active if len(tokens[i]) < num_tokens[i]]
-        if step:  # the round's whole time per forward, catch-up included
-            self.timer.add(num_requests, (time.perf_counter() - t_start) / step)
+        # the round's time per forward (steady-state catch-up included)
+        self.timer.add_round(num_requests, time.perf_counter() - t_start, step, catch_up, max(num_tokens, default=0))
         return [
             Draft(t, torch.stack(p) if p and not r.sampling_params.is_greedy else None)
             for t, p, r in zip(tokens, probs, requests, strict=True)

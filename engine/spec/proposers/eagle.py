@@ -133,6 +133,7 @@ class EagleProposer:
             chunks.append(SeqChunk([0] * len(rows), start, r.block_ids))
             elem_tokens.extend(r.token_at(j + 1) for j in range(start, n - 1))
             feats_in.append(rows)
+        first_chunks = chunks
         feats = self._forward(chunks, elem_tokens, torch.cat(feats_in))
         active = list(range(len(requests)))
         step = 0
@@ -150,8 +151,9 @@ class EagleProposer:
             step += 1
             chunks = [SeqChunk([0], requests[i].num_tokens - 2 + step, requests[i].block_ids) for i in active]
             feats = self._forward(chunks, [tokens[i][-1] for i in active], feats)
-        # the round's whole time per drafted position (catch-up forward included)
-        self.timer.add(len(requests), (time.perf_counter() - t_start) / (step + 1))
+        # the round's time per drafted position (steady-state catch-up forward included)
+        catch_up = max(len(c.token_ids) for c in first_chunks)
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, step + 1, catch_up, max(num_tokens))
         return [
             Draft(t, torch.stack(pr) if pr and not r.sampling_params.is_greedy else None)
             for t, pr, r in zip(tokens, probs, requests, strict=True)
