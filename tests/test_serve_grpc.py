@@ -250,15 +250,22 @@ def test_stop_string_ends_the_stream(served: Served) -> None:
 
 
 def test_concurrent_streams_interleave(served: Served) -> None:
+    """Streams start one after another's first token (Serve counts requests that are still being
+    assigned to a replica as queued, so a simultaneous burst larger than max_queued_requests=2 can
+    be refused), then run concurrently: their chunks must interleave."""
     arrivals: list[tuple[float, int]] = []
     lock = threading.Lock()
     params = dict(max_tokens=60, temperature=0.0, ignore_eos=True)
+    started = [threading.Event() for _ in PROMPTS]
 
     def run(i: int) -> tuple[list[int], set[str]]:
         ids: list[int] = []
         request_ids: set[str] = set()
+        if i > 0:
+            assert started[i - 1].wait(60)
         with served.client() as client:
             for chunk in client.generate(PROMPTS[i], request_id=f"concurrent-{i}", **params):
+                started[i].set()
                 with lock:
                     arrivals.append((time.monotonic(), i))
                 ids.extend(chunk.token_ids)
