@@ -64,7 +64,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     ngram_max: int = 4
     ngram_min: int = 1
-    acceptance_ema_alpha: float = 0.3
+    acceptance_ema_alpha: float = 0.1
     min_speculative_tokens: int = 1
     draft_vocab_size: int | None = None
 

@@ -289,7 +289,7 @@ class LLMEngine:
                 s.request.spec_stats.verify_time_s += verify_s
         if record.num_spec_requests:
             self.spec_stats.verify_time_s += verify_s
-        self._pending_step = (sched, runner_out, results, record, t0)
+        self._pending_step = (sched, runner_out, results, record, t0, time.perf_counter() - t0)
         return [
             EngineOutput(
                 request_id=res.request.request_id,
@@ -307,9 +307,10 @@ class LLMEngine:
         """Draft for the next step (when speculating) and hand the step's record to listeners."""
         if self._pending_step is None:
             return
-        sched, runner_out, results, record, t0 = self._pending_step
+        sched, runner_out, results, record, t0, execute_s = self._pending_step
         self._pending_step = None
         if self.speculator is not None:
+            self.speculator.observe_step_time(sched, execute_s)
             td = time.perf_counter()
             for r in (res.request for res in results):
                 if r.is_finished:

@@ -114,7 +114,7 @@ class Request:
         # Speculation: drafts proposed for the next step, with the draft distributions when sampled.
         self.spec_token_ids: list[int] = []
         self.spec_probs = None  # torch tensor [k, vocab] or None (greedy); owned by the model runner
-        self.acceptance_ema: float | None = None
+        self.acceptance_counts = (0.0, 0.0)  # decayed (accepted, tried) drafts: spec/speculator.py
         self.spec_stats = SpecStats()
         self.drafter_state: dict = {}  # per-proposer bookkeeping (e.g. draft KV progress)
         self.generator = None  # torch.Generator for seeded sampling, made by the model runner

@@ -161,6 +161,7 @@ def run_backend(backend_name: str, case: Case, device: str = "cpu") -> tuple[tor
 # prefix, fresh prefill (q == seq_len), MHA / GQA / MQA, non-power-of-2 group and head_dim.
 CASES: dict[str, tuple[list[int], list[int], int, int, int, int]] = {
     "mixed_gqa_bs16": ([1, 4, 37, 1, 5], [1, 30, 70, 130, 5], 8, 2, 32, 16),
+    "decodes_around_prefill": ([1, 2, 1, 33, 1, 1], [20, 7, 3, 50, 64, 1], 8, 2, 16, 16),
     "mixed_mha_bs1": ([1, 4, 37, 1, 5], [1, 30, 70, 130, 5], 4, 4, 16, 1),
     "mixed_gqa_bs4_odd": ([3, 1, 12], [3, 45, 20], 6, 2, 24, 4),
     "decode_batch_gqa": ([1] * 6, [17, 3, 64, 1, 33, 16], 8, 4, 16, 16),
@@ -263,10 +264,12 @@ def test_torch_metadata_contents() -> None:
     assert md.slot_mapping.dtype == torch.int64
     assert (md.max_query_len, md.max_seq_len) == (3, 6)
     ex = md.extras
-    assert ex["gather_idx"].tolist() == [5, 1, 2, 0]
-    assert ex["pad_idx"].tolist() == [0, 3, 4, 5]
     assert ex["write_idx"].tolist() == [0, 2, 3]
-    mask = ex["attn_mask"].int()
+    (g,) = ex["groups"]  # 2 * 3 padded rows <= 2 * 4 tokens: one group
+    assert g["token_idx"] is None
+    assert g["gather_idx"].tolist() == [5, 1, 2, 0]
+    assert g["pad_idx"].tolist() == [0, 3, 4, 5]
+    mask = g["attn_mask"].int()
     assert mask.shape == (2, 1, 3, 6)
     assert mask[0, 0].tolist() == [[1, 1, 1, 1, 1, 1]] * 3
     assert mask[1, 0].tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
@@ -277,14 +280,38 @@ def test_torch_fast_paths() -> None:
     # Single decode request: no mask, no query padding, no write filtering.
     for seq_len in (32, 27):
         md = be.build_metadata([1], [seq_len], [[3, 1]], [16 + seq_len - 17], 16, torch.device("cpu"))
-        assert md.extras["attn_mask"] is None and md.extras["pad_idx"] is None
+        (g,) = md.extras["groups"]
+        assert g["attn_mask"] is None and g["pad_idx"] is None and g["token_idx"] is None
         assert md.extras["write_idx"] is None
     # Batch decode with equal seq_lens: no mask either.
     md = be.build_metadata([1, 1], [20, 20], [[3, 1], [0, 2]], [19, 35], 16, "cpu")
-    assert md.extras["attn_mask"] is None
+    (g,) = md.extras["groups"]
+    assert g["attn_mask"] is None
     # Uniform verification: reshape instead of padding, mask still needed.
     md = be.build_metadata([3, 3], [5, 9], [[0], [1]], list(range(2, 5)) + list(range(22, 25)), 16, "cpu")
-    assert md.extras["pad_idx"] is None and md.extras["attn_mask"] is not None
+    (g,) = md.extras["groups"]
+    assert g["pad_idx"] is None and g["attn_mask"] is not None
+
+
+def test_torch_groups_keep_padding_bounded() -> None:
+    """A prefill chunk next to decodes gets its own group instead of padding every request to
+    its length; the groups' tokens partition the step's tokens."""
+    from kernels.torch_attn import group_requests
+
+    assert group_requests([1] * 16) == [list(range(16))]
+    assert group_requests([5, 5, 5]) == [[0, 1, 2]]
+    assert group_requests([1, 4, 37, 1, 5]) == [[0, 1, 3, 4], [2]]
+    assert group_requests([1] * 15 + [128]) == [list(range(15)), [15]]
+    assert group_requests([128, 100]) == [[0, 1]]  # 2 * 128 <= 2 * 228
+    be = get_attention_backend("cpu", "torch")
+    qls, sls = [1, 1, 40, 1], [9, 30, 40, 12]
+    tables = [[0], [1, 2], [3, 4, 5], [6]]
+    slots = [8, 45, *range(48, 88), 107]
+    md = be.build_metadata(qls, sls, tables, slots, 16, "cpu")
+    groups = md.extras["groups"]
+    assert [g["num_reqs"] for g in groups] == [3, 1]
+    assert [g["max_query_len"] for g in groups] == [1, 40]
+    assert sorted(torch.cat([g["token_idx"] for g in groups]).tolist()) == list(range(43))
 
 
 def test_get_attention_backend_selection_and_validation() -> None:

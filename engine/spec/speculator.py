@@ -3,30 +3,44 @@ speculates at all.
 
 - Per request: k is capped by the request's own setting (`SamplingParams.speculative`,
   `num_speculative_tokens`), by the tokens it may still produce and by the model length. With
-  `adaptive`, k is the largest value whose last draft still pays: draft j is accepted with
-  probability about alpha^j (alpha = the request's per-token acceptance, an EMA), and it costs
-  one drafter step plus the marginal verify cost, both relative to a target step.
+  `adaptive`, k is the largest value whose last draft still pays: it costs one drafter step plus
+  the marginal verify cost, both relative to a target step, and it is accepted with the
+  probability `AcceptanceModel` predicts for this request at that position.
 - Per step: speculation is a latency play. Using the target's step time vs tokens-per-step curve
   measured at start-up, the step speculates only if expected tokens per second beat not
   speculating; large batches that already saturate the device run without drafts.
+- Calibration: the start-up curve times the target's forward alone. A real step also samples,
+  verifies and keeps books, and that costs more per token when it verifies drafts. So every
+  decode step's measured time is compared with the curve's prediction, separately for steps with
+  and without drafts and per batch-size bucket (`StepCalibration`), and the decision scales each
+  side by its own measured ratio.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import statistics
 import time
+from collections import deque
 
 import torch
 
 from engine.config import SpeculativeConfig
 from engine.request import Request
-from engine.spec.proposers.base import ProposeContext
+from engine.spec.proposers.base import Draft, ProposeContext
 
 logger = logging.getLogger("engine")
 
 PROBE_EVERY = 8  # a request whose drafts stopped paying retries k=1 this often
-PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before a request's first verification
+PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before the engine's first verification
+PRIOR_TRIALS = 2.0  # weight of that prior (and of position j-1's rate for position j), in trials
+REQUEST_PRIOR_TRIALS = 4.0  # weight of the engine-wide rate in a request's own estimate
+# A step speculates only if its predicted tokens/s beat not speculating by this factor: the
+# predicted time of a step with drafts runs 2-5% short of the measured one (bench, batch 16), so
+# a smaller predicted gain is a coin flip that costs the variance of speculating.
+MIN_GAIN = 1.03
+GLOBAL_DECAY = 1.0 / 256  # engine-wide counts forget with a horizon of ~256 verifications
 
 
 class StepCostModel:
@@ -65,9 +79,107 @@ class StepCostModel:
                 for j, q in enumerate(self.tokens_per_request)}
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens from one verification with k drafts: 1 + alpha + ... + alpha^k."""
-    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+class StepCalibration:
+    """Measured step time / the cost model's prediction, for decode steps with drafts ("on") and
+    without ("off"), per batch-size bucket (1, 2-3, 4-7, 8-15, 16+): the median of the last 32.
+
+    A side with no sample yet borrows the other side's ratio (then only the model's shape
+    decides), and a bucket with none borrows the nearest measured bucket."""
+
+    BUCKETS = (1, 2, 4, 8, 16)
+
+    def __init__(self) -> None:
+        self.samples = {on: [deque(maxlen=32) for _ in self.BUCKETS] for on in (False, True)}
+
+    def _bucket(self, num_requests: int) -> int:
+        return max(i for i, b in enumerate(self.BUCKETS) if max(num_requests, 1) >= b)
+
+    def add(self, num_requests: int, speculating: bool, ratio: float) -> None:
+        self.samples[speculating][self._bucket(num_requests)].append(ratio)
+
+    def _side(self, i: int, speculating: bool) -> float | None:
+        measured = [j for j, d in enumerate(self.samples[speculating]) if d]
+        if not measured:
+            return None
+        j = min(measured, key=lambda j: (abs(j - i), -j))
+        return statistics.median(self.samples[speculating][j])
+
+    def ratio(self, num_requests: int, speculating: bool) -> float:
+        i = self._bucket(num_requests)
+        mine, other = self._side(i, speculating), self._side(i, not speculating)
+        return mine if mine is not None else other if other is not None else 1.0
+
+    def as_dict(self) -> dict:
+        return {f"{'on' if on else 'off'}@{b}": statistics.median(d) for on in (False, True)
+                for b, d in zip(self.BUCKETS, self.samples[on], strict=True) if d}
+
+
+class AcceptanceModel:
+    """Predicts how many drafts of a request the target will accept.
+
+    Engine-wide, it keeps the conditional acceptance rate of each draft position j (accepted at j
+    given that j-1 was accepted), as counts that decay over ~256 verifications; drafters differ
+    here (MTP head j is much weaker than head 1, a draft model less so). Per request, it keeps
+    decayed counts of accepted and rejected drafts (decay `acceptance_ema_alpha` per
+    verification), shrunk toward the engine-wide rate with REQUEST_PRIOR_TRIALS pseudo-trials.
+
+    P(draft j accepted) = prod_{l <= j} min(1, rho * g_l), where g_l is the engine-wide rate at
+    position l and rho = the request's rate / the engine-wide per-token rate (how much easier this
+    request's text is than average). Shrinkage matters: a raw per-request EMA of a few Bernoulli
+    trials, used to pick who speculates, overestimates acceptance (measured: MTP at batch 16 on
+    random text predicted 0.46, realized 0.27), and a fixed prior for new requests is wrong for
+    text the drafter rarely guesses.
+    """
+
+    def __init__(self, request_decay: float, max_positions: int = 16) -> None:
+        self.request_decay = request_decay
+        self.success = [0.0] * max_positions
+        self.trials = [0.0] * max_positions
+
+    def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        keep = 1.0 - GLOBAL_DECAY
+        for j in range(min(num_draft, len(self.trials))):  # position j + 1 was reached iff n >= j
+            self.success[j] *= keep
+            self.trials[j] *= keep
+            if num_accepted >= j:
+                self.trials[j] += 1.0
+                self.success[j] += float(num_accepted > j)
+        # per request: n successes and, if n < k, one failure (a truncated geometric observation)
+        failures = 1.0 if num_accepted < num_draft else 0.0
+        s, t = request.acceptance_counts
+        keep = 1.0 - self.request_decay
+        request.acceptance_counts = (keep * s + num_accepted, keep * t + num_accepted + failures)
+
+    def position_rates(self, k: int) -> list[float]:
+        """g_1..g_k: each position's rate, shrunk toward the previous position's (or the prior)."""
+        rates, prev = [], PRIOR_ACCEPTANCE
+        for j in range(k):
+            s, t = (self.success[j], self.trials[j]) if j < len(self.trials) else (0.0, 0.0)
+            prev = (s + PRIOR_TRIALS * prev) / (t + PRIOR_TRIALS)
+            rates.append(prev)
+        return rates
+
+    def engine_rate(self) -> float:
+        """Engine-wide per-token acceptance (successes over trials, all positions)."""
+        s, t = sum(self.success), sum(self.trials)
+        return (s + PRIOR_TRIALS * PRIOR_ACCEPTANCE) / (t + PRIOR_TRIALS)
+
+    def request_rate(self, request: Request) -> float:
+        s, t = request.acceptance_counts
+        return (s + REQUEST_PRIOR_TRIALS * self.engine_rate()) / (t + REQUEST_PRIOR_TRIALS)
+
+    def accept_probs(self, request: Request, k: int) -> list[float]:
+        """P(draft j accepted) for j = 1..k."""
+        rho = self.request_rate(request) / max(self.engine_rate(), 1e-6)
+        out, p = [], 1.0
+        for g in self.position_rates(k):
+            p *= min(1.0, rho * g)
+            out.append(p)
+        return out
+
+    def expected_tokens(self, request: Request, k: int) -> float:
+        """Expected tokens from one verification with k drafts (accepted drafts + 1)."""
+        return 1.0 + sum(self.accept_probs(request, k))
 
 
 class Speculator:
@@ -76,6 +188,8 @@ class Speculator:
         self.proposer = proposer
         self.max_model_len = max_model_len
         self.cost: StepCostModel | None = None
+        self.calibration = StepCalibration()
+        self.acceptance = AcceptanceModel(config.acceptance_ema_alpha)
         self.num_steps_off = 0
         self.num_steps_on = 0
         self.last_k: dict[str, int] = {}
@@ -138,17 +252,19 @@ class Speculator:
                     {k: f"{v * 1e3:.2f}ms" for k, v in self.cost.as_dict().items()})
         return self.cost
 
+    def observe_step_time(self, sched, seconds: float) -> None:
+        """Calibrate with one step's measured time (schedule, forward, sample/verify, commit).
+        Steps that prefill are skipped: the curve is for decode steps."""
+        if self.cost is None or not sched.scheduled or any(s.num_new_tokens > 1 for s in sched.scheduled):
+            return
+        predicted = self.cost(len(sched.scheduled), sched.num_batched_tokens)
+        if predicted > 0:
+            speculating = any(s.spec_token_ids for s in sched.scheduled)
+            self.calibration.add(len(sched.scheduled), speculating, seconds / predicted)
+
     # --- per-request k ----------------------------------------------------------------------
     def update_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
-        """Per-token acceptance from one verification: n accepted of k means n successes and,
-        if n < k, one failure (a truncated geometric observation)."""
-        trials = num_accepted + (1 if num_accepted < num_draft else 0)
-        if trials == 0:
-            return
-        observed = num_accepted / trials
-        a = self.config.acceptance_ema_alpha
-        prev = request.acceptance_ema if request.acceptance_ema is not None else PRIOR_ACCEPTANCE
-        request.acceptance_ema = (1 - a) * prev + a * observed
+        self.acceptance.observe(request, num_draft, num_accepted)
 
     def max_k(self, request: Request) -> int:
         params = request.sampling_params
@@ -166,10 +282,10 @@ class Speculator:
         k_max = self.max_k(request)
         if k_max == 0 or not self.config.adaptive or self.cost is None:
             return k_max
-        alpha = request.acceptance_ema if request.acceptance_ema is not None else PRIOR_ACCEPTANCE
+        probs = self.acceptance.accept_probs(request, k_max)
         marginal = self._marginal_cost()
         k = 0
-        while k < k_max and alpha ** (k + 1) > marginal:
+        while k < k_max and probs[k] > marginal:
             k += 1
         if k == 0 and step_index % PROBE_EVERY == 0:
             k = 1
@@ -182,19 +298,24 @@ class Speculator:
         draft = self.proposer.step_cost(1, 1)
         return (verify + draft) / base
 
-    def best_cap(self, num_decoding: int, alphas: list[float], ks: list[int]) -> int:
+    def best_cap(self, num_decoding: int, requests: list[Request], ks: list[int]) -> int:
         """The uniform cap c on k (0 = no drafts this step) that maximizes expected tokens/s.
 
-        Rate(c) = (non-speculating tokens + sum_i E[tokens | alpha_i, min(k_i, c)]) /
-        (target time for num_decoding + sum_i min(k_i, c) tokens + drafting time at c).
+        Rate(c) = (non-speculating tokens + sum_i E[tokens of request i | min(k_i, c) drafts]) /
+        (target time for num_decoding + sum_i min(k_i, c) tokens + drafting time at c), the
+        target times scaled by the measured calibration of steps without (c = 0) and with drafts;
+        a c > 0 must beat c = 0 by MIN_GAIN.
         """
         if self.cost is None:
             return max(ks)
-        best_c, best_rate = 0, num_decoding / self.cost(num_decoding, num_decoding)
+        off = self.calibration.ratio(num_decoding, False)
+        on = self.calibration.ratio(num_decoding, True)
+        best_c, best_rate = 0, MIN_GAIN * num_decoding / (off * self.cost(num_decoding, num_decoding))
+        probs = [self.acceptance.accept_probs(r, k) for r, k in zip(requests, ks, strict=True)]
         for c in range(1, max(ks) + 1):
             capped = [min(k, c) for k in ks]
-            time_s = self.cost(num_decoding, num_decoding + sum(capped)) + self.proposer.step_cost(len(ks), c)
-            tokens = num_decoding - len(ks) + sum(expected_tokens(a, k) for a, k in zip(alphas, capped, strict=True))
+            time_s = on * self.cost(num_decoding, num_decoding + sum(capped)) + self.proposer.step_cost(len(ks), c)
+            tokens = num_decoding + sum(sum(p[:k]) for p, k in zip(probs, capped, strict=True))
             if tokens / time_s > best_rate:
                 best_c, best_rate = c, tokens / time_s
         return best_c
@@ -216,19 +337,32 @@ class Speculator:
             return
         ks = [self.choose_k(r, engine.step_index) for r in decoding]
         candidates = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
+        context = ProposeContext(engine.runner, runner_out, sched)
+        drafts = None
+        if candidates and getattr(self.proposer, "propose_is_free", False):
+            # n-gram lookup costs microseconds: look first, then decide on what was found
+            # (most requests of unpredictable text find no match and would draft nothing).
+            drafts = self.proposer.propose([r for r, _ in candidates], [k for _, k in candidates], context)
+            found = [(r, len(d.token_ids), d) for (r, _), d in zip(candidates, drafts, strict=True) if d.token_ids]
+            candidates = [(r, k) for r, k, _ in found]
+            drafts = [d for _, _, d in found]
         if candidates and self.config.adaptive:
-            alphas = [r.acceptance_ema if r.acceptance_ema is not None else PRIOR_ACCEPTANCE for r, _ in candidates]
-            cap = self.best_cap(len(decoding), alphas, [k for _, k in candidates])
+            cap = self.best_cap(len(decoding), [r for r, _ in candidates], [k for _, k in candidates])
             if cap == 0 and engine.step_index % (4 * PROBE_EVERY) == 0:
                 cap = 1  # a rare probe keeps the acceptance and drafting-cost estimates fresh
-            candidates = [(r, min(k, cap)) for r, k in candidates if cap > 0]
-            if not candidates:
+            if cap == 0:
+                candidates, drafts = [], None
                 self.num_steps_off += 1
+            else:
+                candidates = [(r, min(k, cap)) for r, k in candidates]
+                if drafts is not None:
+                    drafts = [Draft(d.token_ids[:cap], None if d.probs is None else d.probs[:cap]) for d in drafts]
         if not candidates:
             return
         self.num_steps_on += 1
         requests = [r for r, _ in candidates]
-        drafts = self.proposer.propose(requests, [k for _, k in candidates], ProposeContext(engine.runner, runner_out, sched))
+        if drafts is None:
+            drafts = self.proposer.propose(requests, [k for _, k in candidates], context)
         for r, d in zip(requests, drafts, strict=True):
             r.spec_token_ids = list(d.token_ids)
             r.spec_probs = d.probs if d.token_ids else None

@@ -27,6 +27,7 @@ def ngram_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]
 
 
 class NgramProposer:
+    propose_is_free = True  # the speculator looks up drafts before deciding whether to verify them
     method = "ngram"
 
     def __init__(self, n_min: int, n_max: int) -> None:

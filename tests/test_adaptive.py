@@ -1,0 +1,166 @@
+"""The adaptive speculation policy's parts: the acceptance model, the step-time calibration and
+the per-step decision. Small synthetic inputs with known answers; the end-to-end effect is
+measured by bench/bench_spec.py, not asserted here."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from engine import SamplingParams, SpeculativeConfig
+from engine.request import Request
+from engine.spec.proposers.base import Draft
+from engine.spec.speculator import (
+    MIN_GAIN,
+    AcceptanceModel,
+    StepCalibration,
+    StepCostModel,
+    Speculator,
+)
+
+
+def request(i: int = 0) -> Request:
+    return Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0))
+
+
+def test_position_rates_learn_each_position():
+    """Position 1 accepted 80% of the time, position 2 (given 1) 25%: the model learns both
+    conditional rates instead of assuming alpha^j."""
+    rng = random.Random(0)
+    model = AcceptanceModel(request_decay=0.1)
+    r = request()
+    for _ in range(3000):
+        n = 0 if rng.random() > 0.8 else (1 if rng.random() > 0.25 else 2)
+        model.observe(r, 2, n)
+    g1, g2 = model.position_rates(2)
+    assert g1 == pytest.approx(0.8, abs=0.06) and g2 == pytest.approx(0.25, abs=0.08)
+    # a position never drafted falls back to the previous position's rate
+    assert model.position_rates(3)[2] == pytest.approx(g2, abs=1e-6)
+
+
+def test_new_request_starts_at_the_engine_rate_and_one_lucky_draft_moves_it_little():
+    model = AcceptanceModel(request_decay=0.1)
+    others = [request(i) for i in range(1, 9)]
+    for i in range(400):  # the engine's drafts are accepted 30% of the time
+        model.observe(others[i % 8], 1, int(i % 10 < 3))
+    engine_rate = model.engine_rate()
+    assert engine_rate == pytest.approx(0.3, abs=0.05)
+    fresh = request()
+    assert model.request_rate(fresh) == pytest.approx(engine_rate)
+    model.observe(fresh, 1, 1)
+    # a raw EMA (alpha 0.3, prior 0.7) would jump to 0.79; shrinkage keeps it near the engine
+    assert model.request_rate(fresh) < engine_rate + 0.25 < 0.79
+    assert model.expected_tokens(fresh, 1) == pytest.approx(1 + model.accept_probs(fresh, 1)[0])
+
+
+def test_request_rate_follows_a_request_that_is_consistently_easier():
+    model = AcceptanceModel(request_decay=0.1)
+    hard, easy = request(1), request(2)
+    for _ in range(200):
+        model.observe(hard, 4, 0)
+        model.observe(easy, 4, 4)
+    assert model.request_rate(easy) > 0.8 > 0.3 > model.request_rate(hard)
+    assert model.expected_tokens(easy, 4) > 2 * model.expected_tokens(hard, 4)
+
+
+def test_calibration_medians_borrowing_and_buckets():
+    cal = StepCalibration()
+    assert cal.ratio(16, True) == 1.0  # nothing measured
+    for x in (1.2, 1.3, 9.0):  # one outlier step
+        cal.add(16, False, x)
+    assert cal.ratio(16, False) == pytest.approx(1.3)
+    assert cal.ratio(16, True) == pytest.approx(1.3)  # borrowed from the other side
+    cal.add(16, True, 1.5)
+    assert cal.ratio(16, True) == pytest.approx(1.5)
+    assert cal.ratio(1, False) == pytest.approx(1.3)  # nearest measured bucket
+
+
+class FixedCostProposer:
+    method = "draft"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def step_cost(self, num_requests: int, k: int) -> float:
+        return self.seconds * k
+
+
+def speculator_with(step_s: list[float], draft_s: float = 0.0) -> Speculator:
+    """A linear cost model: one request's step takes step_s[q - 1] for q tokens."""
+    spec = Speculator(SpeculativeConfig(method="draft", model="unused"), FixedCostProposer(draft_s), 1000)
+    qs = [1, 2, 3, 5, 9]
+    spec.cost = StepCostModel([1], qs, [[step_s[q - 1] for q in qs]])
+    return spec
+
+
+def test_best_cap_speculates_only_for_a_clear_gain():
+    # Verifying costs 10% more per extra token; drafts accepted with probability p.
+    spec = speculator_with([1.0 + 0.1 * i for i in range(9)])
+    r = request()
+    for p, want_on in ((0.05, False), (0.12, False), (0.5, True)):
+        spec.acceptance = AcceptanceModel(0.3)
+        for i in range(2000):
+            spec.acceptance.observe(r, 1, int(i % 100 < 100 * p))
+        gain = spec.acceptance.expected_tokens(r, 1) / 1.1
+        cap = spec.best_cap(1, [r], [1])
+        assert (cap > 0) == want_on, (p, gain, cap)
+        if not want_on:
+            assert gain < MIN_GAIN
+
+
+def test_best_cap_uses_measured_calibration():
+    """Steps with drafts measured 40% slower than the model says turn a predicted gain into a loss."""
+    spec = speculator_with([1.0 + 0.1 * i for i in range(9)])
+    r = request()
+    for i in range(1000):
+        spec.acceptance.observe(r, 1, int(i % 10 < 4))  # 40%: 1.4 / 1.1 = 1.27x predicted
+    assert spec.best_cap(1, [r], [1]) == 1
+    for _ in range(8):
+        spec.calibration.add(1, False, 1.0)
+        spec.calibration.add(1, True, 1.4)
+    assert spec.best_cap(1, [r], [1]) == 0
+
+
+class LookupProposer:
+    """Pretends to be n-gram lookup: drafts only for requests listed in `found`."""
+
+    method = "ngram"
+    propose_is_free = True
+
+    def __init__(self, found: set[str]) -> None:
+        self.found = found
+        self.calls: list[list[str]] = []
+
+    def step_cost(self, num_requests: int, k: int) -> float:
+        return 0.0
+
+    def propose(self, requests, num_tokens, context):
+        self.calls.append([r.request_id for r in requests])
+        return [Draft([7] * k if r.request_id in self.found else []) for r, k in zip(requests, num_tokens, strict=True)]
+
+
+def test_free_proposer_looks_up_before_deciding():
+    """Requests whose lookup finds nothing are not counted as speculating when the step decides."""
+    proposer = LookupProposer({"r1"})
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=3), proposer, 1000)
+    spec.cost = StepCostModel([1, 4], [1, 2, 3, 5, 9], [[1.0, 1.01, 1.02, 1.04, 1.08]] * 2)
+    seen = []
+    real_best_cap = spec.best_cap
+
+    def spy(n, requests, ks):
+        seen.append(([r.request_id for r in requests], ks))
+        return real_best_cap(n, requests, ks)
+
+    spec.best_cap = spy
+    requests = [request(i) for i in range(3)]
+    for r in requests:
+        r.block_ids = [0, 1, 2, 3]
+        r.num_computed_tokens = r.num_tokens - 1  # decoding
+    sched = SimpleNamespace(scheduled=[])
+    engine = SimpleNamespace(block_manager=SimpleNamespace(block_size=16), step_index=1, runner=None)
+    spec.propose_for_step(requests, sched, SimpleNamespace(sampled_token_ids=[]), engine)
+    assert proposer.calls == [["r0", "r1", "r2"]]  # looked up once, for every candidate
+    assert seen == [(["r1"], [3])]
+    assert requests[1].spec_token_ids == [7, 7, 7] and requests[0].spec_token_ids == []
