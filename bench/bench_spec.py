@@ -4,8 +4,14 @@ Workloads: held-out code completion, greedy (predictable), and the same prompts 
 temperature 1.0 (unpredictable). Peers on the same weights and prompts: our engine without
 speculation, transformers `generate`, transformers assisted generation
 (`generate(assistant_model=drafter)`), and our engine with each drafter (draft, ngram, eagle, mtp).
-Part 1: batch 1 and 16 concurrent requests with adaptive speculation, each model drafter over
-its shipped draft vocabulary, plus (batch 1, code) the same drafter over the whole vocabulary. Part 2 (`--sweep`): each
+Part 1: adaptive speculation, each model drafter over its shipped draft vocabulary, plus (batch
+1, code) the same drafter over the whole vocabulary, under three loads: batch 1 (one request at a
+time), 16 at once (16 requests submitted together; the run ends with its slowest request), and 16
+sustained (64 requests through 16 slots: a finished request's slot takes the next one, as under
+steady load). Every configuration is loaded first, then the loads run `--repeats` times with the
+configurations interleaved (order reversed every other repetition); a row reports the median
+tokens/s and the median of the per-repetition ratios to no speculation, so drift of the shared
+host hits both sides of a ratio alike. Part 2 (`--sweep`): each
 method at fixed k = 1..8 (per-request cap), batch 1 and 16 concurrent, both workloads; PNGs of
 tokens/s vs k and accepted length vs k.
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 import torch
 
@@ -37,7 +44,8 @@ def params_for(workload: str, new_tokens: int, seed: int, k: int | None = None) 
 
 
 def run_ours(llm: LLM, prompts, workload: str, new_tokens: int, concurrent: bool, k: int | None = None) -> dict:
-    """Tokens/s and speculation stats of one configuration over the prompts."""
+    """Tokens/s and speculation stats of one configuration over the prompts: one at a time, or
+    all submitted together (the engine runs up to max_num_seqs of them at once)."""
     before = llm.engine.spec_stats.as_dict()
     if concurrent:
         sps = [params_for(workload, new_tokens, i, k) for i in range(len(prompts))]
@@ -53,9 +61,10 @@ def run_ours(llm: LLM, prompts, workload: str, new_tokens: int, concurrent: bool
     steps = after["num_verify_steps"] - before["num_verify_steps"]
     draft_time = after["draft_time_s"] - before["draft_time_s"]
     tokens = len(prompts) * new_tokens
+    per_stream = min(len(prompts), llm.engine.scheduler_config.max_num_seqs) if concurrent else 1
     return {
         "tokens_per_s": tokens / total,
-        "tpot_ms": 1e3 * total / new_tokens / (1 if concurrent else len(prompts)),
+        "tpot_ms": 1e3 * total * per_stream / tokens,
         "mean_accepted_length": (accepted + steps) / steps if steps else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "draft_time_per_draft_token_ms": 1e3 * draft_time / drafted if drafted else None,
@@ -91,9 +100,10 @@ def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int, draf
         spec = SpeculativeConfig(method=method, model=METHODS[method], num_speculative_tokens=k, adaptive=adaptive,
                                  draft_vocab_size=draft_vocab_size if method != "ngram" else None)
     # No prefix caching: the sweep runs the same prompts once per k, and cached prompts would skip
-    # the prefill in every run after the first (flattering them against the baseline).
+    # the prefill in every run after the first (flattering them against the baseline). A fixed
+    # 256 MiB KV pool (about 10k tokens) so that every configuration fits in memory at once.
     return LLM(str(MODELS / "target"), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=max_num_seqs,
-               enable_prefix_caching=False)
+               enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20)
 
 
 def draft_vocab_of(llm: LLM) -> int | None:
@@ -109,30 +119,53 @@ def with_step_fraction(row: dict, target_step_ms: float | None) -> dict:
     return row
 
 
-def part1(prompts, batch_prompts, new_tokens: int, k: int, methods: list[str], ablate_draft_vocab: bool) -> list[dict]:
+LOADS = ("batch 1", "16 at once", "16 sustained")
+
+
+def part1(prompts, batch_prompts, sustained_prompts, new_tokens: int, k: int, methods: list[str],
+          ablate_draft_vocab: bool, repeats: int) -> list[dict]:
+    configs = [(m, None) for m in [None, *methods]]
+    if ablate_draft_vocab:
+        configs += [(m, 0) for m in methods if m != "ngram"]
+    llms, names, step_ms = {}, {}, {}
+    for method, dv in configs:
+        llm = make_llm(method, k, adaptive=True, max_num_seqs=len(batch_prompts), draft_vocab_size=dv)
+        llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        vocab = draft_vocab_of(llm)
+        name = f"ours, {method or 'no speculation'}" + (f" (adaptive, k<={k}" if method else "")
+        if method:
+            name += (f", draft vocab {vocab})" if vocab is not None and dv is None else ", whole vocab)" if dv == 0 else ")")
+        llms[method, dv], names[method, dv] = llm, name
+        step_ms[method, dv] = 1e3 * llm.engine.speculator.cost(1, 1) if method and llm.engine.speculator.cost is not None else None
     rows = []
     for workload in ("code", "unpredictable"):
-        configs = [(m, None) for m in [None, *methods]]
-        if ablate_draft_vocab and workload == "code":
-            configs += [(m, 0) for m in methods if m != "ngram"]
-        for method, dv in configs:
-            llm = make_llm(method, k, adaptive=True, max_num_seqs=32, draft_vocab_size=dv)
-            llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-            vocab = draft_vocab_of(llm)
-            name = f"ours, {method or 'no speculation'}" + (f" (adaptive, k<={k}" if method else "")
-            if method:
-                name += (f", draft vocab {vocab})" if vocab is not None and dv is None else ", whole vocab)" if dv == 0 else ")")
-            step_ms = 1e3 * llm.engine.speculator.cost(1, 1) if method and llm.engine.speculator.cost is not None else None
-            r1 = run_ours(llm, prompts, workload, new_tokens, concurrent=False)
-            rows.append(with_step_fraction({"workload": workload, "batch": 1, "system": name, **r1}, step_ms))
-            if dv == 0:
-                continue  # the whole-vocabulary ablation is measured at batch 1 only
-            r16 = run_ours(llm, batch_prompts, workload, new_tokens, concurrent=True)
-            rows.append(with_step_fraction({"workload": workload, "batch": len(batch_prompts), "system": name, **r16}, step_ms))
-        rows.append({"workload": workload, "batch": 1, "system": "transformers generate",
-                     **run_hf(str(MODELS / "target"), prompts, workload, new_tokens, None)})
-        rows.append({"workload": workload, "batch": 1, "system": "transformers assisted (drafter)",
-                     **run_hf(str(MODELS / "target"), prompts, workload, new_tokens, METHODS["draft"])})
+        runs: dict = {}
+        for rep in range(repeats):
+            for cfg in (configs if rep % 2 == 0 else configs[::-1]):
+                if cfg[1] == 0 and workload != "code":
+                    continue  # the whole-vocabulary ablation: code, batch 1 only
+                llm = llms[cfg]
+                runs.setdefault((cfg, LOADS[0]), []).append(run_ours(llm, prompts, workload, new_tokens, concurrent=False))
+                if cfg[1] == 0:
+                    continue
+                runs.setdefault((cfg, LOADS[1]), []).append(run_ours(llm, batch_prompts, workload, new_tokens, concurrent=True))
+                runs.setdefault((cfg, LOADS[2]), []).append(run_ours(llm, sustained_prompts, workload, new_tokens, concurrent=True))
+            print(f"{workload}: repetition {rep + 1}/{repeats} done", flush=True)
+        for (cfg, load), results in runs.items():
+            base = runs[((None, None), load)]
+            ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(results, base, strict=True)]
+            row = {"workload": workload, "load": load, "batch": 1 if load == LOADS[0] else len(batch_prompts),
+                   "system": names[cfg], "repeats": len(results), "ratio_vs_no_spec": statistics.median(ratios),
+                   "ratio_min": min(ratios), "ratio_max": max(ratios)}
+            for key in results[0]:
+                vals = [r[key] for r in results if r[key] is not None]
+                row[key] = statistics.median(vals) if vals else None
+            rows.append(with_step_fraction(row, step_ms[cfg]))
+        for name, assistant in (("transformers generate", None), ("transformers assisted (drafter)", METHODS["draft"])):
+            r = run_hf(str(MODELS / "target"), prompts, workload, new_tokens, assistant)
+            ours = next(x for x in rows if x["workload"] == workload and x["load"] == LOADS[0] and x["system"] == names[None, None])
+            rows.append({"workload": workload, "load": LOADS[0], "batch": 1, "system": name, "repeats": 1,
+                         "ratio_vs_no_spec": r["tokens_per_s"] / ours["tokens_per_s"], **r})
     return rows
 
 
@@ -197,7 +230,7 @@ def plot_part1(rows: list[dict]) -> str:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, workload in zip(axes, ("code", "unpredictable"), strict=True):
-        sel = [r for r in rows if r["workload"] == workload and r["batch"] == 1]
+        sel = [r for r in rows if r["workload"] == workload and r.get("load", "batch 1") == "batch 1"]
         ax.barh([r["system"] for r in sel], [r["tokens_per_s"] for r in sel], color="tab:blue")
         ax.set_title(f"{workload}, batch 1 (tokens/s, higher is better)")
         ax.invert_yaxis()
@@ -214,6 +247,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--sustained-requests", type=int, default=64,
+                    help="requests of the sustained load, run through --concurrency slots")
+    ap.add_argument("--repeats", type=int, default=3, help="repetitions of part 1 (medians reported)")
     ap.add_argument("-k", type=int, default=6, help="k cap for the adaptive runs of part 1")
     ap.add_argument("--methods", default="draft,ngram,eagle,mtp")
     ap.add_argument("--sweep", action="store_true", help="also run the k = 1..8 sweep (part 2)")
@@ -230,13 +266,15 @@ def main(argv=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
     prompts = code_prompts(tokenizer, args.prompts, args.prompt_len, seed=1)
     batch_prompts = code_prompts(tokenizer, args.concurrency, args.prompt_len, seed=2)
+    sustained_prompts = code_prompts(tokenizer, args.sustained_requests, args.prompt_len, seed=3)
     results: dict = {"machine": machine_info(), "args": vars(args)}
     if not args.skip_part1:
-        rows = part1(prompts, batch_prompts, args.new_tokens, args.k, methods, not args.no_ablation)
+        rows = part1(prompts, batch_prompts, sustained_prompts, args.new_tokens, args.k, methods,
+                     not args.no_ablation, args.repeats)
         results["part1"] = rows
         results["part1_plot"] = plot_part1(rows)
-        print(table(rows, ["workload", "batch", "system", "tokens_per_s", "tpot_ms", "mean_accepted_length",
-                           "acceptance_rate", "draft_time_per_draft_token_ms", "draft_token_over_target_step"]))
+        print(table(rows, ["workload", "load", "system", "tokens_per_s", "ratio_vs_no_spec", "tpot_ms",
+                           "mean_accepted_length", "acceptance_rate", "draft_token_over_target_step"]))
         write_results("spec", results)
     if args.sweep:
         srows = sweep(prompts, batch_prompts, args.new_tokens, methods)
