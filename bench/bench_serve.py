@@ -81,11 +81,10 @@ class InProcess:
     """engine.AsyncLLM in this process, driven one request at a time on a private event loop."""
 
     def __init__(self, config: AppConfig) -> None:
-        import torch
-
         from engine import AsyncLLM
 
-        torch.set_num_threads(config.num_cpus)
+        # The replica's engine settings, torch threads included (engine_kwargs resolves them on
+        # this host exactly as the replica does on its own).
         self.llm = AsyncLLM(resolve_path(config.model), **config.engine_kwargs())
         self.has_tokenizer = self.llm.tokenizer is not None
         self.loop = asyncio.new_event_loop()
@@ -263,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
         },
         "config": asdict(config),
+        "torch_threads": config.engine_kwargs()["num_threads"],
         "num_requests": args.num_requests,
         "warmup": args.warmup,
         "max_tokens": args.max_tokens,

@@ -52,7 +52,8 @@ class SpecDecodeServer:
         from engine import AsyncLLM
 
         self.config = config
-        self.llm = AsyncLLM(resolve_path(config.model), **config.engine_kwargs())
+        engine_kwargs = config.engine_kwargs()
+        self.llm = AsyncLLM(resolve_path(config.model), **engine_kwargs)
         engine = self.llm.engine
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
@@ -69,8 +70,10 @@ class SpecDecodeServer:
         except Exception:  # noqa: BLE001 - outside a replica (direct construction in tests)
             self.replica_id = ""
         logger.info(
-            "SpecDecode replica ready: %s, drafter %s, max_model_len %d, max_prompt_tokens %d",
+            "SpecDecode replica ready: %s, drafter %s, max_model_len %d, max_prompt_tokens %d, "
+            "%d torch threads on %s",
             config.model, config.speculative, self.max_model_len, self.max_prompt_tokens,
+            engine_kwargs["num_threads"], self.llm.engine.device,
         )
 
     # --- gRPC methods -----------------------------------------------------------------------

@@ -113,6 +113,8 @@ VARIANTS: dict[str, Variant] = {
             min_replicas=1,
             max_replicas=2,
             # Worker CPU limit 2 == the replica's num_cpus (args.num_cpus): one replica per pod.
+            # The replica sees the limit as its CPU count (cgroup cpu.max) and runs 1 torch thread,
+            # leaving a core to the Serve proxy in the same pod (deployments.config.default_torch_threads).
             head_resources=_resources("500m", "1", "2Gi"),
             worker_resources=_resources("1", "2", "3Gi"),
             trace_sampling_ratio="1.0",

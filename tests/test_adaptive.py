@@ -8,6 +8,8 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import SamplingParams, SpeculativeConfig
 from engine.request import Request
@@ -15,9 +17,9 @@ from engine.spec.proposers.base import Draft
 from engine.spec.speculator import (
     MIN_GAIN,
     AcceptanceModel,
+    Speculator,
     StepCalibration,
     StepCostModel,
-    Speculator,
 )
 
 
@@ -164,3 +166,22 @@ def test_free_proposer_looks_up_before_deciding():
     assert proposer.calls == [["r0", "r1", "r2"]]  # looked up once, for every candidate
     assert seen == [(["r1"], [3])]
     assert requests[1].spec_token_ids == [7, 7, 7] and requests[0].spec_token_ids == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 5), min_size=1, max_size=60),
+    cuts=st.lists(st.integers(1, 60), max_size=6),
+    n_min=st.integers(1, 2),
+    extra=st.integers(0, 3),
+    k=st.integers(1, 6),
+)
+def test_ngram_index_equals_the_scan(tokens, cuts, n_min, extra, k):
+    """The incremental n-gram index proposes exactly what the reference scan proposes, at every
+    length a request grows through (small alphabet: many matches, overlaps and ties)."""
+    from engine.spec.proposers.ngram import NgramIndex, ngram_lookup
+
+    index = NgramIndex(n_min, n_min + extra)
+    for cut in sorted({min(c, len(tokens)) for c in cuts} | {len(tokens)}):
+        prefix = tokens[:cut]
+        assert index.lookup(prefix, k) == ngram_lookup(prefix, n_min, n_min + extra, k)

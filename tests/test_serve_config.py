@@ -4,6 +4,7 @@ validator refuses bad or unknown fields with messages naming the field. No Ray c
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,8 @@ def with_args(**changes) -> dict:
         ({"max_model_len": 256, "max_prompt_tokens": 300}, "applications[0].args.max_prompt_tokens: must be <"),
         ({"kv_cache_memory_bytes": -1}, "applications[0].args.kv_cache_memory_bytes: must be >= 1"),
         ({"max_queued_requests": -2}, "applications[0].args.max_queued_requests: must be >= 0"),
+        ({"torch_threads": 0}, "applications[0].args.torch_threads: must be in [1, 1024], got 0"),
+        ({"torch_threads": "4"}, "applications[0].args.torch_threads: must be an integer or null"),
     ],
 )
 def test_validator_names_the_bad_field(changes: dict, message: str) -> None:
@@ -189,3 +192,18 @@ def test_serve_refuses_a_bad_flag_value(capsys) -> None:
 
     assert main(["-k", "0"]) == 2
     assert "applications[0].args.speculative.num_speculative_tokens: must be in [1, 16], got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("num_cpus", "cpus", "threads"), [(2, 2, 1), (1, 2, 1), (1, 1, 1), (4, 4, 3), (2, 16, 2), (8, 4, 3)])
+def test_default_torch_threads_leave_the_proxy_a_core(num_cpus: int, cpus: int, threads: int) -> None:
+    from deployments.config import default_torch_threads
+
+    assert default_torch_threads(num_cpus, cpus) == threads
+
+
+def test_engine_threads_follow_the_config() -> None:
+    from deployments.config import available_cpus, default_torch_threads
+
+    assert AppConfig.from_dict({"torch_threads": 3}).engine_kwargs()["num_threads"] == 3
+    assert AppConfig.from_dict({"num_cpus": 2}).engine_kwargs()["num_threads"] == default_torch_threads(2)
+    assert 1 <= available_cpus() <= (os.cpu_count() or 1)
