@@ -145,6 +145,18 @@ class Served:
         result.server_tpot_s = (last.timing.e2e_s - last.timing.ttft_s) / (n - 1)
         return result
 
+    def unary_round_trip_ms(self, n: int = 30) -> float:
+        """Median GetModelInfo round trip: client -> gRPC proxy -> replica -> back, with no
+        engine step in it (a snapshot of the engine's stats): the floor Serve + gRPC add to a
+        request's first response."""
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.client.model_info()
+            times.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+        return statistics.median(times) * 1e3
+
     def close(self) -> None:
         import ray
         from ray import serve
@@ -235,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         served = Served(config, args.port)
         try:
             results = run_pairs(in_process, served, args, modes)
+            unary_ms = served.unary_round_trip_ms()
         finally:
             served.close()
     finally:
@@ -269,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "schedule": "alternating in-process / served requests, same prompt back to back",
         "goals": {"ttft_added_ms_below": TTFT_GOAL_MS, "tpot_added_fraction_below": TPOT_GOAL},
         "results": rows,
+        "unary_round_trip_ms_median": unary_ms,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -288,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{b['server_side_tpot_ms_median']:>9.2f}   (engine timings inside the replica)")
         print(f"{row['mode']:<8} {'added, paired':<14} {row['ttft_added_ms_paired_median']:>+9.2f} "
               f"{row['tpot_added_fraction_paired_median']:>+9.1%}   (median of per-prompt differences)")
+    print(f"GetModelInfo round trip through Serve + gRPC (no engine step): {unary_ms:.2f} ms median")
     print(f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"wrote {out}")
     return 0

@@ -51,8 +51,10 @@ class SpeculativeConfig:
 
     method: "draft" (a small model, `model` = its checkpoint dir), "ngram" (prompt lookup, no
     model), "eagle" (`model` = an EAGLE head dir), "mtp" (`model` = MTP heads dir).
-    adaptive: choose k per request from its recent acceptance (EMA) and switch speculation off
-    for a step when the batch is large enough that verifying costs more than it saves.
+    adaptive: choose k per request from its predicted acceptance and switch speculation off for a
+    step when the batch is large enough that verifying costs more than it saves (engine/spec/
+    speculator.py). acceptance_ema_alpha: how fast a request's own acceptance counts forget, per
+    verification (0.1: about the last 10).
     draft_vocab_size: draft over the N most frequent tokens only (FR-Spec; the drafter's LM head
     reads N/V of its rows; outputs stay exact). None: the drafter folder's `draft_vocab.json`
     default when it ships one, else the whole vocabulary; 0: the whole vocabulary.

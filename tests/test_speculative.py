@@ -267,4 +267,4 @@ def test_adaptive_drafting_cost_is_steady_state_after_long_prompts(models):
     timer = llm.engine.speculator.proposer.timer
     assert timer.seconds(1) == timer.initial_s  # ...the prompt's catch-up round: not recorded
     llm.generate([list(range(1, 41))], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    assert any(len(d) for d in timer.samples)
+    assert any(len(d) for d in timer.medians.samples)

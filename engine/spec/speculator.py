@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import bisect
 import logging
-import statistics
 import time
-from collections import deque
 
 import torch
 
 from engine.config import SpeculativeConfig
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext
+from engine.spec.proposers.base import BucketedMedians, Draft, ProposeContext
 
 logger = logging.getLogger("engine")
 
@@ -81,37 +79,24 @@ class StepCostModel:
 
 class StepCalibration:
     """Measured step time / the cost model's prediction, for decode steps with drafts ("on") and
-    without ("off"), per batch-size bucket (1, 2-3, 4-7, 8-15, 16+): the median of the last 32.
-
-    A side with no sample yet borrows the other side's ratio (then only the model's shape
-    decides), and a bucket with none borrows the nearest measured bucket."""
-
-    BUCKETS = (1, 2, 4, 8, 16)
+    without ("off"), as `BucketedMedians` per side. A side with no sample yet borrows the other
+    side's ratio (then only the model's shape decides); with none at all the ratio is 1."""
 
     def __init__(self) -> None:
-        self.samples = {on: [deque(maxlen=32) for _ in self.BUCKETS] for on in (False, True)}
-
-    def _bucket(self, num_requests: int) -> int:
-        return max(i for i, b in enumerate(self.BUCKETS) if max(num_requests, 1) >= b)
+        self.sides = {False: BucketedMedians(), True: BucketedMedians()}
 
     def add(self, num_requests: int, speculating: bool, ratio: float) -> None:
-        self.samples[speculating][self._bucket(num_requests)].append(ratio)
-
-    def _side(self, i: int, speculating: bool) -> float | None:
-        measured = [j for j, d in enumerate(self.samples[speculating]) if d]
-        if not measured:
-            return None
-        j = min(measured, key=lambda j: (abs(j - i), -j))
-        return statistics.median(self.samples[speculating][j])
+        self.sides[speculating].add(num_requests, ratio)
 
     def ratio(self, num_requests: int, speculating: bool) -> float:
-        i = self._bucket(num_requests)
-        mine, other = self._side(i, speculating), self._side(i, not speculating)
-        return mine if mine is not None else other if other is not None else 1.0
+        for side in (speculating, not speculating):
+            measured = self.sides[side].median(num_requests)
+            if measured is not None:
+                return measured
+        return 1.0
 
     def as_dict(self) -> dict:
-        return {f"{'on' if on else 'off'}@{b}": statistics.median(d) for on in (False, True)
-                for b, d in zip(self.BUCKETS, self.samples[on], strict=True) if d}
+        return {f"{'on' if on else 'off'}@{b}": m for on, side in self.sides.items() for b, m in side.as_dict().items()}
 
 
 class AcceptanceModel:

@@ -50,25 +50,45 @@ class ProposeContext:
     scheduler_output: object  # engine.scheduler.SchedulerOutput
 
 
-class StepTimer:
-    """Running estimate of one drafting step for a batch of n requests.
-
-    Samples are kept per batch-size bucket (1, 2-3, 4-7, 8-15, 16+), the last 32 of each, and
-    the estimate is their median, so one step slowed by other work on the host cannot switch
-    speculation off for good. A bucket with no sample borrows the nearest measured one.
-    """
+class BucketedMedians:
+    """The last `maxlen` samples per batch-size bucket (1, 2-3, 4-7, 8-15, 16+) and their median,
+    so that one step slowed by other work on the host moves no estimate. A bucket with no sample
+    borrows the nearest measured one (the larger on a tie)."""
 
     BUCKETS = (1, 2, 4, 8, 16)
 
-    def __init__(self, initial_s: float) -> None:
-        self.initial_s = initial_s
-        self.samples: list[deque[float]] = [deque(maxlen=32) for _ in self.BUCKETS]
+    def __init__(self, maxlen: int = 32) -> None:
+        self.samples: list[deque[float]] = [deque(maxlen=maxlen) for _ in self.BUCKETS]
 
     def _bucket(self, num_requests: int) -> int:
-        return max(i for i, b in enumerate(self.BUCKETS) if num_requests >= b) if num_requests >= 1 else 0
+        return max(i for i, b in enumerate(self.BUCKETS) if max(num_requests, 1) >= b)
+
+    def add(self, num_requests: int, value: float) -> None:
+        self.samples[self._bucket(num_requests)].append(value)
+
+    def median(self, num_requests: int) -> float | None:
+        """The median of the nearest measured bucket, or None when nothing is measured."""
+        i = self._bucket(num_requests)
+        measured = [j for j, d in enumerate(self.samples) if d]
+        if not measured:
+            return None
+        j = min(measured, key=lambda j: (abs(j - i), -j))
+        return statistics.median(self.samples[j])
+
+    def as_dict(self) -> dict[int, float]:
+        return {b: statistics.median(d) for b, d in zip(self.BUCKETS, self.samples, strict=True) if d}
+
+
+class StepTimer:
+    """Running estimate of one drafting step for a batch of n requests: `BucketedMedians` of
+    measured steps, `initial_s` until the first is measured."""
+
+    def __init__(self, initial_s: float) -> None:
+        self.initial_s = initial_s
+        self.medians = BucketedMedians()
 
     def add(self, num_requests: int, seconds: float) -> None:
-        self.samples[self._bucket(num_requests)].append(seconds)
+        self.medians.add(num_requests, seconds)
 
     def add_round(self, num_requests: int, seconds: float, num_forwards: int, catch_up: int, k_max: int) -> None:
         """Record a drafting round of `num_forwards` forwards whose first forward also caught up
@@ -81,12 +101,8 @@ class StepTimer:
             self.add(num_requests, seconds / num_forwards)
 
     def seconds(self, num_requests: int = 1) -> float:
-        i = self._bucket(num_requests)
-        measured = [j for j, d in enumerate(self.samples) if d]
-        if not measured:
-            return self.initial_s
-        j = min(measured, key=lambda j: (abs(j - i), -j))
-        return statistics.median(self.samples[j])
+        measured = self.medians.median(num_requests)
+        return self.initial_s if measured is None else measured
 
 
 def sample_drafts(
