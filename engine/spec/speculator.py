@@ -120,8 +120,10 @@ class AcceptanceModel:
         self.request_decay = request_decay
         self.success = [0.0] * max_positions
         self.trials = [0.0] * max_positions
+        self._engine_wide: tuple[list[float], float] | None = None  # (g_1..g_max, rate) until observe
 
     def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        self._engine_wide = None
         keep = 1.0 - GLOBAL_DECAY
         for j in range(min(num_draft, len(self.trials))):  # position j + 1 was reached iff n >= j
             self.success[j] *= keep
@@ -135,19 +137,27 @@ class AcceptanceModel:
         keep = 1.0 - self.request_decay
         request.acceptance_counts = (keep * s + num_accepted, keep * t + num_accepted + failures)
 
+    def _engine(self) -> tuple[list[float], float]:
+        """Every position's rate and the per-token rate, computed once per change (each step asks
+        for them once per decoding request)."""
+        if self._engine_wide is None:
+            rates, prev = [], PRIOR_ACCEPTANCE
+            for s, t in zip(self.success, self.trials, strict=True):
+                prev = (s + PRIOR_TRIALS * prev) / (t + PRIOR_TRIALS)
+                rates.append(prev)
+            rate = (sum(self.success) + PRIOR_TRIALS * PRIOR_ACCEPTANCE) / (sum(self.trials) + PRIOR_TRIALS)
+            self._engine_wide = (rates, rate)
+        return self._engine_wide
+
     def position_rates(self, k: int) -> list[float]:
-        """g_1..g_k: each position's rate, shrunk toward the previous position's (or the prior)."""
-        rates, prev = [], PRIOR_ACCEPTANCE
-        for j in range(k):
-            s, t = (self.success[j], self.trials[j]) if j < len(self.trials) else (0.0, 0.0)
-            prev = (s + PRIOR_TRIALS * prev) / (t + PRIOR_TRIALS)
-            rates.append(prev)
-        return rates
+        """g_1..g_k: each position's rate, shrunk toward the previous position's (or the prior);
+        positions beyond those tracked repeat the last one."""
+        rates = self._engine()[0]
+        return rates[:k] + rates[-1:] * max(0, k - len(rates))
 
     def engine_rate(self) -> float:
         """Engine-wide per-token acceptance (successes over trials, all positions)."""
-        s, t = sum(self.success), sum(self.trials)
-        return (s + PRIOR_TRIALS * PRIOR_ACCEPTANCE) / (t + PRIOR_TRIALS)
+        return self._engine()[1]
 
     def request_rate(self, request: Request) -> float:
         s, t = request.acceptance_counts
