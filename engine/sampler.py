@@ -55,8 +55,3 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | No
     cdf = probs.float().cumsum(dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(vocab - 1)
-
-
-def uniform(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """n uniform draws in [0, 1) from the request's generator (or the global one)."""
-    return torch.rand(n, generator=generator, device=device)

@@ -10,6 +10,7 @@ from engine.spec.proposers.base import Draft, ProposeContext
 
 def ngram_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
     """Up to k tokens following the latest earlier occurrence of the longest matching suffix.
+    The definition; the proposer uses `NgramIndex`, which is tested to return the same.
 
     Example: tokens [1,2,3,9,1,2], n_max 2 -> suffix [1,2] occurs at 0 -> propose [3,9,1,...][:k].
     """
