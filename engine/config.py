@@ -30,7 +30,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits: sequences per step and tokens per step (chunked prefill)."""
+    """Continuous batching limits: sequences per step and tokens per step (chunked prefill).
+    Draft tokens only use the budget left after one token for each running request, so with
+    speculation every running request still makes progress each step (its drafts are cut)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

@@ -71,7 +71,9 @@ class LLM:
         prompts: Sequence[str] | Sequence[list[int]] | str,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in the prompts' order. All prompts are validated before any runs."""
+        """One output per prompt, in the prompts' order. All prompts are validated before any runs.
+        If a step raises, the requests still running are aborted (their blocks freed) before the
+        exception propagates, so the engine stays usable."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -84,17 +86,22 @@ class LLM:
             self.engine.validate_request(ids, sp)
         states: dict[str, RequestState] = {}
         order: list[str] = []
-        for (text, ids), sp in zip(encoded, params, strict=True):
-            rid = f"llm-{next(self._ids)}"
-            states[rid] = RequestState(rid, text, ids, sp, self.tokenizer)
-            order.append(rid)
-            self.engine.add_request(rid, ids, sp)
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(order):
-            for out in self.engine.step():
-                ro, stop_hit = states[out.request_id].process(out)
-                if stop_hit:
-                    self.engine.abort_request(out.request_id)
-                if ro.finished:
-                    final[out.request_id] = ro
+        try:
+            for (text, ids), sp in zip(encoded, params, strict=True):
+                rid = f"llm-{next(self._ids)}"
+                states[rid] = RequestState(rid, text, ids, sp, self.tokenizer)
+                order.append(rid)
+                self.engine.add_request(rid, ids, sp)
+            while len(final) < len(order):
+                for out in self.engine.step():
+                    ro, stop_hit = states[out.request_id].process(out)
+                    if stop_hit:
+                        self.engine.abort_request(out.request_id)
+                    if ro.finished:
+                        final[out.request_id] = ro
+        finally:
+            for rid in order:
+                if rid not in final:
+                    self.engine.abort_request(rid)
         return [final[rid] for rid in order]

@@ -21,6 +21,7 @@ from engine.model_runner import ModelRunner, kv_bytes_per_token
 from engine.request import Request, SpecStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec.proposers.base import ProposeContext
 
 logger = logging.getLogger("engine")
 
@@ -152,8 +153,10 @@ class LLMEngine:
             from engine.spec.proposers import make_proposer
             from engine.spec.speculator import Speculator
 
-            self.speculator = Speculator(speculative, make_proposer(speculative, self.runner), max_model_len)
-            self.runner.keep_hidden_states = hasattr(self.speculator.proposer, "observe_step")
+            self.speculator = Speculator(
+                speculative, make_proposer(speculative, self.runner), max_model_len, max_num_batched_tokens
+            )
+            self.runner.keep_hidden_states = self.speculator.proposer.needs_hidden_states
             num_lookahead = speculative.num_speculative_tokens
 
         num_blocks = self._num_kv_blocks(max_model_len)
@@ -197,7 +200,10 @@ class LLMEngine:
         return n
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
+        """KV blocks in the pool: `kv_cache_memory_bytes` of them, or, sized automatically, what
+        fits next to the drafter's per-request buffers (EAGLE/MTP hidden rows, bounded)."""
         cc = self.cache_config
+        sc = self.scheduler_config
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
@@ -205,8 +211,10 @@ class LLMEngine:
                 used = total - free
                 budget = int(total * cc.gpu_memory_utilization) - used
             else:
-                want = self.scheduler_config.max_num_seqs * max_model_len * self.kv_bytes_per_token
+                want = sc.max_num_seqs * max_model_len * self.kv_bytes_per_token
                 budget = min(want, CPU_DEFAULT_KV_BYTES)
+            if self.speculator is not None:
+                budget -= self.speculator.buffer_bytes(sc.max_num_seqs, sc.max_num_batched_tokens)
         num_blocks = budget // (self.kv_bytes_per_token * cc.block_size)
         if num_blocks < 1:
             raise ValueError(
@@ -245,9 +253,15 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.abort_request(request_id)
-        if request is not None and self.speculator is not None:
-            self.speculator.on_request_finished(request)
+        if request is not None:
+            self._free_request(request_id)
         return request is not None
+
+    def _free_request(self, request_id: str) -> None:
+        """Free what the runner and the proposer keep for a finished or aborted request."""
+        self.runner.free_request(request_id)
+        if self.speculator is not None:
+            self.speculator.free_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -264,10 +278,17 @@ class LLMEngine:
         streaming caller can send them before `finish_step` drafts for the next step."""
         start_wall, t0 = time.time(), time.perf_counter()
         sched = self.scheduler.schedule()
+        for request_id in sched.preempted_request_ids:  # it starts over: drafts and drafter state go
+            self.runner.drop_drafts(request_id)
+            if self.speculator is not None:
+                self.speculator.free_request(request_id)
         if sched.is_empty:
             return []
         runner_out = self.runner.execute(sched)
         results = self.scheduler.update_from_output(sched, runner_out.sampled_token_ids)
+        for res in results:
+            if res.request.is_finished:
+                self._free_request(res.request.request_id)
         record = StepRecord(
             step_index=self.step_index,
             start_time=start_wall,
@@ -304,7 +325,10 @@ class LLMEngine:
         ]
 
     def finish_step(self) -> None:
-        """Draft for the next step (when speculating) and hand the step's record to listeners."""
+        """Draft for the next step (when speculating) and hand the step's record to listeners.
+
+        Drafting never fails a step: if it raises, the error is logged and the step's requests go
+        on without drafts (every proposer leaves its state as it was when a forward fails)."""
         if self._pending_step is None:
             return
         sched, runner_out, results, record, t0, execute_s = self._pending_step
@@ -312,15 +336,20 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe_step_time(sched, execute_s)
             td = time.perf_counter()
-            for r in (res.request for res in results):
-                if r.is_finished:
-                    self.speculator.on_request_finished(r)
-            self.speculator.propose_for_step(self.scheduler.running, sched, runner_out, self)
+            try:
+                drafts = self.speculator.propose_for_step(
+                    self.scheduler.running, sched, runner_out, self.step_index, ProposeContext(self.runner.generators)
+                )
+            except Exception:
+                logger.exception("drafting failed at step %d; the next step verifies no new drafts", self.step_index)
+                drafts = {}
+            for request_id, draft in drafts.items():
+                self.scheduler.requests[request_id].spec_token_ids = list(draft.token_ids)
+                self.runner.set_draft_probs(request_id, draft.probs)
             record.draft_time_s = time.perf_counter() - td
             self.spec_stats.draft_time_s += record.draft_time_s
-            for r in self.scheduler.running:
-                if r.spec_token_ids:
-                    r.spec_stats.draft_time_s += record.draft_time_s
+            for request_id in drafts:
+                self.scheduler.requests[request_id].spec_stats.draft_time_s += record.draft_time_s
         self.step_index += 1
         record.duration_s = time.perf_counter() - t0
         for listener in self.step_listeners:
@@ -342,6 +371,14 @@ class LLMEngine:
 
     def live_requests(self) -> list[Request]:
         return list(self.scheduler.requests.values())
+
+    def check_no_leaks(self) -> None:
+        """Raise AssertionError if the runner or the proposer keeps per-request state of a request
+        that is not live, or a drafter's buffer exceeds its bound (tests call this every step)."""
+        live = self.live_requests()
+        self.runner.check_no_leaks(live)
+        if self.speculator is not None:
+            self.speculator.check_no_leaks(live)
 
 
 def _eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:

@@ -2,7 +2,9 @@
 
 It turns a `SchedulerOutput` into one flat varlen batch (token ids, positions, slot mapping,
 block tables), runs the target once, computes logits only at the positions that need them, and
-samples (or verifies draft tokens with the rejection sampler). It owns the KV cache tensors.
+samples (or verifies draft tokens with the rejection sampler). It owns the KV cache tensors and
+the tensors that belong to a request, keyed by request id: the generator of a seeded request and
+the draft distributions of the drafts it will verify next.
 """
 
 from __future__ import annotations
@@ -112,6 +114,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.keep_hidden_states = False
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, made at first sampling
+        # q [k, vocab] of a request's pending drafts; none for deterministic drafts (one-hot q)
+        self.draft_probs: dict[str, torch.Tensor] = {}
 
     @property
     def num_parameters(self) -> int:
@@ -128,9 +133,39 @@ class ModelRunner:
         seed = request.sampling_params.seed
         if seed is None:
             return None
-        if request.generator is None:
-            request.generator = torch.Generator(device=self.device).manual_seed(seed)
-        return request.generator
+        g = self.generators.get(request.request_id)
+        if g is None:
+            g = self.generators[request.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return g
+
+    # --- per-request state ------------------------------------------------------------------
+    def set_draft_probs(self, request_id: str, probs: torch.Tensor | None) -> None:
+        """The draft distributions of a request's new drafts (None: deterministic drafts)."""
+        if probs is None:
+            self.draft_probs.pop(request_id, None)
+        else:
+            self.draft_probs[request_id] = probs
+
+    def drop_drafts(self, request_id: str) -> None:
+        """A request's drafts were dropped (preemption) or failed; its generator stays."""
+        self.draft_probs.pop(request_id, None)
+
+    def free_request(self, request_id: str) -> None:
+        """Forget a finished or aborted request."""
+        self.generators.pop(request_id, None)
+        self.draft_probs.pop(request_id, None)
+
+    def check_no_leaks(self, live: list[Request]) -> None:
+        """Raise AssertionError if a generator outlives its request, or draft distributions are
+        kept for a request with no pending drafts."""
+        live_ids = {r.request_id for r in live}
+        with_drafts = {r.request_id for r in live if r.spec_token_ids}
+        stray = sorted(set(self.generators) - live_ids)
+        if stray:
+            raise AssertionError(f"model runner keeps generators of requests that are not live: {stray[:5]}")
+        stray = sorted(set(self.draft_probs) - with_drafts)
+        if stray:
+            raise AssertionError(f"model runner keeps draft probabilities of requests without drafts: {stray[:5]}")
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -156,6 +191,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         it = iter(sampled)
         out = [next(it) if s.needs_sample else [] for s in sched.scheduled]
+        for s in sched.scheduled:  # verified now, or dropped by the scheduler
+            self.draft_probs.pop(s.request.request_id, None)
         return ModelRunnerOutput(
             out,
             hidden_states=hidden if self.keep_hidden_states else None,
@@ -185,19 +222,21 @@ class ModelRunner:
             if draft_ids:
                 vocab = logits.shape[-1]
                 draft_probs = torch.cat(
-                    [_draft_probs(s, vocab, self.device) for s in sampling if s.spec_token_ids], dim=0
+                    [_draft_probs(s, self.draft_probs.get(s.request.request_id), vocab, self.device)
+                     for s in sampling if s.spec_token_ids],
+                    dim=0,
                 )
         generators = [self._generator(s.request) for s in sampling]
         return rejection_sample(num_draft, draft_ids_t, argmax, target_probs, draft_probs, is_greedy, generators)
 
 
-def _draft_probs(s, vocab: int, device) -> torch.Tensor:
-    """The draft distribution q [k, vocab] of a request's drafts; one-hot when the drafter is
-    deterministic (n-gram lookup, or a greedy drafter's argmax)."""
-    r = s.request
+def _draft_probs(s, probs: torch.Tensor | None, vocab: int, device) -> torch.Tensor:
+    """The draft distribution q [k, vocab] of a request's k scheduled drafts (the first k of those
+    drafted); one-hot when the drafter is deterministic (n-gram lookup, or a greedy drafter's
+    argmax): probs None."""
     k = len(s.spec_token_ids)
-    if r.spec_probs is not None:
-        return r.spec_probs[:k].to(device=device, dtype=torch.float32)
+    if probs is not None:
+        return probs[:k].to(device=device, dtype=torch.float32)
     q = torch.zeros(k, vocab, device=device)
     q[torch.arange(k), torch.tensor(s.spec_token_ids, device=device)] = 1.0
     return q

@@ -1,7 +1,10 @@
-"""One request object carries all per-request state; derived values are properties.
+"""One request object carries all per-request scheduling state, as plain data; derived values
+are properties.
 
-The scheduler, block manager and model runner all read and update this object. It holds
-token ids only (the engine knows nothing about text).
+The scheduler, block manager and model runner all read and update this object. It holds token ids
+only (the engine knows nothing about text) and no tensors: a seeded request's generator and its
+draft distributions belong to the model runner, a drafter's per-request state to its proposer,
+each keyed by request id.
 """
 
 from __future__ import annotations
@@ -111,13 +114,10 @@ class Request:
         self.block_hashes: list[int] = []  # chain hashes of this request's full, committed blocks
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (last) admission
         self.num_preemptions = 0
-        # Speculation: drafts proposed for the next step, with the draft distributions when sampled.
+        # Speculation: drafts proposed for the next step (their distributions: the model runner's).
         self.spec_token_ids: list[int] = []
-        self.spec_probs = None  # torch tensor [k, vocab] or None (greedy); owned by the model runner
         self.acceptance_counts = (0.0, 0.0)  # decayed (accepted, tried) drafts: spec/speculator.py
         self.spec_stats = SpecStats()
-        self.drafter_state: dict = {}  # per-proposer bookkeeping (e.g. draft KV progress)
-        self.generator = None  # torch.Generator for seeded sampling, made by the model runner
         # Timing for metrics / tracing.
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -4,8 +4,11 @@ Pure Python, no torch. There is no prefill or decode phase: each step every runn
 computed tokens catch up toward its total (prompt + outputs + pending draft tokens) under a
 per-step token budget. Draft tokens are just more tokens to compute; blocks for up to
 `num_lookahead_tokens` of them are reserved ahead, and a rejected draft is simply never committed
-(`num_computed_tokens` only advances over accepted tokens). When blocks run out, the newest
-running request is preempted by recompute and resumes later with identical output.
+(`num_computed_tokens` only advances over accepted tokens). A request's drafts only use budget
+left after one token for each running request behind it, so drafts never crowd a running request
+out of a step (its drafts are cut to fit instead). When blocks run out, the newest running
+request is preempted by recompute and resumes later with identical output; the engine frees
+what other components keep for it (`SchedulerOutput.preempted_request_ids`).
 """
 
 from __future__ import annotations
@@ -105,7 +108,6 @@ class Scheduler:
                 pass
         self.block_manager.free(request)
         request.spec_token_ids = []
-        request.spec_probs = None
         self.requests.pop(request.request_id, None)
 
     @property
@@ -122,8 +124,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.spec_probs = None
-        request.drafter_state.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -134,16 +134,18 @@ class Scheduler:
         preempted: list[str] = []
         bm = self.block_manager
 
-        # 1) Running requests, oldest first. On a block shortage preempt the newest.
+        # 1) Running requests, oldest first. On a block shortage preempt the newest. Drafts come
+        #    after one token for each running request behind this one (the drafts are cut to fit).
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            spec = request.spec_token_ids if num_new == request.num_tokens - request.num_computed_tokens else []
-            if num_new + len(spec) > budget:
-                spec = []
-            if not spec:
-                request.spec_token_ids, request.spec_probs = [], None
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget)
+            spec: list[int] = []
+            if num_new == remaining:
+                num_behind = len(self.running) - i - 1
+                spec = request.spec_token_ids[: max(0, budget - num_new - num_behind)]
+            request.spec_token_ids = list(spec)
             while not bm.allocate_slots(request, num_new + len(spec), self.num_lookahead_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -197,7 +199,7 @@ class Scheduler:
             request.num_computed_tokens += sched.num_new_tokens + num_accepted
             if num_spec:
                 request.spec_stats.record(num_spec, num_accepted)
-            request.spec_token_ids, request.spec_probs = [], None
+            request.spec_token_ids = []
             new_tokens: list[int] = []
             status = None
             for token in tokens:

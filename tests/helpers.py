@@ -55,7 +55,8 @@ def save_tiny_model(path: str, family: str = "llama", seed: int = 0, **overrides
 
 
 def assert_no_leaked_blocks(engine) -> None:
-    """Every KV block is free once no request is live, and the invariants hold while live."""
+    """Every KV block is free once no request is live, the invariants hold while live, and no
+    per-request state (generators, draft probabilities, drafter states) outlives its request."""
     bm = engine.block_manager
     live = engine.live_requests()
     bm.check_invariants(live)
@@ -63,9 +64,7 @@ def assert_no_leaked_blocks(engine) -> None:
         assert bm.num_free_blocks == bm.num_blocks, (
             f"{bm.num_blocks - bm.num_free_blocks} blocks still held with no live request"
         )
-    speculator = getattr(engine, "speculator", None)
-    if speculator is not None:
-        speculator.check_no_leaks(live)
+    engine.check_no_leaks()
 
 
 def save_perturbed_copy(src: str, dst: str, noise: float, seed: int = 0, **overrides) -> str:
@@ -85,7 +84,9 @@ def save_perturbed_copy(src: str, dst: str, noise: float, seed: int = 0, **overr
     return dst
 
 
-def save_tiny_heads(root: str, target_dir: str, seed: int = 0, scale: float = 1.0) -> tuple[str, str]:
+def save_tiny_heads(
+    root: str, target_dir: str, seed: int = 0, scale: float = 1.0, max_position_embeddings: int = 512
+) -> tuple[str, str]:
     """Random EAGLE head and MTP heads for a `save_tiny_model` target, in the shipped layouts."""
     from pathlib import Path
 
@@ -94,7 +95,7 @@ def save_tiny_heads(root: str, target_dir: str, seed: int = 0, scale: float = 1.
     name = os.path.basename(os.path.normpath(target_dir))
     torch.manual_seed(seed)
     ecfg = EagleConfig(hidden_size=TINY["hidden_size"], num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=128, vocab_size=TINY["vocab_size"], max_position_embeddings=512,
+                       intermediate_size=128, vocab_size=TINY["vocab_size"], max_position_embeddings=max_position_embeddings,
                        target=name)
     eagle = EagleHead(ecfg)
     mcfg = MedusaConfig(num_heads=4, hidden_size=TINY["hidden_size"], vocab_size=TINY["vocab_size"], target=name)

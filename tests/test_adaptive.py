@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from engine import SamplingParams, SpeculativeConfig
 from engine.request import Request
-from engine.spec.proposers.base import Draft
+from engine.spec.proposers.base import Draft, ProposeContext, Proposer
 from engine.spec.speculator import (
     MIN_GAIN,
     AcceptanceModel,
@@ -125,13 +125,14 @@ def test_best_cap_uses_measured_calibration():
     assert spec.best_cap(1, [r], [1]) == 0
 
 
-class LookupProposer:
+class LookupProposer(Proposer):
     """Pretends to be n-gram lookup: drafts only for requests listed in `found`."""
 
     method = "ngram"
     propose_is_free = True
 
     def __init__(self, found: set[str]) -> None:
+        super().__init__()
         self.found = found
         self.calls: list[list[str]] = []
 
@@ -160,12 +161,12 @@ def test_free_proposer_looks_up_before_deciding():
     for r in requests:
         r.block_ids = [0, 1, 2, 3]
         r.num_computed_tokens = r.num_tokens - 1  # decoding
-    sched = SimpleNamespace(scheduled=[])
-    engine = SimpleNamespace(block_manager=SimpleNamespace(block_size=16), step_index=1, runner=None)
-    spec.propose_for_step(requests, sched, SimpleNamespace(sampled_token_ids=[]), engine)
+    spec.init_kv_cache(64, 16)
+    sched = SimpleNamespace(scheduled=[SimpleNamespace(request=r, spec_token_ids=[]) for r in requests])
+    drafts = spec.propose_for_step(requests, sched, SimpleNamespace(sampled_token_ids=[[]] * 3), 1, ProposeContext({}))
     assert proposer.calls == [["r0", "r1", "r2"]]  # looked up once, for every candidate
     assert seen == [(["r1"], [3])]
-    assert requests[1].spec_token_ids == [7, 7, 7] and requests[0].spec_token_ids == []
+    assert {rid: d.token_ids for rid, d in drafts.items()} == {"r1": [7, 7, 7]}
 
 
 @settings(max_examples=200, deadline=None)

@@ -79,8 +79,7 @@ def test_sample_drafts_maps_ids_and_scatters_probs():
     picked, probs = sample_drafts(logits, greedy, ids, 9)
     assert picked == [5, 2] and probs is None
     sampled = [Request("c", [1], SamplingParams(temperature=1.0, seed=3)), greedy[0]]
-    sampled[0].generator = torch.Generator().manual_seed(3)
-    picked, probs = sample_drafts(logits, sampled, ids, 9)
+    picked, probs = sample_drafts(logits, sampled, ids, 9, [torch.Generator().manual_seed(3), None])
     assert probs.shape == (2, 9) and picked[0] in (2, 5, 7) and picked[1] == 2
     assert torch.allclose(probs[0, ids], torch.softmax(logits[0], -1))
     assert probs[0].sum().item() == pytest.approx(1.0) and probs[0, [0, 1, 3, 4, 6, 8]].abs().sum() == 0

@@ -26,7 +26,7 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.request import Request
-from engine.spec.proposers.base import BucketedMedians, Draft, ProposeContext
+from engine.spec.proposers.base import BucketedMedians, Draft, ProposeContext, Proposer
 
 logger = logging.getLogger("engine")
 
@@ -178,16 +178,23 @@ class AcceptanceModel:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int) -> None:
+    """The speculation policy and the proposer it drives. Per request it keeps nothing but the
+    proposer's states (the acceptance counts are plain data on the `Request`)."""
+
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = 0
         self.cost: StepCostModel | None = None
         self.calibration = StepCalibration()
         self.acceptance = AcceptanceModel(config.acceptance_ema_alpha)
         self.num_steps_off = 0
         self.num_steps_on = 0
-        self.last_k: dict[str, int] = {}
 
     # --- delegation -------------------------------------------------------------------------
     @property
@@ -195,16 +202,23 @@ class Speculator:
         return self.config.method
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
         self.proposer.init_kv_cache(num_blocks, block_size)
 
     def kv_bytes_per_token(self) -> int:
         return self.proposer.kv_bytes_per_token()
 
-    def on_request_finished(self, request: Request) -> None:
-        self.proposer.on_request_finished(request)
+    def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        return self.proposer.buffer_bytes(max_num_seqs, max_num_batched_tokens)
+
+    def free_request(self, request_id: str) -> None:
+        """Forget a finished, aborted or preempted request."""
+        self.proposer.free_request(request_id)
 
     def check_no_leaks(self, live: list[Request]) -> None:
-        pass
+        """Raise AssertionError if per-request state outlives its request or a buffer exceeds its
+        bound."""
+        self.proposer.check_no_leaks({r.request_id for r in live})
 
     # --- cost model -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -265,12 +279,12 @@ class Speculator:
         params = request.sampling_params
         if not params.speculative:
             return 0
-        k = min(self.config.num_speculative_tokens, getattr(self.proposer, "max_k", 64))
+        k = min(self.config.num_speculative_tokens, self.proposer.max_k)
         if params.num_speculative_tokens is not None:
             k = min(k, params.num_speculative_tokens)
         k = min(k, params.max_tokens - request.num_output_tokens - 1)  # don't draft past the end
         k = min(k, self.max_model_len - request.num_tokens - 1)
-        k = min(k, len(request.block_ids) * self.proposer_block_size - request.num_tokens + 1)
+        k = min(k, len(request.block_ids) * self.block_size - request.num_tokens + 1)
         return max(k, 0)
 
     def choose_k(self, request: Request, step_index: int) -> int:
@@ -316,25 +330,29 @@ class Speculator:
         return best_c
 
     # --- the per-step entry point -----------------------------------------------------------
-    @property
-    def proposer_block_size(self) -> int:
-        return self._block_size
+    def propose_for_step(
+        self, running: list[Request], sched, runner_out, step_index: int, context: ProposeContext
+    ) -> dict[str, Draft]:
+        """Drafts to verify next step, by request id (only non-empty ones).
 
-    def propose_for_step(self, running: list[Request], sched, runner_out, engine) -> None:
-        self._block_size = engine.block_manager.block_size
-        if hasattr(self.proposer, "observe_step"):
-            self.proposer.observe_step(sched, runner_out)
+        Only requests this step scheduled that are still running and decoding draft: a running
+        request left out of the step committed nothing new, so the proposer has nothing new to
+        draft from (the drafts it may hold are still valid and wait for their step). The drafts
+        of all running requests together fit in the next step's token budget next to one token
+        for each running request, in scheduling order, so the scheduler verifies what was drafted.
+        """
+        self.proposer.observe_step(sched, runner_out)
         for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
             if s.spec_token_ids and tokens:
                 self.update_acceptance(s.request, len(s.spec_token_ids), len(tokens) - 1)
-        decoding = [r for r in running if r.is_decoding]
+        scheduled_ids = {s.request.request_id for s in sched.scheduled}
+        decoding = [r for r in running if r.request_id in scheduled_ids and r.is_decoding]
         if not decoding:
-            return
-        ks = [self.choose_k(r, engine.step_index) for r in decoding]
+            return {}
+        ks = [self.choose_k(r, step_index) for r in decoding]
         candidates = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
-        context = ProposeContext(engine.runner, runner_out, sched)
         drafts = None
-        if candidates and getattr(self.proposer, "propose_is_free", False):
+        if candidates and self.proposer.propose_is_free:
             # n-gram lookup costs microseconds: look first, then decide on what was found
             # (most requests of unpredictable text find no match and would draft nothing).
             drafts = self.proposer.propose([r for r, _ in candidates], [k for _, k in candidates], context)
@@ -343,21 +361,32 @@ class Speculator:
             drafts = [d for _, _, d in found]
         if candidates and self.config.adaptive:
             cap = self.best_cap(len(decoding), [r for r, _ in candidates], [k for _, k in candidates])
-            if cap == 0 and engine.step_index % (4 * PROBE_EVERY) == 0:
+            if cap == 0 and step_index % (4 * PROBE_EVERY) == 0:
                 cap = 1  # a rare probe keeps the acceptance and drafting-cost estimates fresh
             if cap == 0:
                 candidates, drafts = [], None
                 self.num_steps_off += 1
             else:
                 candidates = [(r, min(k, cap)) for r, k in candidates]
-                if drafts is not None:
-                    drafts = [Draft(d.token_ids[:cap], None if d.probs is None else d.probs[:cap]) for d in drafts]
+        if candidates and self.max_num_batched_tokens is not None:
+            pending = sum(len(r.spec_token_ids) for r in running if r.request_id not in scheduled_ids)
+            room = self.max_num_batched_tokens - len(running) - pending
+            fitted = []
+            for r, k in candidates:
+                fitted.append((r, max(0, min(k, room))))
+                room -= fitted[-1][1]
+            candidates = fitted
+        if drafts is not None:
+            drafts = [Draft(d.token_ids[:k], None if d.probs is None else d.probs[:k])
+                      for d, (_, k) in zip(drafts, candidates, strict=True)]
+        keep = [i for i, (_, k) in enumerate(candidates) if k > 0]
+        candidates = [candidates[i] for i in keep]
         if not candidates:
-            return
+            return {}
         self.num_steps_on += 1
         requests = [r for r, _ in candidates]
         if drafts is None:
             drafts = self.proposer.propose(requests, [k for _, k in candidates], context)
-        for r, d in zip(requests, drafts, strict=True):
-            r.spec_token_ids = list(d.token_ids)
-            r.spec_probs = d.probs if d.token_ids else None
+        else:
+            drafts = [drafts[i] for i in keep]
+        return {r.request_id: d for r, d in zip(requests, drafts, strict=True) if d.token_ids}

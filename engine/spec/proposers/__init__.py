@@ -1,4 +1,4 @@
-"""Drafters behind one `Proposer` protocol, and the factory the engine calls."""
+"""Drafters behind one `Proposer` base class, and the factory the engine calls."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def make_proposer(config: SpeculativeConfig, runner):
     if config.method == "eagle":
         from engine.spec.proposers.eagle import EagleProposer
 
-        return EagleProposer(config.model, runner, config.draft_vocab_size)
+        return EagleProposer(config.model, runner, config.draft_vocab_size, config.num_speculative_tokens)
     if config.method == "mtp":
         from engine.spec.proposers.mtp import MTPProposer
 

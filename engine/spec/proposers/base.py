@@ -1,9 +1,15 @@
-"""The `Proposer` protocol every drafter implements, and what it returns.
+"""The `Proposer` base class every drafter extends, and what it returns.
 
 A proposer gets the requests that will verify drafts next step and a k for each, and returns
 k draft token ids per request, with the draft distribution q [k, vocab] when the request samples
 (so the rejection sampler stays exact) or None when drafts are deterministic (greedy requests,
 n-gram lookup). Proposers never commit anything: their own caches only keep accepted positions.
+
+Per-request state lives in the proposer, keyed by request id (`states`), as one small dataclass
+per request (draft-model progress, buffered hidden rows, an n-gram index), so that it can be freed,
+checked for leaks and, later, handed from one engine to another. A proposer changes a request's
+state only after the forward that could fail has succeeded: a failed `propose` leaves every state
+as it was, and the request can draft again next step.
 """
 
 from __future__ import annotations
@@ -11,7 +17,6 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -25,29 +30,72 @@ class Draft:
     probs: torch.Tensor | None = None  # [len(token_ids), vocab] float32, or None if deterministic
 
 
-class Proposer(Protocol):
-    method: str
+@dataclass
+class ProposeContext:
+    """What a proposer gets besides the requests: the generators of seeded requests, by request id.
+    They belong to the model runner (the target's sampling draws from the same generator)."""
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
+    generators: dict[str, torch.Generator]
 
-    def kv_bytes_per_token(self) -> int: ...
+    def generators_for(self, requests: list[Request]) -> list[torch.Generator | None]:
+        return [self.generators.get(r.request_id) for r in requests]
 
-    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]: ...
 
-    def on_request_finished(self, request: Request) -> None: ...
+def may_draft(request: Request) -> bool:
+    """False for a request that asked never to speculate (its proposer state is never needed)."""
+    params = request.sampling_params
+    return params.speculative and params.num_speculative_tokens != 0
+
+
+class Proposer:
+    """A drafter. Subclasses implement `propose` and `step_cost`; the rest have defaults.
+
+    method: the `SpeculativeConfig.method` it implements. max_k: the most drafts it can make per
+    request and step. propose_is_free: drafting costs microseconds, so the speculator looks up
+    drafts before deciding whether a step verifies them (n-gram lookup). needs_hidden_states: it
+    reads the target's final-norm hidden states, handed to `observe_step` after every step.
+    """
+
+    method: str = ""
+    max_k: int = 16
+    propose_is_free: bool = False
+    needs_hidden_states: bool = False
+
+    def __init__(self) -> None:
+        self.states: dict[str, object] = {}  # request id -> this proposer's per-request state
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the proposer's own paged KV cache (same block tables as the target's), if any."""
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of the proposer's KV cache per token of the shared block pool."""
+        return 0
+
+    def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """The most bytes the proposer's per-request buffers (other than KV) can hold at once."""
+        return 0
+
+    def observe_step(self, sched, runner_out) -> None:
+        """Called after every step with its `SchedulerOutput` and `ModelRunnerOutput`, before any
+        drafting; the proposers that read the target's hidden states keep what they need here."""
+
+    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        raise NotImplementedError
 
     def step_cost(self, num_requests: int, k: int) -> float:
         """Estimated drafting time for `num_requests` requests at k tokens, in seconds."""
-        ...
+        raise NotImplementedError
 
+    def free_request(self, request_id: str) -> None:
+        """Forget a request (finished, aborted, or preempted: it then starts over)."""
+        self.states.pop(request_id, None)
 
-@dataclass
-class ProposeContext:
-    """What the engine hands a proposer after a step: the target runner and its last output."""
-
-    runner: object  # engine.model_runner.ModelRunner
-    runner_output: object  # engine.model_runner.ModelRunnerOutput
-    scheduler_output: object  # engine.scheduler.SchedulerOutput
+    def check_no_leaks(self, live_ids: set[str]) -> None:
+        """Raise AssertionError if state is kept for a request that is not live, or a buffer
+        exceeds its bound."""
+        stray = sorted(set(self.states) - live_ids)
+        if stray:
+            raise AssertionError(f"{self.method} proposer keeps state for requests that are not live: {stray[:5]}")
 
 
 class BucketedMedians:
@@ -106,13 +154,18 @@ class StepTimer:
 
 
 def sample_drafts(
-    logits: torch.Tensor, requests: list[Request], token_ids: torch.Tensor | None = None, vocab_size: int = 0
+    logits: torch.Tensor,
+    requests: list[Request],
+    token_ids: torch.Tensor | None = None,
+    vocab_size: int = 0,
+    generators: list[torch.Generator | None] | None = None,
 ) -> tuple[list[int], torch.Tensor | None]:
     """One draft token per row, with the same temperature/top-k/top-p as the target will use.
 
     logits [n, V'] over the vocabulary, or over a draft vocabulary when `token_ids` [V'] gives
-    the target token id of each column (then `vocab_size` is the target's vocabulary size); requests[i] owns row i. Greedy rows take the argmax;
-    sampled rows draw from the filtered distribution with the request's own generator. Returns
+    the target token id of each column (then `vocab_size` is the target's vocabulary size);
+    requests[i] owns row i. Greedy rows take the argmax; sampled rows draw from the filtered
+    distribution with generators[i] (a seeded request's own; None: the global one). Returns
     (target token ids, probs [n, vocab] over the target's whole vocabulary, zero outside the
     draft vocabulary, or None when every row is greedy).
     """
@@ -129,7 +182,7 @@ def sample_drafts(
         torch.tensor([p.top_k for p in params], device=device),
         torch.tensor([p.top_p for p in params], device=device),
     )
-    sampled = sample_from_probs(probs, [r.generator for r in requests])
+    sampled = sample_from_probs(probs, generators or [None] * len(requests))
     picked = torch.where(torch.tensor(greedy, device=device), argmax, sampled)
     if token_ids is not None:
         picked = token_ids[picked]

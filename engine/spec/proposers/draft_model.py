@@ -1,16 +1,18 @@
 """Draft-model proposer: a small model with the target's tokenizer, co-located on the same device.
 
 Its paged KV cache has the same block layout as the target's and is indexed by the same block
-tables, so it needs no block manager of its own. `drafter_state["num_computed"]` counts the
-request's tokens whose draft KV is valid: only committed tokens. Each round first catches up over
+tables, so it needs no block manager of its own. Its state per request (`DraftModelState`) counts
+the request's tokens whose draft KV is valid: only committed tokens. Each round first catches up over
 the tokens committed since the last round (accepted drafts + bonus token) in the same forward
 pass that makes the first draft, then makes k-1 more one token at a time. Draft tokens' own KV
-lands in lookahead slots and is simply overwritten next round.
+lands in lookahead slots and is simply overwritten next round. The count advances only once every
+forward of the round has succeeded (a failed round is redone from the same point).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -18,14 +20,21 @@ from engine.errors import DrafterMismatchError
 from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
 from engine.models.loader import load_model
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, StepTimer
+from engine.spec.proposers.base import Draft, ProposeContext, Proposer, StepTimer
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
 
 
-class DraftModelProposer:
+@dataclass
+class DraftModelState:
+    num_computed: int = 0  # the request's first tokens whose draft KV is valid (committed tokens)
+
+
+class DraftModelProposer(Proposer):
     method = "draft"
 
     def __init__(self, model_dir: str, runner, draft_vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.states: dict[str, DraftModelState] = {}
         self.device, self.dtype = runner.device, runner.dtype
         self.model, _ = load_model(model_dir, self.dtype, self.device, runner.model.rope_cos.shape[0])
         self.backend = runner.backend
@@ -53,9 +62,6 @@ class DraftModelProposer:
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model.cfg, self.dtype)
 
-    def on_request_finished(self, request: Request) -> None:
-        request.drafter_state.pop("num_computed", None)
-
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.seconds(num_requests) * k
 
@@ -71,10 +77,7 @@ class DraftModelProposer:
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, k in enumerate(num_tokens) if k > 0]
-        for i in active:
-            r = requests[i]
-            if r.sampling_params.seed is not None and r.generator is None:
-                r.generator = torch.Generator(device=self.device).manual_seed(r.sampling_params.seed)
+        generators = context.generators_for(requests)
         step = 0
         t_start = time.perf_counter()
         num_requests = len(active)
@@ -84,20 +87,26 @@ class DraftModelProposer:
             for i in active:
                 r = requests[i]
                 if step == 0:
-                    start = r.drafter_state.get("num_computed", 0)
+                    state = self.states.get(r.request_id)
+                    start = state.num_computed if state is not None else 0
                     chunk = [r.token_at(p) for p in range(start, r.num_tokens)]
                     chunks.append(SeqChunk(chunk, start, r.block_ids))
                     catch_up = max(catch_up, len(chunk))
-                    r.drafter_state["num_computed"] = r.num_tokens
                 else:
                     chunks.append(SeqChunk([tokens[i][-1]], r.num_tokens + step - 1, r.block_ids))
-            picked, p = self.head.sample(self._forward(chunks), [requests[i] for i in active])
+            picked, p = self.head.sample(
+                self._forward(chunks), [requests[i] for i in active], [generators[i] for i in active]
+            )
             for j, i in enumerate(active):
                 tokens[i].append(picked[j])
                 if p is not None:
                     probs[i].append(p[j])
             step += 1
             active = [i for i in active if len(tokens[i]) < num_tokens[i]]
+        # Every forward succeeded: the committed tokens' draft KV is valid now.
+        for i, k in enumerate(num_tokens):
+            if k > 0:
+                self.states[requests[i].request_id] = DraftModelState(requests[i].num_tokens)
         # the round's time per forward (steady-state catch-up included)
         self.timer.add_round(num_requests, time.perf_counter() - t_start, step, catch_up, max(num_tokens, default=0))
         return [

@@ -101,7 +101,9 @@ class DraftLMHead:
         """hidden [..., H] -> float32 logits [..., N] over the draft vocabulary."""
         return torch.nn.functional.linear(hidden, self.weight).float()
 
-    def sample(self, hidden: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor | None]:
+    def sample(
+        self, hidden: torch.Tensor, requests: list[Request], generators: list[torch.Generator | None]
+    ) -> tuple[list[int], torch.Tensor | None]:
         """Draft one token per row of hidden [n, H]: `sample_drafts` over the draft vocabulary,
         returning target token ids and (for sampled rows) probabilities over the whole vocabulary."""
-        return sample_drafts(self(hidden), requests, self.token_ids, self.vocab_size)
+        return sample_drafts(self(hidden), requests, self.token_ids, self.vocab_size, generators)

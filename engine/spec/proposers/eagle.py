@@ -9,6 +9,15 @@ KV, like the target's, only keeps committed elements: each round first adds the 
 newly committed positions (in the same forward as the first draft), and draft elements land in
 lookahead slots that the next round overwrites.
 
+Between steps a request buffers the target hidden states of the positions the layer has not yet
+run over (`HiddenRows`), at most `max_buffered_rows` of them: max(EAGLE_BUFFER_ROWS, k + 1), so a
+drafting request (it commits at most k + 1 rows a step, and its next draft consumes them) never
+reaches the bound. A request that does not draft (speculation off for the step or by the adaptive
+policy, or a prompt still in chunked prefill) would otherwise buffer every row it commits: once
+it holds more than the bound, the layer runs over all its rows but the last (batched over such
+requests, no drafting), which extends its EAGLE KV and leaves one row for the next draft's first
+element. A request with `speculative=False` never drafts, so none of its rows are kept.
+
 The target's embedding and LM head are used in place (no copy); with a draft vocabulary
 (`draft_vocab.py`) the head's logits cover its N rows only, which it keeps as an N x H copy. With prefix caching, the element
 at the last position of a shared block was computed for the earlier request's next token; that
@@ -25,16 +34,24 @@ from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch
 from engine.models.llama import ArchConfig, DecoderLayer
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, StepTimer
+from engine.spec.proposers.base import Draft, ProposeContext, Proposer, StepTimer, may_draft
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
+from engine.spec.proposers.features import HiddenRows, committed_hidden
 from engine.spec.proposers.mtp import check_head_matches_target, read_head_config
 
+EAGLE_BUFFER_ROWS = 16  # hidden rows a request may buffer between steps (k + 1 if larger)
 
-class EagleProposer:
+
+class EagleProposer(Proposer):
     method = "eagle"
+    needs_hidden_states = True
 
-    def __init__(self, model_dir: str, runner, draft_vocab_size: int | None = None) -> None:
+    def __init__(
+        self, model_dir: str, runner, draft_vocab_size: int | None = None, num_speculative_tokens: int = 1
+    ) -> None:
+        super().__init__()
+        self.states: dict[str, HiddenRows] = {}
+        self.max_buffered_rows = max(EAGLE_BUFFER_ROWS, num_speculative_tokens + 1)
         cfg = read_head_config(model_dir, "EagleHead")
         eagle = cfg.get("eagle", {})
         check_head_matches_target(
@@ -43,6 +60,7 @@ class EagleProposer:
         )
         self.device, self.dtype = runner.device, runner.dtype
         t = runner.arch
+        self.target_hidden_size = t.hidden_size
         self.arch = ArchConfig(
             model_type="eagle", vocab_size=t.vocab_size, hidden_size=cfg["hidden_size"], num_layers=1,
             num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],
@@ -98,14 +116,50 @@ class EagleProposer:
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.arch, self.dtype)
 
-    def on_request_finished(self, request: Request) -> None:
-        request.drafter_state.clear()
+    def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """Buffered rows between steps, plus one step's committed rows before they are bounded."""
+        rows = max_num_seqs * self.max_buffered_rows + max_num_batched_tokens
+        return rows * self.target_hidden_size * torch.empty((), dtype=self.dtype).element_size()
 
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.seconds(num_requests) * k
 
+    @torch.inference_mode()
     def observe_step(self, sched, runner_out) -> None:
-        collect_committed_hidden(sched, runner_out)
+        """Buffer each drafting-capable request's newly committed hidden rows, then bound the
+        buffers: run the layer over the rows of every request holding more than
+        `max_buffered_rows`, all but the last."""
+        updated: list[tuple[Request, HiddenRows]] = []
+        for r, start, rows in committed_hidden(sched, runner_out):
+            if not may_draft(r):
+                continue
+            state = self.states.get(r.request_id)
+            if state is None:  # its first rows (or its first after a preemption)
+                updated.append((r, HiddenRows(start, rows.clone())))
+            elif state.end != start:
+                raise RuntimeError(
+                    f"EAGLE: request {r.request_id!r} buffers hidden rows up to position {state.end}, "
+                    f"but its next committed row is at {start}"
+                )
+            else:
+                updated.append((r, HiddenRows(state.start, torch.cat([state.rows, rows]))))
+        for r, state in updated:
+            self.states[r.request_id] = state
+        full = [(r, st) for r, st in updated if st.rows.shape[0] > self.max_buffered_rows]
+        if not full:
+            return
+        # elements (h_j, token j+1) for j in [start, end - 1): every row but the last
+        chunks = [SeqChunk([0] * (st.rows.shape[0] - 1), st.start, r.block_ids) for r, st in full]
+        token_ids = [r.token_at(j + 1) for r, st in full for j in range(st.start, st.end - 1)]
+        self._forward(chunks, token_ids, torch.cat([st.rows[:-1] for _, st in full]))
+        for r, st in full:
+            self.states[r.request_id] = HiddenRows(st.end - 1, st.rows[-1:].clone())
+
+    def check_no_leaks(self, live_ids: set[str]) -> None:
+        super().check_no_leaks(live_ids)
+        over = {rid: st.rows.shape[0] for rid, st in self.states.items() if st.rows.shape[0] > self.max_buffered_rows}
+        if over:
+            raise AssertionError(f"EAGLE buffers more than {self.max_buffered_rows} hidden rows: {over}")
 
     def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor) -> torch.Tensor:
         """Run the layer on elements (features[i], token_ids[i]) at cache positions of `chunks`;
@@ -129,16 +183,23 @@ class EagleProposer:
         chunks, elem_tokens = [], []
         for r in requests:
             n = r.num_tokens
-            start, rows = pop_hidden(r, n - 1)  # hidden of positions [start, n-1)
-            chunks.append(SeqChunk([0] * len(rows), start, r.block_ids))
-            elem_tokens.extend(r.token_at(j + 1) for j in range(start, n - 1))
-            feats_in.append(rows)
+            state = self.states.get(r.request_id)
+            if state is None or state.end != n - 1 or state.start == state.end:
+                raise RuntimeError(
+                    f"EAGLE: request {r.request_id!r} cannot draft: it needs the hidden rows up to position "
+                    f"{n - 2}, it buffers {None if state is None else (state.start, state.end)}"
+                )
+            # elements (h_j, token j+1) for the buffered positions j in [start, n-1)
+            chunks.append(SeqChunk([0] * state.rows.shape[0], state.start, r.block_ids))
+            elem_tokens.extend(r.token_at(j + 1) for j in range(state.start, n - 1))
+            feats_in.append(state.rows)
         first_chunks = chunks
+        generators = context.generators_for(requests)
         feats = self._forward(chunks, elem_tokens, torch.cat(feats_in))
         active = list(range(len(requests)))
         step = 0
         while True:
-            picked, p = self.head.sample(feats, [requests[i] for i in active])
+            picked, p = self.head.sample(feats, [requests[i] for i in active], [generators[i] for i in active])
             for j, i in enumerate(active):
                 tokens[i].append(picked[j])
                 if p is not None:
@@ -151,6 +212,9 @@ class EagleProposer:
             step += 1
             chunks = [SeqChunk([0], requests[i].num_tokens - 2 + step, requests[i].block_ids) for i in active]
             feats = self._forward(chunks, [tokens[i][-1] for i in active], feats)
+        # Every forward succeeded: the buffered elements are in the layer's KV now.
+        for r in requests:
+            self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
         # the round's time per drafted position (steady-state catch-up forward included)
         catch_up = max(len(c.token_ids) for c in first_chunks)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, step + 1, catch_up, max(num_tokens))

@@ -1,19 +1,37 @@
 """Bookkeeping shared by the proposers that read the target's hidden states (EAGLE, MTP).
 
-After every step, each request keeps the final-norm hidden states of its newly committed
-positions (prefill chunk rows, or the last token + accepted drafts of a verification) until the
-proposer consumes them. Only those rows are sliced out of the step's batch output.
+After every step, the final-norm hidden states of each scheduled request's newly committed
+positions (prefill chunk rows, or the last token + accepted drafts of a verification) are sliced
+out of the step's batch output. Each proposer keeps what it needs of them, bounded per request:
+MTP the last row, EAGLE the rows its layer has not yet run over (see eagle.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
 
 
-def collect_committed_hidden(sched, runner_out) -> None:
-    """Append each scheduled request's committed rows to `drafter_state["hidden"]`.
+@dataclass
+class HiddenRows:
+    """A request's buffered target hidden states: `rows[i]` is the state at position `start + i`."""
+
+    start: int
+    rows: torch.Tensor  # [num_rows, hidden]
+
+    @property
+    def end(self) -> int:
+        """One past the last buffered position."""
+        return self.start + self.rows.shape[0]
+
+
+def committed_hidden(sched, runner_out) -> Iterator[tuple[Request, int, torch.Tensor]]:
+    """(request, position of its first row, rows [m, H]) of each scheduled, unfinished request's
+    newly committed positions. The rows are views of the step's output: clone what you keep.
 
     Example: a verification of 3 drafts with 2 accepted commits rows [c, c+1, c+2] (the last
     token and 2 drafts) of the request's 4 query rows; a partial prefill chunk commits all rows.
@@ -25,21 +43,4 @@ def collect_committed_hidden(sched, runner_out) -> None:
         if r.is_finished:
             continue
         committed = s.num_new_tokens + (len(tokens) - 1 if tokens else 0)
-        rows = hidden[cu[i] : cu[i] + committed]
-        state = r.drafter_state
-        if "hidden" not in state:
-            # first rows of this request (or after preemption): they start at position `start`
-            state["hidden_start"] = r.num_computed_tokens - committed
-            state["hidden"] = rows.clone()
-        else:
-            state["hidden"] = torch.cat([state["hidden"], rows])
-
-
-def pop_hidden(request: Request, upto: int) -> tuple[int, torch.Tensor]:
-    """Take the stored hidden states of positions [hidden_start, upto); keep the rest."""
-    state = request.drafter_state
-    start, rows = state["hidden_start"], state["hidden"]
-    n = upto - start
-    taken, state["hidden"] = rows[:n], rows[n:]
-    state["hidden_start"] = upto
-    return start, taken
+        yield r, r.num_computed_tokens - committed, hidden[cu[i] : cu[i] + committed]

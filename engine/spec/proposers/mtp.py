@@ -4,6 +4,7 @@ Head i maps h_t to h_t + SiLU(W_i h_t + b_i) and, through the target's own LM he
 memory, not copied; or its draft-vocabulary rows, see `draft_vocab.py`), predicts token t+i+2. At propose time the request's last committed position
 is t = N-2 (token N-1 was just sampled from h_{N-2}), so head i drafts token N+i: k drafts in one
 pass, no KV cache. Drafts of sampled requests come with their probabilities (exactness).
+Per request it keeps one hidden row: the target's state at the last committed position.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch.nn.functional as F
 from engine.errors import CheckpointError, DrafterMismatchError
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, StepTimer
+from engine.spec.proposers.base import Draft, ProposeContext, Proposer, StepTimer, may_draft
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.features import collect_committed_hidden, pop_hidden
+from engine.spec.proposers.features import HiddenRows, committed_hidden
 
 
 def read_head_config(model_dir: str, expected_arch: str) -> dict:
@@ -52,10 +53,13 @@ def check_head_matches_target(model_dir: str, runner, hidden: int, vocab: int, t
         )
 
 
-class MTPProposer:
+class MTPProposer(Proposer):
     method = "mtp"
+    needs_hidden_states = True
 
     def __init__(self, model_dir: str, runner, draft_vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.states: dict[str, HiddenRows] = {}  # one row: the last committed position's state
         cfg = read_head_config(model_dir, "MedusaHeads")
         check_head_matches_target(model_dir, runner, cfg["hidden_size"], cfg["vocab_size"], cfg.get("target"))
         self.num_heads = int(cfg["num_heads"])
@@ -79,28 +83,35 @@ class MTPProposer:
     def num_parameters(self) -> int:
         return self.weight.numel() + self.bias.numel() + self.head.num_parameters
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        pass
-
-    def kv_bytes_per_token(self) -> int:
-        return 0
-
-    def on_request_finished(self, request: Request) -> None:
-        request.drafter_state.clear()
+    def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        return max_num_seqs * self.weight.shape[-1] * self.weight.element_size()
 
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.seconds(num_requests)
 
     def observe_step(self, sched, runner_out) -> None:
-        collect_committed_hidden(sched, runner_out)
+        for r, start, rows in committed_hidden(sched, runner_out):
+            if may_draft(r):
+                self.states[r.request_id] = HiddenRows(start + rows.shape[0] - 1, rows[-1:].clone())
+
+    def check_no_leaks(self, live_ids: set[str]) -> None:
+        super().check_no_leaks(live_ids)
+        over = {rid: st.rows.shape[0] for rid, st in self.states.items() if st.rows.shape[0] != 1}
+        if over:
+            raise AssertionError(f"MTP keeps one hidden row per request, found {over}")
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         t0 = time.perf_counter()
         last = []
         for r in requests:
-            _, rows = pop_hidden(r, r.num_tokens - 1)
-            last.append(rows[-1])
+            state = self.states.get(r.request_id)
+            if state is None or state.start != r.num_tokens - 2:
+                raise RuntimeError(
+                    f"MTP: request {r.request_id!r} cannot draft: it needs the hidden state of position "
+                    f"{r.num_tokens - 2}, it keeps {None if state is None else state.start}"
+                )
+            last.append(state.rows[0])
         h = torch.stack(last)  # [B, H]
         k = max(num_tokens)
         # [B, k, H]: h + silu(W_i h + b_i) for heads 0..k-1
@@ -109,7 +120,7 @@ class MTPProposer:
         rows = [(b, i) for b, kb in enumerate(num_tokens) for i in range(kb)]
         owners = [requests[b] for b, _ in rows]
         flat = feats[[b for b, _ in rows], [i for _, i in rows]]  # [sum k, H]
-        picked, probs = self.head.sample(flat, owners)
+        picked, probs = self.head.sample(flat, owners, context.generators_for(owners))
         drafts, at = [], 0
         for r, kb in zip(requests, num_tokens, strict=True):
             p = probs[at : at + kb] if probs is not None and not r.sampling_params.is_greedy else None

@@ -5,7 +5,7 @@ most recent earlier match. Deterministic drafts: q is one-hot."""
 from __future__ import annotations
 
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext
+from engine.spec.proposers.base import Draft, ProposeContext, Proposer
 
 
 def ngram_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -52,21 +52,14 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     propose_is_free = True  # the speculator looks up drafts before deciding whether to verify them
     method = "ngram"
 
     def __init__(self, n_min: int, n_max: int) -> None:
+        super().__init__()
         self.n_min, self.n_max = n_min, n_max
-
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        pass
-
-    def kv_bytes_per_token(self) -> int:
-        return 0
-
-    def on_request_finished(self, request: Request) -> None:
-        request.drafter_state.pop("ngram", None)
+        self.states: dict[str, NgramIndex] = {}
 
     def step_cost(self, num_requests: int, k: int) -> float:
         return 2e-5 * num_requests
@@ -74,8 +67,8 @@ class NgramProposer:
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         drafts = []
         for r, k in zip(requests, num_tokens, strict=True):
-            index = r.drafter_state.get("ngram")
+            index = self.states.get(r.request_id)
             if index is None:
-                index = r.drafter_state["ngram"] = NgramIndex(self.n_min, self.n_max)
+                index = self.states[r.request_id] = NgramIndex(self.n_min, self.n_max)
             drafts.append(Draft(index.lookup(r.all_token_ids, k) if k else []))
         return drafts
