@@ -12,9 +12,16 @@ class SamplingParams:
     """How to sample one request's tokens (vLLM names).
 
     temperature 0 means greedy. top_k 0 means off, top_p 1.0 means off. `seed` gives the
-    request its own torch.Generator so its samples are reproducible whatever else is batched.
+    request its own torch.Generator (one uniform per sampled token). Without speculation (an
+    engine without a drafter, or `speculative=False` on the request) a seeded request's tokens are
+    reproducible whatever else is batched with it and across preemptions, up to floating-point
+    differences between batch shapes (exact on the CPU in float32; in bf16 or on a GPU a near-tie
+    can flip). With speculation they follow the same distribution, but the drafter and the
+    rejection sampler draw from the same generator, and which drafts a step verifies depends on the
+    batch (token budget, adaptive policy): the tokens repeat only when the same requests run the
+    same way (same engine configuration and arrivals, `adaptive=False`).
     `speculative` turns speculation off for this request when False; `num_speculative_tokens`
-    caps k for this request (None: the engine's default).
+    caps k for this request (None: the engine's default; 0: no speculation either).
     """
 
     max_tokens: int = 16

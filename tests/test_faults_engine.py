@@ -1,10 +1,11 @@
 """Engine hardening: drafting only for the requests a step scheduled, proposers that change nothing
 when a forward fails, drafts that fit the token budget, per-request state kept by the component
 that uses it (and freed), bounded hidden-state buffers, leak checks that fail when state leaks,
-and the inverse-CDF sampler's top end. Greedy checks are exact (fp32)."""
+the inverse-CDF sampler's top end, and what a seed guarantees. Greedy checks are exact (fp32)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from types import SimpleNamespace
@@ -465,3 +466,42 @@ def test_inverse_cdf_never_picks_a_zero_probability_token(monkeypatch):
     for _ in range(20):
         picked = sample_from_probs(rows, [None] * 512)
         assert (rows[torch.arange(512), picked] > 0).all()
+
+
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=1234, ignore_eos=True)
+OTHERS = [SamplingParams(max_tokens=24, temperature=0.9, ignore_eos=True), GREEDY,
+          SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True)]
+
+
+def seeded_run(models, with_others: bool, speculative=None, request_speculates: bool = True) -> list[int]:
+    """The seeded request's tokens, alone or after three other requests (staggered)."""
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=speculative)
+    params = SEEDED if request_speculates else dataclasses.replace(SEEDED, speculative=False)
+    prompts = [SPEC_PROMPTS[4]] + (SPEC_PROMPTS[:3] if with_others else [])
+    all_params = [params] + (OTHERS if with_others else [])
+    arrivals = [2, 0, 1, 2] if with_others else [0]
+    outs = {}
+    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", prompts[i], all_params[i])
+            outs[f"r{i}"] = []
+        for out in engine.step():
+            outs[out.request_id].extend(out.new_token_ids)
+        step += 1
+    assert_no_leaked_blocks(engine)
+    return outs["r0"]
+
+
+def test_seed_reproducible_whatever_else_is_batched_without_speculation(models):
+    """What SamplingParams promises for `seed`: without speculation (no speculative engine, or
+    speculative=False on the request) the seeded request's tokens do not depend on the batch;
+    with speculation they repeat when the same requests run the same way."""
+    alone = seeded_run(models, with_others=False)
+    assert seeded_run(models, with_others=True) == alone
+    draft = spec_config(models, "draft")
+    assert seeded_run(models, True, draft, request_speculates=False) == alone
+    assert seeded_run(models, False, draft, request_speculates=False) == alone
+    assert seeded_run(models, True, draft) == seeded_run(models, True, draft)
