@@ -125,7 +125,7 @@ class Served:
         serve.start(
             http_options={"host": "127.0.0.1", "port": free_port()},
             grpc_options={"port": port, "grpc_servicer_functions": [
-                "protos.specdecode.v1.specdecode_pb2_grpc.add_SpecDecodeServicer_to_server"]},
+                "deployments.servicer.add_SpecDecodeServicer_to_server"]},
         )
         serve.run(bind_app(config), name="bench", route_prefix="/bench")
         self.client = SpecDecodeClient(f"127.0.0.1:{port}", timeout=600)

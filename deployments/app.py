@@ -1,27 +1,33 @@
-"""The Ray Serve replica: gRPC `specdecode.v1.SpecDecode` methods over one `engine.AsyncLLM`.
+"""The engine replica: one `engine.AsyncLLM` (target + drafter on one device) as a Ray Serve
+deployment, called by the gRPC ingress (`deployments/ingress.py`) through a deployment handle.
 
-A thin shell: it translates protobuf requests into `SamplingParams`, streams the engine's
-outputs back as `GenerateResponse`s and maps engine errors to gRPC status codes. Serve's gRPC
-proxy calls `Generate`/`GetModelInfo` by name. Cancelling the stream (client cancel, deadline)
-cancels the generator, which aborts the engine request and frees its KV blocks.
-`build_app(args)` is the import path Serve config files name.
+A thin shell: it translates a `GenerateRequest` into token ids and `SamplingParams` (text is
+tokenized in a worker thread, after a length check that needs no tokenizer), streams the engine's
+outputs back as `GenerateResponse`s, and reports refusals as a yielded `ClientError` instead of
+raising (an exception raised here is logged by Serve with a traceback, and a refusal is not a
+fault). Each engine request gets a fresh id of the server's own; the client's `request_id` is a
+label for the response, logs and traces, so reusing one can never touch another request.
+Cancelling the stream (client cancel, deadline) cancels the generator, which aborts the engine
+request and frees its KV blocks. `build_app(args)` is the import path Serve config files name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from ray import serve
 from ray.serve import Application
-from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
-from deployments.config import DEPLOYMENT_NAME, AppConfig, resolve_path
+from deployments.config import DEPLOYMENT_NAME, INGRESS_DEPLOYMENT_NAME, AppConfig, resolve_path
+from deployments.errors import ClientError
 from deployments.metrics import start_replica_metrics
 from deployments.router import routing_stats
 from deployments.tracing import grpc_span_attributes, setup_tracing
@@ -30,23 +36,36 @@ from protos.specdecode.v1 import specdecode_pb2 as pb
 logger = logging.getLogger("ray.serve")
 
 HEALTH_CHECK_TIMEOUT_S = 30.0
+# Limits on fields the proto leaves unbounded (each is named in the error a client gets).
+MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform noise to float32
+MAX_SPECULATIVE_TOKENS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+INGRESS_MAX_ONGOING_REQUESTS = 100_000
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
-class RequestRejected(Exception):
-    """A request the replica refuses, with the gRPC status code and details to send back."""
+@dataclass(frozen=True)
+class Accepted:
+    """First item of every `generate` stream that passed validation: the engine holds the request
+    (the ingress's bounded wait for a replica ends here)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, details)  # both in args, so the exception pickles across Ray
-        self.code = code
-        self.details = details
+    replica_id: str
 
-    def __str__(self) -> str:
-        return f"{self.code.name}: {self.details}"
+
+class TraceMetadata:
+    """The caller's W3C trace headers, shaped like the gRPC context `parent_context` reads."""
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        self.pairs = pairs
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.pairs
 
 
 class SpecDecodeServer:
-    """One replica: an AsyncLLM (target + drafter on one device) behind the gRPC methods."""
+    """One engine replica: an AsyncLLM (target + drafter on one device) behind `generate`."""
 
     def __init__(self, config: AppConfig) -> None:
         from engine import AsyncLLM
@@ -59,7 +78,6 @@ class SpecDecodeServer:
         self.vocab_size: int = engine.vocab_size
         self.max_prompt_tokens = min(config.max_prompt_tokens or engine.max_model_len - 1, engine.max_model_len - 1)
         self.has_drafter = config.speculative is not None
-        self.live_request_ids: set[str] = set()
         self.latency = LatencyTracker(config.metrics_window_s)  # p95s for the SLO autoscaling policy
         # Prometheus metrics always; tracing only when configured (else None: nothing registered).
         k = config.speculative.num_speculative_tokens if config.speculative else 0
@@ -76,53 +94,51 @@ class SpecDecodeServer:
             engine_kwargs["num_threads"], self.llm.engine.device,
         )
 
-    # --- gRPC methods -----------------------------------------------------------------------
-    async def Generate(  # noqa: N802 - gRPC method name
-        self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    # --- called by the ingress ----------------------------------------------------------------
+    async def generate(
+        self, request: pb.GenerateRequest, label: str, trace_metadata: list[tuple[str, str]] | None = None
+    ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse]:
+        """`Accepted`, then the response messages; or one `ClientError` (and nothing else) when the
+        request is refused or the engine fails it. `label` is the client's id for the request."""
         from engine import EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError
 
+        request_id = uuid.uuid4().hex  # the engine's id: never the client's
         try:
-            prompt, params = self.translate(request)
-            request_id = request.request_id or grpc_context.request_id() or uuid.uuid4().hex
-            if request_id in self.live_request_ids:
-                raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request_id!r} is already in use")
-            speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
-            self.live_request_ids.add(request_id)
-            self.latency.start(request_id)
-            try:
-                stream = self.llm.generate(prompt, params, request_id=request_id)
-                if self.tracing is not None:
-                    attributes = grpc_span_attributes("Generate", self.replica_id, params, speculating)
-                    parent = self.tracing.parent_context(grpc_context)
-                    stream = self.tracing.trace(stream, request_id, parent=parent, server=True, attributes=attributes)
-                async for out in stream:
-                    self.latency.on_tokens(request_id, len(out.delta_token_ids))
-                    if out.finished:
-                        self.metrics.on_request_finished(out, speculating)
-                    yield self.to_response(out, request_id, speculating)
-            finally:
-                self.live_request_ids.discard(request_id)
-                self.latency.finish(request_id)
-        except RequestRejected as e:
-            _fail(grpc_context, e.code, e.details)
-            raise
+            prompt, params = await self.translate(request)
+        except ClientError as e:  # logged once, by the ingress
+            yield e
+            return
+        speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
+        self.latency.start(request_id)
+        try:
+            stream = self.llm.generate(prompt, params, request_id=request_id)
+            if self.tracing is not None:
+                attributes = grpc_span_attributes("Generate", self.replica_id, params, speculating, label)
+                parent = self.tracing.parent_context(TraceMetadata(trace_metadata or []))
+                stream = self.tracing.trace(stream, request_id, parent=parent, server=True, attributes=attributes)
+            yield Accepted(self.replica_id)
+            async for out in stream:
+                self.latency.on_tokens(request_id, len(out.delta_token_ids))
+                if out.finished:
+                    self.metrics.on_request_finished(out, speculating)
+                yield self.to_response(out, label, speculating)
         except InvalidRequestError as e:
-            _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise
+            yield ClientError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineOverloadedError as e:
-            _fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"replica full: {e}; retry later")
-            raise
+            yield ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"replica full: {e}; retry later")
         except EngineDeadError as e:
-            _fail(grpc_context, grpc.StatusCode.UNAVAILABLE, f"engine stopped: {e}")
-            raise
+            logger.error("request %r failed: engine stopped: %s", label, e)
+            yield ClientError(grpc.StatusCode.UNAVAILABLE, "the engine on this replica stopped; retry the request")
         except EngineError as e:
-            _fail(grpc_context, grpc.StatusCode.INTERNAL, f"engine error: {e}")
-            raise
+            logger.error("request %r failed: engine error: %s", label, e)
+            yield ClientError(grpc.StatusCode.INTERNAL, f"engine error: {e}")
+        finally:
+            self.latency.finish(request_id)
 
-    async def GetModelInfo(  # noqa: N802 - gRPC method name
-        self, request: pb.GetModelInfoRequest, grpc_context: RayServegRPCContext | None = None
-    ) -> pb.ModelInfo:
+    async def model_info(self) -> pb.ModelInfo:
+        return await self.GetModelInfo(pb.GetModelInfoRequest())
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:  # noqa: N802 - gRPC name
         cfg, engine = self.config, self.llm.engine
         stats = await self.llm.call(engine.stats)
         spec = cfg.speculative
@@ -185,55 +201,89 @@ class SpecDecodeServer:
             llm.shutdown()
 
     # --- translation ------------------------------------------------------------------------
-    def translate(self, request: pb.GenerateRequest) -> tuple[list[int], Any]:
-        """Prompt token ids and SamplingParams for a request; RequestRejected if it is bad."""
+    async def translate(self, request: pb.GenerateRequest) -> tuple[list[int], Any]:
+        """Prompt token ids and SamplingParams for a request; ClientError if it is bad. Every
+        field is checked before the prompt is tokenized, and the prompt's length before that."""
         from engine import InvalidRequestError, SamplingParams
 
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         kind = request.WhichOneof("input")
         if kind is None:
-            raise RequestRejected(invalid, "prompt: set `prompt` (text) or `prompt_token_ids`")
+            raise ClientError(invalid, "prompt: set `prompt` (text) or `prompt_token_ids`")
+        kwargs = self.sampling_kwargs(request)
+        try:
+            params = SamplingParams(**kwargs)
+        except InvalidRequestError as e:
+            raise ClientError(invalid, str(e)) from None
         if kind == "prompt":
             if not request.prompt:
-                raise RequestRejected(invalid, "prompt: is empty; give at least one character")
+                raise ClientError(invalid, "prompt: is empty; give at least one character")
             try:
-                _, ids = self.llm.llm.encode(request.prompt)
+                _, ids = await self.llm.encode_async(request.prompt, self.max_prompt_tokens)
             except InvalidRequestError as e:
-                raise RequestRejected(invalid, f"prompt: {e}") from None
+                raise ClientError(invalid, f"prompt: {e}") from None
         else:
             ids = list(request.prompt_token_ids.ids)
             if not ids:
-                raise RequestRejected(invalid, "prompt_token_ids: is empty; give at least one token id")
+                raise ClientError(invalid, "prompt_token_ids: is empty; give at least one token id")
+            if len(ids) > self.max_prompt_tokens:
+                raise ClientError(
+                    invalid, f"prompt: has {len(ids)} tokens; this deployment accepts at most {self.max_prompt_tokens}"
+                )
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise RequestRejected(
+                raise ClientError(
                     invalid, f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size - 1}]"
                 )
         if len(ids) > self.max_prompt_tokens:
-            raise RequestRejected(
+            raise ClientError(
                 invalid, f"prompt: has {len(ids)} tokens; this deployment accepts at most {self.max_prompt_tokens}"
             )
-        max_tokens = request.max_tokens if request.HasField("max_tokens") else self.config.default_max_tokens
-        if max_tokens > self.config.max_tokens:
-            raise RequestRejected(
-                invalid, f"max_tokens: {max_tokens} exceeds this deployment's cap of {self.config.max_tokens}"
-            )
+        return ids, params
+
+    def sampling_kwargs(self, request: pb.GenerateRequest) -> dict[str, Any]:
+        """SamplingParams keyword arguments from the request's fields, each range-checked here (the
+        proto's ranges are wider than the engine's: int64 seeds, infinite doubles, long lists)."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        cfg = self.config
+        max_tokens = request.max_tokens if request.HasField("max_tokens") else cfg.default_max_tokens
+        if max_tokens > cfg.max_tokens:
+            raise ClientError(invalid, f"max_tokens: {max_tokens} exceeds this deployment's cap of {cfg.max_tokens}")
+        for name in ("temperature", "top_p"):
+            value = getattr(request, name)
+            if request.HasField(name) and not math.isfinite(value):
+                raise ClientError(invalid, f"{name}: must be a finite number, got {value!r}")
+        if request.HasField("temperature") and request.temperature > MAX_TEMPERATURE:
+            raise ClientError(invalid, f"temperature: must be in [0, {MAX_TEMPERATURE}], got {request.temperature!r}")
+        if request.HasField("top_k") and request.top_k > self.vocab_size:
+            raise ClientError(invalid, f"top_k: must be in [0, {self.vocab_size}] (0 = off), got {request.top_k}")
+        if request.HasField("seed") and request.seed < 0:
+            raise ClientError(invalid, f"seed: must be in [0, {2**63 - 1}], got {request.seed}")
         mode = request.speculation
         if mode not in pb.SpeculationMode.values():
             names = ", ".join(pb.SpeculationMode.keys())
-            raise RequestRejected(invalid, f"speculation: unknown mode {mode}; use one of {names}")
+            raise ClientError(invalid, f"speculation: unknown mode {mode}; use one of {names}")
         if mode == pb.SPECULATION_MODE_ON and not self.has_drafter:
-            raise RequestRejected(
+            raise ClientError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "speculation: ON, but this deployment has no drafter; use DEFAULT or OFF",
             )
+        if request.HasField("max_speculative_tokens") and request.max_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ClientError(invalid, f"max_speculative_tokens: must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                                       f"got {request.max_speculative_tokens}")
+        stops = list(request.stop)
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ClientError(invalid, f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                                       f"characters, got {len(stops)} (longest {max(map(len, stops))})")
         stop_ids = list(request.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise ClientError(invalid, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(stop_ids)}")
         bad = [t for t in stop_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestRejected(invalid, f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size - 1}]")
+            raise ClientError(invalid, f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size - 1}]")
         kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
-            "stop": list(request.stop) or None,
+            "stop": stops or None,
             "stop_token_ids": stop_ids,
             "ignore_eos": request.ignore_eos,
             "speculative": mode != pb.SPECULATION_MODE_OFF,
@@ -243,16 +293,12 @@ class SpecDecodeServer:
                 kwargs[name] = getattr(request, name)
         if request.HasField("max_speculative_tokens"):
             kwargs["num_speculative_tokens"] = request.max_speculative_tokens
-        try:
-            params = SamplingParams(**kwargs)
-        except InvalidRequestError as e:
-            raise RequestRejected(invalid, str(e)) from None
-        return ids, params
+        return kwargs
 
     @staticmethod
-    def to_response(out: Any, request_id: str, speculating: bool) -> pb.GenerateResponse:
+    def to_response(out: Any, label: str, speculating: bool) -> pb.GenerateResponse:
         """One engine RequestOutput as a stream message (the last one carries the totals)."""
-        msg = pb.GenerateResponse(request_id=request_id, token_ids=out.delta_token_ids, text=out.delta_text)
+        msg = pb.GenerateResponse(request_id=label, token_ids=out.delta_token_ids, text=out.delta_text)
         if out.finished:
             m = out.metrics
             msg.finish_reason = _FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
@@ -270,11 +316,6 @@ class SpecDecodeServer:
 
 def _noop() -> None:
     return None
-
-
-def _fail(grpc_context: RayServegRPCContext, code: grpc.StatusCode, details: str) -> None:
-    grpc_context.set_code(code)
-    grpc_context.set_details(details)
 
 
 def _spec_stats(spec: dict, enabled: bool) -> pb.SpeculationStats:
@@ -302,7 +343,7 @@ def replica_resources(config: AppConfig) -> dict:
 
 
 def deployment_options(config: AppConfig, overrides: dict | None = None) -> dict:
-    """Serve options for the replica deployment: capacity from the engine's limits, then the
+    """Serve options for the engine deployment: capacity from the engine's limits, then the
     config file's `deployments:` overrides (num_replicas, autoscaling_config, ...) on top."""
     options: dict[str, Any] = {
         "ray_actor_options": replica_resources(config),
@@ -312,6 +353,22 @@ def deployment_options(config: AppConfig, overrides: dict | None = None) -> dict
         "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": 30,
     }
+    return _apply(options, overrides)
+
+
+def ingress_options(config: AppConfig, overrides: dict | None = None) -> dict:
+    """Serve options for the gRPC ingress: no CPU reservation (it only relays messages; the proxy
+    does the same), and no limit of its own on requests in flight: the engine deployment's
+    max_ongoing_requests and max_queued_requests are the service's capacity."""
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
+        "graceful_shutdown_timeout_s": 30,
+    }
+    return _apply(options, overrides)
+
+
+def _apply(options: dict, overrides: dict | None) -> dict:
     for key, value in (overrides or {}).items():
         if key != "name":
             options[key] = value
@@ -320,12 +377,20 @@ def deployment_options(config: AppConfig, overrides: dict | None = None) -> dict
 
 def build_app(args: dict) -> Application:
     """Serve application builder (`import_path: deployments.app:build_app`): validate the args
-    and bind the deployment. Serve applies a config file's `deployments:` overrides itself."""
+    and bind the deployments. Serve applies a config file's `deployments:` overrides itself."""
     return bind_app(AppConfig.from_dict(args or {}))
 
 
-def bind_app(config: AppConfig, overrides: dict | None = None) -> Application:
-    """The bound deployment, sized from `config`, with `overrides` (deployment options as in a
-    config file's `deployments:` entry: num_replicas, autoscaling_config, ...) applied on top."""
-    deployment = serve.deployment(SpecDecodeServer, name=DEPLOYMENT_NAME)
-    return deployment.options(**deployment_options(config, overrides)).bind(config)
+def bind_app(
+    config: AppConfig, overrides: dict | None = None, ingress_overrides: dict | None = None,
+    engine_cls: type = None,  # type: ignore[assignment] - SpecDecodeServer or a subclass (tests)
+) -> Application:
+    """The gRPC ingress bound over the engine deployment, each sized from `config`, with
+    `overrides` / `ingress_overrides` (deployment options as in a config file's `deployments:`
+    entries: num_replicas, autoscaling_config, ...) applied on top."""
+    from deployments.ingress import SpecDecodeIngress
+
+    engine = serve.deployment(engine_cls or SpecDecodeServer, name=DEPLOYMENT_NAME)
+    engine_app = engine.options(**deployment_options(config, overrides)).bind(config)
+    ingress = serve.deployment(SpecDecodeIngress, name=INGRESS_DEPLOYMENT_NAME)
+    return ingress.options(**ingress_options(config, ingress_overrides)).bind(engine_app, config)

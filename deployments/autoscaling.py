@@ -1,7 +1,7 @@
 """SLO autoscaling: replicas report windowed p95 TTFT/TPOT and engine load; a Serve policy sizes the
 deployment so that both p95s stay under their targets.
 
-Replica side: `LatencyTracker` (fed by `SpecDecodeServer.Generate`) and `replica_autoscaling_stats`
+Replica side: `LatencyTracker` (fed by `SpecDecodeServer.generate`) and `replica_autoscaling_stats`
 build the dict `record_autoscaling_stats` returns (names in `METRIC_*`). Controller side:
 `SLOAutoscalingPolicy(**policy_kwargs)` is called by Serve with an `AutoscalingContext` each tick
 and returns (desired replicas, policy state); Serve then applies its up/down delays and min/max.

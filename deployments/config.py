@@ -21,9 +21,10 @@ from engine.config import SPECULATIVE_METHODS
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config.yaml"
 APP_IMPORT_PATH = "deployments.app:build_app"
-DEPLOYMENT_NAME = "SpecDecode"
+DEPLOYMENT_NAME = "SpecDecode"  # the engine replicas: the pool that scales on the SLO
+INGRESS_DEPLOYMENT_NAME = "SpecDecodeIngress"  # the gRPC methods, in front of the engine replicas
 SLO_POLICY_PATH = "deployments.autoscaling:SLOAutoscalingPolicy"  # its policy_kwargs are checked here
-SERVICER_FUNCTION = "protos.specdecode.v1.specdecode_pb2_grpc.add_SpecDecodeServicer_to_server"
+SERVICER_FUNCTION = "deployments.servicer.add_SpecDecodeServicer_to_server"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 METHODS_WITH_MODEL = ("draft", "eagle", "mtp")
@@ -183,6 +184,8 @@ class AppConfig:
     2-core host with 2 threads, +12% with 1).
     metrics_window_s is the window of the p95 TTFT/TPOT each replica reports to the SLO
     autoscaling policy (deployments/autoscaling.py; the SLO targets are its policy_kwargs).
+    replica_wait_timeout_s bounds how long the ingress waits for an engine replica to accept a
+    request (none is running, or all are full and Serve queues it) before answering UNAVAILABLE.
     """
 
     model: str = "models/target"
@@ -200,6 +203,7 @@ class AppConfig:
     num_cpus: int = 2
     torch_threads: int | None = None
     metrics_window_s: float = 30.0
+    replica_wait_timeout_s: float = 30.0
     tracing: TracingArgs | None = None
 
     @classmethod
@@ -230,6 +234,10 @@ class AppConfig:
             "torch_threads": check.integer(f"{where}.torch_threads", data.get("torch_threads"), 1, 1024, optional=True),
             "metrics_window_s": check.number(
                 f"{where}.metrics_window_s", data.get("metrics_window_s", d.metrics_window_s), 0.0, 3600.0
+            ),
+            "replica_wait_timeout_s": check.number(
+                f"{where}.replica_wait_timeout_s", data.get("replica_wait_timeout_s", d.replica_wait_timeout_s),
+                0.1, 3600.0,
             ),
         }
         if "speculative" in data and data["speculative"] is None:
@@ -366,10 +374,11 @@ def validate_serve_config(config: dict) -> dict[str, AppConfig]:
         if app.get("import_path") != APP_IMPORT_PATH:
             continue
         for j, deployment in enumerate(app.get("deployments") or []):
-            if deployment.get("name") != DEPLOYMENT_NAME:
+            if deployment.get("name") not in (DEPLOYMENT_NAME, INGRESS_DEPLOYMENT_NAME):
                 check.fail(
                     f"applications[{i}].deployments[{j}].name",
-                    f"this app has one deployment, {DEPLOYMENT_NAME!r}; got {deployment.get('name')!r}",
+                    f"this app has two deployments, {DEPLOYMENT_NAME!r} (engine replicas) and "
+                    f"{INGRESS_DEPLOYMENT_NAME!r} (gRPC ingress); got {deployment.get('name')!r}",
                 )
         try:
             apps[app.get("name", "default")] = AppConfig.from_dict(app.get("args"), f"applications[{i}].args")

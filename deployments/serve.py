@@ -26,6 +26,7 @@ from deployments.config import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_DRAFTER_MODELS,
     DEPLOYMENT_NAME,
+    INGRESS_DEPLOYMENT_NAME,
     ConfigError,
     load_serve_config,
     missing_models,
@@ -140,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             http_options=config.get("http_options"),
             grpc_options=grpc_options,
         )
-        overrides = next((d for d in app.get("deployments") or [] if d.get("name") == DEPLOYMENT_NAME), {})
+        entries = {d.get("name"): d for d in app.get("deployments") or []}
         print(f"deploying {app_name!r}: {app_config}", flush=True)
         start = time.monotonic()
-        serve.run(bind_app(app_config, overrides), name=app_name, route_prefix=app.get("route_prefix"))
+        bound = bind_app(app_config, entries.get(DEPLOYMENT_NAME), entries.get(INGRESS_DEPLOYMENT_NAME))
+        serve.run(bound, name=app_name, route_prefix=app.get("route_prefix"))
         from deployments.client import SpecDecodeClient
 
         with SpecDecodeClient(f"localhost:{port}") as client:

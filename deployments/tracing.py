@@ -69,6 +69,7 @@ STEP_SPAN = "engine.step"
 FIRST_TOKEN_EVENT = "first_token"
 
 ATTR_REQUEST_ID = "specdecode.request_id"
+ATTR_CLIENT_REQUEST_ID = "specdecode.client_request_id"
 # On a queue span after the first: engine steps ran without the request (it was preempted and
 # now recomputes, or the step's token budget left it out) and it waited.
 ATTR_SKIPPED_STEPS = "specdecode.queue.skipped_steps"
@@ -511,8 +512,9 @@ def _final_attributes(out: Any) -> dict:
     return attrs
 
 
-def grpc_span_attributes(method: str, replica_id: str, params: Any, speculating: bool) -> dict:
-    """Attributes of a request span opened by a gRPC method (OpenTelemetry RPC and GenAI names)."""
+def grpc_span_attributes(method: str, replica_id: str, params: Any, speculating: bool, client_request_id: str = "") -> dict:
+    """Attributes of a request span opened by a gRPC method (OpenTelemetry RPC and GenAI names).
+    The span's `specdecode.request_id` is the engine's id; the client's own id is a label."""
     attrs = {
         "rpc.system": "grpc", "rpc.service": RPC_SERVICE, "rpc.method": method,
         ATTR_SPECULATIVE: bool(speculating),
@@ -521,6 +523,8 @@ def grpc_span_attributes(method: str, replica_id: str, params: Any, speculating:
     }
     if replica_id:
         attrs["specdecode.replica_id"] = replica_id
+    if client_request_id:
+        attrs[ATTR_CLIENT_REQUEST_ID] = client_request_id
     return attrs
 
 

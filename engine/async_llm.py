@@ -2,7 +2,13 @@
 
 All engine calls happen on that thread (the core is not thread-safe); the event loop talks to it
 through a command queue and gets outputs back through per-request asyncio queues. `abort`
-frees the request's KV blocks at the thread's next turn (before the next step).
+frees the request's KV blocks at the thread's next turn (before the next step). Text prompts are
+tokenized in a worker thread, never on the event loop that serves the other streams, after a
+length check that needs no tokenizer (`max_prompt_chars`).
+
+A request id names one engine request until the engine thread has let go of it: a stream that is
+closed early keeps its id reserved until its abort is processed, so a new request with the same
+id can never receive the old one's tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import queue
 import threading
 import traceback
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from engine.errors import EngineError, InvalidRequestError
 from engine.llm import LLM
@@ -27,6 +35,33 @@ class EngineDeadError(EngineError, RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+# Normalization (NFKC, a SentencePiece word marker) can make a token stand for more characters
+# of the input than its own string has; this margin keeps `max_prompt_chars` a safe bound.
+CHARS_PER_TOKEN_MARGIN = 2
+
+
+def max_prompt_chars(tokenizer, max_prompt_tokens: int) -> int:
+    """The most characters a text prompt of at most `max_prompt_tokens` tokens can have.
+
+    Every token stands for at most `longest` characters (its longest vocabulary string: for a
+    byte-level BPE one character per byte, and a character is at least one byte), so a text
+    longer than max_prompt_tokens * longest * CHARS_PER_TOKEN_MARGIN cannot fit, and is refused
+    before it is tokenized. Example: 1023 tokens, longest token 16 -> 32,736 characters.
+    """
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max_prompt_tokens * max(longest, 1) * CHARS_PER_TOKEN_MARGIN
+
+
+@dataclass
+class _Stream:
+    """The event-loop side of one request: where its outputs go, and whether its consumer left."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    state: RequestState
+    closing: bool = field(default=False)
+
+
 class AsyncLLM:
     def __init__(self, model: str, **llm_kwargs) -> None:
         self.llm = LLM(model, **llm_kwargs)
@@ -34,8 +69,10 @@ class AsyncLLM:
         self.tokenizer = self.llm.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestState]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._longest_token: int | None = None  # max_prompt_chars per token, computed once
         self._stopped = False
         self._snapshot: dict = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -53,36 +90,60 @@ class AsyncLLM:
         if self._stopped:
             raise EngineDeadError("the engine loop has stopped")
         params = sampling_params or SamplingParams()
-        text, ids = self.llm.encode(prompt)
+        text, ids = await self.encode_async(prompt)
         self.engine.validate_request(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), q, RequestState(rid, text, ids, params, self.tokenizer))
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), RequestState(rid, text, ids, params, self.tokenizer))
+        self._streams[rid] = stream
         self._send(("add", rid, ids, params))
         finished = False
         try:
             while True:
-                item = await q.get()
+                item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine thread already dropped the request
                     raise item
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self._send(("abort", rid))
+            if finished:
+                self._streams.pop(rid, None)
+            else:
+                # The id stays reserved until the engine thread has aborted the request: the
+                # step running now may still produce outputs for it.
+                stream.closing = True
+                self._send(("abort", rid, stream))
+
+    async def encode_async(self, prompt: str | list[int], max_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        """`encode` in the tokenizer thread. A text that cannot fit in `max_prompt_tokens` (default:
+        the engine's max_model_len - 1) is refused before tokenization (`max_prompt_chars`)."""
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            limit = max_prompt_tokens or self.engine.max_model_len - 1
+            if len(prompt) > self.max_prompt_chars(limit):
+                raise InvalidRequestError(
+                    f"prompt has {len(prompt)} characters; at most {limit} tokens are accepted, which no "
+                    f"text over {self.max_prompt_chars(limit)} characters fits in"
+                )
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.llm.encode, prompt)
+        return self.llm.encode(prompt)
+
+    def max_prompt_chars(self, max_prompt_tokens: int) -> int:
+        if self._longest_token is None:
+            self._longest_token = max_prompt_chars(self.tokenizer, 1)
+        return self._longest_token * max_prompt_tokens
 
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt, as `generate` will see it."""
         return self.llm.encode(prompt)
 
     def abort(self, request_id: str) -> None:
-        """Finish a request now; its KV blocks are freed before the engine's next step."""
-        self._send(("abort", request_id))
+        """Finish a request now; its KV blocks are freed before the engine's next step, and its
+        stream ends with finish_reason "abort"."""
+        self._send(("abort", request_id, None))
 
     def stats(self) -> dict:
         """Engine counters as of the last step (thread-safe snapshot)."""
@@ -109,6 +170,7 @@ class AsyncLLM:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- engine thread ----------------------------------------------------------------------
     def _send(self, cmd: tuple) -> None:
@@ -116,10 +178,33 @@ class AsyncLLM:
         self._wake.set()
 
     def _deliver(self, rid: str, item) -> None:
-        entry = self._streams.get(rid)
-        if entry is not None:
-            loop, q, _ = entry
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        stream = self._streams.get(rid)
+        if stream is not None and not stream.closing:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _abort(self, rid: str, closing: _Stream | None) -> None:
+        """Abort in the engine, then let go of the id: a stream its consumer closed is dropped;
+        one still read (`AsyncLLM.abort`) gets a final output with finish_reason "abort"."""
+        request = self.engine.scheduler.requests.get(rid)
+        self.engine.abort_request(rid)
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        if closing is not None:
+            if stream is closing:
+                stream.loop.call_soon_threadsafe(self._release, rid, closing)
+            return
+        if request is not None:
+            from engine.llm_engine import EngineOutput
+
+            out = EngineOutput(rid, [], "abort", request.num_prompt_tokens, request.num_output_tokens,
+                               request.num_cached_tokens, request.spec_stats)
+            self._deliver(rid, stream.state.process(out)[0])
+
+    def _release(self, rid: str, stream: _Stream) -> None:
+        """On the event loop: forget a closed stream (only that one, never a newer holder)."""
+        if self._streams.get(rid) is stream:
+            del self._streams[rid]
 
     def _drain_commands(self) -> None:
         while True:
@@ -135,7 +220,7 @@ class AsyncLLM:
                 except EngineError as e:
                     self._deliver(rid, e)
             elif kind == "abort":
-                self.engine.abort_request(cmd[1])
+                self._abort(cmd[1], cmd[2])
             elif kind == "call":
                 _, fn, args, loop, fut = cmd
                 try:
@@ -165,12 +250,12 @@ class AsyncLLM:
             # until the step is finished, so step listeners (tracing) see its last step first.
             final = []
             for out in outputs:
-                entry = self._streams.get(out.request_id)
-                if entry is None:
-                    if not out.finished:
+                stream = self._streams.get(out.request_id)
+                if stream is None or stream.closing:  # its consumer left; the abort is queued
+                    if not out.finished and stream is None:
                         self.engine.abort_request(out.request_id)
                     continue
-                ro, stop_hit = entry[2].process(out)
+                ro, stop_hit = stream.state.process(out)
                 if stop_hit:
                     self.engine.abort_request(out.request_id)
                 if ro.finished:
@@ -178,11 +263,9 @@ class AsyncLLM:
                 else:
                     self._deliver(out.request_id, ro)
             try:
-                self.engine.finish_step()
-            except Exception:  # noqa: BLE001 - a failed draft only loses this step's drafts
-                logger.error("drafting failed:\n%s", traceback.format_exc())
-                for r in self.engine.live_requests():
-                    r.spec_token_ids, r.spec_probs = [], None
+                self.engine.finish_step()  # a drafting failure is caught (and logged) by the engine
+            except Exception:  # noqa: BLE001 - a step listener (metrics, tracing) failed: keep serving
+                logger.error("step listener failed:\n%s", traceback.format_exc())
             for ro in final:
                 self._deliver(ro.request_id, ro)
             self._snapshot = self.engine.stats()

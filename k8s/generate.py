@@ -34,6 +34,7 @@ SERVE_SERVICE_NAME = f"{NAME}-serve-svc"
 DEFAULT_IMAGE_REPO = "specdecode-serve"  # `kind load docker-image` works with a bare name
 APP_IMPORT_PATH = "deployments.app:build_app"  # the application the overrides apply to
 DEPLOYMENT_NAME = "SpecDecode"
+INGRESS_DEPLOYMENT_NAME = "SpecDecodeIngress"  # HA: one per worker node, so losing a node keeps one
 SLO_POLICY = "deployments.autoscaling:SLOAutoscalingPolicy"
 TARGET_ONGOING_REQUESTS = 8  # the default policy's target; the SLO policy has its own signals
 
@@ -171,7 +172,8 @@ def slo_policy_kwargs(variant: Variant) -> dict:
 
 def serve_overrides(variant: Variant) -> dict:
     """The only changes a manifest makes to deployments/serve_config.yaml, for the application
-    `APP_IMPORT_PATH`: `args` keys and keys of its `DEPLOYMENT_NAME` deployment entry."""
+    `APP_IMPORT_PATH`: `args` keys, keys of its `DEPLOYMENT_NAME` deployment entry and (HA) of
+    its `INGRESS_DEPLOYMENT_NAME` entry."""
     deployment: dict[str, Any] = {
         "num_replicas": REMOVE,  # Serve refuses num_replicas together with autoscaling_config
         "autoscaling_config": {
@@ -183,9 +185,11 @@ def serve_overrides(variant: Variant) -> dict:
     }
     if variant.gpu:
         deployment["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 1}
+    ingress: dict[str, Any] = {}
     if variant.ha:
         deployment["max_replicas_per_node"] = 1
-    return {"args": {"device": "cuda" if variant.gpu else "cpu"}, "deployment": deployment}
+        ingress = {"num_replicas": 2, "max_replicas_per_node": 1}
+    return {"args": {"device": "cuda" if variant.gpu else "cpu"}, "deployment": deployment, "ingress": ingress}
 
 
 def override_paths(overrides: dict) -> set[tuple[str, ...]]:
@@ -223,8 +227,8 @@ def find_app(config: dict) -> dict:
     return apps[0]
 
 
-def find_deployment(app: dict) -> dict | None:
-    matches = [d for d in app.get("deployments") or [] if d.get("name") == DEPLOYMENT_NAME]
+def find_deployment(app: dict, name: str = DEPLOYMENT_NAME) -> dict | None:
+    matches = [d for d in app.get("deployments") or [] if d.get("name") == name]
     return matches[0] if matches else None
 
 
@@ -234,13 +238,16 @@ def apply_serve_overrides(config: dict, variant: Variant) -> dict:
     app = find_app(config)
     overrides = serve_overrides(variant)
     app["args"] = _merge(app.get("args") or {}, overrides["args"])
-    deployment = find_deployment(app)
-    if deployment is None:
-        deployment = {"name": DEPLOYMENT_NAME}
-        app.setdefault("deployments", []).append(deployment)
-    merged = _merge(deployment, overrides["deployment"])
-    deployment.clear()
-    deployment.update(merged)
+    for name, overlay in ((DEPLOYMENT_NAME, overrides["deployment"]), (INGRESS_DEPLOYMENT_NAME, overrides["ingress"])):
+        if not overlay:
+            continue
+        deployment = find_deployment(app, name)
+        if deployment is None:
+            deployment = {"name": name}
+            app.setdefault("deployments", []).append(deployment)
+        merged = _merge(deployment, overlay)
+        deployment.clear()
+        deployment.update(merged)
     return config
 
 

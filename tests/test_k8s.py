@@ -212,13 +212,18 @@ def test_serve_config_v2_is_the_project_config_plus_declared_overrides(variant: 
         config = copy.deepcopy(config)
         app = our_app(config)
         app.pop("args", None)
-        app["deployments"] = [d for d in app.get("deployments") or [] if d.get("name") != generate.DEPLOYMENT_NAME]
+        ours = (generate.DEPLOYMENT_NAME, generate.INGRESS_DEPLOYMENT_NAME)
+        app["deployments"] = [d for d in app.get("deployments") or [] if d.get("name") not in ours]
         return config
 
     assert strip(embedded) == strip(base), "serveConfigV2 differs from deployments/serve_config.yaml outside our app's args/deployment"
     base_deployment = generate.find_deployment(our_app(base)) or {"name": generate.DEPLOYMENT_NAME}
+    ingress = generate.INGRESS_DEPLOYMENT_NAME
+    base_ingress = generate.find_deployment(our_app(base), ingress) or {"name": ingress}
+    embedded_ingress = generate.find_deployment(our_app(embedded), ingress) or {"name": ingress}
     for section, ours, theirs in (("args", our_app(embedded)["args"], our_app(base)["args"]),
-                                  ("deployment", our_deployment(embedded), base_deployment)):
+                                  ("deployment", our_deployment(embedded), base_deployment),
+                                  ("ingress", embedded_ingress, base_ingress)):
         for path in differing_paths(ours, theirs, (section,)):
             assert any(is_prefix(path, p) or is_prefix(p, path) for p in allowed), (
                 f"{variant}: serveConfigV2 {'.'.join(path)} differs from deployments/serve_config.yaml "

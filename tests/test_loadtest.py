@@ -32,7 +32,7 @@ from loadtest.workloads import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SERVICER = "protos.specdecode.v1.specdecode_pb2_grpc.add_SpecDecodeServicer_to_server"
+SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
 APP = "loadtest-smoke"
 
 

@@ -54,8 +54,11 @@ def test_import_paths_resolve() -> None:
         builder = import_attr(app["import_path"])
         # What `serve run` does with the import path: one-parameter builder returning an Application.
         built = call_user_app_builder_with_args_if_necessary(builder, app["args"])
-        deployment = built._bound_deployment
-        assert deployment.name == app["deployments"][0]["name"]
+        ingress = built._bound_deployment
+        deployment = ingress.init_args[0]._bound_deployment  # the engine replicas behind the ingress
+        names = {d["name"] for d in app["deployments"]}
+        assert {ingress.name, deployment.name} == names == {"SpecDecodeIngress", "SpecDecode"}
+        assert ingress.ray_actor_options == {"num_cpus": 0}
         assert deployment.max_ongoing_requests == app["args"]["max_num_seqs"]
         assert deployment._deployment_config.max_queued_requests == app["args"]["max_queued_requests"]
         assert deployment.ray_actor_options["num_cpus"] == app["args"]["num_cpus"]  # Ray is not running
@@ -67,7 +70,9 @@ def test_deployment_overrides_are_applied() -> None:
 
     overrides = {"name": "SpecDecode", "autoscaling_config": {"min_replicas": 1, "max_replicas": 3},
                  "ray_actor_options": {"num_gpus": 1}, "max_queued_requests": 5}
-    deployment = bind_app(AppConfig(), overrides)._bound_deployment
+    ingress = bind_app(AppConfig(), overrides, {"num_replicas": 3})._bound_deployment
+    assert ingress._deployment_config.num_replicas == 3
+    deployment = ingress.init_args[0]._bound_deployment
     assert deployment.ray_actor_options["num_gpus"] == 1
     assert deployment._deployment_config.max_queued_requests == 5
     assert deployment._deployment_config.autoscaling_config.max_replicas == 3
@@ -207,3 +212,10 @@ def test_engine_threads_follow_the_config() -> None:
     assert AppConfig.from_dict({"torch_threads": 3}).engine_kwargs()["num_threads"] == 3
     assert AppConfig.from_dict({"num_cpus": 2}).engine_kwargs()["num_threads"] == default_torch_threads(2)
     assert 1 <= available_cpus() <= (os.cpu_count() or 1)
+
+
+def test_replica_wait_timeout_is_validated() -> None:
+    assert AppConfig.from_dict({"replica_wait_timeout_s": 5}).replica_wait_timeout_s == 5.0
+    for bad in (0, -1, float("inf"), "10", None):
+        with pytest.raises(ConfigError, match="replica_wait_timeout_s"):
+            AppConfig.from_dict({"replica_wait_timeout_s": bad})

@@ -29,7 +29,7 @@ from protos.specdecode.v1 import specdecode_pb2 as pb
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SERVICER = "protos.specdecode.v1.specdecode_pb2_grpc.add_SpecDecodeServicer_to_server"
+SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
 APP = "specdecode-test"
 NGRAM_APP = "specdecode-ngram"
 MAX_NUM_SEQS = 4
@@ -327,15 +327,16 @@ def test_speculation_on_without_drafter_is_failed_precondition(served: Served) -
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "no drafter" in err.details()
 
 
-def test_duplicate_request_id_is_already_exists(served: Served) -> None:
+def test_reused_request_id_is_only_a_label(served: Served) -> None:
+    """A client's request_id names its stream in responses, logs and traces; the engine uses ids
+    of its own, so two live streams with one id (or a retry with it) are independent."""
     with served.client() as client, served.client() as other:
         stream = client.generate([1, 2, 3], max_tokens=400, ignore_eos=True, request_id="dup")
-        next(stream)
-        err = rpc_error(lambda: list(other.generate([1, 2], request_id="dup")))
-        assert err.code() == grpc.StatusCode.ALREADY_EXISTS
-        assert sum(len(chunk.token_ids) for chunk in stream) == 399  # the first one is unharmed
-        ids, _, _ = collect(other.generate([1, 2], max_tokens=3, request_id="dup"))  # free again
-        assert len(ids) == 3
+        first = next(stream)
+        assert first.request_id == "dup"
+        ids, _, last = collect(other.generate(PROMPTS[0], request_id="dup", **GREEDY))
+        assert ids == reference(served, PROMPTS[0], **GREEDY)[0] and last.request_id == "dup"
+        assert len(first.token_ids) + sum(len(chunk.token_ids) for chunk in stream) == 400  # unharmed
         assert is_idle(wait_no_blocks(client))
 
 

@@ -27,7 +27,7 @@ from deployments.router import ROUTER_PATH
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(170)]
 
-SERVICER = "protos.specdecode.v1.specdecode_pb2_grpc.add_SpecDecodeServicer_to_server"
+SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
 APP = "slo-test"
 TPOT_SLO_MS = 110.0
 STEP_BASE_S = 0.004
@@ -150,8 +150,8 @@ def served_port(tiny_llama: str) -> Iterator[int]:
     import ray
     from ray import serve
 
-    from deployments.app import deployment_options
-    from deployments.config import DEPLOYMENT_NAME, AppConfig
+    from deployments.app import bind_app
+    from deployments.config import AppConfig
 
     port = free_port()
     config = AppConfig(
@@ -183,9 +183,7 @@ def served_port(tiny_llama: str) -> Iterator[int]:
             grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]},
         )
         server = padded_server_class(STEP_BASE_S, STEP_PER_SEQ_S)
-        deployment = serve.deployment(server, name=DEPLOYMENT_NAME)
-        serve.run(deployment.options(**deployment_options(config, overrides)).bind(config), name=APP,
-                  route_prefix=f"/{APP}")
+        serve.run(bind_app(config, overrides, engine_cls=server), name=APP, route_prefix=f"/{APP}")
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
             client.wait_ready(60)
         yield port

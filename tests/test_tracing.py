@@ -35,7 +35,7 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
 SPEC_TOTALS = ("num_draft_tokens", "num_accepted_tokens", "num_verify_steps")
-SERVICER = "protos.specdecode.v1.specdecode_pb2_grpc.add_SpecDecodeServicer_to_server"
+SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
 
 
 # --- a real OTLP receiver --------------------------------------------------------------------
@@ -444,7 +444,7 @@ def test_client_traceparent_reaches_replica_spans_through_serve(tmp_path, model:
     lines = [json.loads(line) for line in _read(spans_file).splitlines()]
     (req,) = [s for s in lines if s["name"] == tr.REQUEST_SPAN]
     assert (req["trace_id"], req["parent_span_id"], req["kind"]) == (TRACE_ID, PARENT_SPAN_ID, "SERVER")
-    assert req["attributes"]["rpc.method"] == "Generate" and req["attributes"][tr.ATTR_REQUEST_ID] == "e2e-1"
+    assert req["attributes"]["rpc.method"] == "Generate" and req["attributes"][tr.ATTR_CLIENT_REQUEST_ID] == "e2e-1"
     mine = [s for s in lines if s["trace_id"] == TRACE_ID]
     assert {s["name"] for s in mine} == {tr.REQUEST_SPAN, tr.QUEUE_SPAN, tr.PREFILL_SPAN, tr.DECODE_SPAN}
 

@@ -1,0 +1,143 @@
+"""The gRPC ingress: the `specdecode.v1.SpecDecode` methods Serve's proxy calls, in front of the
+engine replicas (`deployments/app.py`), which it calls through a deployment handle.
+
+Why a deployment of its own: Serve's proxy turns a replica that dies mid-stream into INTERNAL with
+Ray's internals in the details, and waits without bound while no replica exists; neither can be
+changed from a replica. The ingress owns the client's stream, so it can:
+- retry a request whose replica was lost before any message reached the client, on another
+  replica (up to MAX_ATTEMPTS), transparently;
+- answer UNAVAILABLE with a plain message when the replica is lost after messages went out (the
+  client has part of the output and must retry), or when no engine replica accepted the request
+  within `replica_wait_timeout_s` (none running, or all full and Serve queued it);
+- map refusals the engine replica yields (`ClientError`) and Serve's backpressure to their status.
+It holds no model and reserves no CPU: it relays messages (the hop's cost is in README's Serve
+overhead table). Cancelling the client's stream cancels the engine request through the handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.grpc_util import RayServegRPCContext
+
+from deployments.app import Accepted
+from deployments.config import AppConfig
+from deployments.errors import ClientError, install_log_filter
+from deployments.servicer import MalformedRequest
+from protos.specdecode.v1 import specdecode_pb2 as pb
+
+logger = logging.getLogger("ray.serve")
+
+MAX_ATTEMPTS = 3  # a request that streamed nothing is tried on this many replicas at most
+RETRY_BACKOFF_S = 0.2  # before a retry, so Serve's router can learn that the replica is gone
+TRACE_KEYS = ("traceparent", "tracestate")
+# What a lost replica (its actor or node died, or Serve took it out) looks like to a handle call.
+REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError, ReplicaUnavailableError,
+                DeploymentUnavailableError)
+
+
+class SpecDecodeIngress:
+    def __init__(self, engine, config: AppConfig) -> None:
+        install_log_filter()
+        self.engine = engine
+        self.stream = engine.options(stream=True)
+        self.wait_s = config.replica_wait_timeout_s
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: pb.GenerateRequest | MalformedRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            if isinstance(request, MalformedRequest):
+                raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+            label = request.request_id or grpc_context.request_id() or uuid.uuid4().hex
+            trace = [(k, v) for k, v in grpc_context.invocation_metadata() if k in TRACE_KEYS]
+            num_sent = 0
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                response = self.stream.generate.remote(request, label, trace)
+                try:
+                    async for message in self._relay(response):
+                        num_sent += 1
+                        yield message
+                    return
+                except REPLICA_LOST as e:
+                    if num_sent or attempt == MAX_ATTEMPTS:
+                        raise _replica_lost(label, num_sent, attempt, e) from None
+                    logger.warning("request %r: replica lost before its first message (%s); retrying "
+                                   "on another replica (attempt %d of %d)", label, type(e).__name__,
+                                   attempt + 1, MAX_ATTEMPTS)
+                    await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+        except ClientError as e:
+            _set_status(grpc_context, e)
+            raise
+
+    async def _relay(self, response) -> AsyncIterator[pb.GenerateResponse]:
+        """The engine replica's messages: the first item (Accepted or a refusal) within the wait
+        bound, then every message until the last; a yielded ClientError is raised."""
+        finished = False
+        try:
+            try:
+                first = await asyncio.wait_for(response.__anext__(), self.wait_s)
+            except TimeoutError:
+                raise ClientError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no engine replica accepted the request within {self.wait_s:g} s (none is running, or all "
+                    "are full); retry later",
+                ) from None
+            except BackPressureError as e:
+                raise ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the service is full: {e.message}; retry later") from None
+            if isinstance(first, ClientError):
+                finished = True
+                raise first
+            assert isinstance(first, Accepted), f"unexpected first item {first!r}"
+            async for item in response:
+                if isinstance(item, ClientError):
+                    finished = True
+                    raise item
+                yield item
+            finished = True
+        finally:
+            if not finished:
+                response.cancel()
+
+    async def GetModelInfo(  # noqa: N802 - gRPC method name
+        self, request: pb.GetModelInfoRequest | MalformedRequest, grpc_context: RayServegRPCContext
+    ) -> pb.ModelInfo:
+        try:
+            if isinstance(request, MalformedRequest):
+                raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                try:
+                    return await asyncio.wait_for(self.engine.model_info.remote(), self.wait_s)
+                except TimeoutError:
+                    raise ClientError(grpc.StatusCode.UNAVAILABLE,
+                                      f"no engine replica answered within {self.wait_s:g} s; retry later") from None
+                except REPLICA_LOST as e:
+                    if attempt == MAX_ATTEMPTS:
+                        raise _replica_lost("GetModelInfo", 0, attempt, e) from None
+                    await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+            raise AssertionError("unreachable")
+        except ClientError as e:
+            _set_status(grpc_context, e)
+            raise
+
+
+def _replica_lost(label: str, num_sent: int, attempts: int, e: BaseException) -> ClientError:
+    logger.warning("request %r: replica lost after %d messages, attempt %d (%s)", label, num_sent, attempts,
+                   type(e).__name__)
+    if num_sent:
+        details = (f"the replica serving this request stopped after {num_sent} messages; the output is "
+                   "incomplete: retry the whole request")
+    else:
+        details = f"the request's replica stopped {attempts} times before answering; retry later"
+    return ClientError(grpc.StatusCode.UNAVAILABLE, details)
+
+
+def _set_status(grpc_context: RayServegRPCContext, e: ClientError) -> None:
+    grpc_context.set_code(e.code)
+    grpc_context.set_details(e.details)
