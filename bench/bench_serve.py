@@ -3,10 +3,12 @@
     python -m bench.bench_serve [--model models/target --drafter models/drafter --method draft -k 4]
         [--num-requests 20 --max-tokens 64] [--no-speculation] [--out bench/results/serve.json]
 
-Loads the same engine config twice on this machine: `engine.AsyncLLM` in this process, and the
-SpecDecode deployment on an embedded Ray Serve, called through its gRPC proxy with
-`deployments.client`. Requests alternate between the two (same prompt back to back, the idle
-engine sleeping) so that other load on the machine hits both alike. Requests are sequential
+Loads the same engine config three times on this machine: `engine.AsyncLLM` in this process;
+the SpecDecode application on an embedded Ray Serve (gRPC proxy -> ingress -> engine replica),
+called through its gRPC proxy with `deployments.client`; and, on the same Serve, a "direct"
+application whose engine replica answers the proxy itself (no ingress hop: what the service was
+before the ingress, kept here to measure the hop). Requests rotate between the three (same
+prompt back to back, the idle engines sleeping) so that other load on the machine hits all alike. Requests are sequential
 (batch 1), greedy and ignore EOS (fixed length).
 TTFT: request sent -> first token received. TPOT: (last token - first token) / (tokens - 1).
 Medians over --num-requests after --warmup requests, for speculation on (if a drafter is
@@ -110,15 +112,38 @@ class InProcess:
         self.loop.close()
 
 
+def direct_server_class() -> type:
+    """The engine replica answering Serve's proxy itself, with no ingress in front (the served
+    path before the ingress existed): `Generate` relays `generate`'s messages. Bench only."""
+    from deployments.app import Accepted, SpecDecodeServer
+    from deployments.errors import ClientError
+
+    class DirectServer(SpecDecodeServer):
+        async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method name
+            async for item in self.generate(request, request.request_id or "bench"):
+                if isinstance(item, ClientError):
+                    grpc_context.set_code(item.code)
+                    grpc_context.set_details(item.details)
+                    raise item
+                if not isinstance(item, Accepted):
+                    yield item
+
+        async def GetModelInfo(self, request, grpc_context=None):  # noqa: N802 - gRPC method name
+            return await super().GetModelInfo(request)
+
+    return DirectServer
+
+
 class Served:
-    """The SpecDecode deployment on an embedded Ray Serve, called through its gRPC proxy."""
+    """Both served applications on one embedded Ray Serve, called through its gRPC proxy."""
 
     def __init__(self, config: AppConfig, port: int | None) -> None:
         import ray
         from ray import serve
 
-        from deployments.app import bind_app
+        from deployments.app import bind_app, deployment_options
         from deployments.client import SpecDecodeClient
+        from deployments.config import DEPLOYMENT_NAME
 
         port = port or free_port()
         ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False, log_to_driver=False)
@@ -127,9 +152,46 @@ class Served:
             grpc_options={"port": port, "grpc_servicer_functions": [
                 "deployments.servicer.add_SpecDecodeServicer_to_server"]},
         )
-        serve.run(bind_app(config), name="bench", route_prefix="/bench")
-        self.client = SpecDecodeClient(f"127.0.0.1:{port}", timeout=600)
+        # Two engine replicas on one host: neither reserves the CPUs (their torch threads are
+        # set by the config, as for the in-process engine).
+        shared = {"ray_actor_options": {"num_cpus": 0}}
+        serve.run(bind_app(config, shared), name="bench", route_prefix="/bench")
+        direct = serve.deployment(direct_server_class(), name=DEPLOYMENT_NAME)
+        serve.run(direct.options(**deployment_options(config, shared)).bind(config), name="bench-direct",
+                  route_prefix="/bench-direct")
+        self.client = SpecDecodeClient(f"127.0.0.1:{port}", application="bench", timeout=600)
+        self.direct = SpecDecodeClient(f"127.0.0.1:{port}", application="bench-direct", timeout=600)
         self.client.wait_ready()
+        self.direct.wait_ready()
+
+    def runner(self, direct: bool):
+        return _ServedPath(self, self.direct if direct else self.client)
+
+    def unary_round_trip_ms(self, client, n: int = 30) -> float:
+        """Median GetModelInfo round trip: client -> gRPC proxy -> (ingress ->) replica -> back,
+        with no engine step in it (a snapshot of the engine's stats): the floor Serve + gRPC add
+        to a request's first response."""
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            client.model_info()
+            times.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+        return statistics.median(times) * 1e3
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        self.client.close()
+        self.direct.close()
+        serve.shutdown()
+        ray.shutdown()
+
+
+class _ServedPath:
+    def __init__(self, served: Served, client) -> None:
+        self.served, self.client = served, client
 
     def request(self, prompt: str | list[int], max_tokens: int, speculative: bool) -> Sample:
         start = time.perf_counter()
@@ -145,26 +207,6 @@ class Served:
         result.server_tpot_s = (last.timing.e2e_s - last.timing.ttft_s) / (n - 1)
         return result
 
-    def unary_round_trip_ms(self, n: int = 30) -> float:
-        """Median GetModelInfo round trip: client -> gRPC proxy -> replica -> back, with no
-        engine step in it (a snapshot of the engine's stats): the floor Serve + gRPC add to a
-        request's first response."""
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            self.client.model_info()
-            times.append(time.perf_counter() - t0)
-            time.sleep(0.02)
-        return statistics.median(times) * 1e3
-
-    def close(self) -> None:
-        import ray
-        from ray import serve
-
-        self.client.close()
-        serve.shutdown()
-        ray.shutdown()
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -172,26 +214,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pairs(in_process: InProcess, served: Served, args: argparse.Namespace, modes: list[str]) -> dict:
-    """Alternate in-process and served requests (same prompt back to back) so that load from
-    elsewhere on the machine hits both paths alike; the idle engine of the other path sleeps."""
+def run_rotation(in_process: InProcess, served: Served, args: argparse.Namespace, modes: list[str]) -> dict:
+    """Rotate in-process, served (ingress) and served-direct requests (same prompt back to back)
+    so that load from elsewhere on the machine hits all paths alike; idle engines sleep."""
+    paths = {"in_process": in_process, "serve_grpc": served.runner(direct=False),
+             "serve_grpc_direct": served.runner(direct=True)}
+    names = list(paths)
     results = {}
     for mode in modes:
-        a: list[Sample] = []
-        b: list[Sample] = []
+        samples: dict[str, list[Sample]] = {name: [] for name in names}
         for i, prompt in enumerate(prompts_for(in_process.has_tokenizer, args.warmup + args.num_requests)):
-            first, second = (in_process, served) if i % 2 == 0 else (served, in_process)
-            for runner in (first, second):
-                time.sleep(args.pause)  # let the other path's OpenMP threads go back to sleep
-                s = runner.request(prompt, args.max_tokens, mode == "spec")
-                (a if runner is in_process else b).append(s)
-        a, b = a[args.warmup :], b[args.warmup :]
-        results[mode] = {
-            "in_process": summarize(a),
-            "serve_grpc": summarize(b),
-            "ttft_added_ms_paired_median": statistics.median((y.ttft_s - x.ttft_s) * 1e3 for x, y in zip(a, b, strict=True)),
-            "tpot_added_fraction_paired_median": statistics.median(y.tpot_s / x.tpot_s - 1 for x, y in zip(a, b, strict=True)),
-        }
+            for j in range(len(names)):
+                name = names[(i + j) % len(names)]
+                time.sleep(args.pause)  # let the other paths' OpenMP threads go back to sleep
+                samples[name].append(paths[name].request(prompt, args.max_tokens, mode == "spec"))
+        samples = {name: s[args.warmup :] for name, s in samples.items()}
+        a = samples["in_process"]
+        results[mode] = {name: summarize(s) for name, s in samples.items()}
+        for name in ("serve_grpc", "serve_grpc_direct"):
+            b = samples[name]
+            results[mode][f"{name}_ttft_added_ms_paired_median"] = statistics.median(
+                (y.ttft_s - x.ttft_s) * 1e3 for x, y in zip(a, b, strict=True))
+            results[mode][f"{name}_tpot_added_fraction_paired_median"] = statistics.median(
+                y.tpot_s / x.tpot_s - 1 for x, y in zip(a, b, strict=True))
     return results
 
 
@@ -246,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         served = Served(config, args.port)
         try:
-            results = run_pairs(in_process, served, args, modes)
-            unary_ms = served.unary_round_trip_ms()
+            results = run_rotation(in_process, served, args, modes)
+            unary_ms = served.unary_round_trip_ms(served.client)
+            unary_direct_ms = served.unary_round_trip_ms(served.direct)
         finally:
             served.close()
     finally:
@@ -256,16 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode in modes:
         r = results[mode]
-        a, b = r["in_process"], r["serve_grpc"]
-        ttft_added = b["ttft_ms_median"] - a["ttft_ms_median"]
-        tpot_added = b["tpot_ms_median"] / a["tpot_ms_median"] - 1.0
-        rows.append({
-            "mode": mode, **r,
-            "ttft_added_ms": ttft_added,
-            "tpot_added_fraction": tpot_added,
-            "meets_ttft_goal": ttft_added < TTFT_GOAL_MS,
-            "meets_tpot_goal": tpot_added < TPOT_GOAL,
-        })
+        a = r["in_process"]
+        row = {"mode": mode, **r}
+        for name in ("serve_grpc", "serve_grpc_direct"):
+            b = r[name]
+            row[f"{name}_ttft_added_ms"] = b["ttft_ms_median"] - a["ttft_ms_median"]
+            row[f"{name}_tpot_added_fraction"] = b["tpot_ms_median"] / a["tpot_ms_median"] - 1.0
+        row["meets_ttft_goal"] = row["serve_grpc_ttft_added_ms"] < TTFT_GOAL_MS
+        row["meets_tpot_goal"] = row["serve_grpc_tpot_added_fraction"] < TPOT_GOAL
+        rows.append(row)
     report = {
         "benchmark": "serve_overhead_batch1",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -279,30 +324,35 @@ def main(argv: list[str] | None = None) -> int:
         "num_requests": args.num_requests,
         "warmup": args.warmup,
         "max_tokens": args.max_tokens,
-        "schedule": "alternating in-process / served requests, same prompt back to back",
+        "schedule": "in-process / served (ingress) / served direct rotating, same prompt back to back",
         "goals": {"ttft_added_ms_below": TTFT_GOAL_MS, "tpot_added_fraction_below": TPOT_GOAL},
         "results": rows,
         "unary_round_trip_ms_median": unary_ms,
+        "unary_round_trip_direct_ms_median": unary_direct_ms,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
 
-    print(f"\n{'mode':<8} {'path':<14} {'TTFT ms':>9} {'TPOT ms':>9}")
+    print(f"\n{'mode':<8} {'path':<18} {'TTFT ms':>9} {'TPOT ms':>9}")
+    ok = lambda flag: "ok" if flag else "MISSED"  # noqa: E731
     for row in rows:
-        for path in ("in_process", "serve_grpc"):
+        for path in ("in_process", "serve_grpc", "serve_grpc_direct"):
             r = row[path]
-            print(f"{row['mode']:<8} {path:<14} {r['ttft_ms_median']:>9.2f} {r['tpot_ms_median']:>9.2f}")
-        ok = lambda flag: "ok" if flag else "MISSED"  # noqa: E731
-        print(f"{row['mode']:<8} {'added':<14} {row['ttft_added_ms']:>+9.2f} {row['tpot_added_fraction']:>+9.1%}"
-              f"   (goals: < {TTFT_GOAL_MS:.0f} ms {ok(row['meets_ttft_goal'])}, "
-              f"< {TPOT_GOAL:.0%} {ok(row['meets_tpot_goal'])})")
+            print(f"{row['mode']:<8} {path:<18} {r['ttft_ms_median']:>9.2f} {r['tpot_ms_median']:>9.2f}")
+        for name in ("serve_grpc", "serve_grpc_direct"):
+            label = "added, ingress" if name == "serve_grpc" else "added, direct"
+            print(f"{row['mode']:<8} {label:<18} "
+                  f"{row[name + '_ttft_added_ms']:>+9.2f} {row[name + '_tpot_added_fraction']:>+9.1%}   "
+                  f"(paired: {row[name + '_ttft_added_ms_paired_median']:+.2f} ms, "
+                  f"{row[name + '_tpot_added_fraction_paired_median']:+.1%})")
+        print(f"{row['mode']:<8} goals (ingress path): < {TTFT_GOAL_MS:.0f} ms {ok(row['meets_ttft_goal'])}, "
+              f"< {TPOT_GOAL:.0%} {ok(row['meets_tpot_goal'])}")
         b = row["serve_grpc"]
-        print(f"{row['mode']:<8} {'  in replica':<14} {b['server_side_ttft_ms_median']:>9.2f} "
+        print(f"{row['mode']:<8} {'  in replica':<18} {b['server_side_ttft_ms_median']:>9.2f} "
               f"{b['server_side_tpot_ms_median']:>9.2f}   (engine timings inside the replica)")
-        print(f"{row['mode']:<8} {'added, paired':<14} {row['ttft_added_ms_paired_median']:>+9.2f} "
-              f"{row['tpot_added_fraction_paired_median']:>+9.1%}   (median of per-prompt differences)")
-    print(f"GetModelInfo round trip through Serve + gRPC (no engine step): {unary_ms:.2f} ms median")
+    print(f"GetModelInfo round trip (no engine step): {unary_ms:.2f} ms with the ingress, "
+          f"{unary_direct_ms:.2f} ms direct")
     print(f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"wrote {out}")
     return 0
