@@ -23,3 +23,8 @@ class DrafterMismatchError(EngineError, ValueError):
 
 class EngineOverloadedError(EngineError, RuntimeError):
     """The engine cannot take more requests right now (waiting queue is full)."""
+
+
+class HandoffMismatchError(EngineError, ValueError):
+    """A prefill/decode handoff was exported by an engine this one cannot continue from (another
+    model, dtype, block size or drafter); the message names each field that differs."""

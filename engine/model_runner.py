@@ -81,6 +81,30 @@ def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device) -> l
     ]
 
 
+def gather_kv_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> torch.Tensor:
+    """A copy, on the CPU, of the given blocks of a paged KV cache, in block_ids' order:
+    [num_layers, 2 (k, v), len(block_ids), block_size, num_kv_heads, head_dim]."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
+    return torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)]) for k, v in kv_caches]).cpu()
+
+
+def scatter_kv_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], blocks: torch.Tensor | None
+) -> None:
+    """Write blocks [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim] (as from
+    `gather_kv_blocks`) into the given blocks of a paged KV cache; None writes zeros."""
+    if not block_ids:
+        return
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
+    for layer, (k, v) in enumerate(kv_caches):
+        if blocks is None:
+            k.index_fill_(0, idx, 0.0)
+            v.index_fill_(0, idx, 0.0)
+        else:
+            k.index_copy_(0, idx, blocks[layer, 0].to(k.device, k.dtype))
+            v.index_copy_(0, idx, blocks[layer, 1].to(v.device, v.dtype))
+
+
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
@@ -149,6 +173,22 @@ class ModelRunner:
     def drop_drafts(self, request_id: str) -> None:
         """A request's drafts were dropped (preemption) or failed; its generator stays."""
         self.draft_probs.pop(request_id, None)
+
+    def export_request(self, request_id: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(draft distributions of the pending drafts [k, vocab] on the CPU, generator state of a
+        seeded request that has sampled) of a request about to leave for another engine."""
+        probs = self.draft_probs.get(request_id)
+        g = self.generators.get(request_id)
+        return (None if probs is None else probs.cpu()), (None if g is None else g.get_state())
+
+    def import_request(self, request_id: str, draft_probs: torch.Tensor | None,
+                       generator_state: torch.Tensor | None) -> None:
+        """Restore what `export_request` returned, on this runner's device."""
+        self.set_draft_probs(request_id, None if draft_probs is None else draft_probs.to(self.device))
+        if generator_state is not None:
+            g = torch.Generator(device=self.device)
+            g.set_state(generator_state)
+            self.generators[request_id] = g
 
     def free_request(self, request_id: str) -> None:
         """Forget a finished or aborted request."""

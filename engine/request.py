@@ -23,10 +23,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_HANDOFF = "handoff"  # exported to another engine after its prefill (engine/handoff.py)
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (
+            RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_HANDOFF,
+        )
 
 
 @dataclass
@@ -114,6 +118,8 @@ class Request:
         self.block_hashes: list[int] = []  # chain hashes of this request's full, committed blocks
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (last) admission
         self.num_preemptions = 0
+        # Prefill/decode disaggregation: leave this engine as a `Handoff` after the first token(s).
+        self.export_after_prefill = False
         # Speculation: drafts proposed for the next step (their distributions: the model runner's).
         self.spec_token_ids: list[int] = []
         self.acceptance_counts = (0.0, 0.0)  # decayed (accepted, tried) drafts: spec/speculator.py

@@ -90,11 +90,36 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request at once and free its blocks. Unknown or finished ids are ignored."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a live request now with `status` (an abort, or a handoff to another engine) and
+        free its blocks. Returns it, or None for an unknown or finished id."""
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
         return request
+
+    def add_running(self, request: Request) -> None:
+        """Take in a request that already holds its blocks and computed tokens (a handoff
+        imported from another engine) as the newest running request: the next step continues it.
+        The caller checked `can_run_another` and allocated its blocks."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not self.can_run_another():
+            raise ValueError(f"{len(self.running)} requests already running (max_num_seqs {self.max_num_seqs})")
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
+    def can_run_another(self) -> bool:
+        """A sequence slot is free for one more running request."""
+        return len(self.running) < self.max_num_seqs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
