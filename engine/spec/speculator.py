@@ -215,6 +215,21 @@ class Speculator:
         """Forget a finished, aborted or preempted request."""
         self.proposer.free_request(request_id)
 
+    # --- handoff (engine/handoff.py) ----------------------------------------------------------
+    @property
+    def kv_caches(self) -> list:
+        """The proposer's paged KV cache (empty when it has none)."""
+        return self.proposer.kv_caches
+
+    def identity(self):
+        return self.proposer.identity()
+
+    def export_state(self, request_id: str):
+        return self.proposer.export_state(request_id)
+
+    def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
+        self.proposer.import_state(request_id, state, num_computed_tokens)
+
     def check_no_leaks(self, live: list[Request]) -> None:
         """Raise AssertionError if per-request state outlives its request or a buffer exceeds its
         bound."""

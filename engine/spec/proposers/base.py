@@ -7,13 +7,16 @@ n-gram lookup). Proposers never commit anything: their own caches only keep acce
 
 Per-request state lives in the proposer, keyed by request id (`states`), as one small dataclass
 per request (draft-model progress, buffered hidden rows, an n-gram index), so that it can be freed,
-checked for leaks and, later, handed from one engine to another. A proposer changes a request's
+checked for leaks and handed from one engine to another (`export_state` / `import_state`, and the
+paged `kv_caches` the engine copies block by block; see engine/handoff.py). A proposer changes a request's
 state only after the forward that could fail has succeeded: a failed `propose` leaves every state
 as it was, and the request can draft again next step.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -41,6 +44,28 @@ class ProposeContext:
         return [self.generators.get(r.request_id) for r in requests]
 
 
+@dataclass(frozen=True)
+class DrafterIdentity:
+    """What a handoff's importer must share with its exporter's drafter (engine/handoff.py)."""
+
+    model: str | None = None  # the drafter checkpoint's folder name; None without a model
+    digest: str | None = None  # `weights_digest` of its weights
+    draft_vocab_size: int | None = None  # rows of its LM head (the draft vocabulary)
+
+
+def weights_digest(named_tensors) -> str:
+    """A short hash of (name, shape, dtype) of each tensor: which architecture and layout, not the
+    values (hashing every weight would cost a pass over the checkpoint at start-up)."""
+    h = hashlib.sha256()
+    for name, t in sorted(named_tensors, key=lambda nt: nt[0]):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def model_name(model_dir: str) -> str:
+    return os.path.basename(os.path.normpath(model_dir))
+
+
 def may_draft(request: Request) -> bool:
     """False for a request that asked never to speculate (its proposer state is never needed)."""
     params = request.sampling_params
@@ -63,6 +88,24 @@ class Proposer:
 
     def __init__(self) -> None:
         self.states: dict[str, object] = {}  # request id -> this proposer's per-request state
+        # The proposer's paged KV cache, per layer (k, v) [num_blocks, block_size, kv_heads,
+        # head_dim], indexed by the target's block tables; empty when it has none.
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def identity(self) -> DrafterIdentity:
+        """What a handoff's importer must share with this drafter (none for a model-free one)."""
+        return DrafterIdentity()
+
+    def export_state(self, request_id: str):
+        """A request's state, with its tensors on the CPU, for a handoff to another engine; None
+        when there is nothing to hand over (the importer then starts the request without one)."""
+        return None
+
+    def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
+        """Take in a state from `export_state` for a request whose first `num_computed_tokens`
+        tokens have target KV. Raises ValueError for a state that does not fit, changing nothing."""
+        if state is not None:
+            raise ValueError(f"{self.method} proposer keeps no per-request state to import, got {type(state).__name__}")
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the proposer's own paged KV cache (same block tables as the target's), if any."""

@@ -20,7 +20,15 @@ from engine.errors import DrafterMismatchError
 from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
 from engine.models.loader import load_model
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, Proposer, StepTimer
+from engine.spec.proposers.base import (
+    Draft,
+    DrafterIdentity,
+    ProposeContext,
+    Proposer,
+    StepTimer,
+    model_name,
+    weights_digest,
+)
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
 
 
@@ -47,9 +55,30 @@ class DraftModelProposer(Proposer):
         self.head = DraftLMHead(
             self.model.lm_head.weight, resolve_draft_token_ids(draft_vocab_size, model_dir, draft_vocab)
         )
-        self.kv_caches: list = []
         self.block_size = 0
         self.timer = StepTimer(1e-3)  # one draft forward, averaged over a round
+        self._identity = DrafterIdentity(
+            model_name(model_dir), weights_digest(self.model.named_parameters()), self.head.size
+        )
+
+    def identity(self) -> DrafterIdentity:
+        return self._identity
+
+    def export_state(self, request_id: str) -> DraftModelState | None:
+        state = self.states.get(request_id)
+        return None if state is None else DraftModelState(state.num_computed)
+
+    def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
+        """The draft KV of the state's first `num_computed` tokens comes with the handoff's
+        `drafter_kv`; without a state the next round catches up over the whole context."""
+        if state is None:
+            return
+        if not isinstance(state, DraftModelState) or not 0 <= state.num_computed <= num_computed_tokens + 1:
+            raise ValueError(
+                f"draft model state must be a DraftModelState with 0 <= num_computed <= "
+                f"{num_computed_tokens + 1}, got {state!r}"
+            )
+        self.states[request_id] = DraftModelState(state.num_computed)
 
     @property
     def num_parameters(self) -> int:

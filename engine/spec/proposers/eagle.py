@@ -34,9 +34,18 @@ from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch
 from engine.models.llama import ArchConfig, DecoderLayer
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, Proposer, StepTimer, may_draft
+from engine.spec.proposers.base import (
+    Draft,
+    DrafterIdentity,
+    ProposeContext,
+    Proposer,
+    StepTimer,
+    may_draft,
+    model_name,
+    weights_digest,
+)
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.features import HiddenRows, committed_hidden
+from engine.spec.proposers.features import HiddenRows, committed_hidden, import_hidden_rows
 from engine.spec.proposers.mtp import check_head_matches_target, read_head_config
 
 EAGLE_BUFFER_ROWS = 16  # hidden rows a request may buffer between steps (k + 1 if larger)
@@ -98,9 +107,30 @@ class EagleProposer(Proposer):
         max_pos = runner.model.rope_cos.shape[0] + 1
         self.rope_cos, self.rope_sin = rope_cos_sin(hf, max_pos, self.dtype, self.device)
         self.backend = runner.backend
-        self.kv_caches: list = []
         self.block_size = 0
         self.timer = StepTimer(5e-4)  # one autoregressive step of the head
+        named = [(f"fc.{n}", p) for n, p in self.fc.named_parameters()]
+        named += [(f"layer.{n}", p) for n, p in self.layer.named_parameters()]
+        self._identity = DrafterIdentity(model_name(model_dir), weights_digest(named), self.head.size)
+
+    def identity(self) -> DrafterIdentity:
+        return self._identity
+
+    def export_state(self, request_id: str) -> HiddenRows | None:
+        """The buffered rows (on the CPU) of the positions the layer has not run over yet; the
+        layer's KV of the others travels as the handoff's `drafter_kv`."""
+        state = self.states.get(request_id)
+        return None if state is None else state.to("cpu")
+
+    def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
+        """Without a state (nothing handed over) the request's first committed rows on this engine
+        start a new buffer: the layer never sees the earlier positions' rows, so drafts are worse
+        (outputs stay exact)."""
+        if state is None:
+            return
+        self.states[request_id] = import_hidden_rows(
+            "EAGLE", state, self.target_hidden_size, num_computed_tokens, self.device, self.dtype
+        )
 
     @property
     def num_parameters(self) -> int:

@@ -28,6 +28,25 @@ class HiddenRows:
         """One past the last buffered position."""
         return self.start + self.rows.shape[0]
 
+    def to(self, device, dtype=None) -> HiddenRows:
+        """A copy with the rows on `device` (for a handoff: the CPU, then the importer's device)."""
+        return HiddenRows(self.start, self.rows.to(device=device, dtype=dtype, copy=True))
+
+
+def import_hidden_rows(method: str, state, hidden_size: int, num_computed_tokens: int, device, dtype) -> HiddenRows:
+    """Check a handed-over `HiddenRows` (its rows end at the request's computed tokens, as they do
+    after every step) and put it on this proposer's device."""
+    if (
+        not isinstance(state, HiddenRows) or state.rows.dim() != 2 or state.rows.shape[1] != hidden_size
+        or state.end != num_computed_tokens or state.start < 0
+    ):
+        got = state if not isinstance(state, HiddenRows) else (state.start, tuple(state.rows.shape))
+        raise ValueError(
+            f"{method} state must be HiddenRows of width {hidden_size} ending at position "
+            f"{num_computed_tokens}, got {got!r}"
+        )
+    return state.to(device, dtype)
+
 
 def committed_hidden(sched, runner_out) -> Iterator[tuple[Request, int, torch.Tensor]]:
     """(request, position of its first row, rows [m, H]) of each scheduled, unfinished request's

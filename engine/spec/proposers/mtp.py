@@ -19,9 +19,18 @@ import torch.nn.functional as F
 from engine.errors import CheckpointError, DrafterMismatchError
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, Proposer, StepTimer, may_draft
+from engine.spec.proposers.base import (
+    Draft,
+    DrafterIdentity,
+    ProposeContext,
+    Proposer,
+    StepTimer,
+    may_draft,
+    model_name,
+    weights_digest,
+)
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.features import HiddenRows, committed_hidden
+from engine.spec.proposers.features import HiddenRows, committed_hidden, import_hidden_rows
 
 
 def read_head_config(model_dir: str, expected_arch: str) -> dict:
@@ -78,6 +87,26 @@ class MTPProposer(Proposer):
             resolve_draft_token_ids(draft_vocab_size, model_dir, runner.arch.vocab_size),
         )
         self.timer = StepTimer(2e-4)  # one pass of all heads
+        self._identity = DrafterIdentity(
+            model_name(model_dir), weights_digest([("weight", self.weight), ("bias", self.bias)]), self.head.size
+        )
+
+    def identity(self) -> DrafterIdentity:
+        return self._identity
+
+    def export_state(self, request_id: str) -> HiddenRows | None:
+        state = self.states.get(request_id)
+        return None if state is None else state.to("cpu")
+
+    def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
+        """One row: the last committed position's hidden state. Every step replaces it, so a
+        request imported without it drafts again after its first step here."""
+        if state is None:
+            return
+        state = import_hidden_rows("MTP", state, self.weight.shape[-1], num_computed_tokens, self.device, self.dtype)
+        if state.rows.shape[0] != 1:
+            raise ValueError(f"MTP state must hold one hidden row, got {state.rows.shape[0]}")
+        self.states[request_id] = state
 
     @property
     def num_parameters(self) -> int:

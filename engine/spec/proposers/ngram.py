@@ -64,6 +64,9 @@ class NgramProposer(Proposer):
     def step_cost(self, num_requests: int, k: int) -> float:
         return 2e-5 * num_requests
 
+    # export_state / import_state: the defaults. The index is rebuilt from the request's tokens
+    # at its first lookup on the importing engine (one pass over them).
+
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         drafts = []
         for r, k in zip(requests, num_tokens, strict=True):
