@@ -12,9 +12,11 @@ from engine.errors import (
     DrafterMismatchError,
     EngineError,
     EngineOverloadedError,
+    HandoffMismatchError,
     InvalidRequestError,
     UnsupportedModelError,
 )
+from engine.handoff import Handoff, HandoffCompat
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -34,4 +36,7 @@ __all__ = [
     "UnsupportedModelError",
     "CheckpointError",
     "DrafterMismatchError",
+    "Handoff",
+    "HandoffCompat",
+    "HandoffMismatchError",
 ]

@@ -2,11 +2,14 @@
 
 It knows token ids only. `add_request` validates and queues, `step` runs one continuous-batching
 iteration and returns what each touched request produced, `abort_request` frees a request's
-blocks at once. Not thread-safe: `AsyncLLM` drives it from one thread.
+blocks at once. For prefill/decode disaggregation a request can leave after its first token as a
+`Handoff` (`export_after_prefill`, `take_handoffs`) and continue on another engine
+(`import_handoff`): engine/handoff.py. Not thread-safe: `AsyncLLM` drives it from one thread.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -14,14 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import KVBlockManager
+from engine.block_manager import KVBlockManager, cdiv
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.errors import EngineOverloadedError, InvalidRequestError
-from engine.model_runner import ModelRunner, kv_bytes_per_token
-from engine.request import Request, SpecStats
+from engine.handoff import Handoff, HandoffCompat, HandoffStats
+from engine.model_runner import ModelRunner, gather_kv_blocks, kv_bytes_per_token, scatter_kv_blocks
+from engine.request import Request, RequestStatus, SpecStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.spec.proposers.base import ProposeContext
+from engine.spec.proposers.base import ProposeContext, model_name, weights_digest
 
 logger = logging.getLogger("engine")
 
@@ -184,6 +188,10 @@ class LLMEngine:
         self.step_index = 0
         self._pending_step = None
         self.spec_stats = SpecStats()
+        self.handoff_compat = self._make_handoff_compat()
+        self.handoff_stats = HandoffStats()
+        self._exporting: list[Request] = []  # first token made this step; exported by finish_step
+        self._handoffs: dict[str, Handoff] = {}  # exported, not yet taken
         logger.info(
             "engine ready: %s on %s/%s, %d params, KV: %d blocks x %d tokens, %d bytes/token, max_model_len %d%s",
             model, self.device, str(self.dtype).removeprefix("torch."), self.runner.num_parameters, num_blocks,
@@ -242,12 +250,21 @@ class LLMEngine:
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size - 1}]"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+        export_after_prefill: bool = False,
+    ) -> Request:
+        """Validate and queue a request. With `export_after_prefill` it runs normally until a step
+        makes its first token(s) (that step's output carries them, not finished); the step's
+        `finish_step` drafts its first round, then exports it as a `Handoff` (`take_handoffs`) and
+        frees it here (status "handoff"). A request that finishes on its first token (EOS, stop
+        token, max_tokens=1) finishes normally instead, with no handoff."""
         self.validate_request(prompt_token_ids, params)
         limit = self.scheduler_config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests already waiting (limit {limit})")
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+        request.export_after_prefill = export_after_prefill
         self.scheduler.add_request(request)
         return request
 
@@ -289,6 +306,8 @@ class LLMEngine:
         for res in results:
             if res.request.is_finished:
                 self._free_request(res.request.request_id)
+            elif res.request.export_after_prefill:  # its first token(s): exported by finish_step
+                self._exporting.append(res.request)
         record = StepRecord(
             step_index=self.step_index,
             start_time=start_wall,
@@ -325,7 +344,9 @@ class LLMEngine:
         ]
 
     def finish_step(self) -> None:
-        """Draft for the next step (when speculating) and hand the step's record to listeners.
+        """Draft for the next step (when speculating), export the `export_after_prefill` requests
+        that made their first token(s) this step (`take_handoffs`), and hand the step's record to
+        listeners.
 
         Drafting never fails a step: if it raises, the error is logged and the step's requests go
         on without drafts (every proposer leaves its state as it was when a forward fails)."""
@@ -350,10 +371,183 @@ class LLMEngine:
             self.spec_stats.draft_time_s += record.draft_time_s
             for request_id in drafts:
                 self.scheduler.requests[request_id].spec_stats.draft_time_s += record.draft_time_s
+        exporting, self._exporting = self._exporting, []
+        for request in exporting:
+            if self.scheduler.requests.get(request.request_id) is request:  # not aborted meanwhile
+                self._export(request)
         self.step_index += 1
         record.duration_s = time.perf_counter() - t0
         for listener in self.step_listeners:
             listener(record)
+
+    # --- prefill/decode handoff (engine/handoff.py) -----------------------------------------
+    def _make_handoff_compat(self) -> HandoffCompat:
+        arch = self.runner.arch
+        drafter = {}
+        if self.speculator is not None:
+            ident = self.speculator.identity()
+            drafter = dict(drafter_method=self.speculator.method, drafter_model=ident.model,
+                           drafter_digest=ident.digest, draft_vocab_size=ident.draft_vocab_size)
+        return HandoffCompat(
+            model=model_name(self.model_dir), model_digest=weights_digest(self.runner.model.named_parameters()),
+            model_type=arch.model_type, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim, hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+            dtype=str(self.dtype).removeprefix("torch."), block_size=self.cache_config.block_size, **drafter,
+        )
+
+    def take_handoffs(self) -> dict[str, Handoff]:
+        """The requests exported since the last call, by request id (and forget them here).
+
+        Call it after `finish_step` (or `step`): an `export_after_prefill` request is exported at
+        the end of the `finish_step` of the step whose output carried its first token(s) (without
+        finishing it). It is missing only if it was aborted in between."""
+        handoffs, self._handoffs = self._handoffs, {}
+        return handoffs
+
+    def _export(self, request: Request) -> None:
+        """Build the request's `Handoff`, then finish it here (status "handoff") and free its
+        blocks and everything the runner and the proposer keep for it, as an abort does."""
+        rid = request.request_id
+        bs = self.block_manager.block_size
+        kv = gather_kv_blocks(self.runner.kv_caches, request.block_ids[: cdiv(request.num_computed_tokens, bs)])
+        drafter_kv = proposer_state = None
+        if self.speculator is not None:
+            proposer_state = self.speculator.export_state(rid)
+            if self.speculator.kv_caches and proposer_state is not None:  # it ran over at most every token
+                n = min(len(request.block_ids), cdiv(request.num_tokens, bs))
+                drafter_kv = gather_kv_blocks(self.speculator.kv_caches, request.block_ids[:n])
+        draft_probs, generator_state = self.runner.export_request(rid)
+        handoff = Handoff(
+            request_id=rid,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            output_token_ids=tuple(request.output_token_ids),
+            sampling_params=copy.deepcopy(request.sampling_params),
+            num_computed_tokens=request.num_computed_tokens,
+            spec_token_ids=tuple(request.spec_token_ids),
+            acceptance_counts=tuple(request.acceptance_counts),
+            spec_stats=copy.deepcopy(request.spec_stats),
+            num_cached_tokens=request.num_cached_tokens,
+            compat=self.handoff_compat,
+            kv=kv,
+            drafter_kv=drafter_kv,
+            proposer_state=proposer_state,
+            draft_probs=draft_probs if request.spec_token_ids else None,
+            generator_state=generator_state,
+        )
+        self.scheduler.finish_request(rid, RequestStatus.FINISHED_HANDOFF)
+        self._free_request(rid)
+        self._handoffs[rid] = handoff
+        st = self.handoff_stats
+        st.num_exported += 1
+        st.num_bytes_exported += handoff.num_bytes
+        st.num_blocks_exported += handoff.num_kv_blocks
+
+    def import_handoff(self, request_id: str, handoff: Handoff, *, with_drafter_state: bool = True) -> Request:
+        """Continue a request another engine exported after its prefill; returns it, running.
+
+        Checks compatibility (HandoffMismatchError naming each field) and the handoff itself
+        (InvalidRequestError), then allocates blocks for its computed tokens plus the next step's
+        tokens and lookahead: prompt blocks this engine's prefix cache holds are shared and not
+        copied (`handoff_stats.num_blocks_cached`), the others are written from `handoff.kv`. The
+        drafter's KV and state, the pending drafts with their distributions and the generator are
+        restored, so the next step verifies the exporter's drafts. Not enough free blocks or no
+        free sequence slot: EngineOverloadedError, and nothing changed (retry later).
+
+        `with_drafter_state=False` (an ablation) drops the drafter's state and KV: the draft model
+        catches up over the whole context at its next round, EAGLE starts a new buffer from the
+        next step's rows over a zeroed layer KV (worse drafts), MTP needs only the next step's row,
+        n-gram never needed any. Outputs stay exact; the pending drafts are still verified.
+        """
+        handoff.check(self.handoff_compat)
+        self._validate_handoff(request_id, handoff)
+        bs = self.block_manager.block_size
+        num_spec = min(self.scheduler.num_lookahead_tokens, self.max_model_len - handoff.num_tokens - 1)
+        spec = list(handoff.spec_token_ids)[: max(num_spec, 0)]
+        request = Request(request_id, list(handoff.prompt_token_ids), copy.deepcopy(handoff.sampling_params),
+                          self.eos_token_ids)
+        request.output_token_ids = list(handoff.output_token_ids)
+        if not self.scheduler.can_run_another():
+            raise EngineOverloadedError(
+                f"{len(self.scheduler.running)} requests already running (max_num_seqs {self.scheduler.max_num_seqs})"
+            )
+        use_drafter = with_drafter_state and self.speculator is not None
+        if use_drafter:  # checks the state and keeps it; undone below if blocks run short
+            self.speculator.import_state(request_id, handoff.proposer_state, handoff.num_computed_tokens)
+        cached = self.block_manager.find_cached_prefix(request)
+        num_new = request.num_tokens - len(cached) * bs + len(spec)
+        if not self.block_manager.allocate_slots(request, num_new, self.scheduler.num_lookahead_tokens, cached):
+            if use_drafter:
+                self.speculator.free_request(request_id)
+            raise EngineOverloadedError(
+                f"handoff {handoff.request_id!r} needs {cdiv(request.num_tokens + len(spec), bs)} KV blocks, "
+                f"{self.block_manager.num_free_blocks} are free"
+            )
+        # Blocks held: from here on nothing can fail short of a bug.
+        request.num_computed_tokens = handoff.num_computed_tokens
+        request.num_cached_tokens = handoff.num_cached_tokens
+        request.spec_token_ids = spec
+        request.acceptance_counts = tuple(handoff.acceptance_counts)
+        request.spec_stats = copy.deepcopy(handoff.spec_stats)
+        num_kv = handoff.num_kv_blocks
+        scatter_kv_blocks(self.runner.kv_caches, request.block_ids[len(cached) : num_kv], handoff.kv[:, :, len(cached) :])
+        if self.speculator is not None and self.speculator.kv_caches:
+            if use_drafter and handoff.drafter_kv is not None:
+                # every block, shared ones too: their drafter KV may never have been computed here
+                n = handoff.drafter_kv.shape[2]
+                scatter_kv_blocks(self.speculator.kv_caches, request.block_ids[:n], handoff.drafter_kv)
+            else:
+                scatter_kv_blocks(self.speculator.kv_caches, request.block_ids[len(cached) :], None)
+        self.runner.import_request(request_id, handoff.draft_probs if spec else None, handoff.generator_state)
+        self.scheduler.add_running(request)
+        self.block_manager.commit_full_blocks(request)
+        st = self.handoff_stats
+        st.num_imported += 1
+        st.num_bytes_imported += handoff.num_bytes
+        st.num_blocks_copied += num_kv - len(cached)
+        st.num_blocks_cached += len(cached)
+        return request
+
+    def _validate_handoff(self, request_id: str, h: Handoff) -> None:
+        """Raise InvalidRequestError for a handoff this engine cannot continue (ids, lengths, the
+        tensors' shapes); compatibility is checked before."""
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate_request(list(h.prompt_token_ids), h.sampling_params)
+        bad = [t for t in (*h.output_token_ids, *h.spec_token_ids) if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if not h.output_token_ids or bad:
+            raise InvalidRequestError(
+                f"handoff needs at least one output token, all in [0, {self.vocab_size - 1}]; "
+                f"got outputs {list(h.output_token_ids)[:5]}, out of range {bad[:5]}"
+            )
+        if h.num_computed_tokens != h.num_tokens - 1:
+            raise InvalidRequestError(
+                f"handoff has {h.num_tokens} tokens and {h.num_computed_tokens} computed; all but the last "
+                "token must have KV"
+            )
+        if h.num_tokens >= self.max_model_len:
+            raise InvalidRequestError(f"handoff has {h.num_tokens} tokens; this engine's max_model_len is {self.max_model_len}")
+        bs, arch = self.block_manager.block_size, self.runner.arch
+        want = (arch.num_layers, 2, cdiv(h.num_computed_tokens, bs), bs, arch.num_kv_heads, arch.head_dim)
+        if tuple(h.kv.shape) != want or h.kv.dtype != self.dtype:
+            raise InvalidRequestError(f"handoff kv must be {want} {self.dtype}, got {tuple(h.kv.shape)} {h.kv.dtype}")
+        if self.speculator is not None and self.speculator.kv_caches and h.drafter_kv is not None:
+            k = self.speculator.kv_caches[0][0]
+            n = h.drafter_kv.shape[2] if h.drafter_kv.dim() == 6 else -1
+            want = (len(self.speculator.kv_caches), 2, n, *k.shape[1:])
+            if tuple(h.drafter_kv.shape) != want or not 0 < n <= cdiv(h.num_tokens, bs) or h.drafter_kv.dtype != self.dtype:
+                raise InvalidRequestError(
+                    f"handoff drafter_kv must be {want} {self.dtype} with 1..{cdiv(h.num_tokens, bs)} blocks, "
+                    f"got {tuple(h.drafter_kv.shape)} {h.drafter_kv.dtype}"
+                )
+        elif self.speculator is not None and self.speculator.kv_caches and h.proposer_state is not None:
+            raise InvalidRequestError("handoff has a drafter state but no drafter_kv")
+        if h.spec_token_ids and h.draft_probs is not None and (
+            h.draft_probs.dim() != 2 or h.draft_probs.shape[0] < len(h.spec_token_ids)
+            or h.draft_probs.shape[1] != self.vocab_size
+        ):
+            raise InvalidRequestError(
+                f"handoff draft_probs must be [>= {len(h.spec_token_ids)}, {self.vocab_size}], got {tuple(h.draft_probs.shape)}"
+            )
 
     # --- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -367,6 +561,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             "spec": self.spec_stats.as_dict(),
+            "handoff": self.handoff_stats.as_dict(),
         }
 
     def live_requests(self) -> list[Request]:
