@@ -472,7 +472,10 @@ class LLMEngine:
             )
         use_drafter = with_drafter_state and self.speculator is not None
         if use_drafter:  # checks the state and keeps it; undone below if blocks run short
-            self.speculator.import_state(request_id, handoff.proposer_state, handoff.num_computed_tokens)
+            try:
+                self.speculator.import_state(request_id, handoff.proposer_state, handoff.num_computed_tokens)
+            except ValueError as e:
+                raise InvalidRequestError(f"handoff {handoff.request_id!r}: {e}") from e
         cached = self.block_manager.find_cached_prefix(request)
         num_new = request.num_tokens - len(cached) * bs + len(spec)
         if not self.block_manager.allocate_slots(request, num_new, self.scheduler.num_lookahead_tokens, cached):

@@ -5,6 +5,7 @@ greedy and seeded sampling; B's first verifications accept what the single engin
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -20,6 +21,7 @@ from engine import (
     SamplingParams,
     SpeculativeConfig,
 )
+from engine.spec.proposers.draft_model import DraftModelState
 
 METHODS = [None, "draft", "eagle", "mtp", "ngram"]
 # 38 tokens (2 full blocks of 16 + 6) with repetition, so n-gram lookup finds matches.
@@ -197,8 +199,9 @@ def test_without_drafter_state(models, method):
 
 
 def test_mismatching_handoff_is_refused(models):
-    """Another dtype, block size, target or drafter: HandoffMismatchError naming the field; nothing
-    changes on the importer."""
+    """Another dtype, block size, target or drafter: HandoffMismatchError naming the field; a
+    malformed handoff (drafter state, KV shape) or a used id: InvalidRequestError. Nothing changes
+    on the importer."""
     h, _ = prefill(make_engine(models, "draft"), GREEDY)
     cases = [
         (dict(method="draft", dtype="bfloat16"), "dtype"),
@@ -214,6 +217,14 @@ def test_mismatching_handoff_is_refused(models):
         assert not b.has_unfinished_requests() and b.handoff_stats.num_imported == 0
         assert_no_leaked_blocks(b)
     b = make_engine(models, "draft")
+    bad_state = dataclasses.replace(h, proposer_state=DraftModelState(len(PROMPT) + 5))
+    with pytest.raises(InvalidRequestError, match="num_computed"):
+        b.import_handoff("d", bad_state)
+    bad_kv = dataclasses.replace(h, kv=h.kv[:, :, :2])
+    with pytest.raises(InvalidRequestError, match="kv must be"):
+        b.import_handoff("d", bad_kv)
+    assert not b.has_unfinished_requests()
+    assert_no_leaked_blocks(b)
     b.import_handoff("d", h)
     with pytest.raises(InvalidRequestError, match="already in use"):
         b.import_handoff("d", h)
