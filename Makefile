@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast lint demo serve loadtest bench protos clean
+.PHONY: install test test-fast lint demo serve serve-pd loadtest bench protos clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ demo: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/python -m deployments.serve
+
+# Prefill/decode disaggregation: a prefill pool and a decode pool (deployments/serve_config_pd.yaml).
+serve-pd: $(STAMP)
+	$(BIN)/python -m deployments.serve --config deployments/serve_config_pd.yaml
 
 loadtest: $(STAMP)
 	$(BIN)/python -m loadtest.run

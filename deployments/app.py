@@ -16,17 +16,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
+import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import ray
 from ray import serve
 from ray.serve import Application
 
 from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
-from deployments.config import DEPLOYMENT_NAME, INGRESS_DEPLOYMENT_NAME, AppConfig, resolve_path
+from deployments.config import (
+    DEPLOYMENT_NAME,
+    INGRESS_DEPLOYMENT_NAME,
+    PREFILL_DEPLOYMENT_NAME,
+    AppConfig,
+    resolve_path,
+)
 from deployments.errors import ClientError
 from deployments.metrics import start_replica_metrics
 from deployments.router import routing_stats
@@ -44,6 +54,33 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 INGRESS_MAX_ONGOING_REQUESTS = 100_000
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill replica's last item: where the handoff is and what the client already got.
+    The ObjectRef sits in a list, so that Ray passes it on as a reference (not its value)."""
+
+    handoff: list  # [ObjectRef[engine.handoff.Handoff]]
+    num_bytes: int
+    num_emitted_chars: int  # characters of text the first message(s) carried
+    sent_at: float  # time.time() when the handoff was put into the object store
+
+
+def _num_cached_tokens(engine: Any, prompt: list[int]) -> int:
+    """Prompt tokens the engine's prefix cache holds (run on the engine thread)."""
+    from engine import SamplingParams
+    from engine.request import Request
+
+    blocks = engine.block_manager.find_cached_prefix(Request("prefix-probe", prompt, SamplingParams()))
+    return len(blocks) * engine.block_manager.block_size
+
+
+def _fewer_tokens(params: Any, n: int) -> Any:
+    """`params` with `max_tokens` lowered by the `n` tokens already produced elsewhere."""
+    import dataclasses
+
+    return dataclasses.replace(params, max_tokens=max(1, params.max_tokens - n))
 
 
 @dataclass(frozen=True)
@@ -67,10 +104,14 @@ class TraceMetadata:
 class SpecDecodeServer:
     """One engine replica: an AsyncLLM (target + drafter on one device) behind `generate`."""
 
-    def __init__(self, config: AppConfig) -> None:
+    def __init__(self, config: AppConfig, prefill_pool: Any = None) -> None:
         from engine import AsyncLLM
 
         self.config = config
+        # mode: disaggregated: the decode replicas get a handle to the prefill pool.
+        self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
+        self.prefills: dict[str, int] = {}  # where this replica's requests were prefilled
+        self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
         engine_kwargs = config.engine_kwargs()
         self.llm = AsyncLLM(resolve_path(config.model), **engine_kwargs)
         engine = self.llm.engine
@@ -99,29 +140,90 @@ class SpecDecodeServer:
         self, request: pb.GenerateRequest, label: str, trace_metadata: list[tuple[str, str]] | None = None
     ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse]:
         """`Accepted`, then the response messages; or one `ClientError` (and nothing else) when the
-        request is refused or the engine fails it. `label` is the client's id for the request."""
-        from engine import EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError
-
-        request_id = uuid.uuid4().hex  # the engine's id: never the client's
+        request is refused or the engine fails it. `label` is the client's id for the request.
+        In disaggregated mode (a decode replica: `self.prefill_pool` set) a long prompt is
+        prefilled by the prefill pool, whose first message is relayed, and continued here from
+        its handoff."""
         try:
             prompt, params = await self.translate(request)
         except ClientError as e:  # logged once, by the ingress
             yield e
             return
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
+        trace = TraceMetadata(trace_metadata or [])
+        yield Accepted(self.replica_id)
+        remote = self.prefill_pool is not None and await self.should_prefill_remotely(prompt)
+        if not remote:
+            if self.prefill_pool is not None:
+                self._count_prefill("local")
+            async for item in self._run(prompt, params, label, trace, speculating):
+                yield item
+            return
+        result, sent = None, []
+        async for item in self._remote_prefill(prompt, params, label, trace_metadata):
+            if isinstance(item, PrefillResult):
+                result = item
+            else:
+                yield item  # the first message(s), or the last one if it finished in the prefill
+                if isinstance(item, ClientError) or item.finish_reason:
+                    return
+                sent.extend(item.token_ids)
+        handoff = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
+        if handoff is not None:
+            async for item in self._run(prompt, params, label, trace, speculating, handoff=handoff,
+                                        num_emitted_chars=result.num_emitted_chars):
+                yield item
+            return
+        # The prefill replica or its handoff was lost: prefill here, after the tokens already sent.
+        self._count_prefill("fallback")
+        logger.warning("request %r: no handoff from the prefill pool; prefilling locally", label)
+        async for item in self._run(prompt + sent, _fewer_tokens(params, len(sent)), label, trace, speculating,
+                                    already_sent=sent):
+            yield item
+
+    async def prefill(
+        self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None = None
+    ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse | PrefillResult]:
+        """The prefill pool's method (called by a decode replica): `Accepted`, the first message(s),
+        then a `PrefillResult` whose handoff (target KV, drafter state, first drafts; in Ray's
+        object store, owned by this replica) the decode replica imports. A request that finishes
+        on its first token ends with its last message instead."""
+        speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
+        yield Accepted(self.replica_id)
+        async for item in self._run(prompt, params, label, TraceMetadata(trace_metadata or []), speculating,
+                                    export=True):
+            yield item
+
+    async def _run(
+        self, prompt: list[int], params: Any, label: str, trace: TraceMetadata, speculating: bool, *,
+        export: bool = False, handoff: Any = None, num_emitted_chars: int = 0, already_sent: list[int] | None = None,
+    ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult]:
+        """Run one engine request and yield its messages; engine errors become a `ClientError`."""
+        from engine import EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError
+
+        request_id = uuid.uuid4().hex  # the engine's id: never the client's
         self.latency.start(request_id)
         try:
-            stream = self.llm.generate(prompt, params, request_id=request_id)
+            stream = self.llm.generate(prompt, params, request_id=request_id, export_after_prefill=export,
+                                       handoff=handoff, num_emitted_chars=num_emitted_chars,
+                                       with_drafter_state=self.config.disaggregation.with_drafter_state)
             if self.tracing is not None:
                 attributes = grpc_span_attributes("Generate", self.replica_id, params, speculating, label)
-                parent = self.tracing.parent_context(TraceMetadata(trace_metadata or []))
+                parent = self.tracing.parent_context(trace)
                 stream = self.tracing.trace(stream, request_id, parent=parent, server=True, attributes=attributes)
-            yield Accepted(self.replica_id)
             async for out in stream:
                 self.latency.on_tokens(request_id, len(out.delta_token_ids))
+                if out.handoff is not None:
+                    ref = ray.put(out.handoff)  # owned by this replica; freed when the decode side drops it
+                    yield PrefillResult([ref], out.handoff.num_bytes, len(out.text), time.time())
+                    return
                 if out.finished:
                     self.metrics.on_request_finished(out, speculating)
-                yield self.to_response(out, label, speculating)
+                message = self.to_response(out, label, speculating)
+                if already_sent and out.finished:  # a fallback prefill took the sent tokens as prompt
+                    message.usage.prompt_tokens -= len(already_sent)
+                    message.usage.completion_tokens += len(already_sent)
+                yield message
         except InvalidRequestError as e:
             yield ClientError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineOverloadedError as e:
@@ -134,6 +236,66 @@ class SpecDecodeServer:
             yield ClientError(grpc.StatusCode.INTERNAL, f"engine error: {e}")
         finally:
             self.latency.finish(request_id)
+
+    # --- disaggregation (decode replicas) -------------------------------------------------------
+    async def should_prefill_remotely(self, prompt: list[int]) -> bool:
+        """Prefill in the prefill pool when at least `min_prompt_tokens` of the prompt are not in
+        this replica's prefix cache (the lookup runs on the engine thread, between steps)."""
+        threshold = self.config.disaggregation.min_prompt_tokens
+        if len(prompt) < threshold:
+            return False
+        cached = await self.llm.call(_num_cached_tokens, self.llm.engine, prompt)
+        return len(prompt) - cached >= threshold
+
+    async def _remote_prefill(
+        self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None
+    ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult]:
+        """Relay the prefill pool's messages; nothing more when its replica is lost or refuses
+        (then this replica prefills itself). A refusal of the request itself is passed on."""
+        from deployments.ingress import REPLICA_LOST
+
+        response = self.prefill_pool.prefill.remote(prompt, params, label, trace_metadata)
+        finished = False
+        try:
+            first = await asyncio.wait_for(response.__anext__(), self.config.replica_wait_timeout_s)
+            if isinstance(first, ClientError):
+                finished = True
+                if first.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    yield first
+                return
+            async for item in response:
+                yield item
+            finished = True
+        except (TimeoutError, StopAsyncIteration, *REPLICA_LOST) as e:
+            logger.warning("request %r: prefill pool failed (%s)", label, type(e).__name__)
+        finally:
+            if not finished:
+                response.cancel()
+
+    def _count_prefill(self, where: str, num_bytes: int = 0, seconds: float | None = None) -> None:
+        self.prefills[where] = self.prefills.get(where, 0) + 1
+        if seconds is not None:
+            self.handoffs.append((num_bytes, seconds))
+        self.metrics.on_prefill(where, num_bytes, seconds)
+
+    async def _fetch_handoff(self, result: PrefillResult, label: str) -> Any:
+        """The handoff from Ray's object store (None when it is lost: its owner died)."""
+        try:
+            handoff = await asyncio.wait_for(result.handoff[0], self.config.replica_wait_timeout_s)
+        except (TimeoutError, ray.exceptions.RayError) as e:
+            logger.warning("request %r: handoff lost (%s)", label, type(e).__name__)
+            return None
+        self._count_prefill("remote", result.num_bytes, max(0.0, time.time() - result.sent_at))
+        return handoff
+
+    async def prefill_counts(self) -> dict[str, float]:
+        """How this decode replica's requests were prefilled (remote, local, fallback) and its
+        handoffs' median size and transfer time (tests and bench/bench_pd.py)."""
+        out: dict[str, float] = dict(self.prefills)
+        if self.handoffs:
+            out["handoff_mb_median"] = statistics.median(b for b, _ in self.handoffs) / 1e6
+            out["handoff_ms_median"] = statistics.median(s for _, s in self.handoffs) * 1e3
+        return out
 
     async def model_info(self) -> pb.ModelInfo:
         return await self.GetModelInfo(pb.GetModelInfoRequest())
@@ -384,13 +546,21 @@ def build_app(args: dict) -> Application:
 def bind_app(
     config: AppConfig, overrides: dict | None = None, ingress_overrides: dict | None = None,
     engine_cls: type = None,  # type: ignore[assignment] - SpecDecodeServer or a subclass (tests)
+    prefill_overrides: dict | None = None,
+    prefill_cls: type = None,  # type: ignore[assignment] - the prefill pool's class when it differs (tests)
 ) -> Application:
-    """The gRPC ingress bound over the engine deployment, each sized from `config`, with
-    `overrides` / `ingress_overrides` (deployment options as in a config file's `deployments:`
-    entries: num_replicas, autoscaling_config, ...) applied on top."""
+    """The gRPC ingress bound over the engine deployment (in disaggregated mode, the decode pool
+    bound over the prefill pool), each sized from `config`, with `overrides` /
+    `ingress_overrides` / `prefill_overrides` (deployment options as in a config file's
+    `deployments:` entries: num_replicas, autoscaling_config, ...) applied on top."""
     from deployments.ingress import SpecDecodeIngress
 
-    engine = serve.deployment(engine_cls or SpecDecodeServer, name=DEPLOYMENT_NAME)
-    engine_app = engine.options(**deployment_options(config, overrides)).bind(config)
+    cls = engine_cls or SpecDecodeServer
+    prefill_app = None
+    if config.mode == "disaggregated":
+        prefill = serve.deployment(prefill_cls or cls, name=PREFILL_DEPLOYMENT_NAME)
+        prefill_app = prefill.options(**deployment_options(config, prefill_overrides)).bind(config)
+    engine = serve.deployment(cls, name=DEPLOYMENT_NAME)
+    engine_app = engine.options(**deployment_options(config, overrides)).bind(config, prefill_app)
     ingress = serve.deployment(SpecDecodeIngress, name=INGRESS_DEPLOYMENT_NAME)
     return ingress.options(**ingress_options(config, ingress_overrides)).bind(engine_app, config)

@@ -23,6 +23,7 @@ DEFAULT_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config.yaml"
 APP_IMPORT_PATH = "deployments.app:build_app"
 DEPLOYMENT_NAME = "SpecDecode"  # the engine replicas: the pool that scales on the SLO
 INGRESS_DEPLOYMENT_NAME = "SpecDecodeIngress"  # the gRPC methods, in front of the engine replicas
+PREFILL_DEPLOYMENT_NAME = "SpecDecodePrefill"  # mode: disaggregated: the pool that prefills long prompts
 SLO_POLICY_PATH = "deployments.autoscaling:SLOAutoscalingPolicy"  # its policy_kwargs are checked here
 SERVICER_FUNCTION = "deployments.servicer.add_SpecDecodeServicer_to_server"
 DEVICES = ("auto", "cpu", "cuda")
@@ -141,6 +142,31 @@ class DrafterArgs:
         )
 
 
+MODES = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class DisaggregationArgs:
+    """Prefill/decode disaggregation (`mode: disaggregated`). A prompt with at least
+    `min_prompt_tokens` tokens not already in the decode replica's prefix cache is prefilled by
+    the prefill pool and handed over (KV + drafter state); shorter prompts and cache hits are
+    prefilled by the decode replica itself. `with_drafter_state: false` hands over the target's
+    KV only (the decode side rebuilds the drafter's state; an ablation for the benchmark)."""
+
+    min_prompt_tokens: int = 256
+    with_drafter_state: bool = True
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str, check: _Checker) -> DisaggregationArgs | None:
+        data = check.mapping(where, data, [f.name for f in fields(cls)])
+        n = len(check.errors)
+        threshold = check.integer(f"{where}.min_prompt_tokens", data.get("min_prompt_tokens", cls.min_prompt_tokens), 1)
+        with_state = check.boolean(f"{where}.with_drafter_state", data.get("with_drafter_state", cls.with_drafter_state))
+        if len(check.errors) > n:
+            return None
+        return cls(min_prompt_tokens=threshold, with_drafter_state=with_state)
+
+
 TRACE_EXPORTERS = ("file", "otlp", "console", "none")
 
 
@@ -186,6 +212,9 @@ class AppConfig:
     autoscaling policy (deployments/autoscaling.py; the SLO targets are its policy_kwargs).
     replica_wait_timeout_s bounds how long the ingress waits for an engine replica to accept a
     request (none is running, or all are full and Serve queues it) before answering UNAVAILABLE.
+    mode: "colocated" (each engine replica prefills and decodes its requests) or "disaggregated"
+    (a prefill pool, `SpecDecodePrefill`, prefills long prompts and hands them to the decode
+    replicas, `SpecDecode`; see DisaggregationArgs). Both pools use this config's engine settings.
     """
 
     model: str = "models/target"
@@ -204,6 +233,8 @@ class AppConfig:
     torch_threads: int | None = None
     metrics_window_s: float = 30.0
     replica_wait_timeout_s: float = 30.0
+    mode: str = "colocated"
+    disaggregation: DisaggregationArgs = field(default_factory=DisaggregationArgs)
     tracing: TracingArgs | None = None
 
     @classmethod
@@ -235,6 +266,7 @@ class AppConfig:
             "metrics_window_s": check.number(
                 f"{where}.metrics_window_s", data.get("metrics_window_s", d.metrics_window_s), 0.0, 3600.0
             ),
+            "mode": check.string(f"{where}.mode", data.get("mode", d.mode), MODES),
             "replica_wait_timeout_s": check.number(
                 f"{where}.replica_wait_timeout_s", data.get("replica_wait_timeout_s", d.replica_wait_timeout_s),
                 0.1, 3600.0,
@@ -246,6 +278,8 @@ class AppConfig:
             values["speculative"] = DrafterArgs.from_dict(data.get("speculative", {}), f"{where}.speculative", check)
         tracing = data.get("tracing")
         values["tracing"] = None if tracing is None else TracingArgs.from_dict(tracing, f"{where}.tracing", check)
+        values["disaggregation"] = DisaggregationArgs.from_dict(
+            data.get("disaggregation") or {}, f"{where}.disaggregation", check)
         v = values
         if v["max_model_len"] and v["max_prompt_tokens"] and v["max_prompt_tokens"] >= v["max_model_len"]:
             check.fail(
@@ -267,6 +301,7 @@ class AppConfig:
             out["speculative"] = {f.name: getattr(self.speculative, f.name) for f in fields(self.speculative)}
         if self.tracing is not None:
             out["tracing"] = {f.name: getattr(self.tracing, f.name) for f in fields(self.tracing)}
+        out["disaggregation"] = {f.name: getattr(self.disaggregation, f.name) for f in fields(self.disaggregation)}
         return out
 
     def engine_kwargs(self) -> dict:
@@ -374,11 +409,12 @@ def validate_serve_config(config: dict) -> dict[str, AppConfig]:
         if app.get("import_path") != APP_IMPORT_PATH:
             continue
         for j, deployment in enumerate(app.get("deployments") or []):
-            if deployment.get("name") not in (DEPLOYMENT_NAME, INGRESS_DEPLOYMENT_NAME):
+            if deployment.get("name") not in (DEPLOYMENT_NAME, INGRESS_DEPLOYMENT_NAME, PREFILL_DEPLOYMENT_NAME):
                 check.fail(
                     f"applications[{i}].deployments[{j}].name",
-                    f"this app has two deployments, {DEPLOYMENT_NAME!r} (engine replicas) and "
-                    f"{INGRESS_DEPLOYMENT_NAME!r} (gRPC ingress); got {deployment.get('name')!r}",
+                    f"this app's deployments are {DEPLOYMENT_NAME!r} (engine replicas; the decode pool in "
+                    f"disaggregated mode), {INGRESS_DEPLOYMENT_NAME!r} (gRPC ingress) and "
+                    f"{PREFILL_DEPLOYMENT_NAME!r} (prefill pool, disaggregated mode); got {deployment.get('name')!r}",
                 )
         try:
             apps[app.get("name", "default")] = AppConfig.from_dict(app.get("args"), f"applications[{i}].args")

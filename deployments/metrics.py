@@ -32,6 +32,8 @@ PHASES = ("draft", "verify", "sample", "other")
 TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                   0.2, 0.3, 0.5, 1.0, 2.5)
+HANDOFF_BYTES_BUCKETS = tuple(float(1 << n) for n in range(12, 34, 2))  # 4 KiB .. 8 GiB
+HANDOFF_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -99,6 +101,14 @@ METRICS: tuple[MetricDef, ...] = (
     _g("specdecode_kv_blocks_used", "KV cache blocks in use."),
     _g("specdecode_kv_blocks_free", "KV cache blocks free."),
     _c("specdecode_preemptions_total", "Requests preempted (their KV freed, recomputed later)."),
+    # Prefill/decode disaggregation (decode replicas): handoffs imported, and how each prefill went.
+    _h("specdecode_handoff_bytes", "Bytes of a handoff (target KV + drafter state) imported by a decode replica.",
+       HANDOFF_BYTES_BUCKETS),
+    _h("specdecode_handoff_seconds", "Time from the prefill replica's last message to the decode replica "
+       "holding the handoff (transfer through Ray's object store).", HANDOFF_SECONDS_BUCKETS),
+    _c("specdecode_prefills_total", "Prefills of decode replicas' requests by where they ran: remote (prefill "
+       "pool), local (short prompt or prefix-cache hit), fallback (the handoff was lost: prefilled locally).",
+       "where"),
 )
 METRICS_BY_NAME = {m.name: m for m in METRICS}
 PROMETHEUS_NAMES = frozenset(n for m in METRICS for n in m.prometheus_names)
@@ -119,6 +129,8 @@ class _Totals:
     accepted_by_position: list[int] = field(default_factory=list)
     # (speculation "on"/"off", ttft_s, tpot_s or None, e2e_s, finish_reason, prompt tokens, output tokens)
     finished: list[tuple[str, float | None, float | None, float | None, str, int, int]] = field(default_factory=list)
+    handoffs: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
+    prefills: dict[str, int] = field(default_factory=dict)  # where -> count
 
 
 class ReplicaMetrics:
@@ -201,6 +213,14 @@ class ReplicaMetrics:
         with self._lock:
             self._totals.finished.append(row)
 
+    def on_prefill(self, where: str, num_bytes: int = 0, seconds: float | None = None) -> None:
+        """A decode replica's request was prefilled `where` (remote, local, fallback); a remote
+        one's handoff had `num_bytes` and took `seconds` to arrive (event loop)."""
+        with self._lock:
+            self._totals.prefills[where] = self._totals.prefills.get(where, 0) + 1
+            if seconds is not None:
+                self._totals.handoffs.append((num_bytes, seconds))
+
     # --- export ---------------------------------------------------------------------------------
     def flush(self, stats: dict | None = None) -> None:
         """Push what accumulated since the last flush; `stats` is `AsyncLLM.stats()` (queue, KV)."""
@@ -218,6 +238,11 @@ class ReplicaMetrics:
             m["specdecode_requests_finished_total"].inc(1, {"finish_reason": reason})
             _inc(m["specdecode_prompt_tokens_total"], num_prompt)
             _inc(m["specdecode_generation_tokens_total"], num_out)
+        for num_bytes, seconds in t.handoffs:
+            m["specdecode_handoff_bytes"].observe(num_bytes)
+            m["specdecode_handoff_seconds"].observe(seconds)
+        for where, n in t.prefills.items():
+            m["specdecode_prefills_total"].inc(n, {"where": where})
         _inc(m["specdecode_engine_steps_total"], t.num_steps)
         for phase, seconds in t.phase_s.items():
             _inc(m["specdecode_engine_step_seconds_total"], seconds, {"phase": phase})

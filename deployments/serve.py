@@ -27,6 +27,7 @@ from deployments.config import (
     DEFAULT_DRAFTER_MODELS,
     DEPLOYMENT_NAME,
     INGRESS_DEPLOYMENT_NAME,
+    PREFILL_DEPLOYMENT_NAME,
     ConfigError,
     load_serve_config,
     missing_models,
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         entries = {d.get("name"): d for d in app.get("deployments") or []}
         print(f"deploying {app_name!r}: {app_config}", flush=True)
         start = time.monotonic()
-        bound = bind_app(app_config, entries.get(DEPLOYMENT_NAME), entries.get(INGRESS_DEPLOYMENT_NAME))
+        bound = bind_app(app_config, entries.get(DEPLOYMENT_NAME), entries.get(INGRESS_DEPLOYMENT_NAME),
+                         prefill_overrides=entries.get(PREFILL_DEPLOYMENT_NAME))
         serve.run(bound, name=app_name, route_prefix=app.get("route_prefix"))
         from deployments.client import SpecDecodeClient
 

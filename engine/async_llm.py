@@ -23,8 +23,9 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from engine.errors import EngineError, InvalidRequestError
+from engine.errors import EngineError, EngineOverloadedError, InvalidRequestError
 from engine.llm import LLM
+from engine.llm_engine import EngineOutput
 from engine.outputs import RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._longest_token: int | None = None  # max_prompt_chars per token, computed once
+        self._pending_imports: list[tuple[str, object, bool]] = []  # handoffs waiting for free KV blocks
         self._stopped = False
         self._snapshot: dict = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -84,9 +86,22 @@ class AsyncLLM:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        export_after_prefill: bool = False,
+        handoff=None,
+        num_emitted_chars: int = 0,
+        with_drafter_state: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Stream incremental outputs. Bad input raises InvalidRequestError before anything runs.
-        Cancelling the consumer (or breaking out) aborts the request and frees its blocks."""
+        Cancelling the consumer (or breaking out) aborts the request and frees its blocks.
+
+        Prefill/decode disaggregation: with `export_after_prefill`, the stream yields the first
+        token(s), then ends with an output whose finish_reason is "handoff" and whose `handoff`
+        the decode side imports (unless the request finished on its first token). With `handoff`
+        (an `engine.handoff.Handoff` for this prompt), the request continues from it: its first
+        tokens (and `num_emitted_chars` characters of their text) were already delivered, so the
+        stream yields what follows. An import waits for free KV blocks like a new request;
+        `with_drafter_state=False` imports the target's KV only (an ablation)."""
         if self._stopped:
             raise EngineDeadError("the engine loop has stopped")
         params = sampling_params or SamplingParams()
@@ -95,9 +110,17 @@ class AsyncLLM:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), RequestState(rid, text, ids, params, self.tokenizer))
+        state = RequestState(rid, text, ids, params, self.tokenizer)
+        if handoff is not None:
+            if list(handoff.prompt_token_ids) != list(ids):
+                raise InvalidRequestError("handoff: its prompt is not this request's prompt")
+            state.skip(list(handoff.output_token_ids), num_emitted_chars)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), state)
         self._streams[rid] = stream
-        self._send(("add", rid, ids, params))
+        if handoff is not None:
+            self._send(("import", rid, handoff, with_drafter_state))
+        else:
+            self._send(("add", rid, ids, params, export_after_prefill))
         finished = False
         try:
             while True:
@@ -195,8 +218,6 @@ class AsyncLLM:
                 stream.loop.call_soon_threadsafe(self._release, rid, closing)
             return
         if request is not None:
-            from engine.llm_engine import EngineOutput
-
             out = EngineOutput(rid, [], "abort", request.num_prompt_tokens, request.num_output_tokens,
                                request.num_cached_tokens, request.spec_stats)
             self._deliver(rid, stream.state.process(out)[0])
@@ -214,11 +235,13 @@ class AsyncLLM:
                 return
             kind = cmd[0]
             if kind == "add":
-                _, rid, ids, params = cmd
+                _, rid, ids, params, export = cmd
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, ids, params, export_after_prefill=export)
                 except EngineError as e:
                     self._deliver(rid, e)
+            elif kind == "import":
+                self._pending_imports.append((cmd[1], cmd[2], cmd[3]))
             elif kind == "abort":
                 self._abort(cmd[1], cmd[2])
             elif kind == "call":
@@ -230,12 +253,31 @@ class AsyncLLM:
                 else:
                     loop.call_soon_threadsafe(_set_result, fut, result)
 
+    def _import_pending(self) -> None:
+        """Import the handoffs that fit now, oldest first; the rest wait for blocks to free up."""
+        waiting = []
+        for rid, handoff, with_state in self._pending_imports:
+            stream = self._streams.get(rid)
+            if stream is None or stream.closing or waiting:
+                if stream is not None and not stream.closing:
+                    waiting.append((rid, handoff, with_state))
+                continue
+            try:
+                self.engine.import_handoff(rid, handoff, with_drafter_state=with_state)
+            except EngineOverloadedError:
+                waiting.append((rid, handoff, with_state))
+            except EngineError as e:
+                self._deliver(rid, e)
+        self._pending_imports = waiting
+
     def _run(self) -> None:
         while not self._stopped:
             self._drain_commands()
+            if self._pending_imports:
+                self._import_pending()
             if not self.engine.has_unfinished_requests():
                 self._snapshot = self.engine.stats()
-                self._wake.wait(timeout=0.5)
+                self._wake.wait(timeout=0.01 if self._pending_imports else 0.5)
                 self._wake.clear()
                 continue
             try:
@@ -266,6 +308,13 @@ class AsyncLLM:
                 self.engine.finish_step()  # a drafting failure is caught (and logged) by the engine
             except Exception:  # noqa: BLE001 - a step listener (metrics, tracing) failed: keep serving
                 logger.error("step listener failed:\n%s", traceback.format_exc())
+            for rid, handoff in self.engine.take_handoffs().items():
+                stream = self._streams.get(rid)
+                if stream is not None and not stream.closing:
+                    ro, _ = stream.state.process(EngineOutput(rid, [], "handoff", len(handoff.prompt_token_ids),
+                                                              len(handoff.output_token_ids)))
+                    ro.handoff = handoff
+                    final.append(ro)
             for ro in final:
                 self._deliver(ro.request_id, ro)
             self._snapshot = self.engine.stats()

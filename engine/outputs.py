@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.llm_engine import EngineOutput
 from engine.request import SpecStats
@@ -29,6 +30,9 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # Set on the last output of a request added with `export_after_prefill` that was handed off
+    # (finish_reason "handoff"): everything another engine needs to continue it (engine/handoff.py).
+    handoff: Any = None
 
     @property
     def spec_stats(self) -> dict:
@@ -77,6 +81,15 @@ class RequestState:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finished = False
+
+    def skip(self, token_ids: list[int], num_emitted_chars: int) -> None:
+        """Take `token_ids` as already delivered by another engine (prefill/decode handoff): the
+        text advances over them and the first `num_emitted_chars` characters count as sent."""
+        self.token_ids.extend(token_ids)
+        self.full_text += self.detokenizer.push(token_ids) if self.detokenizer else ""
+        self.num_emitted = min(num_emitted_chars, len(self.full_text))
+        if self.first_token_time is None and token_ids:
+            self.first_token_time = time.monotonic()
 
     def process(self, out: EngineOutput) -> tuple[RequestOutput, bool]:
         """Apply one engine output. Returns the RequestOutput and whether a stop string hit

@@ -219,3 +219,36 @@ def test_replica_wait_timeout_is_validated() -> None:
     for bad in (0, -1, float("inf"), "10", None):
         with pytest.raises(ConfigError, match="replica_wait_timeout_s"):
             AppConfig.from_dict({"replica_wait_timeout_s": bad})
+
+
+def test_disaggregated_config_validates_and_builds_both_pools() -> None:
+    """deployments/serve_config_pd.yaml (`make serve-pd`): the same service with a prefill pool."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from deployments.config import DEFAULT_CONFIG_PATH, load_serve_config, validate_serve_config
+
+    pd = load_serve_config(DEFAULT_CONFIG_PATH.parent / "serve_config_pd.yaml")
+    [(_, config)] = validate_serve_config(pd).items()
+    assert config.mode == "disaggregated" and config.disaggregation.min_prompt_tokens == 256
+    app = pd["applications"][0]
+    assert {d["name"] for d in app["deployments"]} == {"SpecDecode", "SpecDecodePrefill", "SpecDecodeIngress"}
+    built = call_user_app_builder_with_args_if_necessary(import_attr(app["import_path"]), app["args"])
+    decode = built._bound_deployment.init_args[0]._bound_deployment
+    prefill = decode.init_args[1]._bound_deployment
+    assert (decode.name, prefill.name) == ("SpecDecode", "SpecDecodePrefill")
+    assert decode.ray_actor_options["num_cpus"] == prefill.ray_actor_options["num_cpus"] == 1
+    # Apart from the mode and sizing, it is the shipped config.
+    base = SHIPPED["applications"][0]["args"]
+    differs = {k for k in set(base) | set(app["args"]) if base.get(k) != app["args"].get(k)}
+    assert differs == {"mode", "disaggregation", "num_cpus"}
+
+
+def test_disaggregation_args_are_validated() -> None:
+    assert AppConfig.from_dict({"mode": "disaggregated"}).disaggregation.min_prompt_tokens == 256
+    with pytest.raises(ConfigError, match="mode"):
+        AppConfig.from_dict({"mode": "split"})
+    with pytest.raises(ConfigError, match="min_prompt_tokens"):
+        AppConfig.from_dict({"disaggregation": {"min_prompt_tokens": 0}})
+    with pytest.raises(ConfigError, match="disaggregation.bogus"):
+        AppConfig.from_dict({"disaggregation": {"bogus": 1}})

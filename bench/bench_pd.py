@@ -1,0 +1,230 @@
+"""Co-located vs prefill/decode-disaggregated serving on the same CPUs, open-loop load.
+
+    python -m bench.bench_pd [--rates 0.3,0.8] [--duration 60] [--long-fraction 0.3]
+        [--max-tokens 96] [--slo-ttft-ms 4000 --slo-tpot-ms 120] [--out bench/results/pd.json]
+
+Each configuration runs on its own embedded Ray Serve with 2 CPUs (one at a time, the same host):
+- colocated: 2 engine replicas x 1 CPU (each prefills and decodes its own requests);
+- disaggregated: 1 prefill replica x 1 CPU + 1 decode replica x 1 CPU (long prompts are
+  prefilled by the prefill replica and handed over with the drafter's state);
+- disaggregated, no drafter state (ablation): the handoff carries the target's KV only.
+Speculation is on (the shipped drafter, adaptive), the ingress in front as in `make serve`.
+Load: open-loop Poisson arrivals at each rate for --duration seconds; --long-fraction of the
+prompts are 1.4-1.6k tokens of held-out code, the rest ~200; every prompt starts with a unique
+line, so no prefix-cache hits; greedy, --max-tokens new tokens (EOS ignored).
+Per request: TTFT, TPOT ((last - first token) / (n - 1)), inter-token gaps, the longest stall.
+Goodput: requests per second meeting both SLOs. Handoff bytes and ms come from the decode
+replicas. Writes JSON to --out, a PNG next to it, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ("colocated", "disaggregated", "disaggregated_no_drafter_state")
+
+
+@dataclass
+class Result:
+    kind: str  # long | short
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+    acceptance: float = 0.0
+    num_draft: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
+    def gaps(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+def build_prompts(n: int, long_fraction: float, seed: int) -> list[tuple[str, list[int]]]:
+    from transformers import AutoTokenizer
+
+    from bench.common import code_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(REPO_ROOT / "models" / "target"))
+    rng = random.Random(seed)
+    longs = code_prompts(tok, n, 1500, seed=seed)
+    shorts = code_prompts(tok, n, 200, seed=seed + 1)
+    out = []
+    for i in range(n):
+        kind = "long" if rng.random() < long_fraction else "short"
+        body = longs[i] if kind == "long" else shorts[i]
+        unique = tok.encode(f"# request {seed}-{i}: {rng.getrandbits(40):x}\n", add_special_tokens=False)
+        body = body[: rng.randint(len(body) - 100, len(body))] if kind == "long" else body
+        out.append((kind, unique + body))
+    return out
+
+
+def start(config_name: str, port: int):
+    import ray
+    from ray import serve
+
+    from bench.bench_serve import free_port as free_port_for_bench
+    from deployments.app import bind_app
+    from deployments.config import AppConfig
+
+    args = {"max_num_seqs": 8, "max_queued_requests": 256, "max_prompt_tokens": 1900, "max_tokens": 512,
+            "num_cpus": 1, "replica_wait_timeout_s": 600}
+    if config_name.startswith("disaggregated"):
+        args["mode"] = "disaggregated"
+        args["disaggregation"] = {"min_prompt_tokens": 512,
+                                  "with_drafter_state": config_name == "disaggregated"}
+    config = AppConfig.from_dict(args)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port_for_bench()},
+                grpc_options={"port": port, "grpc_servicer_functions": [
+                    "deployments.servicer.add_SpecDecodeServicer_to_server"]})
+    engine = {"ray_actor_options": {"num_cpus": 1}, "num_replicas": 2 if config_name == "colocated" else 1}
+    prefill = {"ray_actor_options": {"num_cpus": 1}, "num_replicas": 1}
+    serve.run(bind_app(config, engine, prefill_overrides=prefill), name="pd", route_prefix="/pd")
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def run_load(port: int, prompts, rate: float, duration: float, max_tokens: int, seed: int) -> list[Result]:
+    from deployments.client import SpecDecodeClient
+
+    rng = random.Random(seed)
+    results: list[Result] = []
+    threads = []
+    t0 = time.perf_counter()
+    next_at = 0.0
+    i = 0
+    while next_at < duration:
+        delay = t0 + next_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        kind, ids = prompts[i % len(prompts)]
+        r = Result(kind, time.perf_counter())
+        results.append(r)
+
+        def go(r: Result = r, ids: list[int] = ids) -> None:
+            try:
+                with SpecDecodeClient(f"127.0.0.1:{port}", application="pd", timeout=900) as client:
+                    for m in client.generate(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+                        now = time.perf_counter()
+                        r.token_times.extend([now] * len(m.token_ids))
+                        if m.finish_reason:
+                            r.acceptance = m.speculation.acceptance_rate
+                            r.num_draft = m.speculation.num_draft_tokens
+            except Exception as e:  # noqa: BLE001 - recorded
+                r.error = f"{type(e).__name__}: {e}"
+
+        t = threading.Thread(target=go)
+        t.start()
+        threads.append(t)
+        i += 1
+        next_at += rng.expovariate(rate)
+    for t in threads:
+        t.join(1800)
+    return results
+
+
+def summarize(results: list[Result], duration: float, slo_ttft: float, slo_tpot: float) -> dict:
+    ok = [r for r in results if r.error is None and r.ttft is not None]
+    ttft = [r.ttft for r in ok]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    gaps = [g for r in ok for g in r.gaps]
+    stalls = [max(r.gaps) for r in ok if r.gaps]
+    good = [r for r in ok if r.ttft <= slo_ttft and (r.tpot or 0) <= slo_tpot]
+    drafted = [r for r in ok if r.num_draft]
+    return {
+        "requests": len(results), "errors": len(results) - len(ok),
+        "ttft_s": {"p50": pct(ttft, 50), "p95": pct(ttft, 95), "p99": pct(ttft, 99)},
+        "ttft_long_p50_s": pct([r.ttft for r in ok if r.kind == "long"], 50),
+        "ttft_short_p50_s": pct([r.ttft for r in ok if r.kind == "short"], 50),
+        "tpot_s": {"p50": pct(tpot, 50), "p95": pct(tpot, 95), "p99": pct(tpot, 99)},
+        "itl_s": {"p99": pct(gaps, 99), "p99.9": pct(gaps, 99.9)},
+        "longest_stall_s": {"p50": pct(stalls, 50), "p95": pct(stalls, 95), "max": max(stalls, default=float("nan"))},
+        "goodput_rps": len(good) / duration,
+        "goodput_fraction": len(good) / max(1, len(results)),
+        "acceptance_mean": statistics.mean(r.acceptance for r in drafted) if drafted else 0.0,
+    }
+
+
+def handoff_stats() -> dict:
+    from ray import serve
+
+    try:
+        return serve.get_deployment_handle("SpecDecode", app_name="pd").prefill_counts.remote().result(timeout_s=30)
+    except Exception as e:  # noqa: BLE001 - reported
+        return {"error": str(e)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", default="0.3,0.8", help="arrival rates, requests/s")
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--long-fraction", type=float, default=0.3)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--slo-ttft-ms", type=float, default=4000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=120.0)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/results/pd.json")
+    args = p.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    configs = args.configs.split(",")
+    from bench.bench_serve import free_port as free_port_for_bench
+
+    prompts = build_prompts(400, args.long_fraction, args.seed)
+    report = {"benchmark": "pd_vs_colocated", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
+              "args": vars(args), "results": {}}
+    for name in configs:
+        port = free_port_for_bench()
+        start(name, port)
+        try:
+            for rate in rates:
+                results = run_load(port, prompts, rate, args.duration, args.max_tokens, args.seed)
+                summary = summarize(results, args.duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+                if name != "colocated":
+                    summary["prefills"] = handoff_stats()
+                report["results"][f"{name}@{rate}"] = summary
+                print(f"{name} @ {rate}/s: {json.dumps(summary)}", flush=True)
+                time.sleep(5)
+        finally:
+            stop()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
