@@ -123,7 +123,7 @@ def test_config_defaults_and_messages() -> None:
 
 def test_serve_builds_the_policy_from_the_shipped_config() -> None:
     """The class is instantiated once with policy_kwargs, as the controller does."""
-    (deployment,) = load_serve_config()["applications"][0]["deployments"]
+    [deployment] = [d for d in load_serve_config()["applications"][0]["deployments"] if "autoscaling_config" in d]
     block = deployment["autoscaling_config"]
     built = _resolve_policy_callable(AutoscalingConfig(**block).policy)
     assert isinstance(built, SLOAutoscalingPolicy)

@@ -113,7 +113,7 @@ def test_definitions_are_valid_prometheus_metrics() -> None:
         assert m.name.endswith("_total") == (m.kind == "counter"), m.name
         assert not set(m.tag_keys) & set(mm.SERVE_TAGS), m.name
         if m.kind == "histogram":
-            assert m.name.endswith("_seconds") and list(m.boundaries) == sorted(set(m.boundaries)) and m.boundaries[0] > 0
+            assert m.name.endswith(("_seconds", "_bytes")) and list(m.boundaries) == sorted(set(m.boundaries)) and m.boundaries[0] > 0
     assert mm.METRICS_BY_NAME["specdecode_time_to_first_token_seconds"].prometheus_names == (
         "ray_specdecode_time_to_first_token_seconds_bucket", "ray_specdecode_time_to_first_token_seconds_sum",
         "ray_specdecode_time_to_first_token_seconds_count")
@@ -139,6 +139,7 @@ def test_labels_by_metric() -> None:
         "specdecode_spec_drafted_by_position_total": ("position",),
         "specdecode_spec_accepted_by_position_total": ("position",),
         "specdecode_engine_step_seconds_total": ("phase",),
+        "specdecode_prefills_total": ("where",),
     }
 
 
