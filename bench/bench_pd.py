@@ -186,6 +186,33 @@ def handoff_stats() -> dict:
         return {"error": str(e)}
 
 
+def plot(report: dict, path: Path) -> None:
+    """TPOT p99, longest-stall p95 and TTFT p95 per configuration and arrival rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    configs = [c for c in CONFIGS if any(k.startswith(c + "@") for k in results)]
+    rates = sorted({float(k.split("@")[1]) for k in results})
+    panels = [("TPOT p99 (s)", lambda r: r["tpot_s"]["p99"]), ("longest stall p95 (s)", lambda r: r["longest_stall_s"]["p95"]),
+              ("TTFT p95 (s)", lambda r: r["ttft_s"]["p95"]), ("goodput (requests/s)", lambda r: r["goodput_rps"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    width = 0.8 / max(1, len(configs))
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for i, c in enumerate(configs):
+            ys = [value(results[f"{c}@{r}"]) if f"{c}@{r}" in results else 0 for r in rates]
+            ax.bar([j + i * width for j in range(len(rates))], ys, width, label=c.replace("_", " "))
+        ax.set_xticks([j + width * (len(configs) - 1) / 2 for j in range(len(rates))], [f"{r}/s" for r in rates])
+        ax.set_title(title)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("co-located (2 x 1 CPU) vs prefill/decode (1 + 1 CPU), Poisson arrivals")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", default="0.3,0.8", help="arrival rates, requests/s")
@@ -222,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
 

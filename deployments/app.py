@@ -169,9 +169,13 @@ class SpecDecodeServer:
                     return
                 sent.extend(item.token_ids)
         handoff = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
+        if result is not None:
+            result.handoff.clear()  # drop the ObjectRef: the object store frees the handoff now
         if handoff is not None:
-            async for item in self._run(prompt, params, label, trace, speculating, handoff=handoff,
-                                        num_emitted_chars=result.num_emitted_chars):
+            stream = self._run(prompt, params, label, trace, speculating, handoff=handoff,
+                               num_emitted_chars=result.num_emitted_chars)
+            handoff = None
+            async for item in stream:
                 yield item
             return
         # The prefill replica or its handoff was lost: prefill here, after the tokens already sent.
@@ -207,6 +211,7 @@ class SpecDecodeServer:
             stream = self.llm.generate(prompt, params, request_id=request_id, export_after_prefill=export,
                                        handoff=handoff, num_emitted_chars=num_emitted_chars,
                                        with_drafter_state=self.config.disaggregation.with_drafter_state)
+            handoff = None  # the engine copies it into its own blocks; do not hold it for the whole stream
             if self.tracing is not None:
                 attributes = grpc_span_attributes("Generate", self.replica_id, params, speculating, label)
                 parent = self.tracing.parent_context(trace)

@@ -119,6 +119,7 @@ class AsyncLLM:
         self._streams[rid] = stream
         if handoff is not None:
             self._send(("import", rid, handoff, with_drafter_state))
+            handoff = None  # the engine thread holds it until imported; this frame lives on with the stream
         else:
             self._send(("add", rid, ids, params, export_after_prefill))
         finished = False
