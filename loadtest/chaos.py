@@ -200,6 +200,7 @@ def run_kill(client: SpecDecodeClient, application: str, ray_address: str, num_s
         return {"ok": False, "error": f"no engine replica of {application!r} found"}
     outcomes: Counter[str] = Counter()
     lock = threading.Lock()
+    max_tokens = min(2000, client.model_info().limits.max_tokens)  # long enough to be in flight
 
     def note(key: str) -> None:
         with lock:
@@ -208,7 +209,7 @@ def run_kill(client: SpecDecodeClient, application: str, ray_address: str, num_s
     def stream(i: int) -> None:
         received = 0
         try:
-            for m in client.generate([10 + i, 11], max_tokens=2000, ignore_eos=True, timeout=300):
+            for m in client.generate([10 + i, 11], max_tokens=max_tokens, ignore_eos=True, timeout=300):
                 received += len(m.token_ids)
             note("completed")
         except grpc.RpcError as e:
