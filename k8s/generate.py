@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
+import json
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parent.parent
 K8S_DIR = REPO_ROOT / "k8s"
 SERVE_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config.yaml"
+PD_SERVE_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config_pd.yaml"  # prefill/decode variant
 PYPROJECT_PATH = REPO_ROOT / "pyproject.toml"
 
 NAME = "specdecode"  # RayService name: KubeRay names the serve Service `<NAME>-serve-svc`
@@ -35,6 +37,9 @@ DEFAULT_IMAGE_REPO = "specdecode-serve"  # `kind load docker-image` works with a
 APP_IMPORT_PATH = "deployments.app:build_app"  # the application the overrides apply to
 DEPLOYMENT_NAME = "SpecDecode"
 INGRESS_DEPLOYMENT_NAME = "SpecDecodeIngress"  # HA: one per worker node, so losing a node keeps one
+PREFILL_DEPLOYMENT_NAME = "SpecDecodePrefill"  # the prefill pool of the pd variant
+# pd variant: worker group (and the Ray custom resource its pods offer) -> the deployment it hosts
+POOLS = {"prefill": PREFILL_DEPLOYMENT_NAME, "decode": DEPLOYMENT_NAME}
 SLO_POLICY = "deployments.autoscaling:SLOAutoscalingPolicy"
 TARGET_ONGOING_REQUESTS = 8  # the default policy's target; the SLO policy has its own signals
 
@@ -84,6 +89,18 @@ class Variant:
     ttft_p95_ms: float  # the SLO the Serve policy holds (its policy_kwargs)
     tpot_p95_ms: float
     ha: bool = False
+    pd: bool = False  # prefill/decode disaggregation: a worker group per pool
+
+    @property
+    def serve_config_path(self) -> Path:
+        return PD_SERVE_CONFIG_PATH if self.pd else SERVE_CONFIG_PATH
+
+    @property
+    def pools(self) -> dict[str, str]:
+        """{worker group name: the deployment its pods host}."""
+        if self.pd:
+            return {f"{pool}-workers": name for pool, name in POOLS.items()}
+        return {f"{self.flavour}-workers": DEPLOYMENT_NAME}
 
     @property
     def path(self) -> Path:
@@ -151,6 +168,21 @@ VARIANTS: dict[str, Variant] = {
             tpot_p95_ms=50,
             ha=True,
         ),
+        Variant(
+            name="pd",
+            summary="Prefill/decode disaggregation on GPUs: a prefill worker group and a decode worker group, "
+            "one replica per GPU pod, each pool autoscaled on its own SLO (deployments/serve_config_pd.yaml)",
+            gpu=True,
+            min_replicas=1,
+            max_replicas=4,
+            head_resources=_resources("2", "2", "8Gi"),
+            worker_resources=_resources("4", "4", "16Gi", gpus=1),
+            trace_sampling_ratio="0.1",
+            idle_timeout_s=300,
+            ttft_p95_ms=500,  # the prefill pool's signal
+            tpot_p95_ms=50,  # the decode pool's
+            pd=True,
+        ),
     )
 }
 
@@ -171,25 +203,40 @@ def slo_policy_kwargs(variant: Variant) -> dict:
 
 
 def serve_overrides(variant: Variant) -> dict:
-    """The only changes a manifest makes to deployments/serve_config.yaml, for the application
-    `APP_IMPORT_PATH`: `args` keys, keys of its `DEPLOYMENT_NAME` deployment entry and (HA) of
-    its `INGRESS_DEPLOYMENT_NAME` entry."""
-    deployment: dict[str, Any] = {
-        "num_replicas": REMOVE,  # Serve refuses num_replicas together with autoscaling_config
-        "autoscaling_config": {
-            "min_replicas": variant.min_replicas,
-            "max_replicas": variant.max_replicas,
-            "target_ongoing_requests": TARGET_ONGOING_REQUESTS,
-            "policy": {"policy_function": SLO_POLICY, "policy_kwargs": slo_policy_kwargs(variant)},
-        },
-    }
-    if variant.gpu:
-        deployment["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 1}
-    ingress: dict[str, Any] = {}
-    if variant.ha:
-        deployment["max_replicas_per_node"] = 1
-        ingress = {"num_replicas": 2, "max_replicas_per_node": 1}
-    return {"args": {"device": "cuda" if variant.gpu else "cpu"}, "deployment": deployment, "ingress": ingress}
+    """The only changes a manifest makes to its Serve config (deployments/serve_config.yaml, or
+    serve_config_pd.yaml for the pd variant), for the application `APP_IMPORT_PATH`: `args` keys
+    and keys of its deployment entries: `deployment` (the engine / decode pool), `ingress`, and
+    `prefill` (the pd variant's prefill pool). In the pd variant each pool keeps the other
+    pool's SLO from the config (far out of reach: not its signal) and is pinned to its worker
+    group by a Ray custom resource."""
+
+    def engine_pool(pool: str | None, slo: dict) -> dict:
+        block: dict[str, Any] = {
+            "num_replicas": REMOVE,  # Serve refuses num_replicas together with autoscaling_config
+            "autoscaling_config": {
+                "min_replicas": variant.min_replicas,
+                "max_replicas": variant.max_replicas,
+                "target_ongoing_requests": TARGET_ONGOING_REQUESTS,
+                "policy": {"policy_function": SLO_POLICY, "policy_kwargs": slo},
+            },
+        }
+        actor: dict[str, Any] = {"num_gpus": 1, "num_cpus": 1} if variant.gpu else {}
+        if pool is not None:
+            actor["resources"] = {pool: 1}
+        if actor:
+            block["ray_actor_options"] = actor
+        if variant.ha:
+            block["max_replicas_per_node"] = 1
+        return block
+
+    ingress: dict[str, Any] = {"num_replicas": 2, "max_replicas_per_node": 1} if variant.ha else {}
+    overrides = {"args": {"device": "cuda" if variant.gpu else "cpu"}, "ingress": ingress, "prefill": {}}
+    if variant.pd:
+        overrides["deployment"] = engine_pool("decode", {"tpot_p95_ms": variant.tpot_p95_ms})
+        overrides["prefill"] = engine_pool("prefill", {"ttft_p95_ms": variant.ttft_p95_ms})
+    else:
+        overrides["deployment"] = engine_pool(None, slo_policy_kwargs(variant))
+    return overrides
 
 
 def override_paths(overrides: dict) -> set[tuple[str, ...]]:
@@ -238,7 +285,8 @@ def apply_serve_overrides(config: dict, variant: Variant) -> dict:
     app = find_app(config)
     overrides = serve_overrides(variant)
     app["args"] = _merge(app.get("args") or {}, overrides["args"])
-    for name, overlay in ((DEPLOYMENT_NAME, overrides["deployment"]), (INGRESS_DEPLOYMENT_NAME, overrides["ingress"])):
+    for name, overlay in ((DEPLOYMENT_NAME, overrides["deployment"]), (INGRESS_DEPLOYMENT_NAME, overrides["ingress"]),
+                          (PREFILL_DEPLOYMENT_NAME, overrides["prefill"])):
         if not overlay:
             continue
         deployment = find_deployment(app, name)
@@ -349,7 +397,7 @@ def head_group(variant: Variant, image_ref: str) -> dict:
     }
 
 
-def worker_group(variant: Variant, image_ref: str) -> dict:
+def worker_group(variant: Variant, image_ref: str, group_name: str) -> dict:
     container = {
         "name": "ray-worker",
         "image": image_ref,
@@ -396,12 +444,15 @@ def worker_group(variant: Variant, image_ref: str) -> dict:
                 ]
             }
         }
+    params: dict[str, str] = {}
+    if variant.pd:  # the pool's custom resource, which its deployment's replicas ask for
+        params["resources"] = json.dumps(json.dumps({group_name.removesuffix("-workers"): 1}))
     return {
-        "groupName": f"{variant.flavour}-workers",
+        "groupName": group_name,
         "replicas": variant.min_replicas,
         "minReplicas": variant.min_replicas,
         "maxReplicas": variant.max_replicas,
-        "rayStartParams": {},
+        "rayStartParams": params,
         "template": {"metadata": {"labels": _labels("ray-worker")}, "spec": spec},
     }
 
@@ -420,7 +471,8 @@ _Dumper.add_representer(_Literal, lambda d, s: d.represent_scalar("tag:yaml.org,
 
 def serve_config_v2(serve_config: dict, variant: Variant) -> str:
     body = yaml.safe_dump(apply_serve_overrides(serve_config, variant), sort_keys=False, width=1000)
-    return f"# deployments/serve_config.yaml with the {variant.name} overrides of k8s/generate.py\n{body}"
+    source = variant.serve_config_path.relative_to(REPO_ROOT)
+    return f"# {source} with the {variant.name} overrides of k8s/generate.py\n{body}"
 
 
 def rayservice(variant: Variant, serve_config: dict, image_repo: str = DEFAULT_IMAGE_REPO) -> dict:
@@ -435,7 +487,7 @@ def rayservice(variant: Variant, serve_config: dict, image_repo: str = DEFAULT_I
             "resources": _resources("500m", "500m", "512Mi"),
         },
         "headGroupSpec": head_group(variant, image_ref),
-        "workerGroupSpecs": [worker_group(variant, image_ref)],
+        "workerGroupSpecs": [worker_group(variant, image_ref, group) for group in variant.pools],
     }
     if variant.ha:
         cluster["gcsFaultToleranceOptions"] = {
@@ -556,9 +608,14 @@ def render(variant: Variant, serve_config: dict, image_repo: str = DEFAULT_IMAGE
 
 
 def render_all(serve_config: dict | None = None, image_repo: str = DEFAULT_IMAGE_REPO) -> dict[str, str]:
-    """{variant name: file contents} for every variant."""
-    config = load_serve_config() if serve_config is None else serve_config
-    return {name: render(variant, config, image_repo) for name, variant in VARIANTS.items()}
+    """{variant name: file contents} for every variant. `serve_config` replaces
+    deployments/serve_config.yaml (the pd variant always embeds serve_config_pd.yaml)."""
+    def config_of(variant: Variant) -> dict:
+        if variant.pd or serve_config is None:
+            return load_serve_config(variant.serve_config_path)
+        return serve_config
+
+    return {name: render(variant, config_of(variant), image_repo) for name, variant in VARIANTS.items()}
 
 
 def stale(rendered: dict[str, str], out_dir: Path = K8S_DIR) -> dict[str, str]:

@@ -202,36 +202,43 @@ def test_other_documents_are_well_formed(variant: str) -> None:
 # --- the embedded Serve config ----------------------------------------------------------------
 @pytest.mark.parametrize("variant", VARIANT_NAMES, ids=VARIANT_IDS)
 def test_serve_config_v2_is_the_project_config_plus_declared_overrides(variant: str) -> None:
-    """Everything but the overridden app args and deployment keys equals deployments/serve_config.yaml."""
-    base = generate.load_serve_config()
+    """Everything but the overridden app args and deployment keys equals the variant's Serve config
+    (deployments/serve_config.yaml; serve_config_pd.yaml for the pd variant)."""
+    v = generate.VARIANTS[variant]
+    base = generate.load_serve_config(v.serve_config_path)
     embedded = serve_config(rayservice(variant))
-    overrides = generate.serve_overrides(generate.VARIANTS[variant])
+    overrides = generate.serve_overrides(v)
     allowed = generate.override_paths(overrides)
+    names = {"deployment": generate.DEPLOYMENT_NAME, "ingress": generate.INGRESS_DEPLOYMENT_NAME,
+             "prefill": generate.PREFILL_DEPLOYMENT_NAME}
 
     def strip(config: dict) -> dict:
         config = copy.deepcopy(config)
         app = our_app(config)
         app.pop("args", None)
-        ours = (generate.DEPLOYMENT_NAME, generate.INGRESS_DEPLOYMENT_NAME)
-        app["deployments"] = [d for d in app.get("deployments") or [] if d.get("name") not in ours]
+        app["deployments"] = [d for d in app.get("deployments") or [] if d.get("name") not in names.values()]
         return config
 
-    assert strip(embedded) == strip(base), "serveConfigV2 differs from deployments/serve_config.yaml outside our app's args/deployment"
-    base_deployment = generate.find_deployment(our_app(base)) or {"name": generate.DEPLOYMENT_NAME}
-    ingress = generate.INGRESS_DEPLOYMENT_NAME
-    base_ingress = generate.find_deployment(our_app(base), ingress) or {"name": ingress}
-    embedded_ingress = generate.find_deployment(our_app(embedded), ingress) or {"name": ingress}
-    for section, ours, theirs in (("args", our_app(embedded)["args"], our_app(base)["args"]),
-                                  ("deployment", our_deployment(embedded), base_deployment),
-                                  ("ingress", embedded_ingress, base_ingress)):
+    assert strip(embedded) == strip(base), "serveConfigV2 differs from its Serve config outside our app's args/deployments"
+    sections = [("args", our_app(embedded)["args"], our_app(base)["args"])]
+    for section, name in names.items():
+        theirs = generate.find_deployment(our_app(base), name) or {"name": name}
+        ours = generate.find_deployment(our_app(embedded), name) or {"name": name}
+        sections.append((section, ours, theirs))
+    for section, ours, theirs in sections:
         for path in differing_paths(ours, theirs, (section,)):
             assert any(is_prefix(path, p) or is_prefix(p, path) for p in allowed), (
-                f"{variant}: serveConfigV2 {'.'.join(path)} differs from deployments/serve_config.yaml "
+                f"{variant}: serveConfigV2 {'.'.join(path)} differs from {v.serve_config_path.name} "
                 "and is not one of k8s/generate.py's declared overrides"
             )
     # ... and every declared override is really there.
     assert our_app(embedded)["args"]["device"] == overrides["args"]["device"]
     assert "num_replicas" not in our_deployment(embedded)
+    if v.pd:
+        assert our_app(embedded)["args"]["mode"] == "disaggregated"
+        prefill = generate.find_deployment(our_app(embedded), generate.PREFILL_DEPLOYMENT_NAME)
+        assert prefill["ray_actor_options"]["resources"] == {"prefill": 1}
+        assert our_deployment(embedded)["ray_actor_options"]["resources"] == {"decode": 1}
 
 
 def differing_paths(a: Any, b: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
@@ -259,7 +266,9 @@ def test_check_fails_when_serve_config_drifts(tmp_path: Path) -> None:
     our_app(drifted)["args"]["max_tokens"] = 777
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(drifted, sort_keys=False))
-    assert set(generate.stale(generate.render_all(drifted))) == {str(v.path) for v in generate.VARIANTS.values()}
+    # Every manifest that embeds deployments/serve_config.yaml is stale (pd embeds serve_config_pd.yaml).
+    embedding = {str(v.path) for v in generate.VARIANTS.values() if v.serve_config_path == generate.SERVE_CONFIG_PATH}
+    assert set(generate.stale(generate.render_all(drifted))) == embedding
     assert generate.main(["--check", "--serve-config", str(path)]) == 1
 
 
@@ -330,11 +339,27 @@ def test_slo_policy_path_resolves() -> None:
 # --- the cluster shape ------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", VARIANT_NAMES, ids=VARIANT_IDS)
 def test_worker_bounds_match_serve_autoscaling(variant: str) -> None:
+    """Each worker group hosts one deployment (its pool); its bounds are that deployment's."""
     doc = rayservice(variant)
-    block = our_deployment(serve_config(doc))["autoscaling_config"]
-    (group,) = worker_groups(doc)
-    assert (group["minReplicas"], group["maxReplicas"]) == (block["min_replicas"], block["max_replicas"])
-    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    pools = generate.VARIANTS[variant].pools
+    assert [g["groupName"] for g in worker_groups(doc)] == list(pools)
+    for group in worker_groups(doc):
+        block = generate.find_deployment(our_app(serve_config(doc)), pools[group["groupName"]])["autoscaling_config"]
+        assert (group["minReplicas"], group["maxReplicas"]) == (block["min_replicas"], block["max_replicas"])
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+def test_pd_pools_are_pinned_to_their_worker_groups() -> None:
+    """pd: each group's pods offer the custom resource its pool's replicas ask for (and only they)."""
+    import json
+
+    doc = rayservice("pd")
+    app = our_app(serve_config(doc))
+    for group in worker_groups(doc):
+        pool = group["groupName"].removesuffix("-workers")
+        offered = json.loads(json.loads(group["rayStartParams"]["resources"]))
+        deployment = generate.find_deployment(app, generate.POOLS[pool])
+        assert offered == deployment["ray_actor_options"]["resources"] == {pool: 1}
 
 
 def _quantity(value: Any) -> float:
@@ -350,19 +375,20 @@ def test_one_replica_per_worker_pod(variant: str) -> None:
 
     doc = rayservice(variant)
     config = serve_config(doc)
-    deployment = our_deployment(config)
-    actor = deployment.get("ray_actor_options") or replica_resources(AppConfig.from_dict(our_app(config)["args"]))
-    (group,) = worker_groups(doc)
-    resources = worker_container(group)["resources"]
-    limits = resources["limits"]
-    if generate.VARIANTS[variant].gpu:
-        assert limits["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
-        assert actor["num_gpus"] == 1
-        assert actor.get("num_cpus", 1) <= _quantity(limits["cpu"])
-    else:
-        assert not any(key.endswith("gpu") for key in {**limits, **resources["requests"]})
-        assert our_app(config)["args"]["device"] == "cpu"
-        assert actor["num_cpus"] <= _quantity(limits["cpu"]) < 2 * actor["num_cpus"]
+    pools = generate.VARIANTS[variant].pools
+    for group in worker_groups(doc):
+        deployment = generate.find_deployment(our_app(config), pools[group["groupName"]])
+        actor = deployment.get("ray_actor_options") or replica_resources(AppConfig.from_dict(our_app(config)["args"]))
+        resources = worker_container(group)["resources"]
+        limits = resources["limits"]
+        if generate.VARIANTS[variant].gpu:
+            assert limits["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 1
+            assert actor["num_gpus"] == 1
+            assert actor.get("num_cpus", 1) <= _quantity(limits["cpu"])
+        else:
+            assert not any(key.endswith("gpu") for key in {**limits, **resources["requests"]})
+            assert our_app(config)["args"]["device"] == "cpu"
+            assert actor["num_cpus"] <= _quantity(limits["cpu"]) < 2 * actor["num_cpus"]
     assert not any(key.endswith("gpu") for key in head_container(doc)["resources"]["limits"])
 
 
