@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         ["-m", "bench.bench_engine"],
         ["-m", "bench.bench_spec", *(["--sweep"] if args.sweep else [])],
         ["-m", "bench.bench_serve"],
+        ["-m", "bench.bench_pd"],
     ]
     failed = 0
     for step in steps:
