@@ -1,4 +1,4 @@
-"""`make bench`: every benchmark in one go (about 15-30 minutes on a 2-core CPU).
+"""`make bench`: every benchmark in one go (about 25-40 minutes on a 2-core CPU).
 
     python -m bench.run_all [--sweep]
 """
