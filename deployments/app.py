@@ -29,6 +29,7 @@ import ray
 from ray import serve
 from ray.serve import Application
 
+from deployments import tracing as t
 from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
 from deployments.config import (
     DEPLOYMENT_NAME,
@@ -38,6 +39,7 @@ from deployments.config import (
     resolve_path,
 )
 from deployments.errors import ClientError
+from deployments.handoff_transport import get_handoff, put_handoff, resolve_transport
 from deployments.metrics import start_replica_metrics
 from deployments.router import routing_stats
 from deployments.tracing import grpc_span_attributes, setup_tracing
@@ -62,18 +64,16 @@ class PrefillResult:
     The ObjectRef sits in a list, so that Ray passes it on as a reference (not its value)."""
 
     handoff: list  # [ObjectRef[engine.handoff.Handoff]]
+    transport: str  # how it was put (deployments/handoff_transport.py)
     num_bytes: int
     num_emitted_chars: int  # characters of text the first message(s) carried
     sent_at: float  # time.time() when the handoff was put into the object store
 
 
 def _num_cached_tokens(engine: Any, prompt: list[int]) -> int:
-    """Prompt tokens the engine's prefix cache holds (run on the engine thread)."""
-    from engine import SamplingParams
-    from engine.request import Request
-
-    blocks = engine.block_manager.find_cached_prefix(Request("prefix-probe", prompt, SamplingParams()))
-    return len(blocks) * engine.block_manager.block_size
+    """Prompt tokens the engine's prefix cache holds (run on the engine thread; not counted as
+    a prefix-cache query)."""
+    return len(engine.block_manager.lookup_prefix(prompt)) * engine.block_manager.block_size
 
 
 def _fewer_tokens(params: Any, n: int) -> Any:
@@ -111,6 +111,8 @@ class SpecDecodeServer:
         # mode: disaggregated: the decode replicas get a handle to the prefill pool.
         self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
         self.prefills: dict[str, int] = {}  # where this replica's requests were prefilled
+        self.transports: dict[str, int] = {}  # handoffs received, by transport
+        self.transport = resolve_transport(config.disaggregation.transport)  # how this replica's handoffs travel
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
         engine_kwargs = config.engine_kwargs()
         self.llm = AsyncLLM(resolve_path(config.model), **engine_kwargs)
@@ -159,8 +161,26 @@ class SpecDecodeServer:
             async for item in self._run(prompt, params, label, trace, speculating):
                 yield item
             return
+        span = None
+        if self.tracing is not None:  # one span over prefill pool, handoff and decode
+            attributes = grpc_span_attributes("Generate", self.replica_id, params, speculating, label)
+            span = self.tracing.start_disaggregated(self.tracing.parent_context(trace), attributes)
+            trace = TraceMetadata(self.tracing.metadata(span))
+        try:
+            async for item in self._disaggregated(prompt, params, label, trace, speculating, span):
+                yield item
+        finally:
+            if span is not None:
+                span.end()
+
+    async def _disaggregated(
+        self, prompt: list[int], params: Any, label: str, trace: TraceMetadata, speculating: bool, span: Any,
+    ) -> AsyncIterator[ClientError | pb.GenerateResponse]:
+        """A request the prefill pool prefills: relay its first message(s), fetch the handoff,
+        continue here; a lost prefill replica or handoff, or a refused import, is prefilled here
+        after the tokens already sent (`fallback`)."""
         result, sent = None, []
-        async for item in self._remote_prefill(prompt, params, label, trace_metadata):
+        async for item in self._remote_prefill(prompt, params, label, trace.pairs):
             if isinstance(item, PrefillResult):
                 result = item
             else:
@@ -168,19 +188,41 @@ class SpecDecodeServer:
                 if isinstance(item, ClientError) or item.finish_reason:
                     return
                 sent.extend(item.token_ids)
-        handoff = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
+        fetched = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
         if result is not None:
-            result.handoff.clear()  # drop the ObjectRef: the object store frees the handoff now
-        if handoff is not None:
+            result.handoff.clear()  # drop the ObjectRef: the owner frees the handoff now
+            if span is not None:
+                self.tracing.handoff(span, int(result.sent_at * 1e9), time.time_ns(), {
+                    t.ATTR_HANDOFF_BYTES: result.num_bytes, t.ATTR_HANDOFF_TRANSPORT: result.transport,
+                }, error=None if fetched is not None else "handoff lost")
+        if fetched is not None:
+            handoff, seconds = fetched
+            fetched = None
             stream = self._run(prompt, params, label, trace, speculating, handoff=handoff,
                                num_emitted_chars=result.num_emitted_chars)
             handoff = None
+            first = True
             async for item in stream:
+                if first and isinstance(item, ClientError):
+                    # Not imported (e.g. a prefill pool serving another model): nothing of it
+                    # reached the client, so prefill here instead of failing the request.
+                    logger.error("request %r: handoff not imported (%s: %s); prefilling locally",
+                                 label, item.code_name, item.details)
+                    break
+                if first:
+                    self._count_prefill("remote", result.num_bytes, seconds)
+                    self.transports[result.transport] = self.transports.get(result.transport, 0) + 1
+                    if span is not None:
+                        span.set_attribute(t.ATTR_PREFILLED, "remote")
+                    first = False
                 yield item
-            return
-        # The prefill replica or its handoff was lost: prefill here, after the tokens already sent.
+            else:
+                return
+        else:
+            logger.warning("request %r: no handoff from the prefill pool; prefilling locally", label)
         self._count_prefill("fallback")
-        logger.warning("request %r: no handoff from the prefill pool; prefilling locally", label)
+        if span is not None:
+            span.set_attribute(t.ATTR_PREFILLED, "fallback")
         async for item in self._run(prompt + sent, _fewer_tokens(params, len(sent)), label, trace, speculating,
                                     already_sent=sent):
             yield item
@@ -204,8 +246,10 @@ class SpecDecodeServer:
     ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult]:
         """Run one engine request and yield its messages; engine errors become a `ClientError`."""
         from engine import EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError
+        from engine.errors import HandoffMismatchError
 
         request_id = uuid.uuid4().hex  # the engine's id: never the client's
+        role = "prefill" if export else "decode" if handoff is not None or already_sent else None
         self.latency.start(request_id)
         try:
             stream = self.llm.generate(prompt, params, request_id=request_id, export_after_prefill=export,
@@ -214,13 +258,15 @@ class SpecDecodeServer:
             handoff = None  # the engine copies it into its own blocks; do not hold it for the whole stream
             if self.tracing is not None:
                 attributes = grpc_span_attributes("Generate", self.replica_id, params, speculating, label)
+                if role is not None:
+                    attributes[t.ATTR_ROLE] = role
                 parent = self.tracing.parent_context(trace)
                 stream = self.tracing.trace(stream, request_id, parent=parent, server=True, attributes=attributes)
             async for out in stream:
                 self.latency.on_tokens(request_id, len(out.delta_token_ids))
-                if out.handoff is not None:
-                    ref = ray.put(out.handoff)  # owned by this replica; freed when the decode side drops it
-                    yield PrefillResult([ref], out.handoff.num_bytes, len(out.text), time.time())
+                if out.handoff is not None:  # owned by this replica; freed when the decode side drops it
+                    ref = put_handoff(out.handoff, self.transport)
+                    yield PrefillResult([ref], self.transport, out.handoff.num_bytes, len(out.text), time.time())
                     return
                 if out.finished:
                     self.metrics.on_request_finished(out, speculating)
@@ -233,6 +279,8 @@ class SpecDecodeServer:
             yield ClientError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineOverloadedError as e:
             yield ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"replica full: {e}; retry later")
+        except HandoffMismatchError as e:  # the caller (`generate`) prefills locally instead
+            yield ClientError(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except EngineDeadError as e:
             logger.error("request %r failed: engine stopped: %s", label, e)
             yield ClientError(grpc.StatusCode.UNAVAILABLE, "the engine on this replica stopped; retry the request")
@@ -283,20 +331,22 @@ class SpecDecodeServer:
             self.handoffs.append((num_bytes, seconds))
         self.metrics.on_prefill(where, num_bytes, seconds)
 
-    async def _fetch_handoff(self, result: PrefillResult, label: str) -> Any:
-        """The handoff from Ray's object store (None when it is lost: its owner died)."""
+    async def _fetch_handoff(self, result: PrefillResult, label: str) -> tuple[Any, float] | None:
+        """The handoff (by the transport its prefill replica chose) and the seconds since the
+        prefill replica published it (None when it is lost: its owner died)."""
         try:
-            handoff = await asyncio.wait_for(result.handoff[0], self.config.replica_wait_timeout_s)
+            handoff = await get_handoff(result.handoff[0], self.config.replica_wait_timeout_s)
         except (TimeoutError, ray.exceptions.RayError) as e:
             logger.warning("request %r: handoff lost (%s)", label, type(e).__name__)
             return None
-        self._count_prefill("remote", result.num_bytes, max(0.0, time.time() - result.sent_at))
-        return handoff
+        return handoff, max(0.0, time.time() - result.sent_at)
 
     async def prefill_counts(self) -> dict[str, float]:
-        """How this decode replica's requests were prefilled (remote, local, fallback) and its
-        handoffs' median size and transfer time (tests and bench/bench_pd.py)."""
+        """How this decode replica's requests were prefilled (remote, local, fallback), by which
+        transport its handoffs came (`via_nixl`, `via_object_store`) and their median size and
+        transfer time (tests and bench/bench_pd.py)."""
         out: dict[str, float] = dict(self.prefills)
+        out.update({f"via_{name}": n for name, n in self.transports.items()})
         if self.handoffs:
             out["handoff_mb_median"] = statistics.median(b for b, _ in self.handoffs) / 1e6
             out["handoff_ms_median"] = statistics.median(s for _, s in self.handoffs) * 1e3

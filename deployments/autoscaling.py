@@ -155,6 +155,7 @@ def replica_autoscaling_stats(engine_stats: Mapping[str, Any], latency: LatencyS
 
 # --- the policy -------------------------------------------------------------------------------
 # name: (lower bound, lower bound excluded, upper bound or None); every field is checked.
+_SIGNALS = ("ttft_p95_ms", "tpot_p95_ms", "kv_usage_high")  # each may be null: not this pool's signal
 _BOUNDS: dict[str, tuple[float, bool, float | None]] = {
     "ttft_p95_ms": (0.0, True, None),
     "tpot_p95_ms": (0.0, True, None),
@@ -173,7 +174,9 @@ _BOUNDS: dict[str, tuple[float, bool, float | None]] = {
 class SLOPolicyConfig:
     """The `policy_kwargs` of SLOAutoscalingPolicy: SLO targets and how hard to chase them.
 
-    ttft_p95_ms, tpot_p95_ms: the SLO (p95 time to first token, p95 time per output token).
+    ttft_p95_ms, tpot_p95_ms: the SLO (p95 time to first token, p95 time per output token); null
+      (None) leaves that signal out of the pressure: in disaggregated mode the prefill pool scales
+      on TTFT only and the decode pool on TPOT and KV use.
     target_utilization: a scale-up aims for pressure (latency / SLO) this high, leaving headroom.
     scale_down_below: pressure must be under this (and nothing queued) to consider removing one.
     max_upscale_ratio: one decision multiplies the replica count by at most this.
@@ -182,19 +185,20 @@ class SLOPolicyConfig:
       p95s no longer hold the overload that the last scale-up answered).
     downscale_load_margin: remove a replica only if the load per remaining replica stays under
       this fraction of the load per replica seen at the last violation (the learned capacity).
-    kv_usage_high: KV-cache use (0..1) that counts as pressure 1.0 (preemptions come next).
+    kv_usage_high: KV-cache use (0..1) that counts as pressure 1.0 (preemptions come next); null
+      leaves KV use out.
     min_latency_samples: fewer samples than this in the window do not trigger a scale-up.
     capacity_memory_s: how long the learned capacity is trusted.
     """
 
-    ttft_p95_ms: float = 1000.0
-    tpot_p95_ms: float = 100.0
+    ttft_p95_ms: float | None = 1000.0
+    tpot_p95_ms: float | None = 100.0
     target_utilization: float = 0.7
     scale_down_below: float = 0.5
     max_upscale_ratio: float = 2.0
     upscale_cooldown_s: float = 30.0
     downscale_load_margin: float = 0.7
-    kv_usage_high: float = 0.9
+    kv_usage_high: float | None = 0.9
     min_latency_samples: int = 8
     capacity_memory_s: float = 1800.0
 
@@ -211,7 +215,7 @@ class SLOPolicyConfig:
         allowed = [f.name for f in fields(cls)]
         errors = [f"{where}.{k}: unknown field; allowed fields: {', '.join(allowed)}" for k in kwargs if k not in allowed]
         for name, (lo, lo_open, hi) in _BOUNDS.items():
-            if name not in kwargs:
+            if name not in kwargs or (name in _SIGNALS and kwargs[name] is None):
                 continue
             value = kwargs[name]
             integral = isinstance(lo, int) and not isinstance(lo, bool)
@@ -223,6 +227,8 @@ class SLOPolicyConfig:
             if not low_ok or (hi is not None and value > hi):
                 span = f"{'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
                 errors.append(f"{where}.{name}: must be {'in ' if hi is not None else ''}{span}, got {value}")
+        if not errors and all(kwargs.get(name, getattr(cls, name)) is None for name in _SIGNALS):
+            errors.append(f"{where}: {', '.join(_SIGNALS)} are all null; keep at least one signal to scale on")
         if not errors:
             down = kwargs.get("scale_down_below", cls.scale_down_below)
             target = kwargs.get("target_utilization", cls.target_utilization)
@@ -257,10 +263,14 @@ class Figures:
     pressure: float  # max(TTFT/SLO, TPOT/SLO, KV/high); > 1 is a violation
 
     def describe(self, config: SLOPolicyConfig) -> str:
+        def slo(value: float | None, unit: str = "") -> str:
+            return "ignored" if value is None else f"{value:g}{unit}"
+
         return (
             f"pressure {self.pressure:.2f} = max(TTFT p95 {self.ttft_p95_ms:.1f} (queue {self.queue_wait_ms:.0f})"
-            f"/{config.ttft_p95_ms:g} ms, "
-            f"TPOT p95 {self.tpot_p95_ms:.1f}/{config.tpot_p95_ms:g} ms, KV {self.kv_usage:.2f}/{config.kv_usage_high:g}) "
+            f"/{slo(config.ttft_p95_ms, ' ms')}, "
+            f"TPOT p95 {self.tpot_p95_ms:.1f}/{slo(config.tpot_p95_ms, ' ms')}, "
+            f"KV {self.kv_usage:.2f}/{slo(config.kv_usage_high)}) "
             f"from {self.num_samples:.0f} samples; {self.num_ongoing:.1f} ongoing, {self.num_waiting:.1f} waiting in "
             f"engines, {self.num_queued:.1f} queued at handles, {self.num_replicas} replicas"
         )
@@ -273,6 +283,11 @@ class Decision:
     code: str  # why, in one stable word (what the log de-duplicates on)
     reason: str  # why, with the numbers
     figures: Figures | None = None
+
+
+def _ratio(value: float, slo: float | None) -> float:
+    """A signal's pressure: value / SLO, 0 for a signal the pool does not scale on (SLO null)."""
+    return 0.0 if slo is None else value / slo
 
 
 def _weighted_mean(values: Mapping[Any, float], weights: Mapping[Any, float]) -> float:
@@ -346,7 +361,9 @@ class SLOAutoscalingPolicy:
         tpot = _weighted_mean(metrics.get(METRIC_TPOT_P95_MS, {}), samples)
         kv = max(metrics.get(METRIC_KV_USAGE, {}).values(), default=0.0)
         cfg = self.config
-        latency = max(ttft / cfg.ttft_p95_ms, tpot / cfg.tpot_p95_ms) if num_samples >= latency_min_samples else 0.0
+        latency = 0.0
+        if num_samples >= latency_min_samples:
+            latency = max(_ratio(ttft, cfg.ttft_p95_ms), _ratio(tpot, cfg.tpot_p95_ms))
         return Figures(
             num_replicas=ctx.current_num_replicas,
             ttft_p95_ms=ttft,
@@ -357,7 +374,7 @@ class SLOAutoscalingPolicy:
             num_waiting=num_waiting,
             num_queued=num_queued,
             num_ongoing=float(ctx.total_num_requests or 0.0),
-            pressure=max(latency, kv / cfg.kv_usage_high),
+            pressure=max(latency, _ratio(kv, cfg.kv_usage_high)),
         )
 
     def decide(self, ctx: Any, state: dict[str, Any]) -> Decision:

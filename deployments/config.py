@@ -143,6 +143,7 @@ class DrafterArgs:
 
 
 MODES = ("colocated", "disaggregated")
+HANDOFF_TRANSPORTS = ("auto", "object_store", "nixl")  # deployments/handoff_transport.py
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,12 @@ class DisaggregationArgs:
     `min_prompt_tokens` tokens not already in the decode replica's prefix cache is prefilled by
     the prefill pool and handed over (KV + drafter state); shorter prompts and cache hits are
     prefilled by the decode replica itself. `with_drafter_state: false` hands over the target's
-    KV only (the decode side rebuilds the drafter's state; an ablation for the benchmark)."""
+    KV only (the decode side rebuilds the drafter's state; an ablation for the benchmark).
+    `transport` moves the handoff (deployments/handoff_transport.py): auto, object_store or nixl."""
 
     min_prompt_tokens: int = 256
     with_drafter_state: bool = True
+    transport: str = "auto"
 
     @classmethod
     def from_dict(cls, data: Any, where: str, check: _Checker) -> DisaggregationArgs | None:
@@ -162,9 +165,10 @@ class DisaggregationArgs:
         n = len(check.errors)
         threshold = check.integer(f"{where}.min_prompt_tokens", data.get("min_prompt_tokens", cls.min_prompt_tokens), 1)
         with_state = check.boolean(f"{where}.with_drafter_state", data.get("with_drafter_state", cls.with_drafter_state))
+        transport = check.string(f"{where}.transport", data.get("transport", cls.transport), HANDOFF_TRANSPORTS)
         if len(check.errors) > n:
             return None
-        return cls(min_prompt_tokens=threshold, with_drafter_state=with_state)
+        return cls(min_prompt_tokens=threshold, with_drafter_state=with_state, transport=transport)
 
 
 TRACE_EXPORTERS = ("file", "otlp", "console", "none")

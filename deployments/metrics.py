@@ -107,7 +107,7 @@ METRICS: tuple[MetricDef, ...] = (
     _h("specdecode_handoff_seconds", "Time from the prefill replica's last message to the decode replica "
        "holding the handoff (transfer through Ray's object store).", HANDOFF_SECONDS_BUCKETS),
     _c("specdecode_prefills_total", "Prefills of decode replicas' requests by where they ran: remote (prefill "
-       "pool), local (short prompt or prefix-cache hit), fallback (the handoff was lost: prefilled locally).",
+       "pool), local (short prompt or prefix-cache hit), fallback (the handoff was lost or could not be imported: prefilled locally).",
        "where"),
 )
 METRICS_BY_NAME = {m.name: m for m in METRICS}

@@ -67,6 +67,12 @@ PREFILL_SPAN = "specdecode.prefill"
 DECODE_SPAN = "specdecode.decode"
 STEP_SPAN = "engine.step"
 FIRST_TOKEN_EVENT = "first_token"
+# Prefill/decode disaggregation: a decode replica's request whose prompt the prefill pool
+# prefilled. Its children: the prefill replica's request span (role prefill), the handoff (put by
+# the prefill replica -> read by the decode replica) and the decode replica's request span (role
+# decode; a local fallback prefill included).
+DISAGG_SPAN = "specdecode.disaggregated"
+HANDOFF_SPAN = "specdecode.handoff"
 
 ATTR_REQUEST_ID = "specdecode.request_id"
 ATTR_CLIENT_REQUEST_ID = "specdecode.client_request_id"
@@ -85,6 +91,10 @@ ATTR_SPEC_PREFIX = "specdecode.spec."  # + num_draft_tokens, acceptance_rate, ..
 # + queue_s, prefill_s, draft_s, verify_s, sample_s, engine_other_s, overhead_s (outside any step)
 ATTR_TIME_PREFIX = "specdecode.time."
 ATTR_NUM_STEPS = "specdecode.num_steps"  # engine steps that served the request
+ATTR_ROLE = "specdecode.role"  # request spans in disaggregated mode: prefill | decode
+ATTR_HANDOFF_BYTES = "specdecode.handoff.bytes"
+ATTR_HANDOFF_TRANSPORT = "specdecode.handoff.transport"  # object_store | nixl
+ATTR_PREFILLED = "specdecode.prefilled"  # on a disaggregated span: remote | fallback
 # Step attributes: on `engine.step` and copied onto each request's prefill/decode span.
 ATTR_STEP_INDEX = "engine.step.index"
 ATTR_STEP_NUM_REQUESTS = "engine.step.num_requests"
@@ -367,6 +377,28 @@ class RequestTracer:
             return None
         ctx = propagate.extract(carrier)
         return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+    # --- disaggregated requests (a decode replica's event loop) ----------------------------------
+    def start_disaggregated(self, parent: Context | None, attributes: Mapping[str, Any]) -> Span:
+        """The span of a request prefilled by the prefill pool; end it when the request ends."""
+        return self.tracer.start_span(DISAGG_SPAN, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+
+    @staticmethod
+    def metadata(span: Span) -> list[tuple[str, str]]:
+        """W3C trace headers naming `span` as the parent (for the prefill call and the decode run)."""
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=set_span_in_context(span))
+        return list(carrier.items())
+
+    def handoff(self, parent: Span, start_ns: int, end_ns: int, attributes: Mapping[str, Any],
+                error: str | None = None) -> None:
+        """The handoff's transfer as a child of `parent`: from the prefill replica's put to the
+        decode replica's read (the import into the decode engine's blocks is its queue time)."""
+        span = self.tracer.start_span(HANDOFF_SPAN, context=set_span_in_context(parent), start_time=start_ns,
+                                      attributes=attributes)
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=max(start_ns, end_ns))
 
     # --- per request (event loop) ---------------------------------------------------------------
     async def trace(

@@ -3,12 +3,14 @@
     python -m deployments.where_time_goes traces/spans.jsonl [more files or dirs] [--out FILE.png]
         [--request ID] [--max-requests N]
 
-Prints, per request and over all requests, the time in queue, prefill, draft, verify (target
-forward), sampling, other engine work (scheduling, input preparation, commit) and serving overhead
-(the rest of the request span: gaps between engine steps, output delivery), then the acceptance of
-each verification step. Writes a PNG: stacked bars per request and the timeline of one request's
-steps. Reads the file exporter's JSON lines and OTLP/JSON lines (an OpenTelemetry Collector's file
-exporter). A step serving several requests counts in full for each: it is time each one waited.
+Prints, per request and over all requests, the time in queue, prefill, handoff (disaggregated
+mode: the KV's transfer from the prefill pool), draft, verify (target forward), sampling, other
+engine work (scheduling, input preparation, commit) and serving overhead (the rest of the request
+span: gaps between engine steps, output delivery), then the acceptance of each verification step.
+A request prefilled by the prefill pool is one `specdecode.disaggregated` span holding the prefill
+replica's request, the handoff and the decode replica's request: its steps are both engines'.
+Writes a PNG: stacked bars per request and the timeline of one request's steps. Reads the file
+exporter's JSON lines and OTLP/JSON lines (an OpenTelemetry Collector's file exporter). A step serving several requests counts in full for each: it is time each one waited.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from typing import Any
 
 from deployments import tracing as t
 
-CATEGORIES = ("queue", "prefill", "draft", "verify", "sample", "engine_other", "overhead")
+CATEGORIES = ("queue", "prefill", "handoff", "draft", "verify", "sample", "engine_other", "overhead")
 COLORS = {
-    "queue": "#9e9e9e", "prefill": "#6a3d9a", "draft": "#33a02c", "verify": "#1f78b4",
+    "queue": "#9e9e9e", "prefill": "#6a3d9a", "handoff": "#fb9a99", "draft": "#33a02c", "verify": "#1f78b4",
     "sample": "#ff7f00", "engine_other": "#b15928", "overhead": "#e31a1c",
 }
 
@@ -55,7 +57,7 @@ class StepShare:
     """One engine step as one request saw it. `start_s` is relative to the request's start."""
 
     index: int
-    kind: str  # prefill | decode
+    kind: str  # prefill | decode | handoff (disaggregated: the transfer; no engine step)
     start_s: float
     duration_s: float
     draft_s: float
@@ -85,6 +87,11 @@ class RequestBreakdown:
     def verifications(self) -> list[tuple[int, int]]:
         """(drafted, accepted) of each step that verified drafts for this request."""
         return [(s.num_drafted, s.num_accepted) for s in self.steps if s.num_drafted]
+
+    @property
+    def num_steps(self) -> int:
+        """Engine steps that served it (both engines' in disaggregated mode)."""
+        return sum(1 for s in self.steps if s.kind != "handoff")
 
     @property
     def accounted_s(self) -> float:
@@ -160,50 +167,77 @@ def _from_otlp_json(obj: dict) -> Iterator[SpanRecord]:
 
 # --- analysis ------------------------------------------------------------------------------------
 def breakdowns(spans: list[SpanRecord]) -> list[RequestBreakdown]:
-    """One breakdown per request span, in order of arrival."""
+    """One breakdown per request, in order of arrival: each `specdecode.request` span, except
+    those inside a `specdecode.disaggregated` span, which is one request of its own."""
     children: dict[str, list[SpanRecord]] = {}
     for s in spans:
         if s.parent_span_id:
             children.setdefault(s.parent_span_id, []).append(s)
+    disaggregated = {s.span_id for s in spans if s.name == t.DISAGG_SPAN}
+    tops = [s for s in spans if s.name == t.DISAGG_SPAN
+            or (s.name == t.REQUEST_SPAN and s.parent_span_id not in disaggregated)]
     out = []
-    for req in sorted((s for s in spans if s.name == t.REQUEST_SPAN), key=lambda s: s.start_ns):
+    for top in sorted(tops, key=lambda s: s.start_ns):
         parts = dict.fromkeys(CATEGORIES, 0.0)
         steps: list[StepShare] = []
-        for c in sorted(children.get(req.span_id, []), key=lambda s: s.start_ns):
-            a = c.attributes
-            if c.name == t.QUEUE_SPAN:
-                parts["queue"] += c.duration_s
-            elif c.name in (t.PREFILL_SPAN, t.DECODE_SPAN):
-                step = StepShare(
-                    index=int(a.get(t.ATTR_STEP_INDEX, -1)),
-                    kind="prefill" if c.name == t.PREFILL_SPAN else "decode",
-                    start_s=(c.start_ns - req.start_ns) / 1e9, duration_s=c.duration_s,
-                    draft_s=float(a.get(t.ATTR_DRAFT_S, 0.0)), verify_s=float(a.get(t.ATTR_VERIFY_S, 0.0)),
-                    sample_s=float(a.get(t.ATTR_SAMPLE_S, 0.0)), other_s=float(a.get(t.ATTR_OTHER_S, 0.0)),
-                    num_drafted=int(a.get(t.ATTR_NUM_DRAFTED, 0)), num_accepted=int(a.get(t.ATTR_NUM_ACCEPTED, 0)),
-                    num_requests=int(a.get(t.ATTR_STEP_NUM_REQUESTS, 1)), share=float(a.get(t.ATTR_SHARE, 1.0)),
-                )
-                steps.append(step)
-                if step.kind == "prefill":
-                    parts["prefill"] += step.duration_s
-                else:
-                    # The four phases split the step's interval; scale them onto the span's
-                    # duration so rounding never leaves a sliver unaccounted.
-                    phases = step.draft_s + step.verify_s + step.sample_s + step.other_s
-                    scale = step.duration_s / phases if phases > 0 else 0.0
-                    parts["draft"] += step.draft_s * scale
-                    parts["verify"] += step.verify_s * scale
-                    parts["sample"] += step.sample_s * scale
-                    parts["engine_other"] += step.other_s * scale
-        wall = req.duration_s
+        ttft_s = top.attributes.get(t.ATTR_TTFT_S)
+        num_output_tokens = top.attributes.get(t.ATTR_NUM_OUTPUT_TOKENS)
+        if top.name == t.REQUEST_SPAN:
+            _add_request(top, top.start_ns, children, parts, steps)
+        else:
+            for c in sorted(children.get(top.span_id, []), key=lambda s: s.start_ns):
+                if c.name == t.REQUEST_SPAN:
+                    _add_request(c, top.start_ns, children, parts, steps)
+                    a = c.attributes
+                    if a.get(t.ATTR_ROLE) == "prefill" and a.get(t.ATTR_TTFT_S) is not None:
+                        ttft_s = (c.start_ns - top.start_ns) / 1e9 + float(a[t.ATTR_TTFT_S])
+                    if a.get(t.ATTR_ROLE) == "decode" and a.get(t.ATTR_NUM_OUTPUT_TOKENS) is not None:
+                        num_output_tokens = a[t.ATTR_NUM_OUTPUT_TOKENS]
+                elif c.name == t.HANDOFF_SPAN:
+                    parts["handoff"] += c.duration_s
+                    steps.append(StepShare(index=-1, kind="handoff", start_s=(c.start_ns - top.start_ns) / 1e9,
+                                           duration_s=c.duration_s, draft_s=0.0, verify_s=0.0, sample_s=0.0,
+                                           other_s=0.0, num_drafted=0, num_accepted=0, num_requests=1, share=1.0))
+            steps.sort(key=lambda s: s.start_s)
+        wall = top.duration_s
         parts["overhead"] = max(0.0, wall - sum(parts.values()))
         out.append(RequestBreakdown(
-            request_id=str(req.attributes.get(t.ATTR_REQUEST_ID, req.span_id)), trace_id=req.trace_id,
-            start_ns=req.start_ns, wall_s=wall, parts=parts, steps=steps,
-            num_output_tokens=req.attributes.get(t.ATTR_NUM_OUTPUT_TOKENS),
-            ttft_s=req.attributes.get(t.ATTR_TTFT_S),
+            request_id=str(top.attributes.get(t.ATTR_REQUEST_ID, top.span_id)), trace_id=top.trace_id,
+            start_ns=top.start_ns, wall_s=wall, parts=parts, steps=steps,
+            num_output_tokens=num_output_tokens, ttft_s=ttft_s,
         ))
     return out
+
+
+def _add_request(req: SpanRecord, origin_ns: int, children: dict[str, list[SpanRecord]],
+                 parts: dict[str, float], steps: list[StepShare]) -> None:
+    """Add one engine request's queue and step spans to `parts` and `steps` (times from `origin_ns`)."""
+    for c in sorted(children.get(req.span_id, []), key=lambda s: s.start_ns):
+        a = c.attributes
+        if c.name == t.QUEUE_SPAN:
+            parts["queue"] += c.duration_s
+        elif c.name in (t.PREFILL_SPAN, t.DECODE_SPAN):
+            step = StepShare(
+                index=int(a.get(t.ATTR_STEP_INDEX, -1)),
+                kind="prefill" if c.name == t.PREFILL_SPAN else "decode",
+                start_s=(c.start_ns - origin_ns) / 1e9, duration_s=c.duration_s,
+                draft_s=float(a.get(t.ATTR_DRAFT_S, 0.0)), verify_s=float(a.get(t.ATTR_VERIFY_S, 0.0)),
+                sample_s=float(a.get(t.ATTR_SAMPLE_S, 0.0)), other_s=float(a.get(t.ATTR_OTHER_S, 0.0)),
+                num_drafted=int(a.get(t.ATTR_NUM_DRAFTED, 0)), num_accepted=int(a.get(t.ATTR_NUM_ACCEPTED, 0)),
+                num_requests=int(a.get(t.ATTR_STEP_NUM_REQUESTS, 1)), share=float(a.get(t.ATTR_SHARE, 1.0)),
+            )
+            steps.append(step)
+            if step.kind == "prefill":
+                parts["prefill"] += step.duration_s
+            else:
+                # The four phases split the step's interval; scale them onto the span's
+                # duration so rounding never leaves a sliver unaccounted.
+                phases = step.draft_s + step.verify_s + step.sample_s + step.other_s
+                scale = step.duration_s / phases if phases > 0 else 0.0
+                parts["draft"] += step.draft_s * scale
+                parts["verify"] += step.verify_s * scale
+                parts["sample"] += step.sample_s * scale
+                parts["engine_other"] += step.other_s * scale
 
 
 def acceptance_summary(bds: list[RequestBreakdown]) -> dict[str, Any]:
@@ -241,7 +275,7 @@ def format_report(bds: list[RequestBreakdown], max_requests: int = 50) -> str:
         v = b.verifications
         acc = f"{sum(a for _, a in v)}/{sum(d for d, _ in v)}" if v else "-"
         lines.append(f"{b.request_id[:23]:<24}{_ms(b.wall_s)}" + "".join(f"{_ms(b.parts[c]):>13}" for c in CATEGORIES)
-                     + f"{len(b.steps):>7}{acc:>10}")
+                     + f"{b.num_steps:>7}{acc:>10}")
     if len(bds) > max_requests:
         lines.append(f"... {len(bds) - max_requests} more requests")
     total_wall = sum(b.wall_s for b in bds)
@@ -306,12 +340,12 @@ def plot(bds: list[RequestBreakdown], out_path: str | os.PathLike, request_id: s
     # Timeline: queue, then each step. Within a decode step the phase order is schematic (other
     # work is scheduling before and commit after the forward); drafting is really at its end.
     y, height = 0.0, 0.6
-    queue = [(0.0, chosen.steps[0].start_s)] if chosen.steps else []
+    queue = [(0.0, chosen.steps[0].start_s)] if chosen.steps and chosen.steps[0].kind != "handoff" else []
     timeline.broken_barh([(a * 1e3, w * 1e3) for a, w in queue], (y, height), color=COLORS["queue"])
     for s in chosen.steps:
         start = s.start_s * 1e3
-        if s.kind == "prefill":
-            segments = [("prefill", s.duration_s)]
+        if s.kind in ("prefill", "handoff"):
+            segments = [(s.kind, s.duration_s)]
         else:
             phases = s.draft_s + s.verify_s + s.sample_s + s.other_s
             scale = s.duration_s / phases if phases > 0 else 0.0
@@ -327,7 +361,7 @@ def plot(bds: list[RequestBreakdown], out_path: str | os.PathLike, request_id: s
     timeline.set_ylim(-0.2, 1.6)
     timeline.set_yticks([])
     timeline.set_xlabel("ms since the request started (gaps: serving overhead; labels: accepted/drafted)")
-    timeline.set_title(f"Request {chosen.request_id}: {len(chosen.steps)} steps, "
+    timeline.set_title(f"Request {chosen.request_id}: {chosen.num_steps} steps, "
                        f"{len(chosen.verifications)} verifications, wall {chosen.wall_s * 1e3:.1f} ms")
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)

@@ -101,7 +101,7 @@ class AsyncLLM:
         (an `engine.handoff.Handoff` for this prompt), the request continues from it: its first
         tokens (and `num_emitted_chars` characters of their text) were already delivered, so the
         stream yields what follows. An import waits for free KV blocks like a new request;
-        `with_drafter_state=False` imports the target's KV only (an ablation)."""
+        `with_drafter_state=False` (an ablation) exports, or imports, the target's KV only."""
         if self._stopped:
             raise EngineDeadError("the engine loop has stopped")
         params = sampling_params or SamplingParams()
@@ -121,7 +121,7 @@ class AsyncLLM:
             self._send(("import", rid, handoff, with_drafter_state))
             handoff = None  # the engine thread holds it until imported; this frame lives on with the stream
         else:
-            self._send(("add", rid, ids, params, export_after_prefill))
+            self._send(("add", rid, ids, params, export_after_prefill, with_drafter_state))
         finished = False
         try:
             while True:
@@ -236,9 +236,10 @@ class AsyncLLM:
                 return
             kind = cmd[0]
             if kind == "add":
-                _, rid, ids, params, export = cmd
+                _, rid, ids, params, export, with_state = cmd
                 try:
-                    self.engine.add_request(rid, ids, params, export_after_prefill=export)
+                    self.engine.add_request(rid, ids, params, export_after_prefill=export,
+                                            export_drafter_state=with_state)
                 except EngineError as e:
                     self._deliver(rid, e)
             elif kind == "import":

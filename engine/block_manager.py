@@ -55,7 +55,16 @@ class KVBlockManager:
         if not self.enable_prefix_caching or request.num_computed_tokens > 0:
             return []
         self.num_prefix_queries += 1
-        tokens = request.all_token_ids
+        hits = self.lookup_prefix(request.all_token_ids)
+        if hits:
+            self.num_prefix_hits += 1
+        return hits
+
+    def lookup_prefix(self, tokens: list[int]) -> list[int]:
+        """`find_cached_prefix` for a token list, without counting a query (a router's or a
+        disaggregating replica's probe, not an admission)."""
+        if not self.enable_prefix_caching:
+            return []
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
         parent: int | None = None
@@ -67,8 +76,6 @@ class KVBlockManager:
                 break
             hits.append(block)
             parent = h
-        if hits:
-            self.num_prefix_hits += 1
         return hits
 
     # --- allocation -------------------------------------------------------------------------

@@ -252,19 +252,22 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-        export_after_prefill: bool = False,
+        export_after_prefill: bool = False, export_drafter_state: bool = True,
     ) -> Request:
         """Validate and queue a request. With `export_after_prefill` it runs normally until a step
         makes its first token(s) (that step's output carries them, not finished); the step's
         `finish_step` drafts its first round, then exports it as a `Handoff` (`take_handoffs`) and
         frees it here (status "handoff"). A request that finishes on its first token (EOS, stop
-        token, max_tokens=1) finishes normally instead, with no handoff."""
+        token, max_tokens=1) finishes normally instead, with no handoff. `export_drafter_state=False`
+        (an ablation) leaves the drafter's KV and state out of the handoff: fewer bytes, and the
+        importer's drafter starts without them."""
         self.validate_request(prompt_token_ids, params)
         limit = self.scheduler_config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests already waiting (limit {limit})")
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         request.export_after_prefill = export_after_prefill
+        request.export_drafter_state = export_drafter_state
         self.scheduler.add_request(request)
         return request
 
@@ -411,7 +414,7 @@ class LLMEngine:
         bs = self.block_manager.block_size
         kv = gather_kv_blocks(self.runner.kv_caches, request.block_ids[: cdiv(request.num_computed_tokens, bs)])
         drafter_kv = proposer_state = None
-        if self.speculator is not None:
+        if self.speculator is not None and request.export_drafter_state:
             proposer_state = self.speculator.export_state(rid)
             if self.speculator.kv_caches and proposer_state is not None:  # it ran over at most every token
                 n = min(len(request.block_ids), cdiv(request.num_tokens, bs))

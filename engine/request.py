@@ -120,6 +120,7 @@ class Request:
         self.num_preemptions = 0
         # Prefill/decode disaggregation: leave this engine as a `Handoff` after the first token(s).
         self.export_after_prefill = False
+        self.export_drafter_state = True
         # Speculation: drafts proposed for the next step (their distributions: the model runner's).
         self.spec_token_ids: list[int] = []
         self.acceptance_counts = (0.0, 0.0)  # decayed (accepted, tried) drafts: spec/speculator.py

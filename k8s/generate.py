@@ -207,7 +207,7 @@ def serve_overrides(variant: Variant) -> dict:
     serve_config_pd.yaml for the pd variant), for the application `APP_IMPORT_PATH`: `args` keys
     and keys of its deployment entries: `deployment` (the engine / decode pool), `ingress`, and
     `prefill` (the pd variant's prefill pool). In the pd variant each pool keeps the other
-    pool's SLO from the config (far out of reach: not its signal) and is pinned to its worker
+    pool's SLO from the config (null: not its signal) and is pinned to its worker
     group by a Ray custom resource."""
 
     def engine_pool(pool: str | None, slo: dict) -> dict:

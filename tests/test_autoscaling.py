@@ -157,6 +157,21 @@ def test_violation_scales_up_proportionally_and_remembers_capacity() -> None:
     assert p(context(2, kv=0.99, ongoing=24.0))[0] == 4  # KV nearly full: pressure 1.1
 
 
+def test_a_null_slo_leaves_that_signal_out() -> None:
+    """Disaggregated pools: the prefill pool ignores TPOT, the decode pool TTFT (null in
+    policy_kwargs); KV use can be left out too; all three null is refused."""
+    prefill = SLOAutoscalingPolicy(ttft_p95_ms=1000, tpot_p95_ms=None)
+    decode = SLOAutoscalingPolicy(ttft_p95_ms=None, tpot_p95_ms=100, kv_usage_high=0.9)
+    slow_decode = context(2, tpot_ms=900.0, ongoing=24.0)
+    slow_prefill = context(2, ttft_ms=9000.0, ongoing=24.0)
+    assert prefill(slow_decode)[0] <= 2 and decode(slow_decode)[0] == 4  # <= 2: it may even scale down
+    assert prefill(slow_prefill)[0] == 4 and decode(slow_prefill)[0] <= 2
+    assert "TPOT p95 900.0/ignored" in prefill.figures(slow_decode).describe(prefill.config)
+    assert SLOAutoscalingPolicy(kv_usage_high=None)(context(2, kv=0.99, ongoing=24.0))[0] <= 2
+    assert "are all null" in SLOPolicyConfig.check({"ttft_p95_ms": None, "tpot_p95_ms": None, "kv_usage_high": None})[0]
+    assert SLOPolicyConfig.check({"min_latency_samples": None}) == ["policy_kwargs.min_latency_samples: must be an integer, got None"]
+
+
 def test_requests_queued_at_handles_count_toward_ttft() -> None:
     """Replicas at max_ongoing_requests: 16 run (2 s each), 24 more wait at Serve's handles. The
     replicas' own TTFT p95 is fine, but by Little's law the queue waits 24 * 2000 / 16 = 3000 ms."""

@@ -21,6 +21,7 @@ import pytest
 from test_serve_grpc import SERVICER, collect, free_port, save_char_tokenizer
 
 from deployments.client import SpecDecodeClient, make_request
+from deployments.handoff_transport import nixl_available
 
 pytestmark = pytest.mark.slow
 
@@ -34,19 +35,21 @@ class Served:
     port: int
     target: str
     drafter: str
+    spans: dict  # pool -> the JSON-lines file its replica exports spans to
 
     def client(self, timeout: float | None = 120) -> SpecDecodeClient:
         return SpecDecodeClient(f"127.0.0.1:{self.port}", application=APP, timeout=timeout)
 
 
-def app_config(target: str, drafter: str):
+def app_config(target: str, drafter: str, tracing: dict | None = None, **disaggregation):
     from deployments.config import AppConfig
 
     return AppConfig.from_dict({
+        **({"tracing": tracing} if tracing else {}),
         "model": target, "device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_queued_requests": 16,
         "max_prompt_tokens": 200, "max_tokens": 400, "default_max_tokens": 16, "num_cpus": 1,
         "speculative": {"method": "draft", "model": drafter, "num_speculative_tokens": K, "adaptive": False},
-        "mode": "disaggregated", "disaggregation": {"min_prompt_tokens": THRESHOLD},
+        "mode": "disaggregated", "disaggregation": {"min_prompt_tokens": THRESHOLD, **disaggregation},
     })
 
 
@@ -63,25 +66,33 @@ def served(tmp_path_factory) -> Iterator[Served]:
     target = save_tiny_model(str(root / "target"), "llama", max_position_embeddings=1024)
     save_char_tokenizer(target)
     drafter = save_perturbed_copy(target, str(root / "drafter"), noise=0.02)
+    spans = {pool: str(root / f"{pool}_spans.jsonl") for pool in ("prefill", "decode")}
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # spans exported within 0.1 s (the raylets' workers inherit it)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
-    cluster.add_node(num_cpus=1, resources={"prefill": 1}, object_store_memory=80 << 20)
-    cluster.add_node(num_cpus=1, resources={"decode": 1}, object_store_memory=80 << 20)
+    cluster.add_node(num_cpus=1, resources={"prefill": 10}, object_store_memory=80 << 20)
+    cluster.add_node(num_cpus=1, resources={"decode": 10}, object_store_memory=80 << 20)
     port = free_port()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()},
                     grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]})
-        config = app_config(target, drafter)
-        decode = {"ray_actor_options": {"num_cpus": 0.5, "resources": {"decode": 1}}}
-        prefill = {"ray_actor_options": {"num_cpus": 0.5, "resources": {"prefill": 1}}}
+        config = app_config(target, drafter, tracing={"exporter": "file"})  # the file: per pool, below
+
+        def pool(name: str) -> dict:
+            env = {"SPECDECODE_TRACES_FILE": spans[name]}
+            return {"ray_actor_options": {"num_cpus": 0.5, "resources": {name: 1}, "runtime_env": {"env_vars": env}}}
+
+        decode, prefill = pool("decode"), pool("prefill")
         serve.run(bind_app(config, decode, prefill_overrides=prefill), name=APP, route_prefix=f"/{APP}")
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
             client.wait_ready(120)
-        yield Served(port, target, drafter)
+        yield Served(port, target, drafter, spans)
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +131,33 @@ def both_pools_idle(timeout: float = 20.0) -> bool:
         time.sleep(0.1)
 
 
+def replica_actor(name: str, app: str = APP):
+    import ray
+
+    names = [e["name"] if isinstance(e, dict) else e for e in ray.util.list_named_actors(all_namespaces=True)]
+    [actor] = [n for n in names if n.startswith(f"SERVE_REPLICA::{app}#{name}#")]
+    return ray.get_actor(actor, namespace="serve")
+
+
+def direct_transport_objects_held(app: str = APP) -> int:
+    """Ray Direct Transport objects (handoffs put with nixl) the prefill replica still holds.
+    Reads Ray's RDT store (private API of Ray 2.60: `rdt_manager._rdt_store._rdt_store`)."""
+    import ray
+
+    def held(_self) -> int:
+        from ray._private.worker import global_worker
+
+        store = global_worker.rdt_manager._rdt_store._rdt_store
+        return sum(len(q) for q in store.values())
+
+    return ray.get(replica_actor("SpecDecodePrefill", app).__ray_call__.remote(held))
+
+
 def test_pools_run_on_separate_nodes(served: Served) -> None:
     import ray
 
     def node_of(name: str) -> str:
-        names = [e["name"] if isinstance(e, dict) else e for e in ray.util.list_named_actors(all_namespaces=True)]
-        [actor] = [n for n in names if n.startswith(f"SERVE_REPLICA::{APP}#{name}#")]
-        replica = ray.get_actor(actor, namespace="serve")
+        replica = replica_actor(name)
         return ray.get(replica.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
 
     assert node_of("SpecDecodePrefill") != node_of("SpecDecode")
@@ -149,6 +180,98 @@ def test_greedy_equals_colocated_remote_and_local_prefill(served: Served, coloca
     assert after.get(where, 0) == before.get(where, 0) + 1, (before, after)
     assert last.speculation.num_draft_tokens > 0
     assert both_pools_idle()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="the nixl package is not installed")
+def test_handoffs_travel_by_ray_direct_transport(served: Served) -> None:
+    """transport auto with nixl installed: the KV crosses nodes by Ray Direct Transport (NIXL),
+    and the prefill replica frees its copy once the decode replica has it."""
+    counts = prefill_counts()
+    if not counts.get("remote"):
+        rng = random.Random(5)
+        with served.client() as client:
+            collect(client.generate([rng.randrange(3, 97) for _ in range(THRESHOLD + 5)], max_tokens=4))
+        counts = prefill_counts()
+    assert counts.get("via_nixl", 0) == counts["remote"] > 0 and "via_object_store" not in counts, counts
+    deadline = time.monotonic() + 10
+    while direct_transport_objects_held() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert direct_transport_objects_held() == 0
+
+
+def test_object_store_transport_gives_the_same_tokens(served: Served, colocated) -> None:
+    """transport object_store: the handoff goes through Ray's object stores (node to node)."""
+    from ray import serve
+
+    from deployments.app import bind_app
+
+    app = "pd-objects"
+    config = app_config(served.target, served.drafter, transport="object_store")
+    decode = {"ray_actor_options": {"num_cpus": 0, "resources": {"decode": 1}}}
+    prefill = {"ray_actor_options": {"num_cpus": 0, "resources": {"prefill": 1}}}
+    serve.run(bind_app(config, decode, prefill_overrides=prefill), name=app, route_prefix=f"/{app}")
+    rng = random.Random(13)
+    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 30)]
+    params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
+    try:
+        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
+            client.wait_ready(120)
+            ids, _, _ = collect(client.generate(prompt, **params))
+        assert ids == reference(colocated, prompt, **params)
+        counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
+        assert counts.get("via_object_store", 0) == counts.get("remote", 0) == 1, counts
+    finally:
+        serve.delete(app)
+
+
+def test_one_trace_spans_prefill_handoff_and_decode(served: Served) -> None:
+    """A remotely prefilled request is one trace under the client's traceparent: the decode
+    replica's `specdecode.disaggregated` span holds the prefill replica's request span (exported on
+    the prefill node), the handoff (bytes, transport) and the decode replica's request span; and
+    where_time_goes shows the handoff as a phase of that one request."""
+    import json
+
+    from deployments import tracing as tr
+    from deployments import where_time_goes as wtg
+
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    rng = random.Random(21)
+    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 25)]
+    with served.client() as client:
+        ids, _, _ = collect(client.generate(prompt, max_tokens=20, temperature=0.0, ignore_eos=True,
+                                            traceparent=f"00-{trace_id}-{parent_id}-01"))
+    assert len(ids) == 20
+
+    def mine() -> list[dict]:
+        lines = []
+        for path in served.spans.values():
+            try:
+                with open(path) as f:
+                    lines += [json.loads(x) for x in f if x.strip()]
+            except FileNotFoundError:
+                pass
+        return [s for s in lines if s["trace_id"] == trace_id]
+
+    deadline = time.monotonic() + 20
+    while len([s for s in mine() if s["name"] in (tr.REQUEST_SPAN, tr.DISAGG_SPAN)]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    spans = mine()
+    (top,) = [s for s in spans if s["name"] == tr.DISAGG_SPAN]
+    assert top["parent_span_id"] == parent_id and top["attributes"][tr.ATTR_PREFILLED] == "remote"
+    children = [s for s in spans if s["parent_span_id"] == top["span_id"]]
+    roles = sorted(s["attributes"].get(tr.ATTR_ROLE, "") for s in children if s["name"] == tr.REQUEST_SPAN)
+    assert roles == ["decode", "prefill"]
+    (handoff,) = [s for s in children if s["name"] == tr.HANDOFF_SPAN]
+    assert handoff["attributes"][tr.ATTR_HANDOFF_BYTES] > 0
+    assert handoff["attributes"][tr.ATTR_HANDOFF_TRANSPORT] == ("nixl" if nixl_available() else "object_store")
+    with open(served.spans["prefill"]) as f:  # the prefill replica's span came from the other node
+        assert any(json.loads(x)["trace_id"] == trace_id for x in f if x.strip())
+
+    records = [wtg._from_line(s) for s in spans]
+    (b,) = wtg.breakdowns(records)
+    assert b.parts["handoff"] > 0 and b.parts["prefill"] > 0 and b.parts["verify"] > 0
+    assert b.accounted_s == pytest.approx(b.wall_s, rel=1e-6)
+    assert [s.kind for s in b.steps].count("handoff") == 1 and b.num_output_tokens == 20
 
 
 def test_seeded_sampled_request_equals_colocated(served: Served, colocated) -> None:
@@ -197,6 +320,11 @@ def test_cancel_storm_leaves_no_blocks_on_either_pool(served: Served) -> None:
     for t in threads:
         t.join(120)
     assert both_pools_idle(30)
+    if nixl_available():
+        deadline = time.monotonic() + 10  # the owner frees a handoff once the decode side dropped it
+        while direct_transport_objects_held() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert direct_transport_objects_held() == 0
     counts = prefill_counts()
     assert counts.get("remote", 0) > 0
 
@@ -242,5 +370,49 @@ def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colo
         assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
         counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
         assert counts.get("fallback", 0) == 1, counts
+    finally:
+        serve.delete(app)
+
+
+def mismatched_prefill_class() -> type:
+    """A prefill replica whose handoffs claim another target checkpoint (as if the prefill pool
+    were deployed with a different model): the decode engine refuses every import."""
+    import dataclasses
+
+    from deployments.app import SpecDecodeServer
+
+    class MismatchedPrefill(SpecDecodeServer):
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            super().__init__(*args, **kwargs)
+            engine = self.llm.engine
+            engine.handoff_compat = dataclasses.replace(engine.handoff_compat, model_digest="another-model")
+
+    return MismatchedPrefill
+
+
+def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated) -> None:
+    """A handoff the decode engine cannot import (HandoffMismatchError) is not the client's
+    problem: the decode replica prefills locally after the first token, the client gets the
+    co-located tokens and no error, and the fallback (not a remote prefill) is counted."""
+    from ray import serve
+
+    from deployments.app import bind_app
+
+    app = "pd-mismatch"
+    config = app_config(served.target, served.drafter)
+    zero = {"ray_actor_options": {"num_cpus": 0}}
+    serve.run(bind_app(config, zero, prefill_overrides=zero, prefill_cls=mismatched_prefill_class()),
+              name=app, route_prefix=f"/{app}")
+    rng = random.Random(12)
+    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
+    params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
+    try:
+        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
+            client.wait_ready(120)
+            ids, _, last = collect(client.generate(prompt, **params))
+        assert ids == reference(colocated, prompt, **params)
+        assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
+        counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
+        assert counts.get("fallback", 0) == 1 and counts.get("remote", 0) == 0, counts
     finally:
         serve.delete(app)

@@ -70,9 +70,9 @@ def colocated(models, method, params, prompt=PROMPT) -> tuple[list[int], list[tu
     return outs["c"], log
 
 
-def prefill(engine: LLMEngine, params, prompt=PROMPT, rid: str = "p") -> tuple[Handoff, list[int]]:
+def prefill(engine: LLMEngine, params, prompt=PROMPT, rid: str = "p", **kwargs) -> tuple[Handoff, list[int]]:
     """Run `rid` on the prefill engine until it is exported; the handoff after a pickle round trip."""
-    engine.add_request(rid, prompt, params, export_after_prefill=True)
+    engine.add_request(rid, prompt, params, export_after_prefill=True, **kwargs)
     outs: dict[str, list[int]] = {}
     handoffs: dict[str, Handoff] = {}
     while engine.has_unfinished_requests():
@@ -196,6 +196,25 @@ def test_without_drafter_state(models, method):
         assert drafts_with != drafts_without
     else:
         assert log == expected_log
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_export_without_drafter_state_is_smaller_and_exact(models, method):
+    """The ablation on the exporting side: no drafter KV or state travels (fewer bytes, exactly
+    the drafter's share), and the importer still produces the co-located tokens."""
+    expected, _ = colocated(models, method, GREEDY)
+    full, _ = prefill(make_engine(models, method), GREEDY)
+    lean, _ = prefill(make_engine(models, method), GREEDY, export_drafter_state=False)
+    assert lean.drafter_kv is None and lean.proposer_state is None
+    assert full.drafter_kv is not None
+    drafter_bytes = full.drafter_kv.numel() * full.drafter_kv.element_size()
+    if method == "eagle":
+        drafter_bytes += full.proposer_state.rows.numel() * full.proposer_state.rows.element_size()
+    assert lean.num_bytes == full.num_bytes - drafter_bytes
+    b = make_engine(models, method)
+    tokens, _ = decode(b, lean)
+    assert tokens == expected
+    assert_no_leaked_blocks(b)
 
 
 def test_mismatching_handoff_is_refused(models):
