@@ -6,8 +6,11 @@
 Each configuration runs on its own embedded Ray Serve with 2 CPUs (one at a time, the same host):
 - colocated: 2 engine replicas x 1 CPU (each prefills and decodes its own requests);
 - disaggregated: 1 prefill replica x 1 CPU + 1 decode replica x 1 CPU (long prompts are
-  prefilled by the prefill replica and handed over with the drafter's state);
-- disaggregated, no drafter state (ablation): the handoff carries the target's KV only.
+  prefilled by the prefill replica and handed over with the drafter's state), the handoff by
+  the default transport (NIXL through Ray Direct Transport when the nixl package is installed);
+- disaggregated_object_store: the same, the handoff through Ray's object store;
+- disaggregated_no_drafter_state (ablation): the handoff carries the target's KV only (default
+  transport).
 Speculation is on (the shipped drafter, adaptive), the ingress in front as in `make serve`.
 Load: open-loop Poisson arrivals at each rate for --duration seconds; --long-fraction of the
 prompts are 1.4-1.6k tokens of held-out code, the rest ~200; every prompt starts with a unique
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ("colocated", "disaggregated", "disaggregated_no_drafter_state")
+CONFIGS = ("colocated", "disaggregated", "disaggregated_object_store", "disaggregated_no_drafter_state")
 
 
 @dataclass
@@ -97,7 +100,8 @@ def start(config_name: str, port: int):
     if config_name.startswith("disaggregated"):
         args["mode"] = "disaggregated"
         args["disaggregation"] = {"min_prompt_tokens": 512,
-                                  "with_drafter_state": config_name == "disaggregated"}
+                                  "with_drafter_state": config_name != "disaggregated_no_drafter_state",
+                                  "transport": "object_store" if config_name.endswith("object_store") else "auto"}
     config = AppConfig.from_dict(args)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port_for_bench()},
@@ -240,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                 results = run_load(port, prompts, rate, args.duration, args.max_tokens, args.seed)
                 summary = summarize(results, args.duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                 if name != "colocated":
-                    summary["prefills"] = handoff_stats()
+                    summary["prefills"] = handoff_stats()  # cumulative over this config's rates
+                    ms, ttft_long = summary["prefills"].get("handoff_ms_median"), summary.get("ttft_long_p50_s")
+                    if ms is not None and ttft_long:
+                        summary["handoff_share_of_long_ttft"] = ms / 1e3 / ttft_long
                 report["results"][f"{name}@{rate}"] = summary
                 print(f"{name} @ {rate}/s: {json.dumps(summary)}", flush=True)
                 time.sleep(5)

@@ -117,6 +117,7 @@ class SpecDecodeServer:
         engine_kwargs = config.engine_kwargs()
         self.llm = AsyncLLM(resolve_path(config.model), **engine_kwargs)
         engine = self.llm.engine
+        engine.export_kv_on_device = self.transport == "nixl"  # NIXL moves GPU memory itself
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
         self.max_prompt_tokens = min(config.max_prompt_tokens or engine.max_model_len - 1, engine.max_model_len - 1)

@@ -18,7 +18,9 @@ token (greedy; a seeded sampled request too, when both engines compute bitwise a
 KV layout (`kv`, `drafter_kv`): [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads,
 head_dim]. Example: block_size 16, a 40-token prompt and its first token -> 40 computed tokens ->
 `kv` holds cdiv(40, 16) = 3 blocks, the last one 8/16 used. `drafter_kv` covers the tokens the
-drafter has run over, at most all of them: cdiv(41, 16) = 3 blocks here.
+drafter has run over, at most all of them: cdiv(41, 16) = 3 blocks here. Both are on the CPU,
+or on the exporter's device when its `export_kv_on_device` is set (a transport that moves device
+memory itself: NIXL); the importer copies them into its own cache whichever device they are on.
 """
 
 from __future__ import annotations

@@ -192,6 +192,9 @@ class LLMEngine:
         self.handoff_stats = HandoffStats()
         self._exporting: list[Request] = []  # first token made this step; exported by finish_step
         self._handoffs: dict[str, Handoff] = {}  # exported, not yet taken
+        # Exported KV stays on the device (GPU) when the handoff's transport moves device memory
+        # itself (NIXL through Ray Direct Transport); else it is copied to the host.
+        self.export_kv_on_device = False
         logger.info(
             "engine ready: %s on %s/%s, %d params, KV: %d blocks x %d tokens, %d bytes/token, max_model_len %d%s",
             model, self.device, str(self.dtype).removeprefix("torch."), self.runner.num_parameters, num_blocks,
@@ -412,13 +415,14 @@ class LLMEngine:
         blocks and everything the runner and the proposer keep for it, as an abort does."""
         rid = request.request_id
         bs = self.block_manager.block_size
-        kv = gather_kv_blocks(self.runner.kv_caches, request.block_ids[: cdiv(request.num_computed_tokens, bs)])
+        on_device = self.export_kv_on_device
+        kv = gather_kv_blocks(self.runner.kv_caches, request.block_ids[: cdiv(request.num_computed_tokens, bs)], on_device)
         drafter_kv = proposer_state = None
         if self.speculator is not None and request.export_drafter_state:
             proposer_state = self.speculator.export_state(rid)
             if self.speculator.kv_caches and proposer_state is not None:  # it ran over at most every token
                 n = min(len(request.block_ids), cdiv(request.num_tokens, bs))
-                drafter_kv = gather_kv_blocks(self.speculator.kv_caches, request.block_ids[:n])
+                drafter_kv = gather_kv_blocks(self.speculator.kv_caches, request.block_ids[:n], on_device)
         draft_probs, generator_state = self.runner.export_request(rid)
         handoff = Handoff(
             request_id=rid,

@@ -81,11 +81,15 @@ def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device) -> l
     ]
 
 
-def gather_kv_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> torch.Tensor:
-    """A copy, on the CPU, of the given blocks of a paged KV cache, in block_ids' order:
+def gather_kv_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int], on_device: bool = False
+) -> torch.Tensor:
+    """A copy of the given blocks of a paged KV cache, in block_ids' order, on the CPU (or, with
+    `on_device`, on the cache's device: for a transport that moves device memory itself):
     [num_layers, 2 (k, v), len(block_ids), block_size, num_kv_heads, head_dim]."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
-    return torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)]) for k, v in kv_caches]).cpu()
+    blocks = torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)]) for k, v in kv_caches])
+    return blocks if on_device else blocks.cpu()
 
 
 def scatter_kv_blocks(

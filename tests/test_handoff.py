@@ -44,7 +44,8 @@ def make_engine(models, method: str | None, target: str = "target", **kwargs) ->
     if method is not None:
         spec = SpeculativeConfig(method=method, model=models[method], num_speculative_tokens=4, adaptive=False)
     kwargs.setdefault("dtype", "float32")
-    return LLMEngine(models[target], device="cpu", speculative=spec, **kwargs)
+    kwargs.setdefault("device", "cpu")
+    return LLMEngine(models[target], speculative=spec, **kwargs)
 
 
 def listen(engine: LLMEngine, request_ids: set[str]) -> list[tuple[int, int]]:
@@ -215,6 +216,24 @@ def test_export_without_drafter_state_is_smaller_and_exact(models, method):
     tokens, _ = decode(b, lean)
     assert tokens == expected
     assert_no_leaked_blocks(b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_kv_exported_on_the_gpu_stays_there_and_imports_exactly(models, method):
+    """`export_kv_on_device` (set when the transport is NIXL, which moves GPU memory itself): the
+    handoff's target and drafter KV are CUDA tensors, and the importer continues exactly."""
+    a = make_engine(models, method, device="cuda")
+    a.export_kv_on_device = True
+    h, _ = prefill(a, GREEDY)
+    assert h.kv.is_cuda and h.drafter_kv.is_cuda
+    b = make_engine(models, method, device="cuda")
+    tokens, _ = decode(b, h)
+    reference = make_engine(models, method, device="cuda")
+    reference.add_request("c", PROMPT, GREEDY)
+    outs: dict[str, list[int]] = {}
+    run_to_end(reference, outs)
+    assert tokens == outs["c"]
 
 
 def test_mismatching_handoff_is_refused(models):
