@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import SPECULATIVE_METHODS
+from engine.config import EXACT_MODES, SPECULATIVE_METHODS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config.yaml"
@@ -211,7 +211,8 @@ class AppConfig:
     thread count; None picks `default_torch_threads`: num_cpus, but one core fewer when the
     replica would otherwise take every core the process may use (then the Serve proxy and the
     gRPC stream preempt a matmul thread each step: measured +61% time per output token on a
-    2-core host with 2 threads, +12% with 1).
+    2-core host with 2 threads, +12% with 1). exact: the engine's `exact` mode (speculation that
+    never changes greedy output; engine/model_runner.py).
     metrics_window_s is the window of the p95 TTFT/TPOT each replica reports to the SLO
     autoscaling policy (deployments/autoscaling.py; the SLO targets are its policy_kwargs).
     replica_wait_timeout_s bounds how long the ingress waits for an engine replica to accept a
@@ -235,6 +236,7 @@ class AppConfig:
     max_queued_requests: int = 64
     num_cpus: int = 2
     torch_threads: int | None = None
+    exact: str = "auto"
     metrics_window_s: float = 30.0
     replica_wait_timeout_s: float = 30.0
     mode: str = "colocated"
@@ -267,6 +269,7 @@ class AppConfig:
             ),
             "num_cpus": check.integer(f"{where}.num_cpus", data.get("num_cpus", d.num_cpus), 1, 1024),
             "torch_threads": check.integer(f"{where}.torch_threads", data.get("torch_threads"), 1, 1024, optional=True),
+            "exact": check.string(f"{where}.exact", data.get("exact", d.exact), EXACT_MODES),
             "metrics_window_s": check.number(
                 f"{where}.metrics_window_s", data.get("metrics_window_s", d.metrics_window_s), 0.0, 3600.0
             ),
@@ -323,6 +326,7 @@ class AppConfig:
             # bursts; the engine refuses (RESOURCE_EXHAUSTED) rather than queue without bound.
             "max_waiting_requests": self.max_num_seqs + self.max_queued_requests,
             "num_threads": self.torch_threads or default_torch_threads(self.num_cpus),
+            "exact": self.exact,
         }
 
 

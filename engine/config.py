@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "mtp")
+# How a step keeps each token's logits independent of how many tokens it computes
+# (engine/model_runner.py explains each).
+EXACT_MODES = ("auto", "rows", "pad", "batch_invariant", "off")
 
 
 @dataclass(frozen=True)

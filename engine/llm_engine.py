@@ -123,7 +123,13 @@ class LLMEngine:
         max_waiting_requests: int | None = None,
         gpu_memory_utilization: float = 0.85,
         num_threads: int | None = None,
+        exact: str = "auto",
     ) -> None:
+        """`exact` (engine.model_runner.EXACT_MODES): how a step keeps each token's logits
+        independent of how many tokens it computes, so that speculation never changes greedy
+        output at batch 1 (k < 16) in any dtype: "auto" (default: "pad" or "rows", whichever
+        this device does cheaply), "rows", "pad", "batch_invariant" (a request's output never
+        depends on the rest of the batch; costly) or "off"."""
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         self.cache_config = CacheConfig(block_size, kv_cache_memory_bytes, gpu_memory_utilization, enable_prefix_caching)
@@ -148,7 +154,7 @@ class LLMEngine:
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} positions")
         max_model_len = max_model_len or limit
-        self.runner = ModelRunner(model, self.device, self.dtype, max_model_len, attention_backend)
+        self.runner = ModelRunner(model, self.device, self.dtype, max_model_len, attention_backend, exact)
         self.vocab_size = self.runner.arch.vocab_size
         self.eos_token_ids = _eos_token_ids(model, hf_config)
         self.speculator = None

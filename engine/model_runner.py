@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.block_manager import cdiv
+from engine.config import EXACT_MODES
 from engine.models.loader import load_model
 from engine.request import Request
 from engine.sampler import probs_from_logits
@@ -24,6 +25,55 @@ from engine.spec.rejection_sampler import rejection_sample
 from kernels import get_attention_backend
 
 logger = logging.getLogger(__name__)
+
+
+# Exactness of speculation (the `exact` engine option). A step's matmuls round each row by the
+# kernel BLAS picks for the step's number of rows, so without care verifying k drafts in one
+# (k + 1)-row product gives other logits than k + 1 one-token steps (near-ties flip greedy tokens).
+#   "rows": a single-request step of at most EXACT_ROWS tokens computes each token as a one-token
+#           step would: one row-vector product per matmul row, attention one query at a time.
+#           Extra cost only when verifying, on hosts where products are compute-bound.
+#   "pad":  every step of at most EXACT_ROWS tokens runs its matmuls on exactly EXACT_ROWS rows
+#           (one-token steps too) and attention one query at a time: exact at batch 1, and a
+#           request's tokens do not depend on the other requests of such a step. Nearly free
+#           where products are memory-bound (GPUs, AMX); costly where they are not.
+#   "auto": "pad" if a product on EXACT_ROWS rows costs at most PAD_COST_LIMIT x one row on this
+#           device and dtype (measured at start-up), else "rows".
+#   "batch_invariant": every step, prefill included, in EXACT_ROWS-row tiles with attention one
+#           query at a time: a request's output never depends on what else is batched or how its
+#           prompt was chunked. Costly; for reproducibility.
+#   "off":  one product per step (fastest; speculation may flip near-ties).
+EXACT_ROWS = 16
+PAD_COST_LIMIT = 1.3
+
+
+def choose_exact_mode(model, device: torch.device, dtype: torch.dtype) -> str:
+    """"pad" or "rows" for this device and dtype: the median time of the target's widest matmul
+    (gate/up) on EXACT_ROWS rows vs one row, over a few repetitions."""
+    layer = model.layers[0]
+    weight = layer.gate_up_proj.weight
+    x = torch.randn(EXACT_ROWS, weight.shape[1], dtype=dtype, device=device)
+
+    def timed(rows: torch.Tensor) -> float:
+        samples = []
+        for _ in range(7):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(4):
+                torch.nn.functional.linear(rows, weight)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples.append(time.perf_counter() - t0)
+        return sorted(samples)[len(samples) // 2]
+
+    with torch.inference_mode():
+        timed(x)  # warm-up
+        one, padded = timed(x[:1]), timed(x)
+    mode = "pad" if padded <= PAD_COST_LIMIT * one else "rows"
+    logger.info("exact speculation: %s (a %d-row product costs %.2fx one row on %s %s)",
+                mode, EXACT_ROWS, padded / one, device.type, str(dtype).removeprefix("torch."))
+    return mode
 
 
 @dataclass
@@ -43,7 +93,8 @@ class ForwardBatch:
     cu_query_lens: list[int]  # [B+1] offsets of each chunk's tokens in the flat batch
 
 
-def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device: torch.device) -> ForwardBatch:
+def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device: torch.device,
+                        row_exact: bool = False) -> ForwardBatch:
     """Flatten chunks into one varlen batch. Example: block_size 4, a chunk of 3 tokens from
     position 5 with blocks [7, 2] -> positions [5, 6, 7], slots [2*4+1, 2*4+2, 2*4+3]."""
     input_ids: list[int] = []
@@ -64,7 +115,10 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device
         seq_lens.append(c.start + n)
         block_tables.append(bids[: cdiv(c.start + n, block_size)])
         cu.append(cu[-1] + n)
-    md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device)
+    if row_exact:
+        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device, row_exact=True)
+    else:
+        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device)
     return ForwardBatch(
         torch.tensor(input_ids, dtype=torch.long, device=device),
         torch.tensor(positions, dtype=torch.long, device=device),
@@ -132,6 +186,7 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         attention_backend: str = "auto",
+        exact: str = "auto",
     ) -> None:
         self.model_dir = model_dir
         self.device = device
@@ -139,6 +194,9 @@ class ModelRunner:
         self.model, self.hf_config = load_model(model_dir, dtype, device, max_model_len)
         self.arch = self.model.cfg
         self.backend = get_attention_backend(device, attention_backend)
+        if exact not in EXACT_MODES:
+            raise ValueError(f"exact must be one of {EXACT_MODES}, got {exact!r}")
+        self.exact = choose_exact_mode(self.model, device, dtype) if exact == "auto" else exact
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.keep_hidden_states = False
@@ -220,8 +278,8 @@ class ModelRunner:
             c = r.num_computed_tokens
             tokens = [r.token_at(p) for p in range(c, c + s.num_new_tokens)] + s.spec_token_ids
             chunks.append(SeqChunk(tokens, c, r.block_ids))
-        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend)
+        batch, hidden = self.forward(chunks)
+        tile = self.tile_rows(chunks)
 
         # Logits only where tokens are made: the last regular token and each draft position.
         rows: list[int] = []
@@ -231,7 +289,7 @@ class ModelRunner:
                 end = batch.cu_query_lens[i + 1]
                 rows.extend(range(end - len(s.spec_token_ids) - 1, end))
         t1 = time.perf_counter()
-        sampled = self._sample(sampling, hidden, rows) if sampling else []
+        sampled = self._sample(sampling, hidden, rows, tile) if sampling else []
         t2 = time.perf_counter()
         it = iter(sampled)
         out = [next(it) if s.needs_sample else [] for s in sched.scheduled]
@@ -245,8 +303,37 @@ class ModelRunner:
             sample_time_s=t2 - t1,
         )
 
-    def _sample(self, sampling, hidden: torch.Tensor, rows: list[int]) -> list[list[int]]:
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [R, vocab]
+    def forward(self, chunks: list[SeqChunk]) -> tuple[ForwardBatch, torch.Tensor]:
+        """One target forward over the chunks: (the batch, final-norm hidden [num_tokens, hidden]),
+        with the row invariance of `self.exact` (`tile_rows`)."""
+        tile = self.tile_rows(chunks)
+        row_exact = tile > 0 and getattr(self.backend, "supports_row_exact", False)
+        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device, row_exact=row_exact)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,
+                            tile_rows=tile)
+        return batch, hidden
+
+    def tile_rows(self, chunks: list[SeqChunk]) -> int:
+        """The matmul tile (`engine.models.llama.linear`) of a step over `chunks`; > 0 also runs
+        attention one query token at a time, as the one-token decode step at that position does
+        (backends with `supports_row_exact`). See EXACT_MODES."""
+        n = sum(len(c.token_ids) for c in chunks)
+        if self.exact == "batch_invariant":
+            return EXACT_ROWS
+        if n > EXACT_ROWS:
+            return 0
+        if self.exact == "pad":
+            return EXACT_ROWS
+        if self.exact == "rows" and len(chunks) == 1 and n > 1:
+            return 1  # (one token: the plain step is already one row)
+        return 0
+
+    def logits(self, hidden: torch.Tensor, tile_rows: int = 0) -> torch.Tensor:
+        """Float32 logits [n, vocab] of hidden rows [n, hidden], with the step's matmul tile."""
+        return self.model.compute_logits(hidden, tile_rows=tile_rows)
+
+    def _sample(self, sampling, hidden: torch.Tensor, rows: list[int], tile: int) -> list[list[int]]:
+        logits = self.logits(hidden[torch.tensor(rows, device=self.device)], tile)  # [R, vocab]
         num_draft = [len(s.spec_token_ids) for s in sampling]
         is_greedy = [s.request.sampling_params.is_greedy for s in sampling]
         draft_ids = [t for s in sampling for t in s.spec_token_ids]

@@ -87,6 +87,7 @@ class TorchAttentionBackend:
     """Gather + SDPA paged attention. Stateless; one instance can serve every layer and step."""
 
     name = "torch"
+    supports_row_exact = True
 
     def build_metadata(
         self,
@@ -96,16 +97,29 @@ class TorchAttentionBackend:
         slot_mapping: list[int],
         block_size: int,
         device: torch.device,
+        row_exact: bool = False,
     ) -> AttentionMetadata:
+        """`row_exact`: every query token is a group of its own, attending to exactly its own
+        keys with no mask, i.e. the very SDPA call a one-token decode step of that request makes
+        at that position. A token's output then does not depend on the other tokens of the step
+        (the drafts verified with it, other requests), bit for bit; one SDPA call per token."""
         md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, "cpu")
         device = torch.device(device)
         starts = md.query_start_loc.tolist()
-        member_lists = group_requests(query_lens)
-        groups = [
-            self._group(members, query_lens, seq_lens, starts, md.block_tables, block_size, device,
-                        whole=len(member_lists) == 1)
-            for members in member_lists
-        ]
+        if row_exact:
+            owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
+            rows = [1] * len(owner)
+            row_seq = [seq_lens[b] - query_lens[b] + i + 1 for b, q in enumerate(query_lens) for i in range(q)]
+            row_tables = md.block_tables[owner]
+            groups = [self._group([t], rows, row_seq, list(range(len(owner))), row_tables, block_size, device,
+                                  whole=len(owner) == 1) for t in range(len(owner))]
+        else:
+            member_lists = group_requests(query_lens)
+            groups = [
+                self._group(members, query_lens, seq_lens, starts, md.block_tables, block_size, device,
+                            whole=len(member_lists) == 1)
+                for members in member_lists
+            ]
 
         slots = md.slot_mapping
         if min(slot_mapping) < 0:

@@ -103,6 +103,25 @@ def rope_cos_sin(hf_config, max_positions: int, dtype: torch.dtype, device: torc
     return (emb.cos() * scale).to(device=device, dtype=dtype), (emb.sin() * scale).to(device=device, dtype=dtype)
 
 
+def linear(mod: nn.Linear, x: torch.Tensor, tile_rows: int = 0) -> torch.Tensor:
+    """`mod(x)` for x [n, in]. BLAS picks its kernel, and so its rounding, by the number of rows
+    (MKL fp32 here: 1 | 2-3 | >= 4 rows round differently; oneDNN bf16 on AMX likewise) but
+    computes the rows of one call alike, wherever they sit. `tile_rows` > 0 makes a row's result
+    independent of n: the rows go through products of exactly `tile_rows` rows each (the last
+    tile padded with zero rows); `tile_rows` 1 is one row-vector product per row."""
+    n = x.shape[0]
+    if tile_rows <= 0 or (tile_rows == 1 and n == 1):
+        return F.linear(x, mod.weight, mod.bias)
+    if tile_rows == 1:
+        return torch.cat([F.linear(x[i : i + 1], mod.weight, mod.bias) for i in range(n)])
+    padded = -(-n // tile_rows) * tile_rows
+    if padded != n:
+        x = F.pad(x, (0, 0, 0, padded - n))
+    if padded == tile_rows:
+        return F.linear(x, mod.weight, mod.bias)[:n]
+    return torch.cat([F.linear(x[i : i + tile_rows], mod.weight, mod.bias) for i in range(0, padded, tile_rows)])[:n]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim] (rotate-half layout)
     half = x.shape[-1] // 2
@@ -130,8 +149,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend):
-        # x, residual [num_tokens, hidden]; returns the same pair (pre-norm residual stream)
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend, tile_rows: int = 0):
+        # x, residual [num_tokens, hidden]; returns the same pair (pre-norm residual stream).
+        # tile_rows: see `linear`.
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         if residual is None:
@@ -139,7 +159,7 @@ class DecoderLayer(nn.Module):
         else:
             residual = residual + x
         h = F.rms_norm(residual, (cfg.hidden_size,), self.input_layernorm, eps) if self.input_norm else residual
-        qkv = self.qkv_proj(h)
+        qkv = linear(self.qkv_proj, h, tile_rows)
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, cfg.num_heads, cfg.head_dim)
@@ -152,11 +172,11 @@ class DecoderLayer(nn.Module):
         k = apply_rope(k, cos, sin)
         backend.write_kv(k, v, k_cache, v_cache, attn_metadata)
         o = backend.attention(q, k_cache, v_cache, attn_metadata, cfg.head_dim**-0.5)
-        x = self.o_proj(o.reshape(n, self.q_size))
+        x = linear(self.o_proj, o.reshape(n, self.q_size), tile_rows)
         residual = residual + x
         h = F.rms_norm(residual, (cfg.hidden_size,), self.post_attention_layernorm, eps)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up), residual
+        gate, up = linear(self.gate_up_proj, h, tile_rows).chunk(2, dim=-1)
+        return linear(self.down_proj, F.silu(gate) * up, tile_rows), residual
 
 
 class CausalLM(nn.Module):
@@ -177,19 +197,20 @@ class CausalLM(nn.Module):
     def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.rope_cos, self.rope_sin = cos, sin
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata, backend, inputs_embeds=None):
-        # input_ids [num_tokens] -> hidden [num_tokens, hidden] after the final norm
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, backend, inputs_embeds=None, tile_rows: int = 0):
+        # input_ids [num_tokens] -> hidden [num_tokens, hidden] after the final norm; tile_rows:
+        # every matmul in tiles of that many rows (see `linear`)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos = self.rope_cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.rope_sin[positions].unsqueeze(1)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend)
+            x, residual = layer(x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend, tile_rows)
         return F.rms_norm(residual + x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, tile_rows: int = 0) -> torch.Tensor:
         # hidden [n, hidden] -> logits [n, vocab] in float32
-        return self.lm_head(hidden).float()
+        return linear(self.lm_head, hidden, tile_rows).float()
 
     # --- weight loading (Hugging Face names) ------------------------------------------------
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -242,7 +242,7 @@ class Speculator:
         token, or k + 1 for k = 1, 2, 4, 8), each over 128 tokens of context, using free KV
         blocks. Each point is the minimum of 3 runs (the least disturbed by other work on the
         host), then made non-decreasing in q, so noise cannot invert the curve."""
-        from engine.model_runner import SeqChunk, build_forward_batch
+        from engine.model_runner import SeqChunk
 
         bs = runner.block_size
         num_blocks = runner.kv_caches[0][0].shape[0]
@@ -258,12 +258,11 @@ class Speculator:
                 ctx = min(128, num_blocks * bs - q)
                 blocks = list(range(-(-(ctx + q) // bs)))  # shared by the b requests: timing only
                 chunks = [SeqChunk([0] * q, ctx, blocks) for _ in range(b)]
-                batch = build_forward_batch(chunks, bs, runner.backend, runner.device)
                 samples = []
                 for _ in range(3):
                     t0 = time.perf_counter()
-                    h = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.attn_metadata, runner.backend)
-                    runner.model.compute_logits(h)
+                    _, h = runner.forward(chunks)  # the path (and row invariance) steps take
+                    runner.logits(h, runner.tile_rows(chunks))
                     if runner.device.type == "cuda":
                         torch.cuda.synchronize(runner.device)
                     samples.append(time.perf_counter() - t0)

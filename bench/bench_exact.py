@@ -1,0 +1,115 @@
+"""What exact speculation costs, and what it buys: the engine's `exact` modes side by side.
+
+    python -m bench.bench_exact [--prompts 4] [--max-tokens 64] [--reps 2] [--dtype auto]
+        [--methods eagle,draft] [--concurrent 16] [--out bench/results/exact.json]
+
+Shipped target and drafters, one torch thread, held-out code prompts, greedy. For each mode
+(off, rows, pad, batch_invariant; `auto` is reported as the mode it picked) and each drafter
+(plus no speculation): batch-1 decode tokens/s (median over prompts x reps, every configuration
+loaded first and runs interleaved), and whether the greedy text with speculation equals the
+text without it (same mode) on every prompt. Then --concurrent requests at once (throughput, no
+speculation and the first drafter) for off and batch_invariant, and whether batch_invariant's
+texts equal its batch-1 texts. Writes JSON and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from bench.common import MODELS, RESULTS, code_prompts, machine_info, median
+
+DRAFTERS = {"draft": "drafter", "eagle": "eagle-head", "mtp": "mtp-heads", "ngram": None}
+MODES = ("off", "rows", "pad", "batch_invariant")
+
+
+def make(method: str | None, mode: str, dtype: str):
+    from engine import LLM, SpeculativeConfig
+
+    spec = None
+    if method is not None:
+        folder = DRAFTERS[method]
+        spec = SpeculativeConfig(method=method, model=str(MODELS / folder) if folder else None,
+                                 num_speculative_tokens=4, adaptive=False)
+    return LLM(str(MODELS / "target"), device="cpu", dtype=dtype, speculative=spec, exact=mode, num_threads=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--methods", default="eagle,draft")
+    p.add_argument("--concurrent", type=int, default=16)
+    p.add_argument("--out", default=str(RESULTS / "exact.json"))
+    args = p.parse_args(argv)
+    from engine import SamplingParams
+
+    torch.set_num_threads(1)
+    methods = [None, *[m for m in args.methods.split(",") if m]]
+    auto = make(None, "auto", args.dtype)
+    picked = auto.engine.runner.exact
+    dtype = str(auto.engine.dtype).removeprefix("torch.")
+    prompts = code_prompts(auto.tokenizer, args.prompts, args.prompt_len, seed=1)
+    del auto
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    llms = {(m, mode): make(m, mode, args.dtype) for mode in MODES for m in methods}
+    texts: dict = {}
+    tps: dict = {key: [] for key in llms}
+    for _ in range(args.reps):
+        for i, prompt in enumerate(prompts):
+            for key, llm in llms.items():
+                t0 = time.perf_counter()
+                out = llm.generate([prompt], params)[0]
+                tps[key].append(len(out.token_ids) / (time.perf_counter() - t0))
+                texts[key, i] = out.token_ids
+    rows = []
+    for m, mode in llms:
+        same = sum(texts[(m, mode), i] == texts[(None, mode), i] for i in range(len(prompts)))
+        rows.append({"method": m or "none", "mode": mode, "tokens_per_s": median(tps[m, mode]),
+                     "greedy_equal_to_no_spec": f"{same}/{len(prompts)}",
+                     "speedup_vs_off_same_method": None})
+    base = {r["method"]: r["tokens_per_s"] for r in rows if r["mode"] == "off"}
+    for r in rows:
+        r["speedup_vs_off_same_method"] = r["tokens_per_s"] / base[r["method"]]
+
+    concurrent = []
+    batch = [prompts[i % len(prompts)] for i in range(args.concurrent)]
+    for m in methods[:2]:
+        for mode in ("off", "batch_invariant"):
+            llm = llms[m, mode]
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, params)
+            dt = time.perf_counter() - t0
+            row = {"method": m or "none", "mode": mode, "requests": len(batch),
+                   "tokens_per_s": sum(len(o.token_ids) for o in outs) / dt}
+            if mode == "batch_invariant":
+                row["equal_to_batch1"] = f"{sum(o.token_ids == texts[(m, mode), i % len(prompts)] for i, o in enumerate(outs))}/{len(outs)}"
+            concurrent.append(row)
+
+    report = {"benchmark": "exact", "machine": machine_info(), "dtype": dtype, "auto_picked": picked,
+              "args": vars(args), "batch1": rows, "concurrent": concurrent}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"dtype {dtype}; exact=auto picks {picked!r} here; batch 1, {args.max_tokens} greedy tokens, "
+          f"{len(prompts)} prompts x {args.reps} reps")
+    print(f"{'drafter':<8}{'mode':<17}{'tokens/s':>10}{'vs off':>8}{'text = no spec':>16}")
+    for r in rows:
+        print(f"{r['method']:<8}{r['mode']:<17}{r['tokens_per_s']:>10.1f}{r['speedup_vs_off_same_method']:>8.2f}"
+              f"{r['greedy_equal_to_no_spec']:>16}")
+    for r in concurrent:
+        print(f"{args.concurrent} concurrent, {r['method']}, {r['mode']}: {r['tokens_per_s']:.1f} tokens/s"
+              + (f", texts equal to batch 1: {r['equal_to_batch1']}" if "equal_to_batch1" in r else ""))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
