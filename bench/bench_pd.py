@@ -7,8 +7,8 @@ Each configuration runs on its own embedded Ray Serve with 2 CPUs (one at a time
 - colocated: 2 engine replicas x 1 CPU (each prefills and decodes its own requests);
 - disaggregated: 1 prefill replica x 1 CPU + 1 decode replica x 1 CPU (long prompts are
   prefilled by the prefill replica and handed over with the drafter's state), the handoff by
-  the default transport (NIXL through Ray Direct Transport when the nixl package is installed);
-- disaggregated_object_store: the same, the handoff through Ray's object store;
+  the default transport (`auto`: Ray's object store on CPUs);
+- disaggregated_nixl: the same, the handoff by NIXL through Ray Direct Transport;
 - disaggregated_no_drafter_state (ablation): the handoff carries the target's KV only (default
   transport).
 Speculation is on (the shipped drafter, adaptive), the ingress in front as in `make serve`.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ("colocated", "disaggregated", "disaggregated_object_store", "disaggregated_no_drafter_state")
+CONFIGS = ("colocated", "disaggregated", "disaggregated_nixl", "disaggregated_no_drafter_state")
 
 
 @dataclass
@@ -101,7 +101,7 @@ def start(config_name: str, port: int):
         args["mode"] = "disaggregated"
         args["disaggregation"] = {"min_prompt_tokens": 512,
                                   "with_drafter_state": config_name != "disaggregated_no_drafter_state",
-                                  "transport": "object_store" if config_name.endswith("object_store") else "auto"}
+                                  "transport": "nixl" if config_name.endswith("nixl") else "auto"}
     config = AppConfig.from_dict(args)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port_for_bench()},

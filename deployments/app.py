@@ -112,11 +112,11 @@ class SpecDecodeServer:
         self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
         self.prefills: dict[str, int] = {}  # where this replica's requests were prefilled
         self.transports: dict[str, int] = {}  # handoffs received, by transport
-        self.transport = resolve_transport(config.disaggregation.transport)  # how this replica's handoffs travel
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
         engine_kwargs = config.engine_kwargs()
         self.llm = AsyncLLM(resolve_path(config.model), **engine_kwargs)
         engine = self.llm.engine
+        self.transport = resolve_transport(config.disaggregation.transport, engine.device.type)  # of its handoffs
         engine.export_kv_on_device = self.transport == "nixl"  # NIXL moves GPU memory itself
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size

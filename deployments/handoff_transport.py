@@ -8,9 +8,13 @@
   NIXL agent; only the small rest goes through the object store, and the decode replica's
   `ray.get` pulls the tensors one-sided from the exporter (UCX: shared memory or TCP between
   hosts, GPUDirect RDMA/NVLink between GPUs). The owner frees them when the reference is dropped.
-  Measured here between two Ray nodes on this host (40 MB of CPU tensors): 73 ms vs 239 ms
-  through the object store (median of 5, tests/test_disaggregated.py runs both).
-- `auto` (default): `nixl` when the `nixl` package is importable, else `object_store`.
+  Measured here between two Ray nodes on this host (40 MB of CPU tensors, idle host): 73 ms vs
+  239 ms through the object store (median of 5). But NIXL's agent (created by Ray with its
+  progress thread on) keeps threads polling: on this 2-core CPU host three such threads took
+  40-60% of a core each and slowed the engines' decode steps about 6x under load
+  (bench/bench_pd.py), so on CPUs it is opt-in; GPU servers have host cores to spare for it.
+- `auto` (default): `nixl` when the `nixl` package is importable and the engine runs on a GPU,
+  else `object_store`.
 
 `await ref` does not deserialize Ray Direct Transport objects in Ray 2.60 (the tensors are looked
 up in a thread-local that only `ray.get` fills), so the decode side always reads with `ray.get`
@@ -34,12 +38,13 @@ def nixl_available() -> bool:
     return importlib.util.find_spec("nixl") is not None
 
 
-def resolve_transport(name: str) -> str:
-    """`object_store` or `nixl` for a configured name (ValueError for `nixl` without the package)."""
+def resolve_transport(name: str, device_type: str = "cpu") -> str:
+    """`object_store` or `nixl` for a configured name and the engine's device type (ValueError
+    for `nixl` without the package)."""
     if name not in TRANSPORTS:
         raise ValueError(f"handoff transport must be one of {TRANSPORTS}, got {name!r}")
     if name == "auto":
-        return "nixl" if nixl_available() else "object_store"
+        return "nixl" if nixl_available() and device_type == "cuda" else "object_store"
     if name == "nixl" and not nixl_available():
         raise ValueError("handoff transport 'nixl' needs the nixl package (pip install nixl); use 'object_store'")
     return name

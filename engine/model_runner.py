@@ -17,12 +17,13 @@ import torch
 
 from engine.block_manager import cdiv
 from engine.config import EXACT_MODES
+from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
 from engine.request import Request
 from engine.sampler import probs_from_logits
 from engine.scheduler import SchedulerOutput
 from engine.spec.rejection_sampler import rejection_sample
-from kernels import get_attention_backend
+from kernels import cpu_kernels, get_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +31,18 @@ logger = logging.getLogger(__name__)
 # Exactness of speculation (the `exact` engine option). A step's matmuls round each row by the
 # kernel BLAS picks for the step's number of rows, so without care verifying k drafts in one
 # (k + 1)-row product gives other logits than k + 1 one-token steps (near-ties flip greedy tokens).
-#   "rows": a single-request step of at most EXACT_ROWS tokens computes each token as a one-token
-#           step would: one row-vector product per matmul row, attention one query at a time.
-#           Extra cost only when verifying, on hosts where products are compute-bound.
+#   "rows": every step of at most EXACT_ROWS tokens computes each token as a one-token step does.
+#           On a CPU with AVX2/FMA through kernels/cpu_kernels.py (row-invariant matmul and
+#           paged attention, one pass over the weights for all rows: no extra cost, any number
+#           of requests); elsewhere only single-request steps, with one row-vector product per
+#           row and attention one query at a time (verification pays for it).
 #   "pad":  every step of at most EXACT_ROWS tokens runs its matmuls on exactly EXACT_ROWS rows
 #           (one-token steps too) and attention one query at a time: exact at batch 1, and a
 #           request's tokens do not depend on the other requests of such a step. Nearly free
 #           where products are memory-bound (GPUs, AMX); costly where they are not.
-#   "auto": "pad" if a product on EXACT_ROWS rows costs at most PAD_COST_LIMIT x one row on this
-#           device and dtype (measured at start-up), else "rows".
+#   "auto": "rows" where the CPU kernels run; else "pad" if a product on EXACT_ROWS rows costs at
+#           most PAD_COST_LIMIT x one row on this device and dtype (measured at start-up), else
+#           "rows".
 #   "batch_invariant": every step, prefill included, in EXACT_ROWS-row tiles with attention one
 #           query at a time: a request's output never depends on what else is batched or how its
 #           prompt was chunked. Costly; for reproducibility.
@@ -94,7 +98,7 @@ class ForwardBatch:
 
 
 def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device: torch.device,
-                        row_exact: bool = False) -> ForwardBatch:
+                        row_exact: str | None = None) -> ForwardBatch:
     """Flatten chunks into one varlen batch. Example: block_size 4, a chunk of 3 tokens from
     position 5 with blocks [7, 2] -> positions [5, 6, 7], slots [2*4+1, 2*4+2, 2*4+3]."""
     input_ids: list[int] = []
@@ -116,7 +120,7 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device
         block_tables.append(bids[: cdiv(c.start + n, block_size)])
         cu.append(cu[-1] + n)
     if row_exact:
-        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device, row_exact=True)
+        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device, row_exact=row_exact)
     else:
         md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device)
     return ForwardBatch(
@@ -196,7 +200,11 @@ class ModelRunner:
         self.backend = get_attention_backend(device, attention_backend)
         if exact not in EXACT_MODES:
             raise ValueError(f"exact must be one of {EXACT_MODES}, got {exact!r}")
-        self.exact = choose_exact_mode(self.model, device, dtype) if exact == "auto" else exact
+        # The row-invariant CPU kernels serve the "rows" mode's steps when they can.
+        self.row_kernel = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
+        if exact == "auto":
+            exact = "rows" if self.row_kernel else choose_exact_mode(self.model, device, dtype)
+        self.exact = exact
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.keep_hidden_states = False
@@ -307,7 +315,9 @@ class ModelRunner:
         """One target forward over the chunks: (the batch, final-norm hidden [num_tokens, hidden]),
         with the row invariance of `self.exact` (`tile_rows`)."""
         tile = self.tile_rows(chunks)
-        row_exact = tile > 0 and getattr(self.backend, "supports_row_exact", False)
+        row_exact = None
+        if tile != 0 and getattr(self.backend, "supports_row_exact", False):
+            row_exact = "kernel" if self.row_kernel else "sdpa"
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device, row_exact=row_exact)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,
                             tile_rows=tile)
@@ -320,11 +330,13 @@ class ModelRunner:
         n = sum(len(c.token_ids) for c in chunks)
         if self.exact == "batch_invariant":
             return EXACT_ROWS
-        if n > EXACT_ROWS:
+        if self.exact == "off" or n > EXACT_ROWS:
             return 0
         if self.exact == "pad":
             return EXACT_ROWS
-        if self.exact == "rows" and len(chunks) == 1 and n > 1:
+        if self.row_kernel:  # "rows" through the row-invariant kernels: any step of <= EXACT_ROWS
+            return ROW_KERNEL
+        if len(chunks) == 1 and n > 1:
             return 1  # (one token: the plain step is already one row)
         return 0
 

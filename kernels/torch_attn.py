@@ -58,7 +58,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionMetadata, build_common_metadata
+from kernels import AttentionMetadata, build_common_metadata, cpu_kernels
 
 __all__ = ["TorchAttentionBackend"]
 
@@ -97,16 +97,23 @@ class TorchAttentionBackend:
         slot_mapping: list[int],
         block_size: int,
         device: torch.device,
-        row_exact: bool = False,
+        row_exact: str | None = None,
     ) -> AttentionMetadata:
-        """`row_exact`: every query token is a group of its own, attending to exactly its own
-        keys with no mask, i.e. the very SDPA call a one-token decode step of that request makes
-        at that position. A token's output then does not depend on the other tokens of the step
-        (the drafts verified with it, other requests), bit for bit; one SDPA call per token."""
+        """`row_exact` makes a token's output independent of the other tokens of the step (the
+        drafts verified with it, other requests), bit for bit: "sdpa" makes every query token a
+        group of its own, attending to exactly its own keys with no mask (the very SDPA call a
+        one-token decode step of that request makes at that position; one call per token);
+        "kernel" runs kernels.cpu_kernels.rows_attention over all tokens at once (CPU only)."""
         md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, "cpu")
         device = torch.device(device)
         starts = md.query_start_loc.tolist()
-        if row_exact:
+        rows_kernel = None
+        if row_exact == "kernel":
+            owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
+            lens = [seq_lens[b] - query_lens[b] + i + 1 for b, q in enumerate(query_lens) for i in range(q)]
+            rows_kernel = (md.block_tables[owner].to(torch.int64).contiguous(), torch.tensor(lens, dtype=torch.int64))
+            groups = []
+        elif row_exact == "sdpa":
             owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
             rows = [1] * len(owner)
             row_seq = [seq_lens[b] - query_lens[b] + i + 1 for b, q in enumerate(query_lens) for i in range(q)]
@@ -136,6 +143,7 @@ class TorchAttentionBackend:
         md.extras = {
             "block_size": block_size,
             "groups": groups,
+            "rows_kernel": rows_kernel,  # (block tables [T, nblk], context lengths [T]) or None
             "write_idx": write_idx,  # [num_written] or None
             "write_slots": write_slots.to(device),  # [num_written]
         }
@@ -219,6 +227,9 @@ class TorchAttentionBackend:
             raise ValueError(
                 f"query has {num_tokens} tokens, metadata expects {metadata.slot_mapping.shape[0]}"
             )
+        rows_kernel = metadata.extras.get("rows_kernel")
+        if rows_kernel is not None:
+            return cpu_kernels.rows_attention(query, k_cache, v_cache, *rows_kernel, scale)
         groups = metadata.extras["groups"]
         if len(groups) == 1:
             return _group_attention(query, k_cache, v_cache, groups[0], scale)

@@ -77,7 +77,8 @@ def served(tmp_path_factory) -> Iterator[Served]:
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()},
                     grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]})
-        config = app_config(target, drafter, tracing={"exporter": "file"})  # the file: per pool, below
+        config = app_config(target, drafter, tracing={"exporter": "file"},  # the file: per pool, below
+                            transport="nixl" if nixl_available() else "object_store")
 
         def pool(name: str) -> dict:
             env = {"SPECDECODE_TRACES_FILE": spans[name]}
@@ -184,8 +185,8 @@ def test_greedy_equals_colocated_remote_and_local_prefill(served: Served, coloca
 
 @pytest.mark.skipif(not nixl_available(), reason="the nixl package is not installed")
 def test_handoffs_travel_by_ray_direct_transport(served: Served) -> None:
-    """transport auto with nixl installed: the KV crosses nodes by Ray Direct Transport (NIXL),
-    and the prefill replica frees its copy once the decode replica has it."""
+    """transport nixl: the KV crosses nodes by Ray Direct Transport (NIXL), and the prefill
+    replica frees its copy once the decode replica has it."""
     counts = prefill_counts()
     if not counts.get("remote"):
         rng = random.Random(5)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import UnsupportedModelError
+from kernels import cpu_kernels
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -103,12 +104,18 @@ def rope_cos_sin(hf_config, max_positions: int, dtype: torch.dtype, device: torc
     return (emb.cos() * scale).to(device=device, dtype=dtype), (emb.sin() * scale).to(device=device, dtype=dtype)
 
 
+ROW_KERNEL = -1  # `tile_rows` value: the row-invariant CPU kernel (kernels/cpu_kernels.py)
+
+
 def linear(mod: nn.Linear, x: torch.Tensor, tile_rows: int = 0) -> torch.Tensor:
     """`mod(x)` for x [n, in]. BLAS picks its kernel, and so its rounding, by the number of rows
     (MKL fp32 here: 1 | 2-3 | >= 4 rows round differently; oneDNN bf16 on AMX likewise) but
     computes the rows of one call alike, wherever they sit. `tile_rows` > 0 makes a row's result
     independent of n: the rows go through products of exactly `tile_rows` rows each (the last
-    tile padded with zero rows); `tile_rows` 1 is one row-vector product per row."""
+    tile padded with zero rows); `tile_rows` 1 is one row-vector product per row; ROW_KERNEL is
+    kernels.cpu_kernels.rows_linear, row-invariant by construction (one pass over the weights)."""
+    if tile_rows == ROW_KERNEL:
+        return cpu_kernels.rows_linear(x, mod.weight, mod.bias)
     n = x.shape[0]
     if tile_rows <= 0 or (tile_rows == 1 and n == 1):
         return F.linear(x, mod.weight, mod.bias)

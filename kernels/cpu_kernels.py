@@ -1,0 +1,78 @@
+"""Row-invariant CPU kernels for decode and verification steps (kernels/cpu_gemv.cpp).
+
+`rows_linear(x, weight, bias)` and `rows_attention(...)` compute each row (query token) in one
+fixed order that depends on the shapes of one row only, so a token's result is bit-identical
+whether its step computes it alone or next to other tokens (the drafts it is verified with,
+other requests); and they read each weight row once per call, so a few rows cost about what one
+does. Compiled on first use with torch.utils.cpp_extension (g++, -O3 -mavx2 -mfma -fopenmp) into
+build/torch_extensions/ of this checkout (a few tens of seconds, once). `available()` is False on a
+CPU without AVX2/FMA, or when the compiler fails (the reason is logged once); callers then use
+the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "torch_extensions"
+ENV_DISABLE = "SPECDECODE_CPU_KERNELS"  # "0": never build or use them
+
+
+def cpu_supports_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@functools.cache
+def _module():
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        logger.info("CPU row kernels disabled (%s=0)", ENV_DISABLE)
+        return None
+    if not cpu_supports_avx2_fma():
+        logger.info("CPU row kernels unavailable: the CPU lacks AVX2/FMA")
+        return None
+    from torch.utils.cpp_extension import load
+
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(
+            name="specdecode_cpu_rows",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(BUILD_DIR),
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers...: the torch path serves
+        logger.warning("CPU row kernels unavailable (build failed: %s); using the torch path", e)
+        return None
+
+
+def available() -> bool:
+    return _module() is not None
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (any float dtype) @ weight.T + bias -> [M, N] in x's dtype; weight float32 or
+    bfloat16 [N, K]; computed in float32."""
+    b = bias.float() if bias is not None else torch.empty(0)
+    return _module().rows_linear(x.float(), weight, b).to(x.dtype)
+
+
+def rows_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [T, H, D] -> [T, H, D] in query's dtype: each token over the first ctx_lens[t]
+    positions of its own block table row (block_tables [T, max_blocks] int64)."""
+    return _module().rows_attention(query.float(), k_cache, v_cache, block_tables, ctx_lens, scale).to(query.dtype)
