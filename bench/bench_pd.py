@@ -14,7 +14,7 @@ Each configuration runs on its own embedded Ray Serve with 2 CPUs (one at a time
 Speculation is on (the shipped drafter, adaptive), the ingress in front as in `make serve`.
 Load: open-loop Poisson arrivals at each rate for --duration seconds; --long-fraction of the
 prompts are 1.4-1.6k tokens of held-out code, the rest ~200; every prompt starts with a unique
-line, so no prefix-cache hits; greedy, --max-tokens new tokens (EOS ignored).
+line and each rate sends its own prompts, so no prefix-cache hits; greedy, --max-tokens new tokens (EOS ignored).
 Per request: TTFT, TPOT ((last - first token) / (n - 1)), inter-token gaps, the longest stall.
 Goodput: requests per second meeting both SLOs. Handoff bytes and ms come from the decode
 replicas. Writes JSON to --out, a PNG next to it, and prints a table.
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PROMPTS_PER_RATE = 150  # more than any rate's arrivals in --duration: no prompt is sent twice in a run
 CONFIGS = ("colocated", "disaggregated", "disaggregated_nixl", "disaggregated_no_drafter_state")
 
 
@@ -120,7 +121,9 @@ def stop() -> None:
     ray.shutdown()
 
 
-def run_load(port: int, prompts, rate: float, duration: float, max_tokens: int, seed: int) -> list[Result]:
+def run_load(port: int, prompts, rate: float, duration: float, max_tokens: int, seed: int,
+             offset: int = 0) -> list[Result]:
+    """Poisson arrivals at `rate` for `duration` s of prompts[offset], prompts[offset + 1], ..."""
     from deployments.client import SpecDecodeClient
 
     rng = random.Random(seed)
@@ -133,7 +136,7 @@ def run_load(port: int, prompts, rate: float, duration: float, max_tokens: int, 
         delay = t0 + next_at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        kind, ids = prompts[i % len(prompts)]
+        kind, ids = prompts[(offset + i) % len(prompts)]
         r = Result(kind, time.perf_counter())
         results.append(r)
 
@@ -233,15 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.configs.split(",")
     from bench.bench_serve import free_port as free_port_for_bench
 
-    prompts = build_prompts(400, args.long_fraction, args.seed)
+    prompts = build_prompts(PROMPTS_PER_RATE * len(rates), args.long_fraction, args.seed)
     report = {"benchmark": "pd_vs_colocated", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
               "args": vars(args), "results": {}}
     for name in configs:
         port = free_port_for_bench()
         start(name, port)
         try:
-            for rate in rates:
-                results = run_load(port, prompts, rate, args.duration, args.max_tokens, args.seed)
+            for j, rate in enumerate(rates):
+                # each rate its own prompts: a prompt seen at an earlier rate would hit the cache
+                results = run_load(port, prompts, rate, args.duration, args.max_tokens, args.seed,
+                                   offset=j * PROMPTS_PER_RATE)
                 summary = summarize(results, args.duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                 if name != "colocated":
                     summary["prefills"] = handoff_stats()  # cumulative over this config's rates

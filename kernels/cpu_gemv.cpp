@@ -3,18 +3,19 @@
 // x: [M, K] float32 (a few rows: decode and verification steps), w: [N, K] float32 or bfloat16,
 // b: [N] float32 or empty; y: [M, N] float32.
 //
-// Each output y[m, n] is one dot product computed by one thread in one fixed order: four 8-lane
-// accumulators over k in steps of 32, then 8-lane steps into the first, a fixed pairwise
-// combination, a fixed horizontal sum, then the scalar tail. That order depends on K only, never
-// on M, on the row's place in x, or on which thread runs it: a row gives bit-identical results
-// whether it is computed alone (a one-token decode step) or with others (a verification of k
-// drafts, other requests). The weight row w[n] is read from memory once per call and reused from
-// L1 for every row of x, so a call on M rows costs about what one row costs while the product is
-// memory-bound. bfloat16 weights are widened to float32 in registers (a 16-bit shift): half the
-// bytes of float32 weights, the same arithmetic.
+// Each output y[m, n] is one dot product computed by one thread in one fixed order (`dots_f32`:
+// two 8-lane accumulators over k in steps of 16, a fixed horizontal sum, then the scalar tail).
+// That order depends on K only, never on M, on the row's place in x, on the weight rows it is
+// blocked with, or on which thread runs it: a row gives bit-identical results whether it is
+// computed alone (a one-token decode step) or with others (a verification of k drafts, other
+// requests). Weight rows are taken 4 at a time, each load of x serving all 4, and a block's
+// weights are read from memory once per call and reused from cache for every row of x, so a
+// call on a few rows costs little more than one row while the product is memory-bound. bfloat16
+// weights are widened to float32 in registers (a 16-bit shift): half the bytes, same arithmetic.
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,39 +36,81 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// dot(x, w) over K floats in the fixed order described above.
-inline float dot_f32(const float* x, const float* w, int64_t K) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+// The fixed order of every dot product over K: two 8-lane accumulators, a over k % 16 in [0, 8)
+// and b over [8, 16), in steps of 16; a remaining 8-wide step into a; then a + b, a fixed
+// horizontal sum, then the scalar tail in k order. `NB` weight rows share each load of x (more
+// independent FMA chains, fewer loads); each (x, w row) pair keeps exactly this order.
+template <int NB>
+inline void dots_f32(const float* x, const float* const* w, int64_t K, float* out) {
+  __m256 a[NB], b[NB];
+  for (int j = 0; j < NB; ++j) a[j] = b[j] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
-    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(w + k + 16), a2);
-    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(w + k + 24), a3);
+  for (; k + 16 <= K; k += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+    for (int j = 0; j < NB; ++j) {
+      a[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w[j] + k), a[j]);
+      b[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w[j] + k + 8), b[j]);
+    }
   }
-  for (; k + 8 <= K; k += 8) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
+  if (k + 8 <= K) {
+    const __m256 x0 = _mm256_loadu_ps(x + k);
+    for (int j = 0; j < NB; ++j) a[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w[j] + k), a[j]);
+    k += 8;
   }
-  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; k < K; ++k) s += x[k] * w[k];
+  for (int j = 0; j < NB; ++j) {
+    float s = hsum(_mm256_add_ps(a[j], b[j]));
+    for (int64_t t = k; t < K; ++t) s += x[t] * w[j][t];
+    out[j] = s;
+  }
+}
+
+inline __m256 load_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// The same order with bfloat16 weight rows, widened in registers (exact).
+template <int NB>
+inline void dots_bf16(const float* x, const uint16_t* const* w, int64_t K, float* out) {
+  __m256 a[NB], b[NB];
+  for (int j = 0; j < NB; ++j) a[j] = b[j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+    for (int j = 0; j < NB; ++j) {
+      a[j] = _mm256_fmadd_ps(x0, load_bf16(w[j] + k), a[j]);
+      b[j] = _mm256_fmadd_ps(x1, load_bf16(w[j] + k + 8), b[j]);
+    }
+  }
+  if (k + 8 <= K) {
+    const __m256 x0 = _mm256_loadu_ps(x + k);
+    for (int j = 0; j < NB; ++j) a[j] = _mm256_fmadd_ps(x0, load_bf16(w[j] + k), a[j]);
+    k += 8;
+  }
+  for (int j = 0; j < NB; ++j) {
+    float s = hsum(_mm256_add_ps(a[j], b[j]));
+    for (int64_t t = k; t < K; ++t) s += x[t] * bf16_to_f32(w[j][t]);
+    out[j] = s;
+  }
+}
+
+inline float dot_f32(const float* x, const float* w, int64_t K) {
+  float s;
+  dots_f32<1>(x, &w, K, &s);
   return s;
 }
 
 // Widen K bfloat16 values to float32 (exact).
 inline void widen_bf16(const uint16_t* src, float* dst, int64_t K) {
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
-    __m256i v = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-    _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(v));
-  }
-  for (; k < K; ++k) {
-    uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    dst[k] = f;
-  }
+  for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load_bf16(src + k));
+  for (; k < K; ++k) dst[k] = bf16_to_f32(src[k]);
 }
 
 }  // namespace
@@ -92,22 +135,34 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor b) {
   const float* wf = bf16 ? nullptr : w.data_ptr<float>();
   const uint16_t* wh = bf16 ? reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) : nullptr;
   const int threads = at::get_num_threads();
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> row(bf16 ? K : 0);
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const float* wn;
-      if (bf16) {
-        widen_bf16(wh + n * K, row.data(), K);
-        wn = row.data();
+  constexpr int NB = 4;  // weight rows per block: each load of x serves NB of them
+  const int64_t blocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n0 = blk * NB, nb = std::min<int64_t>(NB, N - n0);
+    float out[NB];
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = xp + m * K;
+      if (nb == NB) {
+        if (bf16) {
+          const uint16_t* w[NB] = {wh + n0 * K, wh + (n0 + 1) * K, wh + (n0 + 2) * K, wh + (n0 + 3) * K};
+          dots_bf16<NB>(xm, w, K, out);
+        } else {
+          const float* w[NB] = {wf + n0 * K, wf + (n0 + 1) * K, wf + (n0 + 2) * K, wf + (n0 + 3) * K};
+          dots_f32<NB>(xm, w, K, out);
+        }
       } else {
-        wn = wf + n * K;
+        for (int64_t j = 0; j < nb; ++j) {
+          if (bf16) {
+            const uint16_t* w = wh + (n0 + j) * K;
+            dots_bf16<1>(xm, &w, K, out + j);
+          } else {
+            const float* w = wf + (n0 + j) * K;
+            dots_f32<1>(xm, &w, K, out + j);
+          }
+        }
       }
-      const float bias = has_bias ? bp[n] : 0.0f;
-      for (int64_t m = 0; m < M; ++m) {
-        yp[m * N + n] = dot_f32(xp + m * K, wn, K) + bias;
-      }
+      for (int64_t j = 0; j < nb; ++j) yp[m * N + n0 + j] = out[j] + (has_bias ? bp[n0 + j] : 0.0f);
     }
   }
   return y;
