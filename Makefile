@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast lint demo serve serve-pd loadtest bench protos clean
+.PHONY: install test test-fast lint demo serve serve-pd loadtest bench llamacpp protos clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -54,6 +54,12 @@ loadtest: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
+
+# The llama.cpp peer (bench/bench_llamacpp.py): llama.cpp as vendored in llama-cpp-python, built for
+# this CPU under build/llama.cpp, and the shipped target and drafter as GGUF under build/gguf. Then
+# `$(BIN)/python -m bench.bench_llamacpp run`.
+llamacpp: $(STAMP)
+	$(BIN)/python -m bench.bench_llamacpp build && $(BIN)/python -m bench.bench_llamacpp convert
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
