@@ -1,15 +1,17 @@
 """What exact speculation costs, and what it buys: the engine's `exact` modes side by side.
 
     python -m bench.bench_exact [--prompts 4] [--max-tokens 64] [--reps 2] [--dtype auto]
-        [--methods eagle,draft] [--concurrent 16] [--out bench/results/exact.json]
+        [--methods eagle,draft] [--modes off,rows,pad,batch_invariant] [--concurrent 16]
+        [--out bench/results/exact.json]
 
 Shipped target and drafters, one torch thread, held-out code prompts, greedy. For each mode
 (off, rows, pad, batch_invariant; `auto` is reported as the mode it picked) and each drafter
 (plus no speculation): batch-1 decode tokens/s (median over prompts x reps, every configuration
 loaded first and runs interleaved), and whether the greedy text with speculation equals the
 text without it (same mode) on every prompt. Then --concurrent requests at once (throughput, no
-speculation and the first drafter) for off and batch_invariant, and whether batch_invariant's
-texts equal its batch-1 texts. Writes JSON and prints a table.
+speculation and the first drafter) for off, batch_invariant and rows, and whether the latter
+two's texts equal their batch-1 texts (rows: steps of <= 16 tokens only, which 16 concurrent
+requests exceed once they speculate). Writes JSON and prints a table.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--methods", default="eagle,draft")
+    p.add_argument("--modes", default=",".join(MODES), help="exact modes to compare (off first)")
     p.add_argument("--concurrent", type=int, default=16)
     p.add_argument("--out", default=str(RESULTS / "exact.json"))
     args = p.parse_args(argv)
@@ -59,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = code_prompts(auto.tokenizer, args.prompts, args.prompt_len, seed=1)
     del auto
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llms = {(m, mode): make(m, mode, args.dtype) for mode in MODES for m in methods}
+    modes = [m for m in args.modes.split(",") if m]
+    if modes[0] != "off":
+        p.error("--modes must start with off (the baseline)")
+    llms = {(m, mode): make(m, mode, args.dtype) for mode in modes for m in methods}
     texts: dict = {}
     tps: dict = {key: [] for key in llms}
     for _ in range(args.reps):
@@ -82,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     concurrent = []
     batch = [prompts[i % len(prompts)] for i in range(args.concurrent)]
     for m in methods[:2]:
-        for mode in ("off", "batch_invariant"):
+        for mode in [x for x in ("off", "batch_invariant", "rows") if x in modes]:
             llm = llms[m, mode]
             t0 = time.perf_counter()
             outs = llm.generate(batch, params)
             dt = time.perf_counter() - t0
             row = {"method": m or "none", "mode": mode, "requests": len(batch),
                    "tokens_per_s": sum(len(o.token_ids) for o in outs) / dt}
-            if mode == "batch_invariant":
+            if mode != "off":
                 row["equal_to_batch1"] = f"{sum(o.token_ids == texts[(m, mode), i % len(prompts)] for i, o in enumerate(outs))}/{len(outs)}"
             concurrent.append(row)
 
