@@ -285,8 +285,12 @@ def run_llamacpp(bin_dir: Path, gguf_type: str, prompt_text: str, max_tokens: in
         raise RuntimeError(f"{Path(cmd[0]).name} exited with {out.returncode}:\n{stderr[-3000:]}")
     result = parse_speculative(stdout, stderr, prompt_text) if draft else parse_completion(stdout, stderr)
     expected = max_tokens if draft else max_tokens - 1  # completion's first token comes from the prompt pass
-    if result.num_decode_tokens != expected:
-        raise RuntimeError(f"{Path(cmd[0]).name} timed {result.num_decode_tokens} tokens, expected {expected}")
+    # The speculative loop stops after the step that passes -n, so its last step may accept a
+    # few more (up to the draft length); its speed is its own count over its own time.
+    overshoot = NUM_DRAFT_TOKENS if draft else 0
+    if not expected <= result.num_decode_tokens <= expected + overshoot:
+        raise RuntimeError(f"{Path(cmd[0]).name} timed {result.num_decode_tokens} tokens, expected {expected}"
+                           + (f" to {expected + overshoot}" if overshoot else ""))
     return result
 
 
@@ -430,6 +434,12 @@ def summarize(runs: dict, threads: list[int], tokenizer, prompts_info: list[dict
     def output_of(r) -> str | list[int]:
         return r.text if isinstance(r, LlamaRun) else r.token_ids
 
+    def same_output(spec, plain) -> bool:
+        """llama.cpp's speculative loop may overshoot -n by a few accepted tokens: its text must
+        start with the non-speculative text (ours stops exactly at max_tokens: equal ids)."""
+        a, b = output_of(spec), output_of(plain)
+        return a.startswith(b) if isinstance(a, str) else a == b
+
     rows, details = [], []
     for t in threads:
         for name, (side, method) in SYSTEMS.items():
@@ -439,10 +449,10 @@ def summarize(runs: dict, threads: list[int], tokenizer, prompts_info: list[dict
             rates = [rate(r) for r in reps]
             ratios = [rate(r) / rate(b) for r, b in zip(reps, base, strict=True)]
             first, base_first = reps[0], base[0]
-            equal = [output_of(a) == output_of(b) for a, b in zip(first, base_first, strict=True)]
+            equal = [same_output(a, b) for a, b in zip(first, base_first, strict=True)]
             ours_ids = [r.token_ids for r in runs["ours target", t][0]]
-            vs_ours = [(r.text if isinstance(r, LlamaRun) else tokenizer.decode(r.token_ids)) == tokenizer.decode(ids)
-                       for r, ids in zip(first, ours_ids, strict=True)]
+            vs_ours = [(r.text.startswith(tokenizer.decode(ids)) if isinstance(r, LlamaRun)
+                        else r.token_ids == ids) for r, ids in zip(first, ours_ids, strict=True)]
             drafted = sum(r.num_drafted or 0 for r in first)
             accepted = sum(r.num_accepted or 0 for r in first)
             rows.append({
