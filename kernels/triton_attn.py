@@ -198,13 +198,26 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
 ) -> None:
     """Scatter key/value rows into the paged caches in place (reshape_and_cache)."""
-    num_tokens, hkv, d = key.shape
-    if num_tokens == 0:
+    if key.shape[0] == 0:
         return
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache/v_cache must have a contiguous last (head_dim) axis")
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
-    _write_kv_kernel[(num_tokens,)](
+    grid, args, constexprs = _write_kv_launch(key, value, k_cache, v_cache, slot_mapping)
+    _write_kv_kernel[grid](*args, **constexprs)
+
+
+def _write_kv_launch(
+    key: torch.Tensor,  # [num_tokens, Hkv, D], last dim contiguous
+    value: torch.Tensor,  # [num_tokens, Hkv, D], last dim contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> tuple[tuple[int], tuple, dict]:
+    """Grid, runtime arguments and constexprs of one ``_write_kv_kernel`` launch (also used by
+    :mod:`kernels.triton_aot` to compile exactly what the engine launches)."""
+    num_tokens, hkv, d = key.shape
+    args = (
         key,
         value,
         k_cache,
@@ -222,10 +235,13 @@ def write_kv_cache(
         v_cache.stride(2),
         hkv,
         d,
+    )
+    constexprs = dict(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(hkv),
         BLOCK_D=triton.next_power_of_2(d),
     )
+    return (num_tokens,), args, constexprs
 
 
 def _launch_config(max_query_len: int, g_pad: int) -> tuple[int, int]:
@@ -258,13 +274,44 @@ def paged_attention(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
+    grid, args, constexprs = _paged_attn_launch(
+        query,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        max_query_len,
+        scale,
+        is_compiled=query.device.type == "cuda",
+    )
+    _paged_attn_kernel[grid](*args, **constexprs)
+    return out
+
+
+def _paged_attn_launch(
+    query: torch.Tensor,  # [num_tokens, H, D], last dim contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    out: torch.Tensor,  # [num_tokens, H, D]
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    max_query_len: int,
+    scale: float,
+    is_compiled: bool,
+) -> tuple[tuple[int, int, int], tuple, dict]:
+    """Grid, runtime arguments and constexprs of one ``_paged_attn_kernel`` launch (also used by
+    :mod:`kernels.triton_aot`). ``is_compiled``: a CUDA run, not the interpreter."""
+    h, d = query.shape[1:]
+    hkv = k_cache.shape[2]
     g = h // hkv
     g_pad = triton.next_power_of_2(g)
     block_q, block_m = _launch_config(max_query_len, g_pad)
-    block_d = max(16, triton.next_power_of_2(d))
     num_reqs = seq_lens.shape[0]
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), hkv)
-    _paged_attn_kernel[grid](
+    args = (
         query,
         k_cache,
         v_cache,
@@ -285,19 +332,21 @@ def paged_attention(
         v_cache.stride(2),
         block_tables.stride(0),
         d,
+    )
+    constexprs = dict(
         BLOCK_SIZE=k_cache.shape[1],
         G=g,
         G_PAD=g_pad,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=32,
-        BLOCK_D=block_d,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # Under TRITON_INTERPRET=1 (CPU tensors) tl.dot on bf16/fp16 returns garbage in triton 3.9,
         # so the interpreter path does its dots in fp32; compiled GPU runs keep 16-bit dots.
-        UPCAST=query.device.type != "cuda" and query.dtype != torch.float32,
+        UPCAST=not is_compiled and query.dtype != torch.float32,
     )
-    return out
+    return grid, args, constexprs
 
 
 class TritonAttentionBackend:
