@@ -202,27 +202,8 @@ def test_handoffs_travel_by_ray_direct_transport(served: Served) -> None:
 
 def test_object_store_transport_gives_the_same_tokens(served: Served, colocated) -> None:
     """transport object_store: the handoff goes through Ray's object stores (node to node)."""
-    from ray import serve
-
-    from deployments.app import bind_app
-
-    app = "pd-objects"
-    config = app_config(served.target, served.drafter, transport="object_store")
-    decode = {"ray_actor_options": {"num_cpus": 0, "resources": {"decode": 1}}}
-    prefill = {"ray_actor_options": {"num_cpus": 0, "resources": {"prefill": 1}}}
-    serve.run(bind_app(config, decode, prefill_overrides=prefill), name=app, route_prefix=f"/{app}")
-    rng = random.Random(13)
-    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 30)]
-    params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
-    try:
-        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
-            client.wait_ready(120)
-            ids, _, _ = collect(client.generate(prompt, **params))
-        assert ids == reference(colocated, prompt, **params)
-        counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
-        assert counts.get("via_object_store", 0) == counts.get("remote", 0) == 1, counts
-    finally:
-        serve.delete(app)
+    _, _, counts = run_variant(served, colocated, "pd-objects", 13, pinned=True, transport="object_store")
+    assert counts.get("via_object_store", 0) == counts.get("remote", 0) == 1, counts
 
 
 def test_one_trace_spans_prefill_handoff_and_decode(served: Served) -> None:
@@ -330,6 +311,35 @@ def test_cancel_storm_leaves_no_blocks_on_either_pool(served: Served) -> None:
     assert counts.get("remote", 0) > 0
 
 
+def run_variant(served: Served, colocated, app: str, seed: int, prefill_cls: type | None = None,
+                pinned: bool = False, **disaggregation) -> tuple[list[int], object, dict]:
+    """Deploy another pd application on the same cluster (its own prefill class or transport),
+    send one greedy request long enough for the prefill pool, check its tokens against the
+    co-located engine, delete the app: (token ids, last message, decode replica's prefill counts)."""
+    from ray import serve
+
+    from deployments.app import bind_app
+
+    config = app_config(served.target, served.drafter, **disaggregation)
+    decode = {"ray_actor_options": {"num_cpus": 0, **({"resources": {"decode": 1}} if pinned else {})}}
+    prefill = {"ray_actor_options": {"num_cpus": 0, **({"resources": {"prefill": 1}} if pinned else {})}}
+    serve.run(bind_app(config, decode, prefill_overrides=prefill, prefill_cls=prefill_cls),
+              name=app, route_prefix=f"/{app}")
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
+    params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
+    try:
+        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
+            client.wait_ready(120)
+            ids, _, last = collect(client.generate(prompt, **params))
+        assert ids == reference(colocated, prompt, **params)
+        assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
+        counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
+        return ids, last, counts
+    finally:
+        serve.delete(app)
+
+
 def dying_prefill_class() -> type:
     """A prefill replica whose process exits right after sending the first message: the handoff
     never arrives (by value for Ray)."""
@@ -351,28 +361,8 @@ def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colo
     """The prefill replica dies after the client got the first token and before the decode side
     has the handoff: the decode replica prefills locally (after the tokens already sent), the
     client sees the co-located tokens and no error, and the fallback is counted."""
-    from ray import serve
-
-    from deployments.app import bind_app
-
-    app = "pd-dying"
-    config = app_config(served.target, served.drafter)
-    zero = {"ray_actor_options": {"num_cpus": 0}}
-    serve.run(bind_app(config, zero, prefill_overrides=zero, prefill_cls=dying_prefill_class()),
-              name=app, route_prefix=f"/{app}")
-    rng = random.Random(11)
-    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
-    params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
-    try:
-        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
-            client.wait_ready(120)
-            ids, _, last = collect(client.generate(prompt, **params))
-        assert ids == reference(colocated, prompt, **params)
-        assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
-        counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
-        assert counts.get("fallback", 0) == 1, counts
-    finally:
-        serve.delete(app)
+    _, _, counts = run_variant(served, colocated, "pd-dying", 11, prefill_cls=dying_prefill_class())
+    assert counts.get("fallback", 0) == 1, counts
 
 
 def mismatched_prefill_class() -> type:
@@ -395,25 +385,5 @@ def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated)
     """A handoff the decode engine cannot import (HandoffMismatchError) is not the client's
     problem: the decode replica prefills locally after the first token, the client gets the
     co-located tokens and no error, and the fallback (not a remote prefill) is counted."""
-    from ray import serve
-
-    from deployments.app import bind_app
-
-    app = "pd-mismatch"
-    config = app_config(served.target, served.drafter)
-    zero = {"ray_actor_options": {"num_cpus": 0}}
-    serve.run(bind_app(config, zero, prefill_overrides=zero, prefill_cls=mismatched_prefill_class()),
-              name=app, route_prefix=f"/{app}")
-    rng = random.Random(12)
-    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
-    params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
-    try:
-        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
-            client.wait_ready(120)
-            ids, _, last = collect(client.generate(prompt, **params))
-        assert ids == reference(colocated, prompt, **params)
-        assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
-        counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
-        assert counts.get("fallback", 0) == 1 and counts.get("remote", 0) == 0, counts
-    finally:
-        serve.delete(app)
+    _, _, counts = run_variant(served, colocated, "pd-mismatch", 12, prefill_cls=mismatched_prefill_class())
+    assert counts.get("fallback", 0) == 1 and counts.get("remote", 0) == 0, counts
