@@ -3,7 +3,7 @@
 // x: [M, K] float32 (a few rows: decode and verification steps), w: [N, K] float32 or bfloat16,
 // b: [N] float32 or empty; y: [M, N] float32.
 //
-// Each output y[m, n] is one dot product computed by one thread in one fixed order (`dots_f32`:
+// Each output y[m, n] is one dot product computed by one thread in one fixed order (`dots`:
 // two 8-lane accumulators over k in steps of 16, a fixed horizontal sum, then the scalar tail).
 // That order depends on K only, never on M, on the row's place in x, on the weight rows it is
 // blocked with, or on which thread runs it: a row gives bit-identical results whether it is
@@ -36,34 +36,6 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// The fixed order of every dot product over K: two 8-lane accumulators, a over k % 16 in [0, 8)
-// and b over [8, 16), in steps of 16; a remaining 8-wide step into a; then a + b, a fixed
-// horizontal sum, then the scalar tail in k order. `NB` weight rows share each load of x (more
-// independent FMA chains, fewer loads); each (x, w row) pair keeps exactly this order.
-template <int NB>
-inline void dots_f32(const float* x, const float* const* w, int64_t K, float* out) {
-  __m256 a[NB], b[NB];
-  for (int j = 0; j < NB; ++j) a[j] = b[j] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-    for (int j = 0; j < NB; ++j) {
-      a[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w[j] + k), a[j]);
-      b[j] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w[j] + k + 8), b[j]);
-    }
-  }
-  if (k + 8 <= K) {
-    const __m256 x0 = _mm256_loadu_ps(x + k);
-    for (int j = 0; j < NB; ++j) a[j] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w[j] + k), a[j]);
-    k += 8;
-  }
-  for (int j = 0; j < NB; ++j) {
-    float s = hsum(_mm256_add_ps(a[j], b[j]));
-    for (int64_t t = k; t < K; ++t) s += x[t] * w[j][t];
-    out[j] = s;
-  }
-}
-
 inline __m256 load_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
@@ -75,34 +47,44 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-// The same order with bfloat16 weight rows, widened in registers (exact).
-template <int NB>
-inline void dots_bf16(const float* x, const uint16_t* const* w, int64_t K, float* out) {
+// 8 weights as float32: float32 as they are, bfloat16 widened in registers (exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return load_bf16(p); }
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return bf16_to_f32(*p); }
+
+// The fixed order of every dot product over K: two 8-lane accumulators, a over k % 16 in [0, 8)
+// and b over [8, 16), in steps of 16; a remaining 8-wide step into a; then a + b, a fixed
+// horizontal sum, then the scalar tail in k order. `NB` weight rows (float32 or bfloat16) share
+// each load of x (more independent FMA chains, fewer loads); each (x, w row) pair keeps exactly
+// this order.
+template <int NB, typename W>
+inline void dots(const float* x, const W* const* w, int64_t K, float* out) {
   __m256 a[NB], b[NB];
   for (int j = 0; j < NB; ++j) a[j] = b[j] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
     for (int j = 0; j < NB; ++j) {
-      a[j] = _mm256_fmadd_ps(x0, load_bf16(w[j] + k), a[j]);
-      b[j] = _mm256_fmadd_ps(x1, load_bf16(w[j] + k + 8), b[j]);
+      a[j] = _mm256_fmadd_ps(x0, load8(w[j] + k), a[j]);
+      b[j] = _mm256_fmadd_ps(x1, load8(w[j] + k + 8), b[j]);
     }
   }
   if (k + 8 <= K) {
     const __m256 x0 = _mm256_loadu_ps(x + k);
-    for (int j = 0; j < NB; ++j) a[j] = _mm256_fmadd_ps(x0, load_bf16(w[j] + k), a[j]);
+    for (int j = 0; j < NB; ++j) a[j] = _mm256_fmadd_ps(x0, load8(w[j] + k), a[j]);
     k += 8;
   }
   for (int j = 0; j < NB; ++j) {
     float s = hsum(_mm256_add_ps(a[j], b[j]));
-    for (int64_t t = k; t < K; ++t) s += x[t] * bf16_to_f32(w[j][t]);
+    for (int64_t t = k; t < K; ++t) s += x[t] * load1(w[j] + t);
     out[j] = s;
   }
 }
 
 inline float dot_f32(const float* x, const float* w, int64_t K) {
   float s;
-  dots_f32<1>(x, &w, K, &s);
+  dots<1>(x, &w, K, &s);
   return s;
 }
 
@@ -146,19 +128,19 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor b) {
       if (nb == NB) {
         if (bf16) {
           const uint16_t* w[NB] = {wh + n0 * K, wh + (n0 + 1) * K, wh + (n0 + 2) * K, wh + (n0 + 3) * K};
-          dots_bf16<NB>(xm, w, K, out);
+          dots<NB>(xm, w, K, out);
         } else {
           const float* w[NB] = {wf + n0 * K, wf + (n0 + 1) * K, wf + (n0 + 2) * K, wf + (n0 + 3) * K};
-          dots_f32<NB>(xm, w, K, out);
+          dots<NB>(xm, w, K, out);
         }
       } else {
         for (int64_t j = 0; j < nb; ++j) {
           if (bf16) {
             const uint16_t* w = wh + (n0 + j) * K;
-            dots_bf16<1>(xm, &w, K, out + j);
+            dots<1>(xm, &w, K, out + j);
           } else {
             const float* w = wf + (n0 + j) * K;
-            dots_f32<1>(xm, &w, K, out + j);
+            dots<1>(xm, &w, K, out + j);
           }
         }
       }
