@@ -205,6 +205,8 @@ class ModelRunner:
         if exact == "auto":
             exact = "rows" if self.row_kernel else choose_exact_mode(self.model, device, dtype)
         self.exact = exact
+        if self.row_kernel and exact == "rows":
+            self.model.prepare_rows()  # packed weights for the fused decode path, made at load
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.keep_hidden_states = False

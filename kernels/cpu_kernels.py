@@ -1,4 +1,4 @@
-"""Row-invariant CPU kernels for decode and verification steps (kernels/cpu_gemv.cpp).
+"""Row-invariant CPU kernels for decode and verification steps (kernels/cpu_rows.cpp).
 
 `rows_linear(x, weight, bias)` and `rows_attention(...)` compute each row (query token) in one
 fixed order that depends on the shapes of one row only, so a token's result is bit-identical
@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+SOURCE = Path(__file__).with_name("cpu_rows.cpp")
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "torch_extensions"
 ENV_DISABLE = "SPECDECODE_CPU_KERNELS"  # "0": never build or use them
 
@@ -76,3 +76,42 @@ def rows_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """query [T, H, D] -> [T, H, D] in query's dtype: each token over the first ctx_lens[t]
     positions of its own block table row (block_tables [T, max_blocks] int64)."""
     return _module().rows_attention(query.float(), k_cache, v_cache, block_tables, ctx_lens, scale).to(query.dtype)
+
+
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 or bfloat16 -> a copy in the packed layout of `packed_linear` and
+    `rows_layer` (each block of 4 rows in the order the kernel reads it; [ceil(N / 4) * 4, K])."""
+    return _module().pack_rows(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """`rows_linear(x, weight, bias)` with `packed = pack_rows(weight)`, n = weight.shape[0]:
+    bit-identical results, read as one stream (faster); [M, n] in x's dtype."""
+    b = torch.empty(0) if bias is None else bias.float().contiguous()
+    return _module().packed_linear(x.float(), packed, n, b).to(x.dtype)
+
+
+def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+               weights: dict[str, torch.Tensor | None], k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slots: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor,
+               num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pre-norm decoder layer for a few tokens in one call (cpu_rows.cpp `rows_layer`): x,
+    residual [T, E] float32 (residual None for the first layer); cos/sin [T, head_dim] float32
+    rows of each token's position; `weights` holds w_qkv, w_o, w_gate_up, w_down (`pack_rows`
+    of the float32 or bfloat16 matrices; gate/up fused as [gate; up]) and in_norm (None: no
+    input norm), post_norm, q_norm, k_norm, b_qkv, b_o, b_gate_up, b_down (float32 or None).
+    Writes the tokens' K/V at `slots` (-1: skipped) and returns (mlp output, residual) [T, E]
+    float32."""
+    empty = torch.empty(0)
+
+    def opt(name: str) -> torch.Tensor:
+        t = weights.get(name)
+        return empty if t is None else t
+
+    return _module().rows_layer(
+        x, empty if residual is None else residual, cos, sin, opt("in_norm"), weights["post_norm"],
+        weights["w_qkv"], opt("b_qkv"), weights["w_o"], opt("b_o"), opt("q_norm"), opt("k_norm"),
+        weights["w_gate_up"], opt("b_gate_up"), weights["w_down"], opt("b_down"),
+        k_cache, v_cache, slots, block_tables, ctx_lens, num_heads, num_kv_heads, intermediate_size, eps, scale,
+    )

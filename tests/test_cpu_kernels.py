@@ -1,4 +1,4 @@
-"""The row-invariant CPU kernels (kernels/cpu_gemv.cpp) against torch references, and their
+"""The row-invariant CPU kernels (kernels/cpu_rows.cpp) against torch references, and their
 invariance: a row's result is bit-identical alone or next to others."""
 
 from __future__ import annotations
@@ -76,3 +76,177 @@ def test_rows_attention_matches_a_dense_reference_and_is_row_invariant(cdtype):
         assert torch.equal(alone, out[t : t + 1])
     with pytest.raises(RuntimeError, match="ctx_lens out of range"):
         cpu_kernels.rows_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([17]), scale)
+
+
+# --- packed weights ---------------------------------------------------------------------------
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(300, 512), (301, 77), (6, 5)])  # whole and partial 4-row blocks; K tails
+def test_packed_linear_is_bit_identical_to_rows_linear(wdtype, n, k):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(n, k, generator=g).to(wdtype)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(5, k, generator=g)
+    packed = cpu_kernels.pack_rows(w)
+    assert packed.shape == (-(-n // 4) * 4, k) and packed.dtype == wdtype
+    assert torch.equal(cpu_kernels.packed_linear(x, packed, n, b), cpu_kernels.rows_linear(x, w, b))
+    assert torch.equal(cpu_kernels.packed_linear(x, packed, n, None), cpu_kernels.rows_linear(x, w, None))
+    with pytest.raises(RuntimeError, match="packed weights of"):
+        cpu_kernels.packed_linear(x, packed, n + 4, None)
+
+
+# --- the fused decoder layer ------------------------------------------------------------------
+E, H, HKV, D, INTER, EPS = 64, 4, 2, 16, 96, 1e-5
+
+
+def random_layer(wdtype, qk_norm: bool, bias: bool, in_norm: bool, seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    q, kv = H * D, HKV * D
+    w = {
+        "in_norm": 1 + r(E) if in_norm else None, "post_norm": 1 + r(E),
+        "w_qkv": r(q + 2 * kv, E).to(wdtype), "b_qkv": r(q + 2 * kv) if bias else None,
+        "w_o": r(E, q).to(wdtype), "b_o": r(E) if bias else None,
+        "q_norm": 1 + r(D) if qk_norm else None, "k_norm": 1 + r(D) if qk_norm else None,
+        "w_gate_up": r(2 * INTER, E).to(wdtype), "b_gate_up": r(2 * INTER) if bias else None,
+        "w_down": r(E, INTER).to(wdtype), "b_down": r(E) if bias else None,
+    }
+    return w
+
+
+def packed(w: dict) -> dict:
+    return {k: cpu_kernels.pack_rows(v) if k.startswith("w_") else v for k, v in w.items()}
+
+
+def reference_layer(x, residual, cos, sin, w, k_cache, v_cache, slots, tables, lens, scale):
+    """The layer from its definition in float64 (weights as given); writes K/V into the caches
+    (rounded to their dtype, as the kernel stores them)."""
+    d = torch.float64
+
+    def rms(v, weight):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+
+    def lin(v, name):
+        out = v @ w["w_" + name].double().T
+        return out if w["b_" + name] is None else out + w["b_" + name].double()
+
+    def rope(v):  # [T, heads, D]
+        half = D // 2
+        rot = torch.cat([-v[..., half:], v[..., :half]], dim=-1)
+        return v * cos.double()[:, None] + rot * sin.double()[:, None]
+
+    t_ = x.shape[0]
+    res = x.double() if residual is None else residual.double() + x.double()
+    h = rms(res, w["in_norm"]) if w["in_norm"] is not None else res
+    qkv = lin(h, "qkv")
+    q = qkv[:, : H * D].view(t_, H, D)
+    k = qkv[:, H * D : (H + HKV) * D].view(t_, HKV, D)
+    v = qkv[:, (H + HKV) * D :].view(t_, HKV, D)
+    if w["q_norm"] is not None:
+        q, k = rms(q, w["q_norm"]), rms(k, w["k_norm"])
+    q, k = rope(q), rope(k)
+    for t in range(t_):
+        if slots[t] >= 0:
+            k_cache.view(-1, HKV, D)[slots[t]] = k[t].to(k_cache.dtype)
+            v_cache.view(-1, HKV, D)[slots[t]] = v[t].to(v_cache.dtype)
+    a = reference_attention(q.float(), k_cache, v_cache, tables, lens, scale).to(d)
+    res = res + lin(a.reshape(t_, H * D), "o")
+    gate, up = lin(rms(res, w["post_norm"]), "gate_up").chunk(2, dim=-1)
+    return lin(torch.nn.functional.silu(gate) * up, "down"), res
+
+
+def layer_inputs(cdtype, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    blocks, bs = 12, 4
+    k_cache = (torch.randn(blocks, bs, HKV, D, generator=g) * 0.5).to(cdtype)
+    v_cache = (torch.randn(blocks, bs, HKV, D, generator=g) * 0.5).to(cdtype)
+    # a verification of 3 tokens of one request (positions 9..11) and one decode token (position 6)
+    tables = torch.tensor([[5, 2, 7, 0], [5, 2, 7, 0], [5, 2, 7, 0], [9, 1, 0, 0]], dtype=torch.int64)
+    positions = torch.tensor([9, 10, 11, 6])
+    slots = torch.tensor([int(tables[t, p // bs]) * bs + int(p) % bs for t, p in enumerate(positions)])
+    lens = positions + 1
+    angles = positions[:, None].float() * torch.linspace(0.1, 1.0, D)[None]
+    x = torch.randn(4, E, generator=g)
+    residual = torch.randn(4, E, generator=g)
+    return x, residual, angles.cos(), angles.sin(), k_cache, v_cache, slots, tables, lens
+
+
+@pytest.mark.parametrize(("wdtype", "cdtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(("qk_norm", "bias", "in_norm"), [(False, False, True), (True, True, True), (False, True, False)])
+def test_rows_layer_matches_its_definition_and_is_row_invariant(wdtype, cdtype, qk_norm, bias, in_norm):
+    w = random_layer(wdtype, qk_norm, bias, in_norm)
+    wp = packed(w)
+    x, residual, cos, sin, k_cache, v_cache, slots, tables, lens = layer_inputs(cdtype)
+    scale = D**-0.5
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_out, ref_res = reference_layer(x, residual, cos, sin, w, ref_k, ref_v, slots, tables, lens, scale)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, res = cpu_kernels.rows_layer(x, residual, cos, sin, wp, kc, vc, slots, tables, lens, H, HKV, INTER, EPS, scale)
+    torch.testing.assert_close(res, ref_res.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, ref_out.float(), rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(kc.float(), ref_k.float(), rtol=1e-2 if cdtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    # One token per call, in position order (decode steps): the same bits, the same cache.
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    for t in range(4):
+        o1, r1 = cpu_kernels.rows_layer(x[t : t + 1].clone(), residual[t : t + 1].clone(), cos[t : t + 1].clone(),
+                                        sin[t : t + 1].clone(), wp, kc1, vc1, slots[t : t + 1].clone(),
+                                        tables[t : t + 1].clone(), lens[t : t + 1].clone(), H, HKV, INTER, EPS, scale)
+        assert torch.equal(o1, out[t : t + 1]) and torch.equal(r1, res[t : t + 1])
+    assert torch.equal(kc1, kc) and torch.equal(vc1, vc)
+
+
+def test_rows_layer_skips_slot_minus_one_and_refuses_bad_input():
+    w = packed(random_layer(torch.float32, False, False, True))
+    x, residual, cos, sin, k_cache, v_cache, slots, tables, lens = layer_inputs(torch.float32)
+    kc = k_cache.clone()
+    skip = slots.clone()
+    skip[3] = -1
+    cpu_kernels.rows_layer(x, None, cos, sin, w, kc, v_cache.clone(), skip, tables, lens, H, HKV, INTER, EPS, 0.25)
+    assert torch.equal(kc.view(-1, HKV, D)[slots[3]], k_cache.view(-1, HKV, D)[slots[3]])
+    assert not torch.equal(kc.view(-1, HKV, D)[slots[0]], k_cache.view(-1, HKV, D)[slots[0]])
+    with pytest.raises(RuntimeError, match="w_gate_up: packed weights of"):
+        cpu_kernels.rows_layer(x, None, cos, sin, w, kc, v_cache, slots, tables, lens, H, HKV, INTER + 4, EPS, 0.25)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_kernels.rows_layer(x, None, cos, sin, w, kc, v_cache, slots, tables + 100, lens, H, HKV, INTER, EPS, 0.25)
+    unpacked = random_layer(torch.float32, False, False, True)
+    with pytest.raises(RuntimeError, match="packed weights of"):
+        cpu_kernels.rows_layer(x, None, cos, sin, unpacked | {"w_qkv": unpacked["w_qkv"][:-1]}, kc, v_cache, slots,
+                               tables, lens, H, HKV, INTER, EPS, 0.25)
+
+
+# --- the fused path in the model, against the torch reference path -----------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_step_matches_the_torch_path(tmp_path, family, dtype):
+    """A verification step (4 tokens) and a decode step through the fused row path (exact
+    "rows") against the same steps through the torch path (exact "off": BLAS + SDPA), after the
+    same prefill: logits within tolerance (float32 close to rounding; bfloat16: the torch path
+    rounds activations to bfloat16 between ops, the fused path keeps them in float32), and the
+    greedy tokens equal."""
+    from helpers import save_tiny_model
+
+    from engine.model_runner import ModelRunner, SeqChunk
+
+    path = save_tiny_model(str(tmp_path / family), family)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    prompt, tokens = list(range(3, 40)), [41, 7, 19, 23]
+    logits = {}
+    for exact in ("rows", "off"):
+        r = ModelRunner(path, torch.device("cpu"), dt, 256, "torch", exact)
+        r.init_kv_cache(16, 16)
+        with torch.inference_mode():
+            r.forward([SeqChunk(prompt, 0, [0, 1, 2])])
+            chunks = [SeqChunk(tokens, len(prompt), [0, 1, 2])]
+            _, h = r.forward(chunks)
+            verify = r.logits(h, r.tile_rows(chunks))
+            chunks = [SeqChunk([tokens[0]], len(prompt), [0, 1, 2])]
+            _, h = r.forward(chunks)
+            decode = r.logits(h, r.tile_rows(chunks))
+        assert (r.tile_rows(chunks) == -1) == (exact == "rows")
+        logits[exact] = (verify, decode)
+    tol = {"float32": (1e-4, 1e-4), "bfloat16": (0.05, 0.05)}[dtype]
+    for fused, ref in zip(logits["rows"], logits["off"], strict=True):
+        torch.testing.assert_close(fused, ref, rtol=tol[0], atol=tol[1])
+        assert torch.equal(fused.argmax(-1), ref.argmax(-1))

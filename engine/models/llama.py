@@ -155,6 +155,41 @@ class DecoderLayer(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self._row_weights: dict | None = None
+
+    def row_weights(self) -> dict:
+        """The layer's tensors as `cpu_kernels.rows_layer` takes them: matrices packed
+        (`cpu_kernels.pack_rows`), norms and biases in float32 (copies made once, on first use
+        after loading; `forget_row_weights` drops them when the weights change). The packed
+        matrices are a second copy of the layer's weights in memory."""
+        if self._row_weights is None:
+            def f32(t):
+                return None if t is None else t.detach().float().contiguous()
+
+            self._row_weights = {
+                "in_norm": f32(self.input_layernorm) if self.input_norm else None,
+                "post_norm": f32(self.post_attention_layernorm),
+                "w_qkv": cpu_kernels.pack_rows(self.qkv_proj.weight), "b_qkv": f32(self.qkv_proj.bias),
+                "w_o": cpu_kernels.pack_rows(self.o_proj.weight), "b_o": f32(self.o_proj.bias),
+                "q_norm": f32(self.q_norm) if self.cfg.qk_norm else None,
+                "k_norm": f32(self.k_norm) if self.cfg.qk_norm else None,
+                "w_gate_up": cpu_kernels.pack_rows(self.gate_up_proj.weight),
+                "b_gate_up": f32(self.gate_up_proj.bias),
+                "w_down": cpu_kernels.pack_rows(self.down_proj.weight), "b_down": f32(self.down_proj.bias),
+            }
+        return self._row_weights
+
+    def forget_row_weights(self) -> None:
+        self._row_weights = None
+
+    def forward_rows(self, x, residual, cos, sin, k_cache, v_cache, attn_metadata):
+        """`forward` through the fused row-invariant CPU kernel (one call): x, residual float32
+        [T, hidden]; cos/sin float32 [T, head_dim]; metadata built with row_exact="kernel"."""
+        cfg = self.cfg
+        tables, lens = attn_metadata.extras["rows_kernel"]
+        return cpu_kernels.rows_layer(x, residual, cos, sin, self.row_weights(), k_cache, v_cache,
+                                      attn_metadata.slot_mapping, tables, lens, cfg.num_heads, cfg.num_kv_heads,
+                                      cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend, tile_rows: int = 0):
         # x, residual [num_tokens, hidden]; returns the same pair (pre-norm residual stream).
@@ -200,13 +235,22 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # for the fused row path
+        self._norm_f32: torch.Tensor | None = None
+        self._packed_lm_head: torch.Tensor | None = None
 
-    def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def set_rope(self, cos: torch.Tensor, sin: torch.Tensor, cos_f32: torch.Tensor | None = None,
+                 sin_f32: torch.Tensor | None = None) -> None:
+        """cos/sin tables [max_positions, head_dim] in the model's dtype, and in float32 for the
+        fused row path (`forward` with ROW_KERNEL; default: the given tables widened)."""
         self.rope_cos, self.rope_sin = cos, sin
+        self.rope_f32 = (cos.float() if cos_f32 is None else cos_f32, sin.float() if sin_f32 is None else sin_f32)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, backend, inputs_embeds=None, tile_rows: int = 0):
         # input_ids [num_tokens] -> hidden [num_tokens, hidden] after the final norm; tile_rows:
         # every matmul in tiles of that many rows (see `linear`)
+        if tile_rows == ROW_KERNEL and attn_metadata.extras.get("rows_kernel") is not None:
+            return self._forward_rows(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos = self.rope_cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.rope_sin[positions].unsqueeze(1)
@@ -215,8 +259,40 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend, tile_rows)
         return F.rms_norm(residual + x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
 
+    def _forward_rows(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
+        """`forward` for a step of a few tokens through `cpu_kernels.rows_layer`: activations in
+        float32 from the embedding to the final norm (one call per layer), every token computed
+        as it would be alone; returns the hidden rows in the model's dtype."""
+        cfg = self.cfg
+        x = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).float()
+        cos, sin = self.rope_f32[0][positions], self.rope_f32[1][positions]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer.forward_rows(x, residual, cos, sin, k_cache, v_cache, attn_metadata)
+        if self._norm_f32 is None:
+            self._norm_f32 = self.norm.detach().float()
+        hidden = F.rms_norm(residual + x, (cfg.hidden_size,), self._norm_f32, cfg.rms_norm_eps)
+        return hidden.to(self.norm.dtype)
+
+    def prepare_rows(self) -> None:
+        """Make the fused row path's packed weights now (at load) rather than in the first step."""
+        for layer in self.layers:
+            layer.row_weights()
+        if self._packed_lm_head is None:
+            self._packed_lm_head = cpu_kernels.pack_rows(self.lm_head.weight)
+
+    def forget_row_weights(self) -> None:
+        """Drop the copies the fused row path made (after the weights change)."""
+        self._norm_f32 = self._packed_lm_head = None
+        for layer in self.layers:
+            layer.forget_row_weights()
+
     def compute_logits(self, hidden: torch.Tensor, tile_rows: int = 0) -> torch.Tensor:
         # hidden [n, hidden] -> logits [n, vocab] in float32
+        if tile_rows == ROW_KERNEL:
+            if self._packed_lm_head is None:
+                self._packed_lm_head = cpu_kernels.pack_rows(self.lm_head.weight)
+            return cpu_kernels.packed_linear(hidden.float(), self._packed_lm_head, self.cfg.vocab_size, None)
         return linear(self.lm_head, hidden, tile_rows).float()
 
     # --- weight loading (Hugging Face names) ------------------------------------------------
@@ -224,6 +300,7 @@ class CausalLM(nn.Module):
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Missing or unknown names raise."""
         cfg = self.cfg
         used: set[str] = set()
+        self.forget_row_weights()
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:

@@ -52,6 +52,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(weights)
-    model.set_rope(*rope_cos_sin(hf_config, max_positions, dtype, device))
+    model.set_rope(*rope_cos_sin(hf_config, max_positions, dtype, device),
+                   *rope_cos_sin(hf_config, max_positions, torch.float32, device))
     model.eval().requires_grad_(False)
     return model, hf_config
