@@ -1,11 +1,13 @@
 """The engine replica: one `engine.AsyncLLM` (target + drafter on one device) as a Ray Serve
-deployment, called by the gRPC ingress (`deployments/ingress.py`) through a deployment handle.
+deployment, called by the ingress (`deployments/ingress.py`: gRPC and OpenAI-style HTTP) through a
+deployment handle.
 
-A thin shell: it translates a `GenerateRequest` into token ids and `SamplingParams` (text is
-tokenized in a worker thread, after a length check that needs no tokenizer), streams the engine's
-outputs back as `GenerateResponse`s, and reports refusals as a yielded `ClientError` instead of
-raising (an exception raised here is logged by Serve with a traceback, and a refusal is not a
-fault). Each engine request gets a fresh id of the server's own; the client's `request_id` is a
+A thin shell: it translates a `GenerateRequest` (from gRPC, or built from an HTTP request by
+`deployments/openai_api.py`; chat messages rendered by the tokenizer's chat template) into token
+ids and `SamplingParams` (text is tokenized in a worker thread, after a length check that needs no
+tokenizer), streams the engine's outputs back as `GenerateResponse`s, and reports refusals as a
+yielded `ClientError` instead of raising (an exception raised here is logged by Serve with a
+traceback, and a refusal is not a fault). Each engine request gets a fresh id of the server's own; the client's `request_id` is a
 label for the response, logs and traces, so reusing one can never touch another request.
 Cancelling the stream (client cancel, deadline) cancels the generator, which aborts the engine
 request and frees its KV blocks. `build_app(args)` is the import path Serve config files name.
@@ -54,6 +56,7 @@ MAX_SPECULATIVE_TOKENS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_TEMPLATE_ERROR_CHARS = 200
 INGRESS_MAX_ONGOING_REQUESTS = 100_000
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
@@ -92,10 +95,12 @@ class Accepted:
 
 
 class TraceMetadata:
-    """The caller's W3C trace headers, shaped like the gRPC context `parent_context` reads."""
+    """The caller's W3C trace headers, shaped like the gRPC context `parent_context` reads, and
+    the method or HTTP route the request came in by (a span attribute)."""
 
-    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+    def __init__(self, pairs: list[tuple[str, str]], route: str = "Generate") -> None:
         self.pairs = pairs
+        self.route = route
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return self.pairs
@@ -140,20 +145,23 @@ class SpecDecodeServer:
 
     # --- called by the ingress ----------------------------------------------------------------
     async def generate(
-        self, request: pb.GenerateRequest, label: str, trace_metadata: list[tuple[str, str]] | None = None
+        self, request: pb.GenerateRequest, label: str, trace_metadata: list[tuple[str, str]] | None = None,
+        messages: list[dict[str, str]] | None = None, route: str = "Generate",
     ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse]:
         """`Accepted`, then the response messages; or one `ClientError` (and nothing else) when the
         request is refused or the engine fails it. `label` is the client's id for the request.
+        `messages` (chat, HTTP only) replaces the request's prompt: the tokenizer's chat template
+        renders them. `route` is the gRPC method or HTTP route it came by (for its trace).
         In disaggregated mode (a decode replica: `self.prefill_pool` set) a long prompt is
         prefilled by the prefill pool, whose first message is relayed, and continued here from
         its handoff."""
         try:
-            prompt, params = await self.translate(request)
+            prompt, params = await self.translate(request, messages)
         except ClientError as e:  # logged once, by the ingress
             yield e
             return
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
-        trace = TraceMetadata(trace_metadata or [])
+        trace = TraceMetadata(trace_metadata or [], route)
         yield Accepted(self.replica_id)
         remote = self.prefill_pool is not None and await self.should_prefill_remotely(prompt)
         if not remote:
@@ -164,9 +172,9 @@ class SpecDecodeServer:
             return
         span = None
         if self.tracing is not None:  # one span over prefill pool, handoff and decode
-            attributes = grpc_span_attributes("Generate", self.replica_id, params, speculating, label)
+            attributes = grpc_span_attributes(trace.route, self.replica_id, params, speculating, label)
             span = self.tracing.start_disaggregated(self.tracing.parent_context(trace), attributes)
-            trace = TraceMetadata(self.tracing.metadata(span))
+            trace = TraceMetadata(self.tracing.metadata(span), trace.route)
         try:
             async for item in self._disaggregated(prompt, params, label, trace, speculating, span):
                 yield item
@@ -258,7 +266,7 @@ class SpecDecodeServer:
                                        with_drafter_state=self.config.disaggregation.with_drafter_state)
             handoff = None  # the engine copies it into its own blocks; do not hold it for the whole stream
             if self.tracing is not None:
-                attributes = grpc_span_attributes("Generate", self.replica_id, params, speculating, label)
+                attributes = grpc_span_attributes(trace.route, self.replica_id, params, speculating, label)
                 if role is not None:
                     attributes[t.ATTR_ROLE] = role
                 parent = self.tracing.parent_context(trace)
@@ -419,21 +427,28 @@ class SpecDecodeServer:
             llm.shutdown()
 
     # --- translation ------------------------------------------------------------------------
-    async def translate(self, request: pb.GenerateRequest) -> tuple[list[int], Any]:
-        """Prompt token ids and SamplingParams for a request; ClientError if it is bad. Every
-        field is checked before the prompt is tokenized, and the prompt's length before that."""
+    async def translate(
+        self, request: pb.GenerateRequest, messages: list[dict[str, str]] | None = None
+    ) -> tuple[list[int], Any]:
+        """Prompt token ids and SamplingParams for a request (its prompt, or chat `messages`);
+        ClientError if it is bad. Every field is checked before the prompt is tokenized, and the
+        prompt's length before that."""
         from engine import InvalidRequestError, SamplingParams
 
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         kind = request.WhichOneof("input")
-        if kind is None:
+        if kind is None and messages is None:
             raise ClientError(invalid, "prompt: set `prompt` (text) or `prompt_token_ids`")
+        if kind is not None and messages is not None:
+            raise ClientError(invalid, "messages: a chat request has no prompt of its own")
         kwargs = self.sampling_kwargs(request)
         try:
             params = SamplingParams(**kwargs)
         except InvalidRequestError as e:
             raise ClientError(invalid, str(e)) from None
-        if kind == "prompt":
+        if messages is not None:
+            ids = await self.encode_chat(messages)
+        elif kind == "prompt":
             if not request.prompt:
                 raise ClientError(invalid, "prompt: is empty; give at least one character")
             try:
@@ -458,6 +473,38 @@ class SpecDecodeServer:
                 invalid, f"prompt: has {len(ids)} tokens; this deployment accepts at most {self.max_prompt_tokens}"
             )
         return ids, params
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat `messages` ({"role", "content"} each) rendered by the tokenizer's chat
+        template with the assistant's turn opened, in a worker thread; ClientError when the model
+        has no chat template, the text cannot fit, or the template refuses the messages."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ClientError(invalid, f"messages: the model {self.config.model!r} has no chat template; send a "
+                                       "prompt to /v1/completions instead")
+        if not messages:
+            raise ClientError(invalid, "messages: is empty; give at least one message")
+        num_chars = sum(len(m["content"]) for m in messages)
+        limit = self.llm.max_prompt_chars(self.max_prompt_tokens)
+        if num_chars > limit:
+            raise ClientError(invalid, f"messages: have {num_chars} characters; at most {self.max_prompt_tokens} "
+                                       f"tokens are accepted, which no text over {limit} characters fits in")
+
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tokenizer.encode(text, add_special_tokens=False))  # the template has the specials
+
+        from jinja2.exceptions import TemplateError
+
+        try:
+            ids = await asyncio.to_thread(render)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:  # e.g. the template's raise_exception
+            raise ClientError(invalid, f"messages: the model's chat template refused them: "
+                                       f"{str(e)[:MAX_TEMPLATE_ERROR_CHARS]}") from None
+        if not ids:
+            raise ClientError(invalid, "messages: the chat template rendered them as no tokens")
+        return ids
 
     def sampling_kwargs(self, request: pb.GenerateRequest) -> dict[str, Any]:
         """SamplingParams keyword arguments from the request's fields, each range-checked here (the

@@ -1,5 +1,7 @@
-"""The gRPC ingress: the `specdecode.v1.SpecDecode` methods Serve's proxy calls, in front of the
-engine replicas (`deployments/app.py`), which it calls through a deployment handle.
+"""The ingress: the `specdecode.v1.SpecDecode` methods Serve's gRPC proxy calls and the OpenAI-style
+HTTP API Serve's HTTP proxy calls (`deployments/openai_api.py`), in front of the engine replicas
+(`deployments/app.py`), which it calls through a deployment handle. Both protocols go through
+`generate` and `model_info`: one path for validation, limits, retries, statuses and cancels.
 
 Why a deployment of its own: Serve's proxy turns a replica that dies mid-stream into INTERNAL with
 Ray's internals in the details, and waits without bound while no replica exists; neither can be
@@ -22,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from ray import serve
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.grpc_util import RayServegRPCContext
@@ -42,13 +45,22 @@ REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostErro
                 DeploymentUnavailableError)
 
 
+@serve.ingress()  # the HTTP app comes from __serve_build_asgi_app__, built after __init__
 class SpecDecodeIngress:
     def __init__(self, engine, config: AppConfig) -> None:
         install_log_filter()
         self.engine = engine
         self.stream = engine.options(stream=True)
         self.wait_s = config.replica_wait_timeout_s
+        self.config = config
 
+    def __serve_build_asgi_app__(self):  # noqa: N807 - Serve's hook name
+        """The OpenAI-compatible HTTP API (Serve's HTTP proxy), over `generate` and `model_info`."""
+        from deployments.openai_api import build_http_app
+
+        return build_http_app(self)
+
+    # --- gRPC methods (Serve's gRPC proxy) ------------------------------------------------------
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest | MalformedRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -57,24 +69,62 @@ class SpecDecodeIngress:
                 raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
             label = request.request_id or grpc_context.request_id() or uuid.uuid4().hex
             trace = [(k, v) for k, v in grpc_context.invocation_metadata() if k in TRACE_KEYS]
-            num_sent = 0
-            for attempt in range(1, MAX_ATTEMPTS + 1):
-                response = self.stream.generate.remote(request, label, trace)
-                try:
-                    async for message in self._relay(response):
-                        num_sent += 1
-                        yield message
-                    return
-                except REPLICA_LOST as e:
-                    if num_sent or attempt == MAX_ATTEMPTS:
-                        raise _replica_lost(label, num_sent, attempt, e) from None
-                    logger.warning("request %r: replica lost before its first message (%s); retrying "
-                                   "on another replica (attempt %d of %d)", label, type(e).__name__,
-                                   attempt + 1, MAX_ATTEMPTS)
-                    await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+            async for message in self.generate(request, label, trace):
+                yield message
         except ClientError as e:
             _set_status(grpc_context, e)
             raise
+
+    async def GetModelInfo(  # noqa: N802 - gRPC method name
+        self, request: pb.GetModelInfoRequest | MalformedRequest, grpc_context: RayServegRPCContext
+    ) -> pb.ModelInfo:
+        try:
+            if isinstance(request, MalformedRequest):
+                raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+            return await self.model_info()
+        except ClientError as e:
+            _set_status(grpc_context, e)
+            raise
+
+    # --- the one path under both protocols --------------------------------------------------------
+    async def generate(
+        self, request: pb.GenerateRequest, label: str, trace: list[tuple[str, str]],
+        messages: list[dict[str, str]] | None = None, route: str = "Generate",
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The response messages of one request from an engine replica (chat `messages` replace
+        the prompt; `route` names the gRPC method or HTTP route for its trace); a refusal or
+        failure raises `ClientError`. A replica lost before the first message is retried."""
+        num_sent = 0
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            response = self.stream.generate.remote(request, label, trace, messages, route)
+            try:
+                async for message in self._relay(response):
+                    num_sent += 1
+                    yield message
+                return
+            except REPLICA_LOST as e:
+                if num_sent or attempt == MAX_ATTEMPTS:
+                    raise _replica_lost(label, num_sent, attempt, e) from None
+                logger.warning("request %r: replica lost before its first message (%s); retrying "
+                               "on another replica (attempt %d of %d)", label, type(e).__name__,
+                               attempt + 1, MAX_ATTEMPTS)
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+
+    async def model_info(self, wait_s: float | None = None) -> pb.ModelInfo:
+        """An engine replica's ModelInfo (retried on another replica when one is lost);
+        ClientError(UNAVAILABLE) when none answers within `wait_s` (default: the wait bound)."""
+        wait_s = self.wait_s if wait_s is None else wait_s
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                return await asyncio.wait_for(self.engine.model_info.remote(), wait_s)
+            except TimeoutError:
+                raise ClientError(grpc.StatusCode.UNAVAILABLE,
+                                  f"no engine replica answered within {wait_s:g} s; retry later") from None
+            except REPLICA_LOST as e:
+                if attempt == MAX_ATTEMPTS:
+                    raise _replica_lost("GetModelInfo", 0, attempt, e) from None
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+        raise AssertionError("unreachable")
 
     async def _relay(self, response) -> AsyncIterator[pb.GenerateResponse]:
         """The engine replica's messages: the first item (Accepted or a refusal) within the wait
@@ -104,27 +154,6 @@ class SpecDecodeIngress:
         finally:
             if not finished:
                 response.cancel()
-
-    async def GetModelInfo(  # noqa: N802 - gRPC method name
-        self, request: pb.GetModelInfoRequest | MalformedRequest, grpc_context: RayServegRPCContext
-    ) -> pb.ModelInfo:
-        try:
-            if isinstance(request, MalformedRequest):
-                raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
-            for attempt in range(1, MAX_ATTEMPTS + 1):
-                try:
-                    return await asyncio.wait_for(self.engine.model_info.remote(), self.wait_s)
-                except TimeoutError:
-                    raise ClientError(grpc.StatusCode.UNAVAILABLE,
-                                      f"no engine replica answered within {self.wait_s:g} s; retry later") from None
-                except REPLICA_LOST as e:
-                    if attempt == MAX_ATTEMPTS:
-                        raise _replica_lost("GetModelInfo", 0, attempt, e) from None
-                    await asyncio.sleep(RETRY_BACKOFF_S * attempt)
-            raise AssertionError("unreachable")
-        except ClientError as e:
-            _set_status(grpc_context, e)
-            raise
 
 
 def _replica_lost(label: str, num_sent: int, attempts: int, e: BaseException) -> ClientError:

@@ -1,4 +1,5 @@
-"""OpenTelemetry tracing of requests, from the gRPC call through Serve into the engine's steps.
+"""OpenTelemetry tracing of requests, from the gRPC call or HTTP request through Serve into the
+engine's steps.
 
 Off unless configured (the app's `tracing:` args or OTEL_TRACES_EXPORTER): `setup_tracing` then
 returns None, so no step listener is registered and no span is made. On, each request gets a
@@ -545,14 +546,18 @@ def _final_attributes(out: Any) -> dict:
 
 
 def grpc_span_attributes(method: str, replica_id: str, params: Any, speculating: bool, client_request_id: str = "") -> dict:
-    """Attributes of a request span opened by a gRPC method (OpenTelemetry RPC and GenAI names).
-    The span's `specdecode.request_id` is the engine's id; the client's own id is a label."""
-    attrs = {
-        "rpc.system": "grpc", "rpc.service": RPC_SERVICE, "rpc.method": method,
+    """Attributes of a request span opened by a gRPC method, or by an HTTP route (`method` starting
+    with "/", e.g. "/v1/completions"): OpenTelemetry RPC or HTTP, and GenAI names. The span's
+    `specdecode.request_id` is the engine's id; the client's own id is a label."""
+    if method.startswith("/"):
+        attrs: dict[str, Any] = {"http.request.method": "POST", "http.route": method}
+    else:
+        attrs = {"rpc.system": "grpc", "rpc.service": RPC_SERVICE, "rpc.method": method}
+    attrs.update({
         ATTR_SPECULATIVE: bool(speculating),
         "gen_ai.request.max_tokens": params.max_tokens,
         "gen_ai.request.temperature": params.temperature,
-    }
+    })
     if replica_id:
         attrs["specdecode.replica_id"] = replica_id
     if client_request_id:

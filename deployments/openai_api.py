@@ -1,0 +1,464 @@
+"""The OpenAI-compatible HTTP API, served by the ingress through Serve's HTTP proxy (port 8000):
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`.
+
+This module only translates. A request becomes a `specdecode.v1.GenerateRequest` (a chat request:
+plus its messages, which the engine replica renders with the tokenizer's chat template) and goes
+through `SpecDecodeIngress.generate`, the path every gRPC request takes: the replica's validation
+and limits, the ingress's retries and bounded wait, cancellation, tracing and metrics are the
+same. Out come JSON or server-sent events (`data: {...}` chunks, then `data: [DONE]`), and
+`ClientError` statuses as OpenAI-style error bodies (`{"error": {"message", "type", "param",
+"code"}}`; 400, 404, 429, 503, 504; internal details never reach the client).
+
+What we accept beyond the OpenAI fields sits under one field, `specdecode` (`SpecDecodeOptions`:
+speculation on/off/default, a k cap, top_k, ignore_eos, stop_token_ids, request_id,
+return_token_ids); what we return beyond them sits under `specdecode` in the response or in the
+stream's finishing chunk (speculation stats and server-side timing). Fields that change what is
+generated and that we do not implement (n > 1, logprobs, penalties, logit_bias, tools, echo,
+suffix, JSON response formats) are refused with a 400 naming them; unknown fields are ignored, as
+OpenAI's newer fields are by other servers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.errors import ClientError
+from protos.specdecode.v1 import specdecode_pb2 as pb
+
+logger = logging.getLogger("ray.serve")
+
+COMPLETIONS_ROUTE = "/v1/completions"
+CHAT_ROUTE = "/v1/chat/completions"
+TRACE_HEADERS = ("traceparent", "tracestate")
+HEALTH_TIMEOUT_S = 5.0
+INT32_MAX = 2**31 - 1
+# gRPC status of a ClientError -> HTTP status and OpenAI error type.
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "CANCELLED": 499,
+}
+ERROR_TYPES = {
+    400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 499: "cancelled",
+    500: "internal_error", 503: "service_unavailable", 504: "timeout",
+}
+INTERNAL_MESSAGE = "the server failed this request; retry it"  # the details stay in the ingress's log
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+SPECULATION = {"default": pb.SPECULATION_MODE_DEFAULT, "on": pb.SPECULATION_MODE_ON, "off": pb.SPECULATION_MODE_OFF}
+
+
+# --- requests -----------------------------------------------------------------------------------
+class SpecDecodeOptions(BaseModel):
+    """Our extensions, in the request's `specdecode` field (the openai client: `extra_body=
+    {"specdecode": {...}}`). Unknown keys here are refused: a typo must not pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+    speculation: Literal["default", "on", "off"] = "default"  # on: 400 if the deployment has no drafter
+    max_speculative_tokens: int | None = None  # cap on k for this request, in [0, 64]; 0 = no speculation
+    top_k: int | None = None  # 0 = off
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    request_id: str = ""  # a label for logs and traces (default: the X-Request-Id header, else random)
+    return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    specdecode: SpecDecodeOptions = Field(default_factory=SpecDecodeOptions)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class ApiError(Exception):
+    """A request refused before it reaches an engine replica, with its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param, "INVALID_ARGUMENT")
+
+
+def check_model(model: str, served: str) -> None:
+    if model != served:
+        raise ApiError(404, f"model: {model!r} is not served here; this deployment serves {served!r} "
+                            "(GET /v1/models)", "model", "model_not_found")
+
+
+def check_supported(req: _GenerationRequest) -> None:
+    """Refuse, naming the field, what would change the output and that we do not implement."""
+    if req.n != 1:
+        raise _invalid("n", f"only n=1 is supported, got {req.n}; send {req.n} requests instead")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise _invalid(name, f"penalties are not supported (got {getattr(req, name)}); leave it unset or 0")
+    if req.logit_bias:
+        raise _invalid("logit_bias", "is not supported; leave it unset")
+    if req.stream_options is not None and not req.stream:
+        raise _invalid("stream_options", "only with stream: true")
+    if isinstance(req, CompletionRequest):
+        if req.best_of not in (None, 1):
+            raise _invalid("best_of", f"only 1 is supported, got {req.best_of}")
+        if req.echo:
+            raise _invalid("echo", "is not supported; the prompt is not repeated in the output")
+        if req.suffix:
+            raise _invalid("suffix", "is not supported (no fill-in-the-middle)")
+        if req.logprobs is not None:
+            raise _invalid("logprobs", "is not supported: the engine does not return log probabilities")
+    else:
+        if req.logprobs or req.top_logprobs is not None:
+            raise _invalid("logprobs", "is not supported: the engine does not return log probabilities")
+        if req.tools or req.tool_choice not in (None, "none"):
+            raise _invalid("tools", "tool calls are not supported")
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise _invalid("response_format", f"only {{\"type\": \"text\"}} is supported, got {req.response_format}")
+        if (req.max_tokens is not None and req.max_completion_tokens is not None
+                and req.max_tokens != req.max_completion_tokens):
+            raise _invalid("max_completion_tokens", f"{req.max_completion_tokens} differs from max_tokens "
+                                                    f"{req.max_tokens}; set one of them")
+
+
+def _in_range(param: str, value: int | None, lo: int, hi: int) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise _invalid(param, f"must be in [{lo}, {hi}], got {value}")
+
+
+def generate_request(req: _GenerationRequest, prompt: str | list[int] | None) -> pb.GenerateRequest:
+    """The GenerateRequest a gRPC client would send for `req` (prompt None: a chat request). Only
+    the ranges of the proto's integer types are checked here; every other check is the replica's."""
+    ext = req.specdecode
+    max_tokens = req.max_completion_tokens if isinstance(req, ChatCompletionRequest) else None
+    max_tokens = max_tokens if max_tokens is not None else req.max_tokens
+    _in_range("max_tokens", max_tokens, 1, INT32_MAX)
+    _in_range("seed", req.seed, 0, 2**63 - 1)
+    _in_range("specdecode.top_k", ext.top_k, 0, INT32_MAX)
+    _in_range("specdecode.max_speculative_tokens", ext.max_speculative_tokens, 0, 2**32 - 1)
+    for t in ext.stop_token_ids:
+        _in_range("specdecode.stop_token_ids", t, 0, INT32_MAX)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    out = pb.GenerateRequest(stop=stop, stop_token_ids=ext.stop_token_ids, ignore_eos=ext.ignore_eos,
+                             speculation=SPECULATION[ext.speculation], request_id=ext.request_id)
+    if isinstance(prompt, str):
+        out.prompt = prompt
+    elif prompt is not None:
+        for t in prompt:
+            _in_range("prompt", t, 0, INT32_MAX)
+        out.prompt_token_ids.CopyFrom(pb.TokenIds(ids=prompt))
+    optional = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                "top_k": ext.top_k, "seed": req.seed, "max_speculative_tokens": ext.max_speculative_tokens}
+    for name, value in optional.items():
+        if value is not None:
+            setattr(out, name, value)
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: text or token ids (a batch of one is unwrapped)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise _invalid("prompt", f"one prompt per request, got a batch of {len(prompt)}; send them "
+                                     "as separate requests")
+        prompt = prompt[0]
+    return prompt
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the chat template takes them: {"role", "content"} with text content."""
+    out = []
+    for i, message in enumerate(req.messages):
+        content = message.content
+        if isinstance(content, list):
+            kinds = sorted({part.type for part in content if part.type != "text"})
+            if kinds:
+                raise _invalid(f"messages[{i}].content", f"only text parts are supported, got {', '.join(kinds)}")
+            content = "".join(part.text or "" for part in content)
+        out.append({"role": message.role, "content": content or ""})
+    return out
+
+
+# --- responses ------------------------------------------------------------------------------------
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def api_error(e: ClientError, label: str) -> ApiError:
+    """The HTTP form of a ClientError, logged once (one line, as the gRPC path's). Statuses that
+    are our faults (INTERNAL, ...) get a plain message; their details stay in this log."""
+    status = HTTP_STATUS.get(e.code_name)
+    if status is None:
+        logger.error("request %r failed: %s", label, e)
+        return ApiError(500, INTERNAL_MESSAGE, None, e.code_name)
+    if status == 499:
+        logger.info("request %r cancelled by the client", label)
+    else:
+        logger.warning("request %r refused: %s", label, e)
+    head = e.details.split(":", 1)[0]
+    param = head if status == 400 and head.replace("_", "").replace(".", "").isalnum() else None
+    return ApiError(status, e.details, param, e.code_name)
+
+
+def _usage(last: pb.GenerateResponse) -> dict:
+    u = last.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+def _stats(last: pb.GenerateResponse) -> dict:
+    s = last.speculation
+    return {
+        "speculation": {
+            "enabled": s.enabled, "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens, "num_verify_steps": s.num_verify_steps,
+            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
+            "draft_time_s": s.draft_time_s, "verify_time_s": s.verify_time_s,
+        },
+        "timing": {"ttft_s": last.timing.ttft_s, "e2e_s": last.timing.e2e_s},
+    }
+
+
+class ResponseBuilder:
+    """OpenAI objects from a stream of GenerateResponse messages: chunks one message at a time,
+    or one whole response. The last message (it carries usage) finishes the choice."""
+
+    def __init__(self, chat: bool, model: str, label: str, return_token_ids: bool) -> None:
+        self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{label}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.sent_role = False
+
+    @staticmethod
+    def is_last(message: pb.GenerateResponse) -> bool:
+        return message.HasField("usage")
+
+    def _head(self, chunk: bool) -> dict:
+        kind = f"{self.object}.chunk" if chunk and self.chat else self.object
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def chunk(self, message: pb.GenerateResponse) -> dict:
+        last = self.is_last(message)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {"content": message.text}
+            if not self.sent_role:
+                delta = {"role": "assistant", **delta}
+                self.sent_role = True
+            choice["delta"] = delta
+        else:
+            choice["text"] = message.text
+        if self.return_token_ids:
+            choice["token_ids"] = list(message.token_ids)
+        choice["logprobs"] = None
+        choice["finish_reason"] = FINISH_REASONS.get(message.finish_reason, "stop") if last else None
+        out = {**self._head(True), "choices": [choice]}
+        if last:
+            out["specdecode"] = _stats(message)
+        return out
+
+    def usage_chunk(self, last: pb.GenerateResponse) -> dict:
+        return {**self._head(True), "choices": [], "usage": _usage(last), "specdecode": _stats(last)}
+
+    def whole(self, messages: list[pb.GenerateResponse]) -> dict:
+        last = messages[-1]
+        text = "".join(m.text for m in messages)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.return_token_ids:
+            choice["token_ids"] = [t for m in messages for t in m.token_ids]
+        choice["logprobs"] = None
+        choice["finish_reason"] = FINISH_REASONS.get(last.finish_reason, "stop")
+        return {**self._head(False), "choices": [choice], "usage": _usage(last), "specdecode": _stats(last)}
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+# --- the app --------------------------------------------------------------------------------------
+def build_http_app(ingress: Any) -> FastAPI:
+    """The FastAPI app of `ingress` (a SpecDecodeIngress: `generate`, `model_info`, `config`)."""
+    served_model = ingress.config.model
+    created = int(time.time())
+    app = FastAPI(title="specdecode: OpenAI-compatible API", docs_url="/docs", redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        problems, params = [], []
+        for err in e.errors()[:3]:
+            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+            param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".") or "body"
+            problems.append(f"{param}: {err.get('msg', 'invalid')}")
+            params.append(param)
+        return error_response(400, "; ".join(problems), params[0] if params else None, "INVALID_ARGUMENT")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+
+    @app.post(COMPLETIONS_ROUTE)
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model, served_model)
+        check_supported(body)
+        return await _respond(ingress, request, body, generate_request(body, completion_prompt(body)), None,
+                              COMPLETIONS_ROUTE)
+
+    @app.post(CHAT_ROUTE)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model, served_model)
+        check_supported(body)
+        messages = chat_messages(body)
+        return await _respond(ingress, request, body, generate_request(body, None), messages, CHAT_ROUTE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        """The served model, with an engine replica's limits (503 when none answers)."""
+        try:
+            info = await ingress.model_info()
+        except ClientError as e:
+            raise api_error(e, "models") from None
+        limits = info.limits
+        return {"object": "list", "data": [{
+            "id": served_model, "object": "model", "created": created, "owned_by": "specdecode",
+            "max_model_len": limits.max_model_len,
+            "specdecode": {
+                "drafter_method": info.drafter_method or None, "num_speculative_tokens": info.num_speculative_tokens,
+                "has_tokenizer": info.has_tokenizer, "vocab_size": limits.vocab_size,
+                "max_prompt_tokens": limits.max_prompt_tokens, "max_tokens": limits.max_tokens,
+                "default_max_tokens": limits.default_max_tokens,
+            },
+        }]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        """200 when an engine replica answers within HEALTH_TIMEOUT_S, else 503."""
+        try:
+            info = await ingress.model_info(HEALTH_TIMEOUT_S)
+        except ClientError as e:
+            raise api_error(e, "health") from None
+        return {"status": "ok", "model": info.model, "replica_id": info.replica_id}
+
+    return app
+
+
+async def _respond(ingress: Any, request: Request, body: _GenerationRequest, generate: pb.GenerateRequest,
+                   messages: list[dict[str, str]] | None, route: str):
+    """Run the request through the ingress: one JSON response, or a stream of SSE chunks that
+    starts once the first message arrived (so a refusal is still an HTTP status)."""
+    label = body.specdecode.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    trace = [(k, request.headers[k]) for k in TRACE_HEADERS if k in request.headers]
+    builder = ResponseBuilder(messages is not None, body.model, label, body.specdecode.return_token_ids)
+    stream = ingress.generate(generate, label, trace, messages, route)
+    if not body.stream:
+        async with aclosing(stream):
+            try:
+                collected = [m async for m in stream]
+            except ClientError as e:
+                raise api_error(e, label) from None
+        if not collected or not builder.is_last(collected[-1]):
+            logger.error("request %r: the stream ended without its last message", label)
+            raise ApiError(500, INTERNAL_MESSAGE)
+        return builder.whole(collected)
+    try:
+        first = await anext(stream)
+    except ClientError as e:
+        await stream.aclose()
+        raise api_error(e, label) from None
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamingResponse(_events(stream, first, builder, include_usage, label), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(stream: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, builder: ResponseBuilder,
+                  include_usage: bool, label: str) -> AsyncIterator[str]:
+    """SSE chunks; a failure after the first chunk is an `error` event (the output is incomplete)
+    and no [DONE]. Leaving early (client disconnect) closes `stream`, which cancels the request."""
+    async with aclosing(stream):
+        message = first
+        try:
+            while True:
+                yield _sse(builder.chunk(message))
+                if builder.is_last(message):
+                    break
+                message = await anext(stream)
+        except ClientError as e:
+            err = api_error(e, label)
+            yield _sse({"error": {"message": err.message, "type": ERROR_TYPES.get(err.status, "error"),
+                                  "param": err.param, "code": err.code}})
+            return
+        except StopAsyncIteration:
+            logger.error("request %r: the stream ended without its last message", label)
+            yield _sse({"error": {"message": INTERNAL_MESSAGE, "type": "internal_error", "param": None,
+                                  "code": None}})
+            return
+        if include_usage:
+            yield _sse(builder.usage_chunk(message))
+        yield _sse("[DONE]")

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP API end to end: the official `openai` client against a real Ray Serve
+(HTTP proxy and gRPC proxy on loopback, one app) with a tiny random model that speculates with
+n-gram lookup and has a character tokenizer with a chat template.
+
+Greedy output over HTTP must equal the gRPC path's for the same request (both go through the
+same ingress and replica code), chat must equal a completion of the template-rendered prompt,
+errors must arrive as the client library's exceptions with OpenAI-style bodies, a client that
+hangs up mid-stream must leave no KV blocks held, and the caller's `traceparent` header must
+parent the replica's request span.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from deployments.client import SpecDecodeClient
+from protos.specdecode.v1 import specdecode_pb2 as pb
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+APP = "specdecode-http"
+MAX_NUM_SEQS = 4
+LONG = 4000  # output tokens of a request that is still running when the client hangs up
+ABORT_WAIT_S = 3.0
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
+GREEDY = dict(max_tokens=24, temperature=0.0)
+IGNORE_EOS = {"specdecode": {"ignore_eos": True, "return_token_ids": True}}
+
+
+@dataclass
+class Served:
+    http_base: str
+    grpc_target: str
+    model: str
+    spans_file: Path
+
+    def openai(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.http_base}/v1", api_key="unused", max_retries=0,
+                             timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def grpc(self) -> SpecDecodeClient:
+        return SpecDecodeClient(self.grpc_target, application=APP, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    import ray
+    from helpers import save_tiny_model
+    from ray import serve
+    from test_serve_grpc import SERVICER, free_port, save_char_tokenizer
+    from transformers import AutoTokenizer
+
+    from deployments.app import build_app
+
+    model = save_tiny_model(str(tmp_path_factory.mktemp("http_model")), "llama", max_position_embeddings=4096)
+    save_char_tokenizer(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(model)
+    spans_file = tmp_path_factory.mktemp("http_traces") / "spans.jsonl"
+    args = {
+        "model": model, "device": "cpu", "dtype": "float32", "num_cpus": 1, "max_num_seqs": MAX_NUM_SEQS,
+        "max_queued_requests": 2, "max_prompt_tokens": 64, "max_tokens": LONG, "default_max_tokens": 16,
+        "speculative": {"method": "ngram", "model": None, "num_speculative_tokens": 4, "adaptive": False},
+        "tracing": {"exporter": "file", "file": str(spans_file)},
+    }
+    grpc_port, http_port = free_port(), free_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # spans exported within 0.1 s (replicas inherit it)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]})
+        serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+        served = Served(f"http://127.0.0.1:{http_port}/{APP}", f"127.0.0.1:{grpc_port}", model, spans_file)
+        with served.grpc() as client:
+            client.wait_ready(60)
+        yield served
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def grpc_greedy(served: Served, prompt, max_tokens: int = 24, **kwargs) -> tuple[list[int], str, pb.GenerateResponse]:
+    with served.grpc() as client:
+        chunks = list(client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs))
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
+
+
+def wait_idle(served: Served, timeout: float) -> pb.EngineUsage:
+    """Poll the replica (over gRPC) until it holds no request and no KV block, or time out."""
+    deadline = time.monotonic() + timeout
+    with served.grpc() as client:
+        while True:
+            usage = client.model_info().usage
+            if (usage.num_running, usage.num_waiting, usage.num_used_blocks) == (0, 0, 0):
+                return usage
+            if time.monotonic() > deadline:
+                return usage
+            time.sleep(0.05)
+
+
+# --- completions and chat --------------------------------------------------------------------------
+def test_completions_equal_the_grpc_path(served: Served) -> None:
+    client = served.openai()
+    for prompt in ("def fib(n):", [5, 17, 33, 8, 40, 41]):
+        ids, text, last = grpc_greedy(served, prompt)
+        out = client.completions.create(model=served.model, prompt=prompt, extra_body=IGNORE_EOS, **GREEDY)
+        (choice,) = out.choices
+        assert choice.text == text and choice.model_extra["token_ids"] == ids and len(ids) == 24
+        assert choice.finish_reason == "length" and out.object == "text_completion"
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (last.usage.prompt_tokens, 24)
+        assert out.usage.total_tokens == last.usage.prompt_tokens + 24
+        stats = out.model_extra["specdecode"]["speculation"]
+        assert stats["enabled"] and stats["num_draft_tokens"] > 0
+
+        chunks = list(client.completions.create(model=served.model, prompt=prompt, stream=True,
+                                                stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+                                                **GREEDY))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+        assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == ids
+        finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == "length"
+        assert finishing[0].model_extra["specdecode"]["speculation"]["num_draft_tokens"] > 0
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24  # include_usage
+
+
+def test_chat_renders_the_template_and_streams(served: Served) -> None:
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f"}]
+    rendered = AutoTokenizer.from_pretrained(served.model).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == "system: be brief\nuser: def f\nassistant: "
+    _, text, last = grpc_greedy(served, rendered, speculation="off")
+    client = served.openai()
+    ext = {"specdecode": {"ignore_eos": True, "speculation": "off"}}
+    out = client.chat.completions.create(model=served.model, messages=messages, max_completion_tokens=24,
+                                         temperature=0.0, extra_body=ext)
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == text
+    assert out.usage.prompt_tokens == last.usage.prompt_tokens == len(rendered)  # one token per character
+    assert out.model_extra["specdecode"]["speculation"]["enabled"] is False
+    chunks = list(client.chat.completions.create(model=served.model, messages=messages, max_tokens=24,
+                                                 temperature=0.0, stream=True, extra_body=ext))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_seed_and_speculation_cap_reach_the_engine(served: Served) -> None:
+    client = served.openai()
+    _, text, _ = grpc_greedy(served, "x = ", max_tokens=40)
+    stop = text[5:7]
+    out = client.completions.create(model=served.model, prompt="x = ", max_tokens=40, temperature=0.0, stop=stop,
+                                    extra_body={"specdecode": {"ignore_eos": True}})
+    assert out.choices[0].text == text[: text.index(stop)] and out.choices[0].finish_reason == "stop"
+    sampled = [client.completions.create(model=served.model, prompt="def g", max_tokens=16, temperature=1.0,
+                                         top_p=0.9, seed=7, extra_body=IGNORE_EOS).choices[0].model_extra["token_ids"]
+               for _ in range(2)]
+    grpc_ids, _, _ = grpc_greedy(served, "def g", max_tokens=16)
+    assert sampled[0] == sampled[1] != grpc_ids  # seeded: repeatable, and not the greedy answer
+    capped = client.completions.create(model=served.model, prompt=[90, 3, 3, 3, 3, 3, 3, 77], **GREEDY,
+                                       extra_body={"specdecode": {"ignore_eos": True, "max_speculative_tokens": 0}})
+    assert capped.model_extra["specdecode"]["speculation"]["num_draft_tokens"] == 0
+
+
+# --- errors ------------------------------------------------------------------------------------------
+def test_errors_are_openai_errors(served: Served) -> None:
+    client = served.openai()
+    m = served.model
+    cases = [
+        (openai.BadRequestError, "n", dict(n=2)),
+        (openai.BadRequestError, "max_tokens", dict(max_tokens=LONG + 1)),
+        (openai.BadRequestError, "temperature", dict(temperature=-0.5)),
+        (openai.BadRequestError, "logprobs", dict(logprobs=2)),
+        (openai.BadRequestError, "specdecode.speculatoin", dict(extra_body={"specdecode": {"speculatoin": "on"}})),
+        (openai.BadRequestError, "prompt", dict(prompt="a" * 65)),
+        (openai.BadRequestError, "prompt", dict(prompt=[1, 97])),
+        (openai.BadRequestError, "prompt", dict(prompt=["a", "b"])),
+        (openai.NotFoundError, "model", dict(model="gpt-4o")),
+    ]
+    for exc, param, kwargs in cases:
+        kwargs = {"model": m, "prompt": "a", "max_tokens": 4, **kwargs}
+        with pytest.raises(exc) as info:
+            client.completions.create(**kwargs)
+        error = info.value.body
+        assert error["param"] == param or error["message"].startswith(param), (kwargs, error)
+        assert error["message"] and "Traceback" not in error["message"] and error["type"], error
+    with pytest.raises(openai.BadRequestError, match="only text parts"):
+        client.chat.completions.create(model=m, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=m, messages=[])
+    with pytest.raises(openai.BadRequestError, match="temperature"):  # refused before the stream starts
+        client.completions.create(model=m, prompt="a", max_tokens=4, stream=True, temperature=-1.0)
+
+
+# --- disconnects, models, health, tracing ---------------------------------------------------------------
+def test_client_disconnect_mid_stream_frees_the_kv_blocks(served: Served) -> None:
+    client = served.openai()
+    assert wait_idle(served, 30).num_used_blocks == 0
+    for attempt in range(2):  # one retry: a disconnect racing the proxy's write is not the abort path
+        stream = client.completions.create(model=served.model, prompt=[4, 5, 6, 7 + attempt], max_tokens=LONG,
+                                           temperature=0.0, stream=True, extra_body=IGNORE_EOS)
+        chunks = iter(stream)
+        received = [next(chunks) for _ in range(3)]
+        assert all(c.choices[0].text or c.choices[0].model_extra["token_ids"] for c in received)
+        with served.grpc() as grpc_client:
+            busy = grpc_client.model_info().usage
+        assert busy.num_running == 1 and busy.num_used_blocks > 0
+        stream.close()  # closes the HTTP connection
+        usage = wait_idle(served, ABORT_WAIT_S)
+        if usage.num_used_blocks == 0 and usage.num_running == 0:
+            return
+        assert wait_idle(served, 120).num_used_blocks == 0, "an orphaned request never finished"
+    pytest.fail("the engine request outlived the HTTP client twice in a row")
+
+
+def test_models_and_health(served: Served) -> None:
+    import urllib.request
+
+    models = served.openai().models.list()
+    assert [m.id for m in models.data] == [served.model]
+    assert models.data[0].model_extra["specdecode"]["drafter_method"] == "ngram"
+    with urllib.request.urlopen(f"{served.http_base}/health", timeout=30) as response:
+        assert response.status == 200 and json.loads(response.read())["status"] == "ok"
+
+
+def test_traceparent_header_parents_the_replica_span(served: Served) -> None:
+    import deployments.tracing as tr
+
+    client = served.openai(default_headers={"traceparent": TRACEPARENT})
+    client.completions.create(model=served.model, prompt="def h", max_tokens=8, temperature=0.0,
+                              extra_body={"specdecode": {"request_id": "http-traced"}})
+    deadline = time.monotonic() + 20
+    spans: list[dict] = []
+    while time.monotonic() < deadline:
+        text = served.spans_file.read_text() if served.spans_file.exists() else ""
+        spans = [json.loads(line) for line in text.splitlines()]
+        if any(s["name"] == tr.REQUEST_SPAN and s["trace_id"] == TRACE_ID for s in spans):
+            break
+        time.sleep(0.2)
+    (span,) = [s for s in spans if s["name"] == tr.REQUEST_SPAN and s["trace_id"] == TRACE_ID]
+    assert span["parent_span_id"] == "b7ad6b7169203331"
+    assert span["attributes"]["http.route"] == "/v1/completions"
+    assert span["attributes"][tr.ATTR_CLIENT_REQUEST_ID] == "http-traced"
