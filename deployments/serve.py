@@ -1,4 +1,5 @@
-"""`make serve`: run the SpecDecode gRPC service on an embedded single-node Ray.
+"""`make serve`: run the SpecDecode service (gRPC, and the OpenAI-compatible HTTP API) on an
+embedded single-node Ray.
 
     python -m deployments.serve [--config deployments/serve_config.yaml] [--port 9000]
         [--model DIR] [--drafter DIR] [--method draft|ngram|eagle|mtp] [-k K] [--device D]
@@ -6,14 +7,15 @@
 
 Reads the Serve config file (the one `serve run` and the Kubernetes manifests use), applies the
 flags to its first application, validates it, starts Ray and Serve with its gRPC/HTTP options,
-deploys the app, prints the address and a client command, and on Ctrl-C or SIGTERM shuts Serve
-and Ray down and exits 0.
+deploys the app, prints the gRPC and HTTP addresses with a client and a curl command, and on
+Ctrl-C or SIGTERM shuts Serve and Ray down and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import shlex
 import signal
 import sys
@@ -94,6 +96,12 @@ def client_command(port: int, has_text: bool) -> str:
     return f"python -m deployments.client {prompt} --max-tokens 64 --temperature 0 --target localhost:{port}"
 
 
+def curl_command(http_port: int, route_prefix: str, model: str) -> str:
+    body = json.dumps({"model": model, "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0})
+    base = f"http://localhost:{http_port}{route_prefix.rstrip('/')}"
+    return f"curl {base}/v1/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
     grpc_options = config.get("grpc_options", {})
     port = grpc_options.get("port", 9000)
+    http_port = (config.get("http_options") or {}).get("port", 8000)
+    route_prefix = app.get("route_prefix") or "/"
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
     exit_code = 0
     try:
@@ -158,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(model {info.model}, drafter {info.drafter_method or 'none'}"
             f"{f' k={info.num_speculative_tokens}' if info.drafter_method else ''}, device {info.device})\n"
             f"  try:  {client_command(port, info.has_tokenizer)}\n"
+            f"OpenAI-compatible HTTP API on 0.0.0.0:{http_port}{route_prefix.rstrip('/')}/v1 "
+            f"(completions, chat/completions, models; /health)\n"
+            f"  try:  {curl_command(http_port, route_prefix, info.model)}\n"
             f"  stop: Ctrl-C",
             flush=True,
         )

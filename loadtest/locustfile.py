@@ -1,24 +1,32 @@
-"""Locust load test of the SpecDecode gRPC service: users stream `Generate` back to back.
+"""Locust load test of the SpecDecode service, over gRPC or the OpenAI-compatible HTTP API: users
+stream completions back to back.
 
     locust -f loadtest/locustfile.py --headless -u 8 -r 2 -t 60s --host localhost:9000 \\
         --workload mix --slo-ttft-ms 2000 --slo-tpot-ms 200
-    (or `make loadtest` / `python -m loadtest.run`, which adds shapes, CSVs and a plot)
+    locust -f loadtest/locustfile.py --headless ... --protocol http --host http://localhost:8000/specdecode
+    (or `make loadtest` / `python -m loadtest.run [--protocol http]`, which adds shapes, CSVs and a plot)
 
-Each request is reported as three locust entries (request type "grpc"): TTFT (time to the first
-output token), TPOT (time per output token after the first) and E2E (the whole stream; failures
-are reported here, with the gRPC status). At exit, p95s over the SLO flags and any failure set a
-non-zero exit code (loadtest/slo.py). Load shapes: loadtest/shapes/ (a second -f file).
+Each request is reported as three locust entries (request type "grpc" or "http"): TTFT (time to
+the first output token), TPOT (time per output token after the first) and E2E (the whole stream;
+failures are reported here, with the gRPC status or the HTTP status and error message). Both
+protocols send the same prompts and sampling and are timed the same way (over HTTP: streamed
+`/v1/completions` with `specdecode.return_token_ids`, so tokens are counted, not guessed). At exit,
+p95s over the SLO flags and any failure set a non-zero exit code (loadtest/slo.py). Load shapes:
+loadtest/shapes/ (a second -f file).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import grpc.experimental.gevent as grpc_gevent
+import requests
 from locust import User, constant, events, task
 from locust.env import Environment
 from locust.runners import WorkerRunner
@@ -30,17 +38,19 @@ from loadtest.workloads import SAMPLING, WORKLOADS, adapt, load_prompts, pick_ki
 grpc_gevent.init_gevent()  # before any channel: gRPC's I/O cooperates with locust's greenlets
 
 logger = logging.getLogger("loadtest")
-REQUEST_TYPE = "grpc"
+PROTOCOLS = ("grpc", "http")
 SLO_FLAGS = {TTFT: "slo_ttft_ms", TPOT: "slo_tpot_ms", E2E: "slo_e2e_ms"}
 
 
 @events.init_command_line_parser.add_listener
 def add_arguments(parser: Any) -> None:
     group = parser.add_argument_group("SpecDecode", "workload and SLO gates (loadtest/locustfile.py)")
+    group.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
+                       help="grpc (--host HOST:9000) or http (--host http://HOST:8000/ROUTE_PREFIX) (default: grpc)")
     group.add_argument("--workload", choices=WORKLOADS, default="mix", help="code, text or mix (default: mix)")
     group.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default: 64)")
     group.add_argument("--prompts-file", default="", help="JSON from loadtest.workloads.build_prompts (default: built-in)")
-    group.add_argument("--application", default="", help="Serve application name (only when several apps run)")
+    group.add_argument("--application", default="", help="Serve application name, gRPC (only when several apps run)")
     group.add_argument("--request-timeout-s", type=float, default=120.0, help="deadline of each request (default: 120)")
     group.add_argument("--slo-ttft-ms", type=float, default=0.0, help="fail if p95 TTFT exceeds this (0: no gate)")
     group.add_argument("--slo-tpot-ms", type=float, default=0.0, help="fail if p95 TPOT exceeds this (0: no gate)")
@@ -48,25 +58,108 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--max-fail-ratio", type=float, default=0.0, help="fail above this share of failed requests (default: 0)")
 
 
+class RequestFailed(Exception):
+    """A request the service refused or failed: the status and the server's message."""
+
+
+class GrpcStreams:
+    """Completions over gRPC (`deployments.client`)."""
+
+    def __init__(self, host: str, application: str | None, timeout: float) -> None:
+        self.client = SpecDecodeClient(host, application=application, timeout=timeout)
+        info = self.client.wait_ready(timeout=60)
+        self.has_tokenizer = info.has_tokenizer
+        self.vocab_size = info.limits.vocab_size
+        self.max_prompt_tokens = info.limits.max_prompt_tokens
+
+    def stream(self, prompt: str | list[int], max_tokens: int, sampling: dict) -> Iterator[int]:
+        """The number of tokens of each message, in order."""
+        try:
+            for chunk in self.client.generate(prompt, max_tokens=max_tokens, **sampling):
+                yield len(chunk.token_ids)
+        except grpc.RpcError as e:
+            raise RequestFailed(f"{e.code().name}: {e.details()}") from None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class HttpStreams:
+    """Streamed completions over the OpenAI-compatible HTTP API (`deployments/openai_api.py`)."""
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.session = requests.Session()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                response = self.session.get(f"{self.base_url}/v1/models", timeout=10)
+                response.raise_for_status()
+                break
+            except requests.RequestException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        (model,) = response.json()["data"]
+        self.model = model["id"]
+        self.has_tokenizer = model["specdecode"]["has_tokenizer"]
+        self.vocab_size = model["specdecode"]["vocab_size"]
+        self.max_prompt_tokens = model["specdecode"]["max_prompt_tokens"]
+
+    def stream(self, prompt: str | list[int], max_tokens: int, sampling: dict) -> Iterator[int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **sampling,
+                "specdecode": {"return_token_ids": True}}
+        try:
+            with self.session.post(f"{self.base_url}/v1/completions", json=body, stream=True,
+                                   timeout=self.timeout) as response:
+                if response.status_code != 200:
+                    raise RequestFailed(f"HTTP {response.status_code}: {_error_message(response.text)}")
+                for line in response.iter_lines():
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[len(b"data: "):]
+                    if data == b"[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise RequestFailed(f"stream error: {event['error'].get('message')}")
+                    for choice in event.get("choices", []):
+                        yield len(choice.get("token_ids", []))
+        except requests.RequestException as e:
+            raise RequestFailed(f"{type(e).__name__}: {e}") from None
+        raise RequestFailed("the stream ended without data: [DONE]")
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _error_message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
+
+
 class SpecDecodeUser(User):
-    """One client: a gRPC channel, streaming one completion after another."""
+    """One client: a gRPC channel or an HTTP session, streaming one completion after another."""
 
     wait_time = constant(0)
 
     def on_start(self) -> None:
         opts = self.environment.parsed_options
+        self.protocol: str = getattr(opts, "protocol", "grpc")
         self.workload: str = getattr(opts, "workload", "mix")
         self.max_tokens: int = getattr(opts, "max_tokens", 64)
         self.rng = random.Random()
         self.prompts = load_prompts(getattr(opts, "prompts_file", ""))
-        self.client = SpecDecodeClient(
-            self.host or "localhost:9000", application=getattr(opts, "application", "") or None,
-            timeout=getattr(opts, "request_timeout_s", 120.0),
-        )
-        limits_info = self.client.wait_ready(timeout=60)
-        self.has_tokenizer = limits_info.has_tokenizer
-        self.vocab_size = limits_info.limits.vocab_size
-        self.max_prompt_tokens = limits_info.limits.max_prompt_tokens
+        timeout = getattr(opts, "request_timeout_s", 120.0)
+        if self.protocol == "http":
+            self.client: GrpcStreams | HttpStreams = HttpStreams(self.host or "http://localhost:8000/specdecode",
+                                                                 timeout)
+        else:
+            self.client = GrpcStreams(self.host or "localhost:9000",
+                                      getattr(opts, "application", "") or None, timeout)
 
     def on_stop(self) -> None:
         self.client.close()
@@ -74,38 +167,37 @@ class SpecDecodeUser(User):
     @task
     def generate(self) -> None:
         kind = pick_kind(self.workload, self.rng)
-        prompt = adapt(self.rng.choice(self.prompts[kind]), has_tokenizer=self.has_tokenizer,
-                       vocab_size=self.vocab_size, max_prompt_tokens=self.max_prompt_tokens)
+        prompt = adapt(self.rng.choice(self.prompts[kind]), has_tokenizer=self.client.has_tokenizer,
+                       vocab_size=self.client.vocab_size, max_prompt_tokens=self.client.max_prompt_tokens)
         fire = self.environment.events.request.fire
         start = time.perf_counter()
         first: float | None = None
         num_tokens = 0
         try:
-            for chunk in self.client.generate(prompt, max_tokens=self.max_tokens, **SAMPLING[kind]):
-                if chunk.token_ids:
+            for n in self.client.stream(prompt, self.max_tokens, SAMPLING[kind]):
+                if n:
                     if first is None:
                         first = time.perf_counter()
-                        fire(request_type=REQUEST_TYPE, name=TTFT, response_time=(first - start) * 1e3,
-                             response_length=len(chunk.token_ids), exception=None, context={"workload": kind})
-                    num_tokens += len(chunk.token_ids)
-        except grpc.RpcError as e:
-            fire(request_type=REQUEST_TYPE, name=E2E, response_time=(time.perf_counter() - start) * 1e3,
-                 response_length=num_tokens, exception=RuntimeError(f"{e.code().name}: {e.details()}"),
-                 context={"workload": kind})
+                        fire(request_type=self.protocol, name=TTFT, response_time=(first - start) * 1e3,
+                             response_length=n, exception=None, context={"workload": kind})
+                    num_tokens += n
+        except RequestFailed as e:
+            fire(request_type=self.protocol, name=E2E, response_time=(time.perf_counter() - start) * 1e3,
+                 response_length=num_tokens, exception=e, context={"workload": kind})
             return
         end = time.perf_counter()
         if first is not None and num_tokens > 1:
-            fire(request_type=REQUEST_TYPE, name=TPOT, response_time=(end - first) * 1e3 / (num_tokens - 1),
+            fire(request_type=self.protocol, name=TPOT, response_time=(end - first) * 1e3 / (num_tokens - 1),
                  response_length=num_tokens, exception=None, context={"workload": kind})
-        fire(request_type=REQUEST_TYPE, name=E2E, response_time=(end - start) * 1e3, response_length=num_tokens,
+        fire(request_type=self.protocol, name=E2E, response_time=(end - start) * 1e3, response_length=num_tokens,
              exception=None, context={"workload": kind})
 
 
-def summaries(environment: Environment) -> dict[str, EntrySummary]:
+def summaries(environment: Environment, request_type: str = "grpc") -> dict[str, EntrySummary]:
     """Each entry's counts and p95 (ms), from locust's stats."""
     out = {}
     for name in (TTFT, TPOT, E2E):
-        entry = environment.stats.entries.get((name, REQUEST_TYPE))
+        entry = environment.stats.entries.get((name, request_type))
         if entry is not None:
             p95 = entry.get_response_time_percentile(0.95) if entry.num_requests > entry.num_failures else 0.0
             out[name] = EntrySummary(entry.num_requests, entry.num_failures, float(p95 or 0.0))
@@ -119,7 +211,7 @@ def check_slos(environment: Environment, **kwargs: Any) -> None:
     opts = environment.parsed_options
     limits = {name: getattr(opts, flag, 0.0) or 0.0 for name, flag in SLO_FLAGS.items()}
     errors = [f"{e.occurrences} x {e.error}" for e in environment.stats.errors.values()]
-    problems = slo_problems(summaries(environment), limits, getattr(opts, "max_fail_ratio", 0.0), errors)
+    problems = slo_problems(summaries(environment, getattr(opts, "protocol", "grpc")), limits, getattr(opts, "max_fail_ratio", 0.0), errors)
     for problem in problems:
         logger.error("SLO gate failed: %s", problem)
     if not problems:

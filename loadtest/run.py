@@ -1,6 +1,6 @@
-"""`make loadtest`: a headless locust run against the SpecDecode gRPC service, then a plot.
+"""`make loadtest`: a headless locust run against the SpecDecode service, then a plot.
 
-    python -m loadtest.run [--target localhost:9000] [--users 8] [--spawn-rate 2] [--run-time 60s]
+    python -m loadtest.run [--protocol grpc|http] [--target localhost:9000] [--users 8] [--spawn-rate 2] [--run-time 60s]
         [--shape constant|step|spike] [--workload code|text|mix] [--max-tokens 64]
         [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--slo-e2e-ms MS] [--out-dir loadtest/results]
 
@@ -10,7 +10,9 @@ writes <out-dir>/<name>_{stats,stats_history,failures,exceptions}.csv and <name>
 (p50/p95/p99 of TTFT, TPOT and end-to-end latency, and the user count, over time). The SLO gates
 default to the targets of the SLO autoscaling policy in deployments/serve_config.yaml. Exits with
 locust's code: 0 when every gate passed, 1 when one failed (or a request failed); 2 when the
-target does not answer at all.
+target does not answer at all. `--protocol http` drives the OpenAI-compatible HTTP API instead
+(`--target` defaults to http://localhost:8000/specdecode, `make serve`'s HTTP address), with the
+same prompts, sampling, timing and gates.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ DEFAULT_OUT_DIR = REPO_ROOT / "loadtest" / "results"
 SERVE_CONFIG = REPO_ROOT / "deployments" / "serve_config.yaml"
 SLO_POLICY = "deployments.autoscaling:SLOAutoscalingPolicy"
 ENTRIES = ("TTFT", "TPOT", "E2E")  # the locustfile's entry names
+DEFAULT_TARGETS = {"grpc": "localhost:9000", "http": "http://localhost:8000/specdecode"}
 PERCENTILES = ("50%", "95%", "99%")
 
 
@@ -53,8 +56,11 @@ def served_slo(path: Path = SERVE_CONFIG) -> dict[str, float]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     slo = served_slo()
-    p = argparse.ArgumentParser(description="Headless locust load test of the SpecDecode gRPC service.")
-    p.add_argument("--target", default="localhost:9000", help="host:port of the gRPC service (default: %(default)s)")
+    p = argparse.ArgumentParser(description="Headless locust load test of the SpecDecode service (gRPC or HTTP).")
+    p.add_argument("--protocol", choices=tuple(DEFAULT_TARGETS), default="grpc",
+                   help="gRPC or the OpenAI-compatible HTTP API (default: %(default)s)")
+    p.add_argument("--target", default=None, help="gRPC host:port, or the HTTP API's base URL "
+                   f"(default: {DEFAULT_TARGETS['grpc']} / {DEFAULT_TARGETS['http']})")
     p.add_argument("--application", default="", help="Serve application name (only when several apps run)")
     p.add_argument("--users", type=int, default=8, help="concurrent users; the peak for a shape (default: %(default)s)")
     p.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second (default: %(default)s)")
@@ -73,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where results go (default: %(default)s)")
     p.add_argument("--name", default="", help="file name prefix (default: <workload>-<shape>-<time>)")
     args = p.parse_args(argv)
+    if args.target is None:
+        args.target = DEFAULT_TARGETS[args.protocol]
     if args.users < 1 or args.spawn_rate <= 0 or args.max_tokens < 1:
         p.error(f"--users and --max-tokens must be >= 1 and --spawn-rate > 0, got {args.users}, "
                 f"{args.max_tokens}, {args.spawn_rate}")
@@ -85,7 +93,7 @@ def locust_command(args: argparse.Namespace, csv_prefix: Path, prompts_file: Pat
         sys.executable, "-m", "locust", "-f", ",".join(files), "--headless", "--only-summary",
         "--host", args.target, "-u", str(args.users), "-r", str(args.spawn_rate), "-t", args.run_time,
         "--stop-timeout", "30", "--csv", str(csv_prefix), "--csv-full-history",
-        "--workload", args.workload, "--max-tokens", str(args.max_tokens), "--prompts-file", str(prompts_file),
+        "--protocol", args.protocol, "--workload", args.workload, "--max-tokens", str(args.max_tokens), "--prompts-file", str(prompts_file),
         "--application", args.application, "--slo-ttft-ms", str(args.slo_ttft_ms),
         "--slo-tpot-ms", str(args.slo_tpot_ms), "--slo-e2e-ms", str(args.slo_e2e_ms),
         "--max-fail-ratio", str(args.max_fail_ratio),
@@ -153,8 +161,10 @@ def plot_history(history_csv: Path, png: Path, title: str, slo: dict[str, float]
     return png
 
 
-def check_target(target: str, application: str, timeout_s: float = 15.0) -> str | None:
-    """None if the service answers GetModelInfo within `timeout_s`, else why not."""
+def check_target(target: str, application: str, timeout_s: float = 15.0, protocol: str = "grpc") -> str | None:
+    """None if the service answers GetModelInfo (HTTP: GET /v1/models) within `timeout_s`, else why not."""
+    if protocol == "http":
+        return check_http_target(target, timeout_s)
     import grpc
 
     from deployments.client import SpecDecodeClient
@@ -168,11 +178,31 @@ def check_target(target: str, application: str, timeout_s: float = 15.0) -> str 
     return None
 
 
+def check_http_target(base_url: str, timeout_s: float) -> str | None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            response = requests.get(f"{base_url.rstrip('/')}/v1/models", timeout=5)
+            if response.status_code == 200:
+                (model,) = response.json()["data"]
+                print(f"target {base_url}: model {model['id']}, drafter "
+                      f"{model['specdecode']['drafter_method'] or 'none'}", flush=True)
+                return None
+            problem = f"HTTP {response.status_code}: {response.text[:200]}"
+        except requests.RequestException as e:
+            problem = f"{type(e).__name__}: {e}"
+        if time.monotonic() > deadline:
+            return f"{base_url} does not answer GET /v1/models ({problem}); start it with `make serve`"
+        time.sleep(0.5)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from loadtest.workloads import build_prompts
 
-    problem = check_target(args.target, args.application)
+    problem = check_target(args.target, args.application, protocol=args.protocol)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -195,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     history = Path(f"{csv_prefix}_stats_history.csv")
     if history.is_file():
         slo = {"TTFT": args.slo_ttft_ms, "TPOT": args.slo_tpot_ms, "E2E": args.slo_e2e_ms}
-        title = f"{args.target}: {args.workload}, {args.shape}, {args.users} users, {args.run_time}"
+        title = f"{args.target} ({args.protocol}): {args.workload}, {args.shape}, {args.users} users, {args.run_time}"
         png = plot_history(history, Path(f"{csv_prefix}_latency.png"), title, slo)
         print(f"wrote {csv_prefix}_stats.csv, {history.name} and {png}", flush=True)
     else:

@@ -127,27 +127,28 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served_port(tiny_llama: str) -> Iterator[int]:
+def served_ports(tiny_llama: str) -> Iterator[tuple[int, int]]:
+    """(gRPC port, HTTP port) of one Serve app."""
     import ray
     from ray import serve
 
     from deployments.app import build_app
     from deployments.client import SpecDecodeClient
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     args = {"model": tiny_llama, "speculative": None, "device": "cpu", "dtype": "float32", "max_num_seqs": 8,
             "max_queued_requests": 32, "max_prompt_tokens": 64, "max_tokens": 64, "default_max_tokens": 16,
             "num_cpus": 1}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(
-            http_options={"host": "127.0.0.1", "port": free_port()},
+            http_options={"host": "127.0.0.1", "port": http_port},
             grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]},
         )
         serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
             client.wait_ready(60)
-        yield port
+        yield port, http_port
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -155,11 +156,11 @@ def served_port(tiny_llama: str) -> Iterator[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_headless_smoke_run_has_no_failures(served_port: int, tmp_path: Path) -> None:
+def test_headless_smoke_run_has_no_failures(served_ports: tuple[int, int], tmp_path: Path) -> None:
     """12 s of a step shape up to 4 users, mixed workload, through `python -m loadtest.run`.
     Latency gates are generous (the machine is shared); any failed request fails the run."""
     command = [
-        sys.executable, "-m", "loadtest.run", "--target", f"127.0.0.1:{served_port}", "--application", APP,
+        sys.executable, "-m", "loadtest.run", "--target", f"127.0.0.1:{served_ports[0]}", "--application", APP,
         "--users", "4", "--spawn-rate", "4", "--run-time", "12s", "--shape", "step", "--workload", "mix",
         "--max-tokens", "16", "--no-heldout", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000",
         "--out-dir", str(tmp_path), "--name", "smoke",
@@ -179,10 +180,10 @@ def test_headless_smoke_run_has_no_failures(served_port: int, tmp_path: Path) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(100)
-def test_a_missed_slo_fails_the_run(served_port: int, tmp_path: Path) -> None:
+def test_a_missed_slo_fails_the_run(served_ports: tuple[int, int], tmp_path: Path) -> None:
     """No server makes 0.01 ms per output token: the TPOT gate sets locust's exit code to 1."""
     command = [
-        sys.executable, "-m", "loadtest.run", "--target", f"127.0.0.1:{served_port}", "--application", APP,
+        sys.executable, "-m", "loadtest.run", "--target", f"127.0.0.1:{served_ports[0]}", "--application", APP,
         "--users", "2", "--spawn-rate", "2", "--run-time", "4s", "--workload", "code", "--max-tokens", "8",
         "--no-heldout", "--slo-ttft-ms", "0", "--slo-tpot-ms", "0.01", "--out-dir", str(tmp_path), "--name", "gate",
     ]
@@ -190,3 +191,26 @@ def test_a_missed_slo_fails_the_run(served_port: int, tmp_path: Path) -> None:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 1, output[-4000:]
     assert "SLO gate failed: TPOT: p95" in output and "> SLO 0.01 ms" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(100)
+def test_http_user_streams_the_openai_api_under_the_same_gates(served_ports: tuple[int, int], tmp_path: Path) -> None:
+    """`--protocol http`: 6 s of 3 users streaming /v1/completions, every entry measured, no
+    failure; then a TPOT gate no server can meet fails the run, as over gRPC."""
+    base = f"http://127.0.0.1:{served_ports[1]}/{APP}"
+    common = [sys.executable, "-m", "loadtest.run", "--protocol", "http", "--target", base, "--users", "3",
+              "--spawn-rate", "3", "--workload", "mix", "--max-tokens", "12", "--no-heldout", "--out-dir", str(tmp_path)]
+    proc = subprocess.run([*common, "--run-time", "6s", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000",
+                           "--name", "http"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=90)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    with open(tmp_path / "http_stats.csv", newline="") as f:
+        stats = {row["Name"]: row for row in csv.DictReader(f) if row["Type"] == "http"}
+    for name in ("TTFT", "TPOT", "E2E"):
+        assert int(stats[name]["Request Count"]) > 0 and int(stats[name]["Failure Count"]) == 0, stats[name]
+    assert "SLO gates passed" in output
+    proc = subprocess.run([*common, "--run-time", "3s", "--slo-ttft-ms", "0", "--slo-tpot-ms", "0.01",
+                           "--name", "http-gate"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "SLO gate failed: TPOT: p95" in output, output[-4000:]
