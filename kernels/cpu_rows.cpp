@@ -184,7 +184,60 @@ inline void dots_packed(const float* x, const W* p, int64_t K, float* out) {
   }
 }
 
-// y[m, :N] = x[m] @ w.T (+ b) with w packed (pack_block per 4 rows).
+// Two rows of x against weight rows j0, j0 + 1 of a packed block: each (x row, weight row) pair
+// in exactly dots_packed's arithmetic (a over lanes [0, 8), b over [8, 16) of each 16-wide step,
+// the 8-wide step into a, hsum(a + b), then the scalar tail), so results are bit-identical to
+// one row at a time; each weight load (and bfloat16 widening) serves both rows.
+template <typename W>
+inline void dots_packed_2x2(const float* x0, const float* x1, const W* p, int64_t K, int j0, float* out0, float* out1) {
+  __m256 a00 = _mm256_setzero_ps(), b00 = a00, a01 = a00, b01 = a00, a10 = a00, b10 = a00, a11 = a00, b11 = a00;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16, p += 16 * PACK) {
+    const __m256 xa0 = _mm256_loadu_ps(x0 + k), xb0 = _mm256_loadu_ps(x0 + k + 8);
+    const __m256 xa1 = _mm256_loadu_ps(x1 + k), xb1 = _mm256_loadu_ps(x1 + k + 8);
+    __m256 w = load8(p + 16 * j0);
+    a00 = _mm256_fmadd_ps(xa0, w, a00);
+    a10 = _mm256_fmadd_ps(xa1, w, a10);
+    w = load8(p + 16 * j0 + 8);
+    b00 = _mm256_fmadd_ps(xb0, w, b00);
+    b10 = _mm256_fmadd_ps(xb1, w, b10);
+    w = load8(p + 16 * (j0 + 1));
+    a01 = _mm256_fmadd_ps(xa0, w, a01);
+    a11 = _mm256_fmadd_ps(xa1, w, a11);
+    w = load8(p + 16 * (j0 + 1) + 8);
+    b01 = _mm256_fmadd_ps(xb0, w, b01);
+    b11 = _mm256_fmadd_ps(xb1, w, b11);
+  }
+  if (k + 8 <= K) {
+    const __m256 xa0 = _mm256_loadu_ps(x0 + k), xa1 = _mm256_loadu_ps(x1 + k);
+    __m256 w = load8(p + 8 * j0);
+    a00 = _mm256_fmadd_ps(xa0, w, a00);
+    a10 = _mm256_fmadd_ps(xa1, w, a10);
+    w = load8(p + 8 * (j0 + 1));
+    a01 = _mm256_fmadd_ps(xa0, w, a01);
+    a11 = _mm256_fmadd_ps(xa1, w, a11);
+    k += 8;
+    p += 8 * PACK;
+  }
+  const int64_t tail = K - k;
+  float s00 = hsum(_mm256_add_ps(a00, b00)), s01 = hsum(_mm256_add_ps(a01, b01));
+  float s10 = hsum(_mm256_add_ps(a10, b10)), s11 = hsum(_mm256_add_ps(a11, b11));
+  for (int64_t t = 0; t < tail; ++t) {
+    const float w0 = load1(p + j0 * tail + t), w1 = load1(p + (j0 + 1) * tail + t);
+    s00 += x0[k + t] * w0;
+    s01 += x0[k + t] * w1;
+    s10 += x1[k + t] * w0;
+    s11 += x1[k + t] * w1;
+  }
+  out0[j0] = s00;
+  out0[j0 + 1] = s01;
+  out1[j0] = s10;
+  out1[j0 + 1] = s11;
+}
+
+// y[m, :N] = x[m] @ w.T (+ b) with w packed (pack_block per 4 rows): one row straight from
+// memory (dots_packed, memory-bound); more rows two at a time (dots_packed_2x2: each weight
+// load serves both; the block is in L1 after the first pass). Same bits for any number of rows.
 template <typename W>
 void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N, const float* bias, float* y,
                    int threads) {
@@ -193,62 +246,87 @@ void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N,
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t n0 = blk * PACK, nb = std::min<int64_t>(PACK, N - n0);
     const W* p = wp + blk * PACK * K;
-    float out[PACK];
-    for (int64_t m = 0; m < M; ++m) {
-      dots_packed(x + m * K, p, K, out);
+    float out0[PACK], out1[PACK];
+    auto store = [&](int64_t m, const float* out) {
       for (int64_t j = 0; j < nb; ++j) y[m * N + n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
+    };
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) {
+      dots_packed_2x2(x + m * K, x + (m + 1) * K, p, K, 0, out0, out1);
+      dots_packed_2x2(x + m * K, x + (m + 1) * K, p, K, 2, out0, out1);
+      store(m, out0);
+      store(m + 1, out1);
+    }
+    if (m < M) {
+      dots_packed(x + m * K, p, K, out0);
+      store(m, out0);
     }
   }
 }
 
-// Paged attention of T query tokens [T, H, D], each over exactly its own context (see rows_attention).
+// Paged attention of T query tokens [T, H, D], each over exactly its own context (see
+// rows_attention). The G = H / Hkv query heads of one kv head are computed together, each key
+// and value row read (and widened) once for all G; every (token, head) keeps its own fixed
+// order: scores over D (`dots`), max, exponentials and their sum in position order, the output
+// accumulated in position order, then divided by the sum.
 template <typename C>
 void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc, const C* vc, int64_t bs,
                     int64_t Hkv, const int64_t* tables, int64_t max_blocks, const int64_t* lens, float scale,
                     float* out, int threads) {
   const int64_t G = H / Hkv, row_stride = Hkv * D;
-#pragma omp parallel num_threads(threads) if (threads > 1 && T * H > 1)
+#pragma omp parallel num_threads(threads) if (threads > 1 && T * Hkv > 1)
   {
-    std::vector<float> scores, kbuf(D), vbuf(D), acc(D);
+    std::vector<float> scores, acc(G * D), mx(G), sum(G);
 #pragma omp for schedule(static)
-    for (int64_t th = 0; th < T * H; ++th) {
-      const int64_t t = th / H, h = th % H, kvh = h / G, L = lens[t];
-      const float* qv = q + (t * H + h) * D;
-      scores.resize(L);
-      auto row = [&](const C* cache, int64_t p, float* buf) -> const float* {
+    for (int64_t tk = 0; tk < T * Hkv; ++tk) {
+      const int64_t t = tk / Hkv, kvh = tk % Hkv, L = lens[t];
+      const float* qv = q + (t * H + kvh * G) * D;  // the G heads' queries, consecutive
+      scores.resize(G * L);
+      auto row = [&](const C* cache, int64_t p) -> const C* {
         const int64_t block = tables[t * max_blocks + p / bs];
-        const C* src = cache + (block * bs + p % bs) * row_stride + kvh * D;
-        if constexpr (std::is_same_v<C, uint16_t>) {
-          widen_bf16(src, buf, D);
-          return buf;
-        } else {
-          return src;
-        }
+        return cache + (block * bs + p % bs) * row_stride + kvh * D;
       };
-      float mx = -INFINITY;
+      std::fill(mx.begin(), mx.end(), -INFINITY);
       for (int64_t p = 0; p < L; ++p) {
-        const float s = dot_f32(qv, row(kc, p, kbuf.data()), D) * scale;
-        scores[p] = s;
-        mx = s > mx ? s : mx;
+        const C* kr = row(kc, p);
+        for (int64_t g = 0; g < G; ++g) {
+          float s;
+          dots<1>(qv + g * D, &kr, D, &s);
+          s *= scale;
+          scores[g * L + p] = s;
+          mx[g] = s > mx[g] ? s : mx[g];
+        }
       }
-      float sum = 0.0f;
-      for (int64_t p = 0; p < L; ++p) {
-        scores[p] = std::exp(scores[p] - mx);
-        sum += scores[p];
+      for (int64_t g = 0; g < G; ++g) {
+        float total = 0.0f;
+        float* sc = scores.data() + g * L;
+        for (int64_t p = 0; p < L; ++p) {
+          sc[p] = std::exp(sc[p] - mx[g]);
+          total += sc[p];
+        }
+        sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t p = 0; p < L; ++p) {
-        const float* vv = row(vc, p, vbuf.data());
-        const __m256 e = _mm256_set1_ps(scores[p]);
+        const C* vv = row(vc, p);
         int64_t d = 0;
         for (; d + 8 <= D; d += 8) {
-          _mm256_storeu_ps(acc.data() + d, _mm256_fmadd_ps(e, _mm256_loadu_ps(vv + d), _mm256_loadu_ps(acc.data() + d)));
+          const __m256 v = load8(vv + d);
+          for (int64_t g = 0; g < G; ++g) {
+            float* a = acc.data() + g * D + d;
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * L + p]), v, _mm256_loadu_ps(a)));
+          }
         }
-        for (; d < D; ++d) acc[d] += scores[p] * vv[d];
+        for (; d < D; ++d) {
+          const float v = load1(vv + d);
+          for (int64_t g = 0; g < G; ++g) acc[g * D + d] += scores[g * L + p] * v;
+        }
       }
-      const float inv = 1.0f / sum;
-      float* o = out + (t * H + h) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.0f / sum[g];
+        float* o = out + (t * H + kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+      }
     }
   }
 }

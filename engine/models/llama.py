@@ -278,8 +278,13 @@ class CausalLM(nn.Module):
         """Make the fused row path's packed weights now (at load) rather than in the first step."""
         for layer in self.layers:
             layer.row_weights()
+        self.packed_lm_head()
+
+    def packed_lm_head(self) -> torch.Tensor:
+        """The LM head packed for `cpu_kernels.packed_linear` (made once)."""
         if self._packed_lm_head is None:
             self._packed_lm_head = cpu_kernels.pack_rows(self.lm_head.weight)
+        return self._packed_lm_head
 
     def forget_row_weights(self) -> None:
         """Drop the copies the fused row path made (after the weights change)."""
@@ -290,9 +295,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, tile_rows: int = 0) -> torch.Tensor:
         # hidden [n, hidden] -> logits [n, vocab] in float32
         if tile_rows == ROW_KERNEL:
-            if self._packed_lm_head is None:
-                self._packed_lm_head = cpu_kernels.pack_rows(self.lm_head.weight)
-            return cpu_kernels.packed_linear(hidden.float(), self._packed_lm_head, self.cfg.vocab_size, None)
+            return cpu_kernels.packed_linear(hidden.float(), self.packed_lm_head(), self.cfg.vocab_size, None)
         return linear(self.lm_head, hidden, tile_rows).float()
 
     # --- weight loading (Hugging Face names) ------------------------------------------------

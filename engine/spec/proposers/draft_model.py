@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import DrafterMismatchError
-from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
+from engine.model_runner import (
+    EXACT_ROWS,
+    SeqChunk,
+    allocate_kv_cache,
+    build_forward_batch,
+    kv_bytes_per_token,
+)
+from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
 from engine.request import Request
 from engine.spec.proposers.base import (
@@ -55,6 +62,11 @@ class DraftModelProposer(Proposer):
         self.head = DraftLMHead(
             self.model.lm_head.weight, resolve_draft_token_ids(draft_vocab_size, model_dir, draft_vocab)
         )
+        # Small draft steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
+        self.row_kernel = runner.row_kernel
+        if self.row_kernel:
+            self.model.prepare_rows()
+            self.head.use_row_kernel(self.model.packed_lm_head())
         self.block_size = 0
         self.timer = StepTimer(1e-3)  # one draft forward, averaged over a round
         self._identity = DrafterIdentity(
@@ -96,8 +108,11 @@ class DraftModelProposer(Proposer):
 
     def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Final hidden state of each chunk's last token [B, H]."""
-        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend)
+        fused = self.row_kernel and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS
+        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
+                                    row_exact="kernel" if fused else None)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,
+                            tile_rows=ROW_KERNEL if fused else 0)
         last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
         return hidden[last]  # [B, H]
 

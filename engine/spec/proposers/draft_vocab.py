@@ -75,12 +75,16 @@ def resolve_draft_token_ids(size: int | None, model_dir: str | None, vocab_size:
     return torch.tensor(sorted(ids[:n]), dtype=torch.long)
 
 
+ROW_KERNEL_MAX_ROWS = 16  # logits rows up to which the packed CPU kernel serves (as engine.model_runner.EXACT_ROWS)
+
+
 class DraftLMHead:
     """LM head over the draft vocabulary. With ``token_ids`` None it is the given weight in place
     (no copy); otherwise it keeps a copy of those N rows (N x hidden, counted in ``num_parameters``).
     """
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor | None) -> None:
+        self.packed: torch.Tensor | None = None  # the weight packed for the CPU row kernel
         self.vocab_size = weight.shape[0]
         if token_ids is None:
             self.weight, self.token_ids = weight, None
@@ -97,8 +101,19 @@ class DraftLMHead:
         """Parameters this object adds (0 when it uses the LM head in place)."""
         return 0 if self.token_ids is None else self.weight.numel()
 
+    def use_row_kernel(self, packed: torch.Tensor | None = None) -> None:
+        """Compute small batches of logits with kernels.cpu_kernels.packed_linear (CPU): over
+        `packed` (the same weight already packed, e.g. the target's LM head) or a packed copy."""
+        from kernels import cpu_kernels
+
+        self.packed = packed if packed is not None and self.token_ids is None else cpu_kernels.pack_rows(self.weight)
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., N] over the draft vocabulary."""
+        if self.packed is not None and hidden.dim() == 2 and hidden.shape[0] <= ROW_KERNEL_MAX_ROWS:
+            from kernels import cpu_kernels
+
+            return cpu_kernels.packed_linear(hidden.float(), self.packed, self.size, None)
         return torch.nn.functional.linear(hidden, self.weight).float()
 
     def sample(

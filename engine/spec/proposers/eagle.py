@@ -30,7 +30,13 @@ import time
 
 import torch
 
-from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
+from engine.model_runner import (
+    EXACT_ROWS,
+    SeqChunk,
+    allocate_kv_cache,
+    build_forward_batch,
+    kv_bytes_per_token,
+)
 from engine.models.llama import ArchConfig, DecoderLayer
 from engine.models.loader import load_safetensors
 from engine.request import Request
@@ -106,6 +112,15 @@ class EagleProposer(Proposer):
                          head_dim=self.arch.head_dim, rope_parameters={"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)})
         max_pos = runner.model.rope_cos.shape[0] + 1
         self.rope_cos, self.rope_sin = rope_cos_sin(hf, max_pos, self.dtype, self.device)
+        # Small steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
+        self.row_kernel = runner.row_kernel
+        if self.row_kernel:
+            from kernels import cpu_kernels
+
+            self.rope_f32 = rope_cos_sin(hf, max_pos, torch.float32, self.device)
+            self.layer.row_weights()
+            self.packed_fc = cpu_kernels.pack_rows(self.fc.weight)
+            self.head.use_row_kernel(runner.model.packed_lm_head())
         self.backend = runner.backend
         self.block_size = 0
         self.timer = StepTimer(5e-4)  # one autoregressive step of the head
@@ -194,14 +209,24 @@ class EagleProposer(Proposer):
     def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor) -> torch.Tensor:
         """Run the layer on elements (features[i], token_ids[i]) at cache positions of `chunks`;
         returns the output feature of each chunk's last element [B, H]."""
-        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
+        fused = self.row_kernel and len(token_ids) <= EXACT_ROWS
+        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
+                                    row_exact="kernel" if fused else None)
         emb = self.embed_tokens(torch.tensor(token_ids, device=self.device))
-        x = self.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
+        inputs = torch.cat([emb, features.to(emb.dtype)], dim=-1)
         rope_pos = batch.positions + 1
-        cos, sin = self.rope_cos[rope_pos].unsqueeze(1), self.rope_sin[rope_pos].unsqueeze(1)
         k_cache, v_cache = self.kv_caches[0]
-        out, residual = self.layer(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
         last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
+        if fused:  # float32 activations through the layer, one call
+            from kernels import cpu_kernels
+
+            x = cpu_kernels.packed_linear(inputs.float(), self.packed_fc, self.arch.hidden_size, self.fc.bias)
+            cos, sin = self.rope_f32[0][rope_pos], self.rope_f32[1][rope_pos]
+            out, residual = self.layer.forward_rows(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata)
+            return (residual + out)[last].to(self.dtype)
+        x = self.fc(inputs)
+        cos, sin = self.rope_cos[rope_pos].unsqueeze(1), self.rope_sin[rope_pos].unsqueeze(1)
+        out, residual = self.layer(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
         return (residual + out)[last]
 
     @torch.inference_mode()
