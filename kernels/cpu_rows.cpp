@@ -102,43 +102,21 @@ inline void widen_bf16(const uint16_t* src, float* dst, int64_t K) {
   for (; k < K; ++k) dst[k] = bf16_to_f32(src[k]);
 }
 
-// ---- raw kernels on pointers (shared by the torch-facing functions below) --------------------
-
-// y[m, :] = x[m, :] @ w.T (+ b) for M rows, weights [N, K] of type W. Weight rows 4 at a time,
-// each load of x serving the 4; the rows of x loop inside, so a block's weights come from memory
-// once per call. Each output is `dots` over K (order independent of M, of the block, of the thread).
-template <typename W>
-void linear_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, const float* bias, float* y,
-                 int threads) {
-  constexpr int NB = 4;
-  const int64_t blocks = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t n0 = blk * NB, nb = std::min<int64_t>(NB, N - n0);
-    float out[NB];
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      if (nb == NB) {
-        const W* rows[NB] = {w + n0 * K, w + (n0 + 1) * K, w + (n0 + 2) * K, w + (n0 + 3) * K};
-        dots<NB>(xm, rows, K, out);
-      } else {
-        for (int64_t j = 0; j < nb; ++j) {
-          const W* row = w + (n0 + j) * K;
-          dots<1>(xm, &row, K, out + j);
-        }
-      }
-      for (int64_t j = 0; j < nb; ++j) y[m * N + n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
-    }
-  }
-}
-
-// ---- packed weights: each block of 4 rows stored in the order `dots` reads it ----------------
-// Layout of a block (4 rows n0..n0+3 of [N, K]; rows past N are zeros): for each 16-wide step c,
-// the 16 weights of row 0, then of rows 1, 2, 3 (64 values); then, if K % 16 >= 8, the 8-wide
-// step as 4 x 8; then the scalar tail K % 8 as 4 x (K % 8). A block is 4 * K values, read as one
-// sequential stream (the hardware prefetcher follows one stream far better than four rows K
-// apart: measured 15-16 GB/s instead of 9-10 on bfloat16 here). The arithmetic is `dots<4>`'s,
-// value for value, so a packed product is bit-identical to the unpacked one.
+// ---- the matmul: packed weights, a fixed order per output ------------------------------------
+// Weights are packed (pack_rows) in blocks of 4 rows stored in the order the kernel reads them:
+// for each 8-wide step of K, the 8 weights of row 0, then of rows 1, 2, 3 (32 values); then the
+// scalar tail K % 8 as 4 x (K % 8) (rows past N are zeros). A product is then one sequential
+// stream, which the hardware prefetcher follows far better than four rows K apart (measured
+// 15-17 GB/s instead of 9-10 on bfloat16 here).
+//
+// The order of every output y[m, n] = x[m] . w[n]: one 8-lane float32 accumulator over K in steps
+// of 8 (FMA), a fixed horizontal sum, then the scalar tail in k order. It depends on K only, never
+// on M, on which rows of x are computed together, on the weight rows blocked with it or on the
+// thread: a token's outputs are the same bits alone (a one-token decode step) or next to others
+// (a verification of k drafts, other requests). bfloat16 weights are widened in registers (a
+// 16-bit shift, exact). One row streams the weights from memory; more rows are taken three (then
+// two, one) at a time against each weight load, the block staying in L1 between the groups, so an
+// extra row costs its FMAs only.
 constexpr int PACK = 4;
 
 template <typename W>
@@ -150,94 +128,38 @@ void pack_block(const W* w, int64_t nb, int64_t K, W* dst) {
     }
     k += width;
   };
-  while (k + 16 <= K) put(16);
-  if (k + 8 <= K) put(8);
+  while (k + 8 <= K) put(8);
   if (k < K) put(K - k);
 }
 
-template <typename W>
-inline void dots_packed(const float* x, const W* p, int64_t K, float* out) {
+// MB rows of x against the 4 weight rows of one packed block: out[m][j] = x[m] . w[j].
+template <int MB, typename W>
+inline void dots_packed(const float* const* x, const W* p, int64_t K, float (*out)[PACK], bool prefetch) {
   constexpr int64_t PF = 512;  // prefetch distance in values (1-2 KB ahead in the stream)
-  __m256 a[PACK], b[PACK];
-  for (int j = 0; j < PACK; ++j) a[j] = b[j] = _mm256_setzero_ps();
+  __m256 acc[MB][PACK];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < PACK; ++j) acc[m][j] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16, p += 16 * PACK) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + PF), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + PF) + 64, _MM_HINT_T0);
-    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+  for (; k + 8 <= K; k += 8, p += 8 * PACK) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + PF), _MM_HINT_T0);
+    __m256 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x[m] + k);
     for (int j = 0; j < PACK; ++j) {
-      a[j] = _mm256_fmadd_ps(x0, load8(p + 16 * j), a[j]);
-      b[j] = _mm256_fmadd_ps(x1, load8(p + 16 * j + 8), b[j]);
+      const __m256 w = load8(p + 8 * j);
+      for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(xv[m], w, acc[m][j]);
     }
   }
-  if (k + 8 <= K) {
-    const __m256 x0 = _mm256_loadu_ps(x + k);
-    for (int j = 0; j < PACK; ++j) a[j] = _mm256_fmadd_ps(x0, load8(p + 8 * j), a[j]);
-    k += 8;
-    p += 8 * PACK;
-  }
   const int64_t tail = K - k;
-  for (int j = 0; j < PACK; ++j) {
-    float s = hsum(_mm256_add_ps(a[j], b[j]));
-    for (int64_t t = 0; t < tail; ++t) s += x[k + t] * load1(p + j * tail + t);
-    out[j] = s;
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < PACK; ++j) {
+      float s = hsum(acc[m][j]);
+      for (int64_t t = 0; t < tail; ++t) s += x[m][k + t] * load1(p + j * tail + t);
+      out[m][j] = s;
+    }
   }
 }
 
-// Two rows of x against weight rows j0, j0 + 1 of a packed block: each (x row, weight row) pair
-// in exactly dots_packed's arithmetic (a over lanes [0, 8), b over [8, 16) of each 16-wide step,
-// the 8-wide step into a, hsum(a + b), then the scalar tail), so results are bit-identical to
-// one row at a time; each weight load (and bfloat16 widening) serves both rows.
-template <typename W>
-inline void dots_packed_2x2(const float* x0, const float* x1, const W* p, int64_t K, int j0, float* out0, float* out1) {
-  __m256 a00 = _mm256_setzero_ps(), b00 = a00, a01 = a00, b01 = a00, a10 = a00, b10 = a00, a11 = a00, b11 = a00;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16, p += 16 * PACK) {
-    const __m256 xa0 = _mm256_loadu_ps(x0 + k), xb0 = _mm256_loadu_ps(x0 + k + 8);
-    const __m256 xa1 = _mm256_loadu_ps(x1 + k), xb1 = _mm256_loadu_ps(x1 + k + 8);
-    __m256 w = load8(p + 16 * j0);
-    a00 = _mm256_fmadd_ps(xa0, w, a00);
-    a10 = _mm256_fmadd_ps(xa1, w, a10);
-    w = load8(p + 16 * j0 + 8);
-    b00 = _mm256_fmadd_ps(xb0, w, b00);
-    b10 = _mm256_fmadd_ps(xb1, w, b10);
-    w = load8(p + 16 * (j0 + 1));
-    a01 = _mm256_fmadd_ps(xa0, w, a01);
-    a11 = _mm256_fmadd_ps(xa1, w, a11);
-    w = load8(p + 16 * (j0 + 1) + 8);
-    b01 = _mm256_fmadd_ps(xb0, w, b01);
-    b11 = _mm256_fmadd_ps(xb1, w, b11);
-  }
-  if (k + 8 <= K) {
-    const __m256 xa0 = _mm256_loadu_ps(x0 + k), xa1 = _mm256_loadu_ps(x1 + k);
-    __m256 w = load8(p + 8 * j0);
-    a00 = _mm256_fmadd_ps(xa0, w, a00);
-    a10 = _mm256_fmadd_ps(xa1, w, a10);
-    w = load8(p + 8 * (j0 + 1));
-    a01 = _mm256_fmadd_ps(xa0, w, a01);
-    a11 = _mm256_fmadd_ps(xa1, w, a11);
-    k += 8;
-    p += 8 * PACK;
-  }
-  const int64_t tail = K - k;
-  float s00 = hsum(_mm256_add_ps(a00, b00)), s01 = hsum(_mm256_add_ps(a01, b01));
-  float s10 = hsum(_mm256_add_ps(a10, b10)), s11 = hsum(_mm256_add_ps(a11, b11));
-  for (int64_t t = 0; t < tail; ++t) {
-    const float w0 = load1(p + j0 * tail + t), w1 = load1(p + (j0 + 1) * tail + t);
-    s00 += x0[k + t] * w0;
-    s01 += x0[k + t] * w1;
-    s10 += x1[k + t] * w0;
-    s11 += x1[k + t] * w1;
-  }
-  out0[j0] = s00;
-  out0[j0 + 1] = s01;
-  out1[j0] = s10;
-  out1[j0 + 1] = s11;
-}
-
-// y[m, :N] = x[m] @ w.T (+ b) with w packed (pack_block per 4 rows): one row straight from
-// memory (dots_packed, memory-bound); more rows two at a time (dots_packed_2x2: each weight
-// load serves both; the block is in L1 after the first pass). Same bits for any number of rows.
+// y[m, :N] = x[m] @ w.T (+ b), w packed, for M rows of x.
 template <typename W>
 void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N, const float* bias, float* y,
                    int threads) {
@@ -246,20 +168,25 @@ void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N,
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t n0 = blk * PACK, nb = std::min<int64_t>(PACK, N - n0);
     const W* p = wp + blk * PACK * K;
-    float out0[PACK], out1[PACK];
-    auto store = [&](int64_t m, const float* out) {
-      for (int64_t j = 0; j < nb; ++j) y[m * N + n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
+    float out[3][PACK];
+    auto store = [&](int64_t m, int rows) {
+      for (int i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < nb; ++j) y[(m + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
     };
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) {
-      dots_packed_2x2(x + m * K, x + (m + 1) * K, p, K, 0, out0, out1);
-      dots_packed_2x2(x + m * K, x + (m + 1) * K, p, K, 2, out0, out1);
-      store(m, out0);
-      store(m + 1, out1);
+    for (; m + 3 <= M; m += 3) {
+      const float* xs[3] = {x + m * K, x + (m + 1) * K, x + (m + 2) * K};
+      dots_packed<3>(xs, p, K, out, m == 0);
+      store(m, 3);
     }
-    if (m < M) {
-      dots_packed(x + m * K, p, K, out0);
-      store(m, out0);
+    if (M - m == 2) {
+      const float* xs[2] = {x + m * K, x + (m + 1) * K};
+      dots_packed<2>(xs, p, K, out, m == 0);
+      store(m, 2);
+    } else if (M - m == 1) {
+      const float* xs[1] = {x + m * K};
+      dots_packed<1>(xs, p, K, out, m == 0);
+      store(m, 1);
     }
   }
 }
@@ -282,13 +209,17 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc
       const int64_t t = tk / Hkv, kvh = tk % Hkv, L = lens[t];
       const float* qv = q + (t * H + kvh * G) * D;  // the G heads' queries, consecutive
       scores.resize(G * L);
-      auto row = [&](const C* cache, int64_t p) -> const C* {
-        const int64_t block = tables[t * max_blocks + p / bs];
-        return cache + (block * bs + p % bs) * row_stride + kvh * D;
+      // position p's key/value row: block tables[t, p / bs], row p % bs (walked block by block)
+      const int64_t* table = tables + t * max_blocks;
+      auto for_each_row = [&](const C* cache, auto&& f) {
+        for (int64_t p0 = 0; p0 < L; p0 += bs) {
+          const C* base = cache + table[p0 / bs] * bs * row_stride + kvh * D;
+          const int64_t n = std::min(bs, L - p0);
+          for (int64_t i = 0; i < n; ++i) f(p0 + i, base + i * row_stride);
+        }
       };
       std::fill(mx.begin(), mx.end(), -INFINITY);
-      for (int64_t p = 0; p < L; ++p) {
-        const C* kr = row(kc, p);
+      for_each_row(kc, [&](int64_t p, const C* kr) {
         for (int64_t g = 0; g < G; ++g) {
           float s;
           dots<1>(qv + g * D, &kr, D, &s);
@@ -296,7 +227,7 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc
           scores[g * L + p] = s;
           mx[g] = s > mx[g] ? s : mx[g];
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         float total = 0.0f;
         float* sc = scores.data() + g * L;
@@ -307,8 +238,7 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc
         sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t p = 0; p < L; ++p) {
-        const C* vv = row(vc, p);
+      for_each_row(vc, [&](int64_t p, const C* vv) {
         int64_t d = 0;
         for (; d + 8 <= D; d += 8) {
           const __m256 v = load8(vv + d);
@@ -321,7 +251,7 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc
           const float v = load1(vv + d);
           for (int64_t g = 0; g < G; ++g) acc[g * D + d] += scores[g * L + p] * v;
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.0f / sum[g];
         float* o = out + (t * H + kvh * G + g) * D;
@@ -364,31 +294,6 @@ const float* opt_f32(const torch::Tensor& t, const char* what) {
 }
 
 }  // namespace
-
-torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor b) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "rows_linear: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "rows_linear: x must be float32");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16,
-              "rows_linear: w must be float32 or bfloat16");
-  TORCH_CHECK(x.size(1) == w.size(1), "rows_linear: x and w disagree on K");
-  TORCH_CHECK(!b.defined() || b.numel() == 0 || (b.numel() == w.size(0) && b.scalar_type() == torch::kFloat32),
-              "rows_linear: b must be float32 [N] or empty");
-  x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const bool has_bias = b.defined() && b.numel() > 0;
-  if (has_bias) b = b.contiguous();
-  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
-  const int threads = at::get_num_threads();
-  if (w.scalar_type() == torch::kBFloat16) {
-    linear_rows(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, bp,
-                y.data_ptr<float>(), threads);
-  } else {
-    linear_rows(x.data_ptr<float>(), M, K, w.data_ptr<float>(), N, bp, y.data_ptr<float>(), threads);
-  }
-  return y;
-}
 
 // w [N, K] float32 or bfloat16 -> the packed layout (see pack_block) as [ceil(N / 4) * 4, K].
 torch::Tensor pack_rows(torch::Tensor w) {
@@ -439,6 +344,15 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, int64_t n, torch:
   auto y = torch::empty({M, n}, x.options());
   with_weights(wp, [&](const auto* w) { linear_packed(x.data_ptr<float>(), M, K, w, n, bp, y.data_ptr<float>(), at::get_num_threads()); });
   return y;
+}
+
+// rows_linear: packed_linear on weights in their plain [N, K] layout (packed for the call: a copy
+// of the weights per call; the engine packs once at load).
+torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor b) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "rows_linear: x [M, K] and w [N, K]");
+  TORCH_CHECK(x.size(1) == w.size(1), "rows_linear: x and w disagree on K");
+  if (b.defined() && b.numel() > 0) b = b.contiguous();
+  return packed_linear(x, pack_rows(w), w.size(0), b);
 }
 
 // Paged attention for a few query tokens, each over exactly its own context, in a fixed order:

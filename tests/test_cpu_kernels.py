@@ -80,16 +80,23 @@ def test_rows_attention_matches_a_dense_reference_and_is_row_invariant(cdtype):
 
 # --- packed weights ---------------------------------------------------------------------------
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(300, 512), (301, 77), (6, 5)])  # whole and partial 4-row blocks; K tails
-def test_packed_linear_is_bit_identical_to_rows_linear(wdtype, n, k):
+@pytest.mark.parametrize(("n", "k"), [(301, 77), (6, 5), (8, 16)])  # partial 4-row blocks; K tails; none
+def test_packed_linear_matches_a_reference_for_any_grouping_of_rows(wdtype, n, k):
+    """Rows are computed three, two or one at a time against each weight load depending on M: a
+    row's result must not depend on that (nor on its place), and must match float64."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(n, k, generator=g).to(wdtype)
     b = torch.randn(n, generator=g)
-    x = torch.randn(5, k, generator=g)
+    x = torch.randn(7, k, generator=g)
     packed = cpu_kernels.pack_rows(w)
     assert packed.shape == (-(-n // 4) * 4, k) and packed.dtype == wdtype
-    assert torch.equal(cpu_kernels.packed_linear(x, packed, n, b), cpu_kernels.rows_linear(x, w, b))
-    assert torch.equal(cpu_kernels.packed_linear(x, packed, n, None), cpu_kernels.rows_linear(x, w, None))
+    y = cpu_kernels.packed_linear(x, packed, n, b)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    for start in range(7):
+        for stop in range(start + 1, 8):
+            assert torch.equal(cpu_kernels.packed_linear(x[start:stop].clone(), packed, n, b), y[start:stop])
+    assert torch.equal(cpu_kernels.rows_linear(x, w, b), y)
     with pytest.raises(RuntimeError, match="packed weights of"):
         cpu_kernels.packed_linear(x, packed, n + 4, None)
 

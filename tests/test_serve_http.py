@@ -208,6 +208,44 @@ def test_errors_are_openai_errors(served: Served) -> None:
         client.completions.create(model=m, prompt="a", max_tokens=4, stream=True, temperature=-1.0)
 
 
+def test_disaggregated_mode_serves_http_the_same(served: Served) -> None:
+    """A prefill/decode app (prompts of >= 16 tokens prefilled by the prefill pool and handed over
+    through the object store) on the same Serve: HTTP completions and chat equal the co-located
+    app's gRPC output, and the decode replica counts them as prefilled remotely."""
+    from ray import serve
+
+    from deployments.app import bind_app
+    from deployments.config import AppConfig
+
+    pd_app = f"{APP}-pd"
+    args = {"model": served.model, "device": "cpu", "dtype": "float32", "max_num_seqs": 2, "max_prompt_tokens": 64,
+            "max_tokens": 64, "mode": "disaggregated",
+            "speculative": {"method": "ngram", "model": None, "num_speculative_tokens": 4, "adaptive": False},
+            "disaggregation": {"min_prompt_tokens": 16, "transport": "object_store"}}
+    no_cpus = {"ray_actor_options": {"num_cpus": 0}}  # the module's Ray has 2 CPUs; the main app holds 1
+    serve.run(bind_app(AppConfig.from_dict(args), no_cpus, prefill_overrides=no_cpus), name=pd_app,
+              route_prefix=f"/{pd_app}")
+    try:
+        client = openai.OpenAI(base_url=f"{served.http_base.removesuffix(APP)}{pd_app}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        prompt = "def fibonacci(n): return n if n < 2 else"
+        ids, text, _ = grpc_greedy(served, prompt)
+        chunks = list(client.completions.create(model=served.model, prompt=prompt, stream=True,
+                                                extra_body=IGNORE_EOS, **GREEDY))
+        assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
+        assert "".join(c.choices[0].text for c in chunks) == text
+        messages = [{"role": "user", "content": "write a function that adds two numbers"}]
+        rendered = f"user: {messages[0]['content']}\nassistant: "
+        _, chat_text, _ = grpc_greedy(served, rendered)
+        out = client.chat.completions.create(model=served.model, messages=messages, extra_body=IGNORE_EOS, **GREEDY)
+        assert out.choices[0].message.content == chat_text
+        counts = serve.get_deployment_handle("SpecDecode", app_name=pd_app).prefill_counts.remote().result(
+            timeout_s=30)
+        assert counts.get("remote", 0) == 2 and counts.get("fallback", 0) == 0, counts
+    finally:
+        serve.delete(pd_app)
+
+
 # --- disconnects, models, health, tracing ---------------------------------------------------------------
 def test_client_disconnect_mid_stream_frees_the_kv_blocks(served: Served) -> None:
     client = served.openai()
