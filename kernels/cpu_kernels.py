@@ -26,13 +26,23 @@ BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "torch_extensions"
 ENV_DISABLE = "SPECDECODE_CPU_KERNELS"  # "0": never build or use them
 
 
-def cpu_supports_avx2_fma() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+        return frozenset()
+
+
+def cpu_supports_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= cpu_flags()
+
+
+def emulated_bf16() -> bool:
+    """True on a CPU whose bfloat16 matmuls torch emulates (no AVX512-BF16 or AMX-BF16: ~6x slower
+    than float32 here), where the packed kernels serve bfloat16 weights better, prefill included."""
+    return available() and not ({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @functools.cache

@@ -119,6 +119,8 @@ class EagleProposer(Proposer):
 
             self.rope_f32 = rope_cos_sin(hf, max_pos, torch.float32, self.device)
             self.layer.row_weights()
+            if self.dtype == torch.bfloat16 and cpu_kernels.emulated_bf16():
+                self.layer.use_packed_matmuls()  # catch-up forwards too (torch emulates bf16 here)
             self.packed_fc = cpu_kernels.pack_rows(self.fc.weight)
             self.head.use_row_kernel(runner.model.packed_lm_head())
         self.backend = runner.backend
@@ -224,7 +226,12 @@ class EagleProposer(Proposer):
             cos, sin = self.rope_f32[0][rope_pos], self.rope_f32[1][rope_pos]
             out, residual = self.layer.forward_rows(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata)
             return (residual + out)[last].to(self.dtype)
-        x = self.fc(inputs)
+        if self.layer.packed_matmuls:
+            from kernels import cpu_kernels
+
+            x = cpu_kernels.packed_linear(inputs, self.packed_fc, self.arch.hidden_size, self.fc.bias)
+        else:
+            x = self.fc(inputs)
         cos, sin = self.rope_cos[rope_pos].unsqueeze(1), self.rope_sin[rope_pos].unsqueeze(1)
         out, residual = self.layer(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
         return (residual + out)[last]
