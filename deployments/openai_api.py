@@ -432,6 +432,9 @@ async def _respond(ingress: Any, request: Request, body: _GenerationRequest, gen
     except ClientError as e:
         await stream.aclose()
         raise api_error(e, label) from None
+    except StopAsyncIteration:
+        logger.error("request %r: the stream ended without a message", label)
+        raise ApiError(500, INTERNAL_MESSAGE) from None
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     return StreamingResponse(_events(stream, first, builder, include_usage, label), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
