@@ -171,18 +171,39 @@ def test_mtp_heads_layout_and_agreement(target, target_out):
     assert agree >= MTP_HEAD0_AGREEMENT_FLOOR, agree
 
 
-def test_shipped_models_run_in_our_engine():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shipped_models_run_in_our_engine(dtype):
     """The target and each shipped drafter load in our engine; speculative greedy output equals
-    non-speculative greedy output in fp32 for a held-out-style prompt."""
+    non-speculative greedy output (batch 1, the default `exact: auto`) in both dtypes."""
     from engine import LLM, SamplingParams, SpeculativeConfig
 
     target = str(need("target"))
     prompt = "def read_config(path):\n    with open(path) as f:\n"
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    base = LLM(target, dtype="float32", device="cpu").generate([prompt], sp)[0]
+    base = LLM(target, dtype=dtype, device="cpu").generate([prompt], sp)[0]
     assert len(base.token_ids) == 24 and base.text
     for method, folder in (("draft", "drafter"), ("eagle", "eagle-head"), ("mtp", "mtp-heads")):
         spec = SpeculativeConfig(method=method, model=str(need(folder)), num_speculative_tokens=4, adaptive=False)
-        out = LLM(target, dtype="float32", device="cpu", speculative=spec).generate([prompt], sp)[0]
+        out = LLM(target, dtype=dtype, device="cpu", speculative=spec).generate([prompt], sp)[0]
         assert out.token_ids == base.token_ids, method
         assert out.spec_stats["num_draft_tokens"] > 0, method
+
+
+def test_shipped_batch_invariant_mode_mixed_batch_equals_batch_one():
+    """`exact: batch_invariant`: three requests decoded together with EAGLE give, each, the
+    greedy text the target alone gives that request at batch 1 (float32; bfloat16 mixed batches:
+    tests/test_exact.py on tiny models)."""
+    dtype = "float32"
+    from engine import LLM, SamplingParams, SpeculativeConfig
+
+    target = str(need("target"))
+    prompts = ["def read_config(path):\n    with open(path) as f:\n", "class Stack:\n    def __init__(self",
+               "import os\n\n\ndef main():\n    for name in os.listdir("]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(target, dtype=dtype, device="cpu", exact="batch_invariant")
+    alone = [plain.generate([p], sp)[0].token_ids for p in prompts]
+    spec = SpeculativeConfig(method="eagle", model=str(need("eagle-head")), num_speculative_tokens=4, adaptive=False)
+    fast = LLM(target, dtype=dtype, device="cpu", speculative=spec, exact="batch_invariant")
+    together = [o.token_ids for o in fast.generate(prompts, sp)]
+    assert together == alone
+    assert fast.engine.spec_stats.num_draft_tokens > 0

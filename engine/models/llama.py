@@ -114,9 +114,10 @@ def linear(mod: nn.Linear, x: torch.Tensor, tile_rows: int = 0, packed: torch.Te
     independent of n: the rows go through products of exactly `tile_rows` rows each (the last
     tile padded with zero rows); `tile_rows` 1 is one row-vector product per row; ROW_KERNEL is
     kernels.cpu_kernels.rows_linear, row-invariant by construction (one pass over the weights)."""
-    if packed is not None and tile_rows <= 0:
+    if packed is not None:
         # bfloat16 weights on a CPU without native bfloat16 products (torch emulates them, ~6x
-        # slower): the packed kernel (`packed`: cpu_kernels.pack_rows of mod.weight) serves any rows.
+        # slower): the packed kernel (`packed`: cpu_kernels.pack_rows of mod.weight) serves any
+        # rows, and any `tile_rows` (its rows never depend on the others: no tiles needed).
         return cpu_kernels.packed_linear(x, packed, mod.weight.shape[0], mod.bias)
     if tile_rows == ROW_KERNEL:
         return cpu_kernels.rows_linear(x, mod.weight, mod.bias)
