@@ -298,8 +298,10 @@ class ModelRunner:
             if s.needs_sample:
                 end = batch.cu_query_lens[i + 1]
                 rows.extend(range(end - len(s.spec_token_ids) - 1, end))
+        if self.device.type == "cuda":  # the forward's kernels are queued: time them, not their launch
+            torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
-        sampled = self._sample(sampling, hidden, rows, tile) if sampling else []
+        sampled = self._sample(sampling, hidden, rows, tile) if sampling else []  # lists: synchronized
         t2 = time.perf_counter()
         it = iter(sampled)
         out = [next(it) if s.needs_sample else [] for s in sched.scheduled]
