@@ -1,4 +1,4 @@
-"""What Ray Serve + gRPC add to latency: TTFT and TPOT at batch 1, served vs in-process.
+"""What Ray Serve + gRPC (or HTTP) add to latency: TTFT and TPOT at batch 1, served vs in-process.
 
     python -m bench.bench_serve [--model models/target --drafter models/drafter --method draft -k 4]
         [--num-requests 20 --max-tokens 64] [--no-speculation] [--out bench/results/serve.json]
@@ -7,9 +7,11 @@ Loads the same engine config three times on this machine: `engine.AsyncLLM` in t
 the SpecDecode application on an embedded Ray Serve (gRPC proxy -> ingress -> engine replica),
 called through its gRPC proxy with `deployments.client`; and, on the same Serve, a "direct"
 application whose engine replica answers the proxy itself (no ingress hop: what the service was
-before the ingress, kept here to measure the hop). Requests rotate between the three (same
-prompt back to back, the idle engines sleeping) so that other load on the machine hits all alike. Requests are sequential
-(batch 1), greedy and ignore EOS (fixed length).
+before the ingress, kept here to measure the hop); and the SpecDecode application again through
+Serve's HTTP proxy, streaming the OpenAI-compatible `/v1/completions` (server-sent events; HTTP
+proxy -> ingress -> engine replica). Requests rotate between the four (same prompt back to back,
+the idle engines sleeping) so that other load on the machine hits all alike. Requests are
+sequential (batch 1), greedy and ignore EOS (fixed length).
 TTFT: request sent -> first token received. TPOT: (last token - first token) / (tokens - 1).
 Medians over --num-requests after --warmup requests, for speculation on (if a drafter is
 configured) and off (per request). Goal: Serve+gRPC add < 10 ms to TTFT and < 15% to TPOT.
@@ -40,6 +42,7 @@ PROMPTS = [
     "for i in range(10):",
 ]
 TTFT_GOAL_MS = 10.0
+SERVED_PATHS = ("serve_grpc", "serve_grpc_direct", "serve_http")
 TPOT_GOAL = 0.15
 
 
@@ -146,9 +149,10 @@ class Served:
         from deployments.config import DEPLOYMENT_NAME
 
         port = port or free_port()
+        self.http_port = free_port()
         ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False, log_to_driver=False)
         serve.start(
-            http_options={"host": "127.0.0.1", "port": free_port()},
+            http_options={"host": "127.0.0.1", "port": self.http_port},
             grpc_options={"port": port, "grpc_servicer_functions": [
                 "deployments.servicer.add_SpecDecodeServicer_to_server"]},
         )
@@ -167,6 +171,9 @@ class Served:
     def runner(self, direct: bool):
         return _ServedPath(self, self.direct if direct else self.client)
 
+    def http_runner(self):
+        return _HttpPath(f"http://127.0.0.1:{self.http_port}/bench", self.client.model_info().model)
+
     def unary_round_trip_ms(self, client, n: int = 30) -> float:
         """Median GetModelInfo round trip: client -> gRPC proxy -> (ingress ->) replica -> back,
         with no engine step in it (a snapshot of the engine's stats): the floor Serve + gRPC add
@@ -177,6 +184,19 @@ class Served:
             client.model_info()
             times.append(time.perf_counter() - t0)
             time.sleep(0.02)
+        return statistics.median(times) * 1e3
+
+    def http_round_trip_ms(self, n: int = 30) -> float:
+        """Median GET /v1/models round trip (an engine replica's ModelInfo, as GetModelInfo)."""
+        import requests
+
+        times = []
+        with requests.Session() as session:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                session.get(f"http://127.0.0.1:{self.http_port}/bench/v1/models", timeout=60).raise_for_status()
+                times.append(time.perf_counter() - t0)
+                time.sleep(0.02)
         return statistics.median(times) * 1e3
 
     def close(self) -> None:
@@ -208,6 +228,39 @@ class _ServedPath:
         return result
 
 
+class _HttpPath:
+    """Streamed `/v1/completions` through Serve's HTTP proxy (one keep-alive session)."""
+
+    def __init__(self, base_url: str, model: str) -> None:
+        import requests
+
+        self.url, self.model = f"{base_url}/v1/completions", model
+        self.session = requests.Session()
+
+    def request(self, prompt: str | list[int], max_tokens: int, speculative: bool) -> Sample:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "specdecode": {"ignore_eos": True, "return_token_ids": True,
+                               "speculation": "default" if speculative else "off"}}
+        start = time.perf_counter()
+        first, n, final = None, 0, None
+        with self.session.post(self.url, json=body, stream=True, timeout=600) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[len(b"data: "):])
+                num = sum(len(c.get("token_ids", [])) for c in event["choices"])
+                if num and first is None:
+                    first = time.perf_counter()
+                n += num
+                final = event.get("specdecode", final)
+        result = sample(start, first, time.perf_counter(), n)
+        timing = final["timing"]
+        result.server_ttft_s = timing["ttft_s"]
+        result.server_tpot_s = (timing["e2e_s"] - timing["ttft_s"]) / (n - 1)
+        return result
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -215,10 +268,10 @@ def free_port() -> int:
 
 
 def run_rotation(in_process: InProcess, served: Served, args: argparse.Namespace, modes: list[str]) -> dict:
-    """Rotate in-process, served (ingress) and served-direct requests (same prompt back to back)
-    so that load from elsewhere on the machine hits all paths alike; idle engines sleep."""
+    """Rotate in-process, served (ingress), served-direct and HTTP requests (same prompt back to
+    back) so that load from elsewhere on the machine hits all paths alike; idle engines sleep."""
     paths = {"in_process": in_process, "serve_grpc": served.runner(direct=False),
-             "serve_grpc_direct": served.runner(direct=True)}
+             "serve_grpc_direct": served.runner(direct=True), "serve_http": served.http_runner()}
     names = list(paths)
     results = {}
     for mode in modes:
@@ -231,7 +284,7 @@ def run_rotation(in_process: InProcess, served: Served, args: argparse.Namespace
         samples = {name: s[args.warmup :] for name, s in samples.items()}
         a = samples["in_process"]
         results[mode] = {name: summarize(s) for name, s in samples.items()}
-        for name in ("serve_grpc", "serve_grpc_direct"):
+        for name in SERVED_PATHS:
             b = samples[name]
             results[mode][f"{name}_ttft_added_ms_paired_median"] = statistics.median(
                 (y.ttft_s - x.ttft_s) * 1e3 for x, y in zip(a, b, strict=True))
@@ -294,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_rotation(in_process, served, args, modes)
             unary_ms = served.unary_round_trip_ms(served.client)
             unary_direct_ms = served.unary_round_trip_ms(served.direct)
+            unary_http_ms = served.http_round_trip_ms()
         finally:
             served.close()
     finally:
@@ -304,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         r = results[mode]
         a = r["in_process"]
         row = {"mode": mode, **r}
-        for name in ("serve_grpc", "serve_grpc_direct"):
+        for name in SERVED_PATHS:
             b = r[name]
             row[f"{name}_ttft_added_ms"] = b["ttft_ms_median"] - a["ttft_ms_median"]
             row[f"{name}_tpot_added_fraction"] = b["tpot_ms_median"] / a["tpot_ms_median"] - 1.0
@@ -324,11 +378,12 @@ def main(argv: list[str] | None = None) -> int:
         "num_requests": args.num_requests,
         "warmup": args.warmup,
         "max_tokens": args.max_tokens,
-        "schedule": "in-process / served (ingress) / served direct rotating, same prompt back to back",
+        "schedule": "in-process / served (ingress) / served direct / HTTP rotating, same prompt back to back",
         "goals": {"ttft_added_ms_below": TTFT_GOAL_MS, "tpot_added_fraction_below": TPOT_GOAL},
         "results": rows,
         "unary_round_trip_ms_median": unary_ms,
         "unary_round_trip_direct_ms_median": unary_direct_ms,
+        "unary_round_trip_http_ms_median": unary_http_ms,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -337,11 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'mode':<8} {'path':<18} {'TTFT ms':>9} {'TPOT ms':>9}")
     ok = lambda flag: "ok" if flag else "MISSED"  # noqa: E731
     for row in rows:
-        for path in ("in_process", "serve_grpc", "serve_grpc_direct"):
+        for path in ("in_process", *SERVED_PATHS):
             r = row[path]
             print(f"{row['mode']:<8} {path:<18} {r['ttft_ms_median']:>9.2f} {r['tpot_ms_median']:>9.2f}")
-        for name in ("serve_grpc", "serve_grpc_direct"):
-            label = "added, ingress" if name == "serve_grpc" else "added, direct"
+        for name in SERVED_PATHS:
+            label = {"serve_grpc": "added, ingress", "serve_grpc_direct": "added, direct", "serve_http": "added, HTTP"}[name]
             print(f"{row['mode']:<8} {label:<18} "
                   f"{row[name + '_ttft_added_ms']:>+9.2f} {row[name + '_tpot_added_fraction']:>+9.1%}   "
                   f"(paired: {row[name + '_ttft_added_ms_paired_median']:+.2f} ms, "
@@ -352,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['mode']:<8} {'  in replica':<18} {b['server_side_ttft_ms_median']:>9.2f} "
               f"{b['server_side_tpot_ms_median']:>9.2f}   (engine timings inside the replica)")
     print(f"GetModelInfo round trip (no engine step): {unary_ms:.2f} ms with the ingress, "
-          f"{unary_direct_ms:.2f} ms direct")
+          f"{unary_direct_ms:.2f} ms direct; GET /v1/models over HTTP {unary_http_ms:.2f} ms")
     print(f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"wrote {out}")
     return 0
