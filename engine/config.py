@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "mtp")
+SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "eagle3", "mtp")
 # How a step keeps each token's logits independent of how many tokens it computes
 # (engine/model_runner.py explains each).
 EXACT_MODES = ("auto", "rows", "pad", "batch_invariant", "off")
@@ -55,7 +55,9 @@ class SpeculativeConfig:
     """Speculative decoding: who drafts, how many tokens, and whether k adapts.
 
     method: "draft" (a small model, `model` = its checkpoint dir), "ngram" (prompt lookup, no
-    model), "eagle" (`model` = an EAGLE head dir), "mtp" (`model` = MTP heads dir).
+    model), "eagle" (`model` = an EAGLE head dir), "eagle3" (`model` = an EAGLE-3 head dir in the
+    published layout: SpecForge / EAGLE repo, as vLLM and SGLang load it), "mtp" (`model` = MTP
+    heads dir).
     adaptive: choose k per request from its predicted acceptance and switch speculation off for a
     step when the batch is large enough that verifying costs more than it saves (engine/spec/
     speculator.py). acceptance_ema_alpha: how fast a request's own acceptance counts forget, per
@@ -78,7 +80,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        if self.method in ("draft", "eagle", "mtp") and not self.model:
+        if self.method in ("draft", "eagle", "eagle3", "mtp") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs `model` (a checkpoint directory)")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(
@@ -95,3 +97,8 @@ class SpeculativeConfig:
                 raise ValueError(f"draft_vocab_size must be None or an integer >= 0, got {self.draft_vocab_size!r}")
             if self.method == "ngram" and self.draft_vocab_size:
                 raise ValueError("draft_vocab_size does not apply to ngram drafting (it has no LM head)")
+            if self.method == "eagle3":
+                raise ValueError(
+                    "draft_vocab_size does not apply to eagle3: the checkpoint's own `draft_vocab_size` "
+                    "and `d2t` map fix its draft vocabulary; leave it None"
+                )

@@ -167,6 +167,7 @@ class LLMEngine:
                 speculative, make_proposer(speculative, self.runner), max_model_len, max_num_batched_tokens
             )
             self.runner.keep_hidden_states = self.speculator.proposer.needs_hidden_states
+            self.runner.model.aux_layer_ids = self.speculator.proposer.aux_layer_ids
             num_lookahead = speculative.num_speculative_tokens
 
         num_blocks = self._num_kv_blocks(max_model_len)

@@ -177,6 +177,9 @@ class ModelRunnerOutput:
     # Final-norm hidden states of each scheduled request's computed positions, for the proposers
     # that read the target's features (EAGLE, MTP); None unless asked for.
     hidden_states: torch.Tensor | None = None
+    # The residual stream at the target's auxiliary layer boundaries (EAGLE-3), same rows,
+    # [num_tokens, num_aux * hidden]; None unless the model keeps them (`aux_layer_ids`).
+    aux_hidden_states: torch.Tensor | None = None
     cu_query_lens: list[int] = field(default_factory=list)
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
@@ -310,6 +313,7 @@ class ModelRunner:
         return ModelRunnerOutput(
             out,
             hidden_states=hidden if self.keep_hidden_states else None,
+            aux_hidden_states=self.model.aux_hidden_states if self.model.aux_layer_ids else None,
             cu_query_lens=batch.cu_query_lens,
             forward_time_s=t1 - t0,
             sample_time_s=t2 - t1,

@@ -253,6 +253,13 @@ class CausalLM(nn.Module):
         self.rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # for the fused row path
         self._norm_f32: torch.Tensor | None = None
         self._packed_lm_head: torch.Tensor | None = None
+        # EAGLE-3's auxiliary features: `forward` also keeps the residual stream at these layer
+        # boundaries (b: the input of decoder layer b = the output of layer b - 1, HF's
+        # `hidden_states[b]`; b = num_layers: the last layer's output before the final norm),
+        # concatenated in this order into `aux_hidden_states` [num_tokens, len(ids) * hidden].
+        # Empty: nothing is kept (no extra work).
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def set_rope(self, cos: torch.Tensor, sin: torch.Tensor, cos_f32: torch.Tensor | None = None,
                  sin_f32: torch.Tensor | None = None) -> None:
@@ -270,9 +277,20 @@ class CausalLM(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
         sin = self.rope_sin[positions].unsqueeze(1)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        aux_ids, aux = self.aux_layer_ids, []
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if aux_ids and i in aux_ids:
+                aux.append(x if residual is None else residual + x)
             x, residual = layer(x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend, tile_rows)
+        if aux_ids:
+            self._keep_aux(aux, residual + x)
         return F.rms_norm(residual + x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
+
+    def _keep_aux(self, aux: list[torch.Tensor], last: torch.Tensor) -> None:
+        """aux: the kept boundaries below num_layers in layer order; last: the last layer's output."""
+        if len(self.layers) in self.aux_layer_ids:
+            aux.append(last)
+        self.aux_hidden_states = torch.cat(aux, dim=-1).to(self.norm.dtype)
 
     def _forward_rows(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
         """`forward` for a step of a few tokens through `cpu_kernels.rows_layer`: activations in
@@ -282,8 +300,13 @@ class CausalLM(nn.Module):
         x = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).float()
         cos, sin = self.rope_f32[0][positions], self.rope_f32[1][positions]
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        aux_ids, aux = self.aux_layer_ids, []
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if aux_ids and i in aux_ids:
+                aux.append(x if residual is None else residual + x)
             x, residual = layer.forward_rows(x, residual, cos, sin, k_cache, v_cache, attn_metadata)
+        if aux_ids:
+            self._keep_aux(aux, residual + x)
         if self._norm_f32 is None:
             self._norm_f32 = self.norm.detach().float()
         hidden = F.rms_norm(residual + x, (cfg.hidden_size,), self._norm_f32, cfg.rms_norm_eps)

@@ -20,6 +20,10 @@ def make_proposer(config: SpeculativeConfig, runner):
         from engine.spec.proposers.eagle import EagleProposer
 
         return EagleProposer(config.model, runner, config.draft_vocab_size, config.num_speculative_tokens)
+    if config.method == "eagle3":
+        from engine.spec.proposers.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer(config.model, runner, config.num_speculative_tokens)
     if config.method == "mtp":
         from engine.spec.proposers.mtp import MTPProposer
 

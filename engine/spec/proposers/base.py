@@ -79,12 +79,15 @@ class Proposer:
     request and step. propose_is_free: drafting costs microseconds, so the speculator looks up
     drafts before deciding whether a step verifies them (n-gram lookup). needs_hidden_states: it
     reads the target's final-norm hidden states, handed to `observe_step` after every step.
+    aux_layer_ids: the target's layer boundaries whose residual stream it reads (EAGLE-3; see
+    `CausalLM.aux_layer_ids`), handed to `observe_step` as `aux_hidden_states`; () for none.
     """
 
     method: str = ""
     max_k: int = 16
     propose_is_free: bool = False
     needs_hidden_states: bool = False
+    aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(self) -> None:
         self.states: dict[str, object] = {}  # request id -> this proposer's per-request state

@@ -48,14 +48,16 @@ def import_hidden_rows(method: str, state, hidden_size: int, num_computed_tokens
     return state.to(device, dtype)
 
 
-def committed_hidden(sched, runner_out) -> Iterator[tuple[Request, int, torch.Tensor]]:
+def committed_hidden(sched, runner_out, hidden: torch.Tensor | None = None) -> Iterator[tuple[Request, int, torch.Tensor]]:
     """(request, position of its first row, rows [m, H]) of each scheduled, unfinished request's
-    newly committed positions. The rows are views of the step's output: clone what you keep.
+    newly committed positions, from `hidden` [num_tokens, H] (default: the step's final-norm
+    `hidden_states`; EAGLE-3 passes `aux_hidden_states`). The rows are views of the step's
+    output: clone what you keep.
 
     Example: a verification of 3 drafts with 2 accepted commits rows [c, c+1, c+2] (the last
     token and 2 drafts) of the request's 4 query rows; a partial prefill chunk commits all rows.
     """
-    hidden = runner_out.hidden_states
+    hidden = runner_out.hidden_states if hidden is None else hidden
     cu = runner_out.cu_query_lens
     for i, (s, tokens) in enumerate(zip(sched.scheduled, runner_out.sampled_token_ids, strict=True)):
         r: Request = s.request

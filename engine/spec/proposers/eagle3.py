@@ -1,0 +1,447 @@
+"""EAGLE-3 proposer: a published EAGLE-3 head (SpecForge / the EAGLE repo) on the target's
+auxiliary features, loaded from the layout vLLM and SGLang read.
+
+The target keeps the residual stream at three layer boundaries (low, mid, high: `aux_layer_ids`,
+see `CausalLM.aux_layer_ids`) in the same forward as its step. For a committed position j the
+head's input feature is g_j = fc(cat(a_j^low, a_j^mid, a_j^high)) (3 * target hidden -> hidden).
+Element j pairs a feature g_j with token j+1 (embedding e), at RoPE position j and at position j
+of the head's own one-layer paged KV cache (the target's block tables). The midlayer:
+
+    x   = cat(input_layernorm(e), hidden_norm(g))         # [2H]: q/k/v take 2H inputs
+    r   = g + o_proj(attention(x))                          # (norm_before_residual: hidden_norm(g) + ...)
+    out = r + mlp(post_attention_layernorm(r))              # the element's output feature
+    logits = lm_head(norm(out))                             # over the draft vocabulary [N]
+
+and a draft id i is target token i + d2t[i]. Drafting runs the midlayer autoregressively on its
+own features (the paper's training-time test): the output feature of element j and the token it
+drafted form element j+1. Sampled drafts carry q over the target's whole vocabulary (zero
+outside the N mapped tokens), so rejection sampling stays exact.
+
+As in eagle.py (same structure): the head's KV only keeps committed elements; a request buffers
+the features g of the positions the midlayer has not run over yet (`HiddenRows`, at most
+max(16, k + 1)); a request that does not draft has the midlayer run over all but its last row
+once it holds more; `speculative=False` requests keep none. The buffered features are fc's
+output (H wide, not 3 * target hidden), computed once per committed row in `observe_step`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import CheckpointError, DrafterMismatchError, UnsupportedModelError
+from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
+from engine.models.llama import ArchConfig, apply_rope, rope_cos_sin
+from engine.models.loader import load_safetensors
+from engine.request import Request
+from engine.spec.proposers.base import (
+    Draft,
+    DrafterIdentity,
+    ProposeContext,
+    Proposer,
+    StepTimer,
+    may_draft,
+    model_name,
+    weights_digest,
+)
+from engine.spec.proposers.draft_vocab import DraftLMHead
+from engine.spec.proposers.features import HiddenRows, committed_hidden, import_hidden_rows
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+EAGLE3_BUFFER_ROWS = 16  # feature rows a request may buffer between steps (k + 1 if larger)
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """The boundaries EAGLE-3's reference picks when a checkpoint names none (vLLM and SGLang
+    alike): the inputs of decoder layers 2, L // 2 and L - 3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def resolve_aux_layer_ids(cfg: dict, num_layers: int) -> tuple[int, ...]:
+    """The layer boundaries (`CausalLM.aux_layer_ids`: b = the input of decoder layer b, HF's
+    `hidden_states[b]`) whose residual stream feeds fc, in fc's input order.
+
+    Checkpoints name them in `eagle_config.eagle_aux_hidden_state_layer_ids` (or at the top level)
+    under two conventions: SpecForge's "output of layer X", whose default list starts at 1
+    ([1, L//2 - 1, L - 4]), and "input of layer X" ([2, L//2, L - 3], the reference default).
+    vLLM reads every list as inputs; SGLang adds 1 when a list starts at 1 (sglang#25454), which
+    agrees with vLLM on every other list. We read them as SGLang does: a list whose first id is 1
+    names layer outputs. Absent: `default_aux_layer_ids`.
+    """
+    eagle = cfg.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids"))
+    if ids is None:
+        ids = default_aux_layer_ids(num_layers)
+    elif not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) for i in ids):
+        raise UnsupportedModelError(f"eagle_aux_hidden_state_layer_ids must be a list of layer ids, got {ids!r}")
+    elif ids[0] == 1:
+        ids = [i + 1 for i in ids]
+    ids = tuple(ids)
+    if list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] > num_layers:
+        raise DrafterMismatchError(
+            f"EAGLE-3 auxiliary layer boundaries {ids} must be increasing and within [0, {num_layers}] "
+            f"(the target has {num_layers} layers)"
+        )
+    return ids
+
+
+class Eagle3LMHead(DraftLMHead):
+    """The head's own LM head [N, H] over its draft vocabulary; column i is target token
+    token_ids[i] (None: the draft vocabulary is the target's, in order)."""
+
+    def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> None:
+        self.packed = None
+        self.weight, self.token_ids, self.vocab_size = weight, token_ids, vocab_size
+
+    @property
+    def num_parameters(self) -> int:
+        return self.weight.numel()
+
+
+class Eagle3Layer(nn.Module):
+    """The midlayer: a Llama decoder layer whose q/k/v read [input_layernorm(embedding),
+    hidden_norm(feature)] (2H), with its residual stream started at the feature."""
+
+    def __init__(self, cfg: ArchConfig, norm_before_residual: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.norm_before_residual = norm_before_residual
+        h = cfg.hidden_size
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.hidden_norm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.qkv_proj = nn.Linear(2 * h, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, embeds, feats, cos, sin, k_cache, v_cache, attn_metadata, backend) -> torch.Tensor:
+        # embeds, feats [T, H]; cos/sin [T, 1, head_dim] -> output features [T, H] (pre-norm)
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        normed = F.rms_norm(feats, (cfg.hidden_size,), self.hidden_norm, eps)
+        residual = normed if self.norm_before_residual else feats
+        x = torch.cat([F.rms_norm(embeds, (cfg.hidden_size,), self.input_layernorm, eps), normed], dim=-1)
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        backend.write_kv(k, v.view(n, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache, attn_metadata)
+        o = backend.attention(q, k_cache, v_cache, attn_metadata, cfg.head_dim**-0.5)
+        residual = residual + self.o_proj(o.reshape(n, self.q_size))
+        gate, up = self.gate_up_proj(F.rms_norm(residual, (cfg.hidden_size,), self.post_attention_layernorm, eps)).chunk(2, dim=-1)
+        return residual + self.down_proj(F.silu(gate) * up)
+
+
+def read_eagle3_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"drafter directory {model_dir!r} has no config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    archs = cfg.get("architectures") or []
+    if not set(archs) & set(EAGLE3_ARCHITECTURES):
+        raise DrafterMismatchError(
+            f"{model_dir!r} is not an EAGLE-3 checkpoint (architectures={archs}; expected one of {EAGLE3_ARCHITECTURES})"
+        )
+    for field in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if field not in cfg:
+            raise CheckpointError(f"{path}: EAGLE-3 config lacks {field!r}")
+    if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state", True) is False:
+        raise UnsupportedModelError(f"{path}: use_aux_hidden_state=false (an EAGLE-1-style head) is not EAGLE-3")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise UnsupportedModelError(f"{path}: {flag}=true is not supported for EAGLE-3 heads")
+    return cfg
+
+
+class Eagle3Proposer(Proposer):
+    method = "eagle3"
+
+    def __init__(self, model_dir: str, runner, num_speculative_tokens: int = 1) -> None:
+        super().__init__()
+        self.states: dict[str, HiddenRows] = {}
+        self.max_buffered_rows = max(EAGLE3_BUFFER_ROWS, num_speculative_tokens + 1)
+        cfg = read_eagle3_config(model_dir)
+        t = runner.arch
+        self.device, self.dtype = runner.device, runner.dtype
+        hidden = cfg["hidden_size"]
+        target_hidden = cfg.get("target_hidden_size") or hidden
+        vocab = cfg["vocab_size"]
+        draft_vocab = cfg.get("draft_vocab_size") or vocab
+        problems = []
+        if target_hidden != t.hidden_size:
+            problems.append(f"target_hidden_size {target_hidden} vs the target's hidden size {t.hidden_size}")
+        if vocab != t.vocab_size:
+            problems.append(f"vocab_size {vocab} vs the target's {t.vocab_size}")
+        if problems:
+            raise DrafterMismatchError(f"EAGLE-3 head {model_dir!r} does not match target {runner.model_dir!r}: " + "; ".join(problems))
+        self.aux_layer_ids = resolve_aux_layer_ids(cfg, t.num_layers)
+        num_heads = cfg["num_attention_heads"]
+        self.arch = ArchConfig(
+            model_type="eagle3", vocab_size=vocab, hidden_size=hidden, num_layers=1, num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads, intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_word_embeddings=False, qkv_bias=False, o_bias=False,
+            mlp_bias=False, qk_norm=False, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            sliding_window=None,
+        )
+        w = load_safetensors(model_dir)
+        self.fc = nn.Linear(len(self.aux_layer_ids) * target_hidden, hidden, bias=False)
+        self.layer = Eagle3Layer(self.arch, bool(cfg.get("norm_before_residual", False)))
+        self.norm = nn.Parameter(torch.ones(hidden))
+        lm_head = torch.empty(draft_vocab, hidden)
+        embed = torch.empty(vocab, hidden) if "embed_tokens.weight" in w else None
+        L, a = self.layer, self.arch
+        expected = {  # published key -> (destination, shape)
+            "fc.weight": (self.fc.weight, None),
+            "midlayer.input_layernorm.weight": (L.input_layernorm, None),
+            "midlayer.hidden_norm.weight": (L.hidden_norm, None),
+            "midlayer.self_attn.q_proj.weight": (None, (L.q_size, 2 * hidden)),
+            "midlayer.self_attn.k_proj.weight": (None, (L.kv_size, 2 * hidden)),
+            "midlayer.self_attn.v_proj.weight": (None, (L.kv_size, 2 * hidden)),
+            "midlayer.self_attn.o_proj.weight": (L.o_proj.weight, None),
+            "midlayer.post_attention_layernorm.weight": (L.post_attention_layernorm, None),
+            "midlayer.mlp.gate_proj.weight": (None, (a.intermediate_size, hidden)),
+            "midlayer.mlp.up_proj.weight": (None, (a.intermediate_size, hidden)),
+            "midlayer.mlp.down_proj.weight": (L.down_proj.weight, None),
+            "norm.weight": (self.norm, None),
+            "lm_head.weight": (lm_head, None),
+        }
+        if embed is not None:
+            expected["embed_tokens.weight"] = (embed, None)
+        for key, (dest, shape) in expected.items():
+            if key not in w:
+                raise CheckpointError(f"EAGLE-3 checkpoint {model_dir!r} lacks tensor {key!r}")
+            want = tuple(dest.shape) if dest is not None else shape
+            if tuple(w[key].shape) != want:
+                raise CheckpointError(
+                    f"EAGLE-3 checkpoint {model_dir!r}: tensor {key!r} has shape {tuple(w[key].shape)}, expected {want}"
+                )
+        token_ids = self._read_vocab_map(model_dir, w, draft_vocab, vocab)
+        unknown = sorted(k for k in w if k not in expected and k not in ("d2t", "t2d") and "rotary_emb" not in k)
+        if unknown:
+            raise CheckpointError(f"EAGLE-3 checkpoint {model_dir!r} has tensors this head does not use: {unknown[:5]}")
+        with torch.no_grad():
+            for key, (dest, _) in expected.items():
+                if dest is not None:
+                    dest.copy_(w[key])
+            L.qkv_proj.weight.copy_(torch.cat([w[f"midlayer.self_attn.{n}_proj.weight"] for n in "qkv"]))
+            L.gate_up_proj.weight.copy_(torch.cat([w["midlayer.mlp.gate_proj.weight"], w["midlayer.mlp.up_proj.weight"]]))
+        self.fc = self.fc.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.layer = self.layer.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.norm = self.norm.detach().to(self.device, self.dtype)
+        if embed is not None:
+            self.embed_tokens = nn.Embedding.from_pretrained(embed.to(self.device, self.dtype), freeze=True)
+        elif hidden != t.hidden_size:
+            raise DrafterMismatchError(
+                f"EAGLE-3 head {model_dir!r} has no embed_tokens.weight and its hidden size {hidden} differs "
+                f"from the target's {t.hidden_size}, so it cannot use the target's embedding"
+            )
+        else:
+            self.embed_tokens = runner.model.embed_tokens  # shared with the target, in place
+        self.head = Eagle3LMHead(
+            lm_head.to(self.device, self.dtype), None if token_ids is None else token_ids.to(self.device), vocab
+        )
+        from transformers import LlamaConfig
+
+        hf = LlamaConfig(
+            hidden_size=a.num_heads * a.head_dim, num_attention_heads=a.num_heads, head_dim=a.head_dim,
+            rope_theta=cfg.get("rope_theta", 10000.0), rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=a.max_position_embeddings,
+        )
+        self.rope_cos, self.rope_sin = rope_cos_sin(hf, runner.model.rope_cos.shape[0] + 1, self.dtype, self.device)
+        self.backend = runner.backend
+        self.block_size = 0
+        self.timer = StepTimer(5e-4)  # one autoregressive step of the head
+        named = [(f"fc.{n}", p) for n, p in self.fc.named_parameters()]
+        named += [(f"midlayer.{n}", p) for n, p in self.layer.named_parameters()]
+        named += [("lm_head.weight", self.head.weight), (f"aux_layer_ids={self.aux_layer_ids}", self.norm)]
+        self._identity = DrafterIdentity(model_name(model_dir), weights_digest(named), draft_vocab)
+        self._own_embedding = embed is not None
+
+    @staticmethod
+    def _read_vocab_map(model_dir: str, w: dict, draft_vocab: int, vocab: int) -> torch.Tensor | None:
+        """Target token id of each draft id (arange(N) + d2t), checked against t2d when present;
+        None when the draft vocabulary is the target's own, in order."""
+        d2t = w.get("d2t")
+        if d2t is None:
+            if draft_vocab != vocab:
+                raise CheckpointError(
+                    f"EAGLE-3 checkpoint {model_dir!r} lacks tensor 'd2t' (its draft_vocab_size {draft_vocab} "
+                    f"differs from the vocabulary's {vocab})"
+                )
+            return None
+        if tuple(d2t.shape) != (draft_vocab,) or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+            raise CheckpointError(
+                f"EAGLE-3 checkpoint {model_dir!r}: tensor 'd2t' has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, "
+                f"expected ({draft_vocab},) integer offsets"
+            )
+        token_ids = torch.arange(draft_vocab) + d2t.long()
+        if token_ids.min() < 0 or token_ids.max() >= vocab or token_ids.unique().numel() != draft_vocab:
+            raise CheckpointError(
+                f"EAGLE-3 checkpoint {model_dir!r}: tensor 'd2t' maps draft ids to target ids outside [0, {vocab}) "
+                "or to the same id twice"
+            )
+        t2d = w.get("t2d")
+        if t2d is not None:
+            if tuple(t2d.shape) != (vocab,):
+                raise CheckpointError(
+                    f"EAGLE-3 checkpoint {model_dir!r}: tensor 't2d' has shape {tuple(t2d.shape)}, expected ({vocab},)"
+                )
+            if int(t2d.bool().sum()) != draft_vocab or not bool(t2d.bool()[token_ids].all()):
+                raise CheckpointError(f"EAGLE-3 checkpoint {model_dir!r}: tensors 't2d' and 'd2t' disagree")
+        if torch.equal(token_ids, torch.arange(vocab)):
+            return None
+        return token_ids
+
+    def identity(self) -> DrafterIdentity:
+        return self._identity
+
+    def export_state(self, request_id: str) -> HiddenRows | None:
+        """The buffered features (on the CPU) of the positions the midlayer has not run over yet;
+        its KV of the others travels as the handoff's `drafter_kv`."""
+        state = self.states.get(request_id)
+        return None if state is None else state.to("cpu")
+
+    def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
+        if state is None:
+            return
+        self.states[request_id] = import_hidden_rows(
+            "EAGLE-3", state, self.arch.hidden_size, num_computed_tokens, self.device, self.dtype
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        own = sum(p.numel() for m in (self.fc, self.layer) for p in m.parameters()) + self.norm.numel()
+        embed = self.embed_tokens.weight.numel() if self._own_embedding else 0
+        return own + embed + self.head.num_parameters
+
+    def modules(self):
+        return [self.fc, self.layer] + ([self.embed_tokens] if self._own_embedding else [])
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, self.device)
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.arch, self.dtype)
+
+    def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """Buffered features between steps, plus one step's committed rows (and their aux input)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        buffered = (max_num_seqs * self.max_buffered_rows + max_num_batched_tokens) * self.arch.hidden_size
+        return (buffered + max_num_batched_tokens * self.fc.in_features) * size
+
+    def step_cost(self, num_requests: int, k: int) -> float:
+        return self.timer.seconds(num_requests) * k
+
+    @torch.inference_mode()
+    def observe_step(self, sched, runner_out) -> None:
+        """Buffer fc(aux) of each drafting-capable request's newly committed positions, then bound
+        the buffers: run the midlayer over the rows of every request holding more than
+        `max_buffered_rows`, all but the last."""
+        committed = [(r, start, rows) for r, start, rows in committed_hidden(sched, runner_out, runner_out.aux_hidden_states)
+                     if may_draft(r)]
+        if not committed:
+            return
+        feats = self.fc(torch.cat([rows for _, _, rows in committed]))  # one product for the step
+        updated: list[tuple[Request, HiddenRows]] = []
+        offset = 0
+        for r, start, rows in committed:
+            g = feats[offset : offset + rows.shape[0]].clone()  # not a view of the whole step's rows
+            offset += rows.shape[0]
+            state = self.states.get(r.request_id)
+            if state is None:
+                updated.append((r, HiddenRows(start, g)))
+            elif state.end != start:
+                raise RuntimeError(
+                    f"EAGLE-3: request {r.request_id!r} buffers features up to position {state.end}, "
+                    f"but its next committed row is at {start}"
+                )
+            else:
+                updated.append((r, HiddenRows(state.start, torch.cat([state.rows, g]))))
+        for r, state in updated:
+            self.states[r.request_id] = state
+        full = [(r, st) for r, st in updated if st.rows.shape[0] > self.max_buffered_rows]
+        if not full:
+            return
+        chunks = [SeqChunk([0] * (st.rows.shape[0] - 1), st.start, r.block_ids) for r, st in full]
+        token_ids = [r.token_at(j + 1) for r, st in full for j in range(st.start, st.end - 1)]
+        self._forward(chunks, token_ids, torch.cat([st.rows[:-1] for _, st in full]))
+        for r, st in full:
+            self.states[r.request_id] = HiddenRows(st.end - 1, st.rows[-1:].clone())
+
+    def check_no_leaks(self, live_ids: set[str]) -> None:
+        super().check_no_leaks(live_ids)
+        over = {rid: st.rows.shape[0] for rid, st in self.states.items() if st.rows.shape[0] > self.max_buffered_rows}
+        if over:
+            raise AssertionError(f"EAGLE-3 buffers more than {self.max_buffered_rows} feature rows: {over}")
+
+    def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Run the midlayer on elements (features[i], token_ids[i]) at the cache positions of
+        `chunks` (RoPE position = cache position); returns each chunk's last output feature [B, H]."""
+        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
+        embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
+        cos, sin = self.rope_cos[batch.positions].unsqueeze(1), self.rope_sin[batch.positions].unsqueeze(1)
+        k_cache, v_cache = self.kv_caches[0]
+        out = self.layer(embeds, features.to(embeds.dtype), cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
+        return out[torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1]
+
+    def _sample(self, feats: torch.Tensor, requests: list[Request], generators) -> tuple[list[int], torch.Tensor | None]:
+        normed = F.rms_norm(feats, (self.arch.hidden_size,), self.norm, self.arch.rms_norm_eps)
+        return self.head.sample(normed, requests, generators)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        t_start = time.perf_counter()
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        feats_in: list[torch.Tensor] = []
+        chunks, elem_tokens = [], []
+        for r in requests:
+            n = r.num_tokens
+            state = self.states.get(r.request_id)
+            if state is None or state.end != n - 1 or state.start == state.end:
+                raise RuntimeError(
+                    f"EAGLE-3: request {r.request_id!r} cannot draft: it needs the features up to position "
+                    f"{n - 2}, it buffers {None if state is None else (state.start, state.end)}"
+                )
+            # elements (g_j, token j+1) for the buffered positions j in [start, n-1)
+            chunks.append(SeqChunk([0] * state.rows.shape[0], state.start, r.block_ids))
+            elem_tokens.extend(r.token_at(j + 1) for j in range(state.start, n - 1))
+            feats_in.append(state.rows)
+        first_chunks = chunks
+        generators = context.generators_for(requests)
+        feats = self._forward(chunks, elem_tokens, torch.cat(feats_in))
+        active = list(range(len(requests)))
+        step = 0
+        while True:
+            picked, p = self._sample(feats, [requests[i] for i in active], [generators[i] for i in active])
+            for j, i in enumerate(active):
+                tokens[i].append(picked[j])
+                if p is not None:
+                    probs[i].append(p[j])
+            keep = [j for j, i in enumerate(active) if len(tokens[i]) < num_tokens[i]]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            feats = feats[keep]
+            step += 1
+            # element (own output feature, drafted token) at position n - 2 + step
+            chunks = [SeqChunk([0], requests[i].num_tokens - 2 + step, requests[i].block_ids) for i in active]
+            feats = self._forward(chunks, [tokens[i][-1] for i in active], feats)
+        for r in requests:  # every forward succeeded: the buffered elements are in the midlayer's KV
+            self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
+        catch_up = max(len(c.token_ids) for c in first_chunks)
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, step + 1, catch_up, max(num_tokens))
+        return [
+            Draft(t, torch.stack(pr) if pr and not r.sampling_params.is_greedy else None)
+            for t, pr, r in zip(tokens, probs, requests, strict=True)
+        ]

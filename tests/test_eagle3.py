@@ -1,0 +1,308 @@
+"""EAGLE-3 proposer on tiny random checkpoints written with the published key names and config
+fields (SpecForge / EAGLE repo, as vLLM and SGLang read them): its drafts and draft
+probabilities equal a reference forward written here from the paper's equations (no cache, the
+target's auxiliary features taken from transformers), a missing or mis-shaped key is refused by
+name, greedy output equals the target alone, sampled output follows the target's distribution,
+and a prefill/decode handoff continues exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from helpers import assert_no_leaked_blocks, save_tiny_model
+from safetensors.torch import load_file, save_file
+from test_engine import run_staggered
+from test_speculative import (
+    GREEDY,
+    NUM_NEW,
+    NUM_SAMPLES,
+    SPEC_ARRIVALS,
+    SPEC_PROMPTS,
+    VOCAB,
+    _chi_square_p_value,
+    _exact_distribution,
+    _sample_counts,
+)
+
+from engine import LLMEngine, SamplingParams, SpeculativeConfig
+from engine.errors import CheckpointError, DrafterMismatchError
+from engine.model_runner import ModelRunner
+from engine.spec.proposers.eagle3 import Eagle3Proposer, resolve_aux_layer_ids
+
+NUM_LAYERS = 7  # default aux boundaries (2, L // 2, L - 3) = (2, 3, 4)
+H, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, THETA = 64, 4, 2, 16, 128, 1e-5, 10000.0
+
+
+def save_eagle3(path: str, vocab: int, draft_token_ids: list[int], *, aux_ids=None, embed: bool = False,
+                norm_before_residual: bool = False, seed: int = 0, scale: float = 1.0) -> str:
+    """A random EAGLE-3 head in the published layout: config.json + model.safetensors."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(draft_token_ids)
+
+    def rnd(*shape, std=0.08):
+        return (torch.randn(*shape, generator=g) * std * scale).contiguous()
+
+    def norm_w():
+        return (1.0 + 0.1 * torch.randn(H, generator=g)).contiguous()
+
+    w = {
+        "fc.weight": rnd(H, 3 * H, std=0.05),
+        "midlayer.input_layernorm.weight": norm_w(),
+        "midlayer.hidden_norm.weight": norm_w(),
+        "midlayer.self_attn.q_proj.weight": rnd(HEADS * HEAD_DIM, 2 * H),
+        "midlayer.self_attn.k_proj.weight": rnd(KV_HEADS * HEAD_DIM, 2 * H),
+        "midlayer.self_attn.v_proj.weight": rnd(KV_HEADS * HEAD_DIM, 2 * H),
+        "midlayer.self_attn.o_proj.weight": rnd(H, HEADS * HEAD_DIM),
+        "midlayer.post_attention_layernorm.weight": norm_w(),
+        "midlayer.mlp.gate_proj.weight": rnd(INTER, H),
+        "midlayer.mlp.up_proj.weight": rnd(INTER, H),
+        "midlayer.mlp.down_proj.weight": rnd(H, INTER),
+        "norm.weight": norm_w(),
+        "lm_head.weight": rnd(n, H, std=0.3),
+        "d2t": torch.tensor(draft_token_ids) - torch.arange(n),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(draft_token_ids), True),
+    }
+    if embed:
+        w["embed_tokens.weight"] = rnd(vocab, H, std=0.3)
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": H, "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM, "num_hidden_layers": 1, "rms_norm_eps": EPS, "rope_theta": THETA,
+        "max_position_embeddings": 512, "vocab_size": vocab, "draft_vocab_size": n, "target_hidden_size": H,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    if aux_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}
+    if norm_before_residual:
+        cfg["norm_before_residual"] = True
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(w, os.path.join(path, "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    target = save_tiny_model(str(root / "target"), "llama", num_hidden_layers=NUM_LAYERS)
+    vocab = 97
+    ids = sorted(torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:64].tolist())
+    # default aux layers, the target's embedding | SpecForge-style ids (outputs of layers 1, 3, 6
+    # = boundaries 2, 4, 7: the last layer's output before the final norm), its own embedding
+    heads = {
+        "default": save_eagle3(str(root / "e3a"), vocab, ids),
+        "explicit": save_eagle3(str(root / "e3b"), vocab, ids, aux_ids=[1, 3, 6], embed=True,
+                                norm_before_residual=True, seed=2),
+    }
+    base = LLMEngine(target, dtype="float32", device="cpu")
+    outs = run_staggered(base, SPEC_PROMPTS, GREEDY, SPEC_ARRIVALS)
+    return {"target": target, "heads": heads, "boundaries": {"default": (2, 3, 4), "explicit": (2, 4, 7)},
+            "baseline": [outs[f"r{i}"] for i in range(len(SPEC_PROMPTS))]}
+
+
+# --- the reference: the paper's equations, no cache ------------------------------------------
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def _rope(x, positions):  # x [m, heads, d], rotate-half layout
+    inv = 1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    ang = positions.float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    half = HEAD_DIM // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def _midlayer(w, embeds, feats, norm_before_residual):
+    """Output features [m, H] of elements 0..m-1 (element j at RoPE position j), causal."""
+    m = embeds.shape[0]
+    p = "midlayer."
+    normed = _rms(feats, w[p + "hidden_norm.weight"])
+    x = torch.cat([_rms(embeds, w[p + "input_layernorm.weight"]), normed], -1)
+    pos = torch.arange(m)
+    q = _rope((x @ w[p + "self_attn.q_proj.weight"].T).view(m, HEADS, HEAD_DIM), pos)
+    k = _rope((x @ w[p + "self_attn.k_proj.weight"].T).view(m, KV_HEADS, HEAD_DIM), pos)
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(m, KV_HEADS, HEAD_DIM)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
+    scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(m, HEADS * HEAD_DIM)
+    r = (normed if norm_before_residual else feats) + attn @ w[p + "self_attn.o_proj.weight"].T
+    h = _rms(r, w[p + "post_attention_layernorm.weight"])
+    mlp = (torch.nn.functional.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T))
+    return r + mlp @ w[p + "mlp.down_proj.weight"].T
+
+
+def _aux_features(target, token_ids, boundaries):
+    """cat of the residual stream at each boundary b (the output of decoder layer b - 1), from
+    transformers; b < L is also checked against HF's `output_hidden_states[b]`."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    outs = {}
+    hooks = [layer.register_forward_hook(lambda mod, inp, out, i=i: outs.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+             for i, layer in enumerate(ref.model.layers)]
+    with torch.no_grad():
+        hs = ref.model(torch.tensor([token_ids]), output_hidden_states=True).hidden_states
+    for h in hooks:
+        h.remove()
+    aux = []
+    for b in boundaries:
+        a = outs[b - 1][0]
+        if b < NUM_LAYERS:
+            torch.testing.assert_close(a, hs[b][0], rtol=0, atol=0)
+        aux.append(a)
+    return torch.cat(aux, -1), ref.model.embed_tokens.weight
+
+
+def reference_drafts(setup, which, token_ids, k, forced=None, temperature=None):
+    """Drafts (target ids) and, with a temperature, q [k, vocab] for each draft position; with
+    `forced`, the drafted tokens are those (to follow a sampled run)."""
+    head_dir = setup["heads"][which]
+    w = load_file(os.path.join(head_dir, "model.safetensors"))
+    cfg = json.load(open(os.path.join(head_dir, "config.json")))
+    nbr = cfg.get("norm_before_residual", False)
+    aux, target_embed = _aux_features(setup["target"], token_ids, setup["boundaries"][which])
+    embed = w.get("embed_tokens.weight", target_embed)
+    n = len(token_ids)
+    feats = aux[: n - 1] @ w["fc.weight"].T  # g_0..g_{n-2}
+    tokens = list(token_ids[1:])  # element j carries token j+1
+    target_ids = torch.arange(w["d2t"].shape[0]) + w["d2t"]
+    drafts, qs = [], []
+    with torch.no_grad():
+        for step in range(k):
+            out = _midlayer(w, embed[torch.tensor(tokens)], feats, nbr)[-1]
+            logits = _rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
+            d = int(target_ids[int(logits.argmax())]) if forced is None else forced[step]
+            if temperature is not None:
+                qs.append(torch.zeros(embed.shape[0]).index_copy_(0, target_ids, (logits / temperature).softmax(-1)))
+            drafts.append(d)
+            tokens.append(d)
+            feats = torch.cat([feats, out[None]])
+    return drafts, (torch.stack(qs) if qs else None)
+
+
+# --- tests ------------------------------------------------------------------------------------
+def test_aux_layer_id_conventions():
+    assert resolve_aux_layer_ids({}, 32) == (2, 16, 29)  # the reference default
+    assert resolve_aux_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}}, 32) == (2, 16, 29)
+    # SpecForge's "output of layer X" list [1, L/2 - 1, L - 4]: the same boundaries
+    assert resolve_aux_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}, 32) == (2, 16, 29)
+    assert resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [3, 5, 7]}, 8) == (3, 5, 7)
+    with pytest.raises(DrafterMismatchError, match="within"):
+        resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [3, 5, 9]}, 8)
+
+
+@pytest.mark.parametrize("which", ["default", "explicit"])
+def test_drafts_and_q_match_reference(setup, which):
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"][which], num_speculative_tokens=4, adaptive=False)
+    engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
+    assert engine.runner.model.aux_layer_ids == setup["boundaries"][which]
+    engine.add_request("g", SPEC_PROMPTS[2], GREEDY)
+    sampled = SamplingParams(max_tokens=24, temperature=0.7, seed=7, ignore_eos=True)
+    engine.add_request("s", SPEC_PROMPTS[0], sampled)
+    for _ in range(3):  # prefill + first drafts, then two verifications (incremental KV / features)
+        engine.step()
+        g, s = engine.scheduler.requests["g"], engine.scheduler.requests["s"]
+        assert g.spec_token_ids == reference_drafts(setup, which, g.all_token_ids, 4)[0]
+        _, q = reference_drafts(setup, which, s.all_token_ids, 4, forced=list(s.spec_token_ids), temperature=0.7)
+        torch.testing.assert_close(engine.runner.draft_probs["s"], q, rtol=1e-4, atol=1e-5)
+    assert_no_leaked_blocks(engine)
+
+
+@pytest.mark.parametrize("k,adaptive", [(3, False), (5, True)])
+def test_greedy_output_equals_target_float32(setup, k, adaptive):
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=k, adaptive=adaptive)
+    engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec, max_num_batched_tokens=64)
+    outs = run_staggered(engine, SPEC_PROMPTS, GREEDY, SPEC_ARRIVALS)
+    assert [outs[f"r{i}"] for i in range(len(SPEC_PROMPTS))] == setup["baseline"]
+    if not adaptive:
+        assert engine.spec_stats.num_draft_tokens > 0
+
+
+def test_greedy_output_equals_target_bfloat16(setup):
+    """Batch 1 (the exactness guarantee): one request at a time, token for token."""
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["explicit"], num_speculative_tokens=4, adaptive=False)
+    plain = LLMEngine(setup["target"], dtype="bfloat16", device="cpu")
+    spec_engine = LLMEngine(setup["target"], dtype="bfloat16", device="cpu", speculative=spec)
+    for i, prompt in enumerate(SPEC_PROMPTS[:4]):
+        results = []
+        for engine in (plain, spec_engine):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+            tokens: list[int] = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.extend(out.new_token_ids)
+            assert_no_leaked_blocks(engine)
+            results.append(tokens)
+        assert results[0] == results[1]
+    assert spec_engine.spec_stats.num_draft_tokens > 0
+
+
+def test_missing_or_misshaped_key_is_refused(setup, tmp_path):
+    runner = ModelRunner(setup["target"], torch.device("cpu"), torch.float32, 128)
+    src = setup["heads"]["default"]
+    Eagle3Proposer(src, runner)  # the intact checkpoint loads
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    cfg = json.load(open(os.path.join(src, "config.json")))
+
+    def write(name, w):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        save_file(w, str(d / "model.safetensors"))
+        return str(d)
+
+    for key in weights:
+        if key == "t2d":  # optional (vLLM ignores it); checked when present
+            continue
+        missing = write(f"missing_{key}", {k: v for k, v in weights.items() if k != key})
+        with pytest.raises(CheckpointError, match=key):
+            Eagle3Proposer(missing, runner)
+    for key in weights:
+        bad = dict(weights)
+        bad[key] = torch.cat([weights[key], weights[key][:1]])  # one extra row
+        with pytest.raises(CheckpointError, match=key):
+            Eagle3Proposer(write(f"shape_{key}", bad), runner)
+    with pytest.raises(CheckpointError, match="unused_extra"):
+        Eagle3Proposer(write("extra", {**weights, "unused_extra.weight": torch.zeros(2)}), runner)
+
+
+def test_mismatched_target_is_refused(setup, tmp_path):
+    other = save_tiny_model(str(tmp_path / "small"), "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=7)
+    with pytest.raises(DrafterMismatchError, match="target_hidden_size 64"):
+        LLMEngine(other, dtype="float32", device="cpu",
+                  speculative=SpeculativeConfig(method="eagle3", model=setup["heads"]["default"]))
+
+
+def test_sampled_distribution_matches_target(tmp_path):
+    """Chi-square test of 3000 samples of (x1..x4) against the exact target distribution; fails
+    when p < 1e-4 (false-failure probability 1e-4; fixed seed, so reproducible). The head drafts
+    over 2 of the 3 tokens (d2t), so q is zero on the third."""
+    target = save_tiny_model(str(tmp_path / "t"), "llama", vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS)
+    head = save_eagle3(str(tmp_path / "e3"), VOCAB, [0, 2], seed=3, scale=3.0)
+    prompt = [0, 1, 2, 1, 0, 1, 2, 1, 0]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, top_k=2, ignore_eos=True)
+    spec = SpeculativeConfig(method="eagle3", model=head, num_speculative_tokens=3, adaptive=False)
+    counts, stats = _sample_counts(target, spec, params, prompt)
+    assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    p = _chi_square_p_value(counts, _exact_distribution(target, prompt, params), NUM_SAMPLES)
+    assert p > 1e-4, f"p={p:.2e}"
+
+
+@pytest.mark.parametrize("params", ["greedy", "sampled"])
+def test_handoff_equals_colocated(setup, params):
+    from test_handoff import GREEDY as H_GREEDY
+    from test_handoff import PROMPT, SAMPLED, colocated, decode, make_engine, prefill
+
+    p = H_GREEDY if params == "greedy" else SAMPLED
+    models = {"target": setup["target"], "eagle3": setup["heads"]["default"]}
+    expected, expected_log = colocated(models, "eagle3", p)
+    a, b = make_engine(models, "eagle3"), make_engine(models, "eagle3")
+    h, _ = prefill(a, p)
+    assert h.num_computed_tokens == len(PROMPT) and h.drafter_kv is not None and h.proposer_state is not None
+    tokens, log = decode(b, h)
+    assert tokens == expected and log == expected_log
