@@ -354,6 +354,9 @@ def build_http_app(ingress: Any) -> FastAPI:
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         problems, params = [], []
         for err in e.errors()[:3]:
+            if err.get("type") == "json_invalid":
+                detail = (err.get("ctx") or {}).get("error", "")
+                return error_response(400, f"body: not valid JSON ({detail})", "body", "INVALID_ARGUMENT")
             loc = [str(p) for p in err.get("loc", ()) if p != "body"]
             param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".") or "body"
             problems.append(f"{param}: {err.get('msg', 'invalid')}")

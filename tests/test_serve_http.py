@@ -204,6 +204,14 @@ def test_errors_are_openai_errors(served: Served) -> None:
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=m, messages=[])
+    import urllib.error
+    import urllib.request
+
+    bad_json = urllib.request.Request(f"{served.http_base}/v1/completions", data=b'{"model": ', method="POST",
+                                      headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as raw:
+        urllib.request.urlopen(bad_json, timeout=30)
+    assert raw.value.code == 400 and "not valid JSON" in json.loads(raw.value.read())["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="temperature"):  # refused before the stream starts
         client.completions.create(model=m, prompt="a", max_tokens=4, stream=True, temperature=-1.0)
 
