@@ -28,7 +28,7 @@ SLO_POLICY_PATH = "deployments.autoscaling:SLOAutoscalingPolicy"  # its policy_k
 SERVICER_FUNCTION = "deployments.servicer.add_SpecDecodeServicer_to_server"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-METHODS_WITH_MODEL = ("draft", "eagle", "mtp")
+METHODS_WITH_MODEL = ("draft", "eagle", "eagle3", "mtp")  # eagle3: no shipped head, `model` required
 # Where `make serve` finds each drafter kind's shipped checkpoint when the config names none.
 DEFAULT_DRAFTER_MODELS = {"draft": "models/drafter", "eagle": "models/eagle-head", "mtp": "models/mtp-heads"}
 
@@ -129,6 +129,9 @@ class DrafterArgs:
         dv = check.integer(f"{where}.draft_vocab_size", data.get("draft_vocab_size"), 0, optional=True)
         if len(check.errors) == before and method == "ngram" and dv:
             check.fail(f"{where}.draft_vocab_size", f"does not apply to method 'ngram' (no LM head), got {dv}")
+        if len(check.errors) == before and method == "eagle3" and dv:
+            check.fail(f"{where}.draft_vocab_size",
+                       f"does not apply to method 'eagle3' (the head's checkpoint fixes its draft vocabulary), got {dv}")
         if len(check.errors) > n:
             return None
         return cls(method=method, model=model, num_speculative_tokens=k, adaptive=adaptive, draft_vocab_size=dv)
