@@ -60,11 +60,11 @@ inline __m256 load8(const uint16_t* p) { return load_bf16(p); }
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return bf16_to_f32(*p); }
 
-// The fixed order of every dot product over K: two 8-lane accumulators, a over k % 16 in [0, 8)
-// and b over [8, 16), in steps of 16; a remaining 8-wide step into a; then a + b, a fixed
-// horizontal sum, then the scalar tail in k order. `NB` weight rows (float32 or bfloat16) share
-// each load of x (more independent FMA chains, fewer loads); each (x, w row) pair keeps exactly
-// this order.
+// The fixed order of the short dot products (attention scores over head_dim, RMSNorm's sum of
+// squares; the matmul has its own, below): two 8-lane accumulators, a over k % 16 in [0, 8) and
+// b over [8, 16), in steps of 16; a remaining 8-wide step into a; then a + b, a fixed horizontal
+// sum, then the scalar tail in k order. `NB` rows of w (float32, or bfloat16 widened in registers)
+// share each load of x; each (x, w row) pair keeps exactly this order.
 template <int NB, typename W>
 inline void dots(const float* x, const W* const* w, int64_t K, float* out) {
   __m256 a[NB], b[NB];
@@ -93,13 +93,6 @@ inline float dot_f32(const float* x, const float* w, int64_t K) {
   float s;
   dots<1>(x, &w, K, &s);
   return s;
-}
-
-// Widen K bfloat16 values to float32 (exact).
-inline void widen_bf16(const uint16_t* src, float* dst, int64_t K) {
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load_bf16(src + k));
-  for (; k < K; ++k) dst[k] = bf16_to_f32(src[k]);
 }
 
 // ---- the matmul: packed weights, a fixed order per output ------------------------------------
@@ -363,7 +356,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor b) {
 // Paged attention for a few query tokens, each over exactly its own context, in a fixed order:
 // out[t, h] = sum_p softmax_p(scale * q[t, h] . k[p]) v[p] over positions p < ctx_lens[t] of the
 // token's request (keys at block_tables[t, p / block_size], row p % block_size; kv head h / G).
-// Scores: dot_f32 over D; max, exponentials and their sum in position order; the output
+// Scores: `dots` over D; max, exponentials and their sum in position order; the output
 // accumulated in position order, then divided by the sum. Every (t, h) is one thread's work, so
 // a token's output does not depend on the other tokens of the call.
 // q [T, H, D] float32; k_cache, v_cache [num_blocks, block_size, Hkv, D] float32 or bfloat16;
