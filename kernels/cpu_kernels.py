@@ -1,10 +1,11 @@
 """Row-invariant CPU kernels for decode and verification steps (kernels/cpu_rows.cpp).
 
-`rows_linear(x, weight, bias)` and `rows_attention(...)` compute each row (query token) in one
+`packed_linear` (over weights packed once by `pack_rows`; `rows_linear` packs per call),
+`rows_attention` and `rows_layer` (one whole decoder layer) compute each row (query token) in one
 fixed order that depends on the shapes of one row only, so a token's result is bit-identical
 whether its step computes it alone or next to other tokens (the drafts it is verified with,
-other requests); and they read each weight row once per call, so a few rows cost about what one
-does. Compiled on first use with torch.utils.cpp_extension (g++, -O3 -mavx2 -mfma -fopenmp) into
+other requests); and they read each weight once per call, so a few rows cost little more than
+one. Compiled on first use with torch.utils.cpp_extension (g++, -O3 -mavx2 -mfma -fopenmp) into
 build/torch_extensions/ of this checkout (a few tens of seconds, once). `available()` is False on a
 CPU without AVX2/FMA, or when the compiler fails (the reason is logged once); callers then use
 the torch path.
