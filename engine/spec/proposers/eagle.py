@@ -51,7 +51,7 @@ from engine.spec.proposers.base import (
     weights_digest,
 )
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.features import HiddenRows, committed_hidden, import_hidden_rows
+from engine.spec.proposers.features import HiddenRows, buffer_rows, committed_hidden, import_hidden_rows
 from engine.spec.proposers.mtp import check_head_matches_target, read_head_config
 
 EAGLE_BUFFER_ROWS = 16  # hidden rows a request may buffer between steps (k + 1 if larger)
@@ -176,31 +176,8 @@ class EagleProposer(Proposer):
         """Buffer each drafting-capable request's newly committed hidden rows, then bound the
         buffers: run the layer over the rows of every request holding more than
         `max_buffered_rows`, all but the last."""
-        updated: list[tuple[Request, HiddenRows]] = []
-        for r, start, rows in committed_hidden(sched, runner_out):
-            if not may_draft(r):
-                continue
-            state = self.states.get(r.request_id)
-            if state is None:  # its first rows (or its first after a preemption)
-                updated.append((r, HiddenRows(start, rows.clone())))
-            elif state.end != start:
-                raise RuntimeError(
-                    f"EAGLE: request {r.request_id!r} buffers hidden rows up to position {state.end}, "
-                    f"but its next committed row is at {start}"
-                )
-            else:
-                updated.append((r, HiddenRows(state.start, torch.cat([state.rows, rows]))))
-        for r, state in updated:
-            self.states[r.request_id] = state
-        full = [(r, st) for r, st in updated if st.rows.shape[0] > self.max_buffered_rows]
-        if not full:
-            return
-        # elements (h_j, token j+1) for j in [start, end - 1): every row but the last
-        chunks = [SeqChunk([0] * (st.rows.shape[0] - 1), st.start, r.block_ids) for r, st in full]
-        token_ids = [r.token_at(j + 1) for r, st in full for j in range(st.start, st.end - 1)]
-        self._forward(chunks, token_ids, torch.cat([st.rows[:-1] for _, st in full]))
-        for r, st in full:
-            self.states[r.request_id] = HiddenRows(st.end - 1, st.rows[-1:].clone())
+        committed = [(r, start, rows.clone()) for r, start, rows in committed_hidden(sched, runner_out) if may_draft(r)]
+        buffer_rows(self.states, committed, self.max_buffered_rows, self._forward, "EAGLE")
 
     def check_no_leaks(self, live_ids: set[str]) -> None:
         super().check_no_leaks(live_ids)

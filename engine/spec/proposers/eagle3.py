@@ -50,7 +50,7 @@ from engine.spec.proposers.base import (
     weights_digest,
 )
 from engine.spec.proposers.draft_vocab import DraftLMHead
-from engine.spec.proposers.features import HiddenRows, committed_hidden, import_hidden_rows
+from engine.spec.proposers.features import HiddenRows, buffer_rows, committed_hidden, import_hidden_rows
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE3_BUFFER_ROWS = 16  # feature rows a request may buffer between steps (k + 1 if larger)
@@ -352,31 +352,9 @@ class Eagle3Proposer(Proposer):
         if not committed:
             return
         feats = self.fc(torch.cat([rows for _, _, rows in committed]))  # one product for the step
-        updated: list[tuple[Request, HiddenRows]] = []
-        offset = 0
-        for r, start, rows in committed:
-            g = feats[offset : offset + rows.shape[0]].clone()  # not a view of the whole step's rows
-            offset += rows.shape[0]
-            state = self.states.get(r.request_id)
-            if state is None:
-                updated.append((r, HiddenRows(start, g)))
-            elif state.end != start:
-                raise RuntimeError(
-                    f"EAGLE-3: request {r.request_id!r} buffers features up to position {state.end}, "
-                    f"but its next committed row is at {start}"
-                )
-            else:
-                updated.append((r, HiddenRows(state.start, torch.cat([state.rows, g]))))
-        for r, state in updated:
-            self.states[r.request_id] = state
-        full = [(r, st) for r, st in updated if st.rows.shape[0] > self.max_buffered_rows]
-        if not full:
-            return
-        chunks = [SeqChunk([0] * (st.rows.shape[0] - 1), st.start, r.block_ids) for r, st in full]
-        token_ids = [r.token_at(j + 1) for r, st in full for j in range(st.start, st.end - 1)]
-        self._forward(chunks, token_ids, torch.cat([st.rows[:-1] for _, st in full]))
-        for r, st in full:
-            self.states[r.request_id] = HiddenRows(st.end - 1, st.rows[-1:].clone())
+        sizes = [rows.shape[0] for _, _, rows in committed]
+        owned = [(r, start, g.clone()) for (r, start, _), g in zip(committed, feats.split(sizes), strict=True)]
+        buffer_rows(self.states, owned, self.max_buffered_rows, self._forward, "EAGLE-3")
 
     def check_no_leaks(self, live_ids: set[str]) -> None:
         super().check_no_leaks(live_ids)

@@ -65,3 +65,36 @@ def committed_hidden(sched, runner_out, hidden: torch.Tensor | None = None) -> I
             continue
         committed = s.num_new_tokens + (len(tokens) - 1 if tokens else 0)
         yield r, r.num_computed_tokens - committed, hidden[cu[i] : cu[i] + committed]
+
+
+def buffer_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, int, torch.Tensor]],
+                max_rows: int, forward, what: str) -> None:
+    """Append each request's newly committed rows (rows the caller owns, not views of a step's
+    tensor) to its buffer in `states`; then bound the buffers: for every request holding more than
+    `max_rows`, run `forward(chunks, token_ids, features)` over the elements (row j, token j + 1)
+    of all its rows but the last (in one call for all such requests) and keep the last row only.
+    The EAGLE layers' catch-up between drafting rounds (EAGLE-1: hidden rows, EAGLE-3: fc(aux))."""
+    from engine.model_runner import SeqChunk
+
+    updated: list[tuple[Request, HiddenRows]] = []
+    for r, start, rows in committed:
+        state = states.get(r.request_id)
+        if state is None:  # its first rows (or its first after a preemption)
+            updated.append((r, HiddenRows(start, rows)))
+        elif state.end != start:
+            raise RuntimeError(
+                f"{what}: request {r.request_id!r} buffers rows up to position {state.end}, "
+                f"but its next committed row is at {start}"
+            )
+        else:
+            updated.append((r, HiddenRows(state.start, torch.cat([state.rows, rows]))))
+    for r, state in updated:
+        states[r.request_id] = state
+    full = [(r, st) for r, st in updated if st.rows.shape[0] > max_rows]
+    if not full:
+        return
+    chunks = [SeqChunk([0] * (st.rows.shape[0] - 1), st.start, r.block_ids) for r, st in full]
+    token_ids = [r.token_at(j + 1) for r, st in full for j in range(st.start, st.end - 1)]
+    forward(chunks, token_ids, torch.cat([st.rows[:-1] for _, st in full]))
+    for r, st in full:
+        states[r.request_id] = HiddenRows(st.end - 1, st.rows[-1:].clone())
