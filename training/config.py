@@ -67,6 +67,9 @@ class TrainConfig:
     time_aware_lr: bool = True
     checkpoint_minutes: float = 5.0
     seed: int = 0
+    # bfloat16: bf16 weights/activations with fp32 AdamW masters (fast where the CPU has AMX or
+    # AVX512-BF16); float32 where torch only emulates bf16 products (e.g. AVX2-only hosts).
+    dtype: str = "bfloat16"
 
     @property
     def tokens_per_step(self) -> int:

@@ -85,8 +85,9 @@ def train_loop(
 
     Returns a summary dict (steps, tokens, elapsed seconds, final/first losses).
     """
-    # The model runs in pure bf16 (fast on AMX CPUs); fp32 master copies are what AdamW updates.
-    model.to(torch.bfloat16)
+    # The model runs in cfg.dtype (pure bf16 is fast on AMX CPUs); fp32 master copies are what
+    # AdamW updates.
+    model.to(getattr(torch, cfg.dtype))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in named}
     comps = components or {"": 1.0}
