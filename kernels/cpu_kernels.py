@@ -106,14 +106,15 @@ def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor
                weights: dict[str, torch.Tensor | None], k_cache: torch.Tensor, v_cache: torch.Tensor,
                slots: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor,
                num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+               scale: float, attn_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One pre-norm decoder layer for a few tokens in one call (cpu_rows.cpp `rows_layer`): x,
     residual [T, E] float32 (residual None for the first layer); cos/sin [T, head_dim] float32
     rows of each token's position; `weights` holds w_qkv, w_o, w_gate_up, w_down (`pack_rows`
     of the float32 or bfloat16 matrices; gate/up fused as [gate; up]) and in_norm (None: no
     input norm), post_norm, q_norm, k_norm, b_qkv, b_o, b_gate_up, b_down (float32 or None).
     Writes the tokens' K/V at `slots` (-1: skipped) and returns (mlp output, residual) [T, E]
-    float32."""
+    float32. `attn_in` [T, K] float32 (optional, with in_norm None): what q/k/v read instead of
+    the normed residual stream, w_qkv then packed from [qkv, K] (EAGLE-3's midlayer)."""
     empty = torch.empty(0)
 
     def opt(name: str) -> torch.Tensor:
@@ -125,4 +126,5 @@ def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor
         weights["w_qkv"], opt("b_qkv"), weights["w_o"], opt("b_o"), opt("q_norm"), opt("k_norm"),
         weights["w_gate_up"], opt("b_gate_up"), weights["w_down"], opt("b_down"),
         k_cache, v_cache, slots, block_tables, ctx_lens, num_heads, num_kv_heads, intermediate_size, eps, scale,
+        empty if attn_in is None else attn_in,
     )

@@ -429,7 +429,8 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
     torch::Tensor post_norm, torch::Tensor w_qkv, torch::Tensor b_qkv, torch::Tensor w_o, torch::Tensor b_o,
     torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor w_gate_up, torch::Tensor b_gate_up,
     torch::Tensor w_down, torch::Tensor b_down, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-    torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t H, int64_t Hkv, int64_t I, double eps, double scale) {
+    torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t H, int64_t Hkv, int64_t I, double eps, double scale,
+    torch::Tensor attn_in) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "rows_layer: x must be contiguous float32 [T, E]");
   const int64_t T = x.size(0), E = x.size(1), D = k_cache.size(3);
   const bool has_res = residual.defined() && residual.numel() > 0;
@@ -441,7 +442,13 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
     TORCH_CHECK(w->scalar_type() == wtype, "rows_layer: weights must be of one dtype");
   }
   const int64_t Q = H * D, KV = Hkv * D, QKV = Q + 2 * KV, I2 = 2 * I;
-  check_packed(w_qkv, QKV, E, "rows_layer w_qkv");
+  // attn_in (optional, [T, K]): what q/k/v read instead of the normed residual stream (EAGLE-3's
+  // midlayer reads [norm(embedding), norm(feature)], 2E wide); the residual stream is still x.
+  const bool has_in = attn_in.defined() && attn_in.numel() > 0;
+  TORCH_CHECK(!has_in || (attn_in.dim() == 2 && attn_in.size(0) == T && attn_in.scalar_type() == torch::kFloat32 &&
+                          attn_in.is_contiguous()), "rows_layer: attn_in must be contiguous float32 [T, K]");
+  const int64_t K_in = has_in ? attn_in.size(1) : E;
+  check_packed(w_qkv, QKV, K_in, "rows_layer w_qkv");
   check_packed(w_o, E, Q, "rows_layer w_o");
   check_packed(w_gate_up, I2, E, "rows_layer w_gate_up");
   check_packed(w_down, E, I, "rows_layer w_down");
@@ -452,6 +459,7 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
   const float* post_w = opt_f32(post_norm, "post_norm");
   TORCH_CHECK(post_w != nullptr && post_norm.numel() == E, "rows_layer: post_norm [E]");
   TORCH_CHECK(!in_w || in_norm.numel() == E, "rows_layer: in_norm [E]");
+  TORCH_CHECK(!(in_w && has_in), "rows_layer: in_norm and attn_in exclude each other");
   const float* bqkv = opt_f32(b_qkv, "b_qkv");
   const float* bo = opt_f32(b_o, "b_o");
   const float* bgu = opt_f32(b_gate_up, "b_gate_up");
@@ -474,14 +482,16 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
     std::memcpy(res, xp, sizeof(float) * T * E);
   }
   std::vector<float> h(T * std::max(E, I)), qkv(T * QKV), attn(T * Q), gu(T * I2);
-  for (int64_t t = 0; t < T; ++t) {
-    if (in_w) rms_norm_row(res + t * E, in_w, E, feps, h.data() + t * E);
-    else std::memcpy(h.data() + t * E, res + t * E, sizeof(float) * E);
+  if (!has_in) {
+    for (int64_t t = 0; t < T; ++t) {
+      if (in_w) rms_norm_row(res + t * E, in_w, E, feps, h.data() + t * E);
+      else std::memcpy(h.data() + t * E, res + t * E, sizeof(float) * E);
+    }
   }
   auto linear = [&](const float* in, int64_t K, const torch::Tensor& w, int64_t N, const float* b, float* y) {
     with_weights(w, [&](const auto* wp) { linear_packed(in, T, K, wp, N, b, y, threads); });
   };
-  linear(h.data(), E, w_qkv, QKV, bqkv, qkv.data());
+  linear(has_in ? attn_in.data_ptr<float>() : h.data(), K_in, w_qkv, QKV, bqkv, qkv.data());
   const bool cache_bf16 = k_cache.scalar_type() == torch::kBFloat16;
   const int64_t* slot = slots.data_ptr<int64_t>();
   std::vector<float> tmp(D);

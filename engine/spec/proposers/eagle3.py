@@ -35,7 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError, DrafterMismatchError, UnsupportedModelError
-from engine.model_runner import SeqChunk, allocate_kv_cache, build_forward_batch, kv_bytes_per_token
+from engine.model_runner import (
+    EXACT_ROWS,
+    SeqChunk,
+    allocate_kv_cache,
+    build_forward_batch,
+    kv_bytes_per_token,
+)
 from engine.models.llama import ArchConfig, apply_rope, rope_cos_sin
 from engine.models.loader import load_safetensors
 from engine.request import Request
@@ -137,6 +143,38 @@ class Eagle3Layer(nn.Module):
         residual = residual + self.o_proj(o.reshape(n, self.q_size))
         gate, up = self.gate_up_proj(F.rms_norm(residual, (cfg.hidden_size,), self.post_attention_layernorm, eps)).chunk(2, dim=-1)
         return residual + self.down_proj(F.silu(gate) * up)
+
+    def row_weights(self) -> dict:
+        """The midlayer's tensors as `cpu_kernels.rows_layer` takes them (matrices packed once:
+        a second copy of the head's weights in memory)."""
+        if getattr(self, "_row_weights", None) is None:
+            from kernels import cpu_kernels
+
+            self._row_weights = {
+                "in_norm": None, "post_norm": self.post_attention_layernorm.detach().float().contiguous(),
+                "w_qkv": cpu_kernels.pack_rows(self.qkv_proj.weight), "w_o": cpu_kernels.pack_rows(self.o_proj.weight),
+                "w_gate_up": cpu_kernels.pack_rows(self.gate_up_proj.weight),
+                "w_down": cpu_kernels.pack_rows(self.down_proj.weight),
+            }
+        return self._row_weights
+
+    def forward_rows(self, embeds, feats, cos, sin, k_cache, v_cache, attn_metadata) -> torch.Tensor:
+        """`forward` through the fused CPU row kernel (one call after the two input norms):
+        float32 activations, cos/sin float32 [T, head_dim]; metadata built with row_exact="kernel".
+        Returns the output features [T, H] float32."""
+        from kernels import cpu_kernels
+
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        feats = feats.float()
+        normed = F.rms_norm(feats, (cfg.hidden_size,), self.hidden_norm.float(), eps)
+        x_in = torch.cat([F.rms_norm(embeds.float(), (cfg.hidden_size,), self.input_layernorm.float(), eps), normed], -1)
+        tables, lens = attn_metadata.extras["rows_kernel"]
+        out, residual = cpu_kernels.rows_layer(
+            normed if self.norm_before_residual else feats, None, cos, sin, self.row_weights(), k_cache, v_cache,
+            attn_metadata.slot_mapping, tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, eps,
+            cfg.head_dim**-0.5, attn_in=x_in,
+        )
+        return residual + out
 
 
 def read_eagle3_config(model_dir: str) -> dict:
@@ -257,6 +295,17 @@ class Eagle3Proposer(Proposer):
             max_position_embeddings=a.max_position_embeddings,
         )
         self.rope_cos, self.rope_sin = rope_cos_sin(hf, runner.model.rope_cos.shape[0] + 1, self.dtype, self.device)
+        # Small steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
+        self.row_kernel = runner.row_kernel
+        if self.row_kernel:
+            from kernels import cpu_kernels
+
+            self.rope_f32 = rope_cos_sin(hf, runner.model.rope_cos.shape[0] + 1, torch.float32, self.device)
+            self.layer.row_weights()
+            self.head.use_row_kernel()
+            # fc over each step's committed rows: through the packed kernel where torch emulates bf16
+            self.packed_fc = cpu_kernels.pack_rows(self.fc.weight) if (
+                self.dtype == torch.bfloat16 and cpu_kernels.emulated_bf16()) else None
         self.backend = runner.backend
         self.block_size = 0
         self.timer = StepTimer(5e-4)  # one autoregressive step of the head
@@ -351,7 +400,13 @@ class Eagle3Proposer(Proposer):
                      if may_draft(r)]
         if not committed:
             return
-        feats = self.fc(torch.cat([rows for _, _, rows in committed]))  # one product for the step
+        aux = torch.cat([rows for _, _, rows in committed])
+        if self.row_kernel and self.packed_fc is not None:
+            from kernels import cpu_kernels
+
+            feats = cpu_kernels.packed_linear(aux, self.packed_fc, self.arch.hidden_size, None)
+        else:
+            feats = self.fc(aux)  # one product for the step
         sizes = [rows.shape[0] for _, _, rows in committed]
         owned = [(r, start, g.clone()) for (r, start, _), g in zip(committed, feats.split(sizes), strict=True)]
         buffer_rows(self.states, owned, self.max_buffered_rows, self._forward, "EAGLE-3")
@@ -365,12 +420,19 @@ class Eagle3Proposer(Proposer):
     def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor) -> torch.Tensor:
         """Run the midlayer on elements (features[i], token_ids[i]) at the cache positions of
         `chunks` (RoPE position = cache position); returns each chunk's last output feature [B, H]."""
-        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device)
+        fused = self.row_kernel and len(token_ids) <= EXACT_ROWS
+        batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
+                                    row_exact="kernel" if fused else None)
         embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
-        cos, sin = self.rope_cos[batch.positions].unsqueeze(1), self.rope_sin[batch.positions].unsqueeze(1)
         k_cache, v_cache = self.kv_caches[0]
+        last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
+        if fused:  # float32 activations through the midlayer, one kernel call
+            cos, sin = self.rope_f32[0][batch.positions], self.rope_f32[1][batch.positions]
+            out = self.layer.forward_rows(embeds, features, cos, sin, k_cache, v_cache, batch.attn_metadata)
+            return out[last].to(self.dtype)
+        cos, sin = self.rope_cos[batch.positions].unsqueeze(1), self.rope_sin[batch.positions].unsqueeze(1)
         out = self.layer(embeds, features.to(embeds.dtype), cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
-        return out[torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1]
+        return out[last]
 
     def _sample(self, feats: torch.Tensor, requests: list[Request], generators) -> tuple[list[int], torch.Tensor | None]:
         normed = F.rms_norm(feats, (self.arch.hidden_size,), self.norm, self.arch.rms_norm_eps)
