@@ -97,8 +97,9 @@ inline float dot_f32(const float* x, const float* w, int64_t K) {
 
 // ---- the matmul: packed weights, a fixed order per output ------------------------------------
 // Weights are packed (pack_rows) in blocks of 4 rows stored in the order the kernel reads them:
-// for each 8-wide step of K, the 8 weights of row 0, then of rows 1, 2, 3 (32 values); then the
-// scalar tail K % 8 as 4 x (K % 8) (rows past N are zeros). A product is then one sequential
+// for each 8-wide step of K, the 8 weights of row 0, then of rows 1, 2, 3 (32 values; bfloat16:
+// rows 0 and 1 interleaved, then rows 2 and 3, see pack_block); then the scalar tail K % 8 as
+// 4 x (K % 8) (rows past N are zeros). A product is then one sequential
 // stream, which the hardware prefetcher follows far better than four rows K apart (measured
 // 15-17 GB/s instead of 9-10 on bfloat16 here).
 //
@@ -115,13 +116,29 @@ constexpr int PACK = 4;
 template <typename W>
 void pack_block(const W* w, int64_t nb, int64_t K, W* dst) {
   int64_t k = 0, o = 0;
+  auto at = [&](int64_t j, int64_t kk) { return j < nb ? w[j * K + kk] : W(0); };
   auto put = [&](int64_t width) {
     for (int64_t j = 0; j < PACK; ++j) {
-      for (int64_t i = 0; i < width; ++i) dst[o++] = j < nb ? w[j * K + k + i] : W(0);
+      for (int64_t i = 0; i < width; ++i) dst[o++] = at(j, k + i);
     }
     k += width;
   };
-  while (k + 8 <= K) put(8);
+  // bfloat16: each 8-wide step stores rows (0, 1) interleaved, then rows (2, 3): one 256-bit load
+  // then widens to both rows' 8 floats with one shift (even halves) and one mask (odd halves)
+  // instead of a zero-extension and a shift per row.
+  auto put_pairs = [&]() {
+    for (int64_t j = 0; j < PACK; j += 2) {
+      for (int64_t i = 0; i < 8; ++i) {
+        dst[o++] = at(j, k + i);
+        dst[o++] = at(j + 1, k + i);
+      }
+    }
+    k += 8;
+  };
+  while (k + 8 <= K) {
+    if constexpr (std::is_same_v<W, uint16_t>) put_pairs();
+    else put(8);
+  }
   if (k < K) put(K - k);
 }
 
@@ -140,11 +157,22 @@ inline void dots_packed(const float* const* x, const W* p, int64_t K, float (*ou
     if (prefetch) {
       for (int64_t o = 0; o < STEP; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + PF + o, _MM_HINT_T0);
     }
-    __m256 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x[m] + k);
-    for (int j = 0; j < PACK; ++j) {
-      const __m256 w = load8(p + 8 * j);
-      for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(xv[m], w, acc[m][j]);
+    if constexpr (std::is_same_v<W, uint16_t>) {
+      const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+      for (int j = 0; j < PACK; j += 2) {  // rows j, j + 1 interleaved (pack_block)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * j));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[m] + k), w0, acc[m][j]);
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+        for (int m = 0; m < MB; ++m) acc[m][j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x[m] + k), w1, acc[m][j + 1]);
+      }
+    } else {
+      __m256 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x[m] + k);
+      for (int j = 0; j < PACK; ++j) {
+        const __m256 w = load8(p + 8 * j);
+        for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(xv[m], w, acc[m][j]);
+      }
     }
   }
   const int64_t tail = K - k;
