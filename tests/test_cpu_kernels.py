@@ -31,6 +31,20 @@ def test_rows_linear_matches_torch_and_is_row_invariant(wdtype, k):
     torch.testing.assert_close(cpu_kernels.rows_linear(x, w, None), no_bias, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_over_row_tiles_is_row_invariant(wdtype):
+    """A prefill-sized product (rows in several tiles of the kernel's M_TILE = 48, the last one
+    partial) gives each row the bits it gets alone, and matches float64."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 136, generator=g).to(wdtype)
+    x = torch.randn(101, 136, generator=g)
+    packed = cpu_kernels.pack_rows(w)
+    y = cpu_kernels.packed_linear(x, packed, 70, None)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-4)
+    for i in (0, 47, 48, 50, 96, 100):
+        assert torch.equal(cpu_kernels.packed_linear(x[i : i + 1].clone(), packed, 70, None), y[i : i + 1])
+
+
 def test_rows_linear_keeps_the_input_dtype_and_refuses_bad_input():
     w = torch.randn(8, 16)
     assert cpu_kernels.rows_linear(torch.randn(2, 16, dtype=torch.bfloat16), w, None).dtype == torch.bfloat16
