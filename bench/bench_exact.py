@@ -25,7 +25,7 @@ import torch
 
 from bench.common import MODELS, RESULTS, code_prompts, machine_info, median
 
-DRAFTERS = {"draft": "drafter", "eagle": "eagle-head", "mtp": "mtp-heads", "ngram": None}
+DRAFTERS = {"draft": "drafter", "eagle": "eagle-head", "medusa": "medusa-heads", "ngram": None}
 MODES = ("off", "rows", "pad", "batch_invariant")
 
 

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="models/target")
     p.add_argument("--drafter", default=None, help="drafter checkpoint (default: the method's shipped one)")
-    p.add_argument("--method", default="draft", help="draft, ngram, eagle or mtp")
+    p.add_argument("--method", default="draft", help="draft, ngram, eagle, eagle3, medusa or mtp")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--no-speculation", action="store_true")
     p.add_argument("--device", default="auto")

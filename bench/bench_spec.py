@@ -3,7 +3,7 @@
 Workloads: held-out code completion, greedy (predictable), and the same prompts sampled at
 temperature 1.0 (unpredictable). Peers on the same weights and prompts: our engine without
 speculation, transformers `generate`, transformers assisted generation
-(`generate(assistant_model=drafter)`), and our engine with each drafter (draft, ngram, eagle, mtp).
+(`generate(assistant_model=drafter)`), and our engine with each drafter (draft, ngram, eagle, medusa).
 Part 1: adaptive speculation, each model drafter over its shipped draft vocabulary, plus (batch
 1, code) the same drafter over the whole vocabulary, under three loads: batch 1 (one request at a
 time), 16 at once (16 requests submitted together; the run ends with its slowest request), and 16
@@ -33,7 +33,7 @@ METHODS = {
     "draft": str(MODELS / "drafter"),
     "ngram": None,
     "eagle": str(MODELS / "eagle-head"),
-    "mtp": str(MODELS / "mtp-heads"),
+    "medusa": str(MODELS / "medusa-heads"),
 }
 
 
@@ -251,7 +251,7 @@ def main(argv=None) -> dict:
                     help="requests of the sustained load, run through --concurrency slots")
     ap.add_argument("--repeats", type=int, default=3, help="repetitions of part 1 (medians reported)")
     ap.add_argument("-k", type=int, default=6, help="k cap for the adaptive runs of part 1")
-    ap.add_argument("--methods", default="draft,ngram,eagle,mtp")
+    ap.add_argument("--methods", default="draft,ngram,eagle,medusa")
     ap.add_argument("--sweep", action="store_true", help="also run the k = 1..8 sweep (part 2)")
     ap.add_argument("--skip-part1", action="store_true")
     ap.add_argument("--no-ablation", action="store_true",

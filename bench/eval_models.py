@@ -5,7 +5,7 @@ Metrics:
 * held-out perplexity of ``models/target`` and ``models/drafter`` (512-token sequences of the
   held-out files, each file framed as ``<|bos|> ... <|endoftext|>``);
 * teacher-forced top-1 agreement with the target: drafter; EAGLE head fed the true features
-  (depth 1); each MTP head ``i`` (its prediction for token ``t+i+2`` from ``h_t`` against the
+  (depth 1); each Medusa head ``i`` (its prediction for token ``t+i+2`` from ``h_t`` against the
   target's own top-1 for that token given the true prefix);
 * mean tokens per verification step (accepted drafts + the bonus token) for chains of
   ``k = 1..8`` drafts; each method also as drafted by the engine by default, over the
@@ -16,11 +16,11 @@ Acceptance simulation.  Prompts are ``--prompt-len``-token windows of held-out f
 seed).  The target continues each prompt for ``--gen-len`` tokens, greedily (``greedy``) and by
 sampling at ``T = --temperature`` with a fixed seed (``T0.7``).  A verification step starting with
 committed tokens ``S[:n]`` gives the drafter the same information a serving engine would have: the
-tokens ``S[:n]`` and, for EAGLE / MTP, the target's final-norm features ``h_0 .. h_{n-2}`` (the
+tokens ``S[:n]`` and, for EAGLE / Medusa, the target's final-norm features ``h_0 .. h_{n-2}`` (the
 last committed token is the previous step's bonus token, whose feature is not computed yet).
 Each method drafts up to 8 tokens conditioned on the path (drafter: plain LM; EAGLE:
 autoregressive, feeding back its own predicted features, RoPE position ``t+1`` for the element
-``(f_t, token_{t+1})``; MTP: heads 0..7 on ``h_{n-2}``).
+``(f_t, token_{t+1})``; Medusa: heads 0..7 on ``h_{n-2}``).
 
 * greedy: exact.  ``m_n`` = number of leading drafts equal to the target's greedy tokens; the
   decode is then replayed for each ``k`` (``accepted = min(m_n, k)``, advance by accepted + 1) and
@@ -170,11 +170,11 @@ def agreement(models: dict, seqs: torch.Tensor) -> dict[str, float]:
             if dv is not None:
                 e_top = restrict(e_log, dv).argmax(-1)
                 hits.setdefault("eagle@dv", []).append(float((e_top == t_top[:, 1:]).float().mean()))
-        if "mtp" in models:
-            for j, feat in enumerate(models["mtp"](h)):
+        if "medusa" in models:
+            for j, feat in enumerate(models["medusa"](h)):
                 shift = j + 1  # head j at index t predicts token t+j+2 = target top-1 at index t+j+1
                 m_top = target.lm_head(feat[:, :-shift]).argmax(-1)
-                hits.setdefault(f"mtp_head{j}", []).append(float((m_top == t_top[:, shift:]).float().mean()))
+                hits.setdefault(f"medusa_head{j}", []).append(float((m_top == t_top[:, shift:]).float().mean()))
     return {k: sum(v) / len(v) for k, v in hits.items()}
 
 
@@ -288,8 +288,8 @@ def draft_distributions(
         for n in starts:
             # depth i drafts token n+i-1 from prefix seq[:n+i-1] -> logits index n+i-2
             res[n] = [d_logits[n + i - 2] for i in range(1, MAX_K + 1) if n + i - 1 < n_tot]
-    elif method == "mtp":
-        feats = models["mtp"](h[:, [s - 2 for s in starts]])
+    elif method == "medusa":
+        feats = models["medusa"](h[:, [s - 2 for s in starts]])
         per_head = [target.lm_head(f[0]).float() for f in feats]
         for j, n in enumerate(starts):
             res[n] = [per_head[i][j] for i in range(len(per_head)) if n + i < n_tot]
@@ -397,13 +397,13 @@ def markdown(results: dict) -> str:
         lines.append(f"| eagle-head (teacher-forced, depth 1) | - | {agr['eagle']:.3f} |")
     if "eagle@dv" in agr:
         lines.append(f"| eagle-head, draft vocabulary | - | {agr['eagle@dv']:.3f} |")
-    mtp = [
+    medusa = [
         f"{agr[k]:.3f}"
-        for k in sorted(agr, key=lambda s: int(s[8:]) if s.startswith("mtp_head") else -1)
-        if k.startswith("mtp_head")
+        for k in sorted(agr, key=lambda s: int(s[len("medusa_head"):]) if s.startswith("medusa_head") else -1)
+        if k.startswith("medusa_head")
     ]
-    if mtp:
-        lines.append(f"| mtp-heads (head 0..{len(mtp) - 1}) | - | {' / '.join(mtp)} |")
+    if medusa:
+        lines.append(f"| medusa-heads (head 0..{len(medusa) - 1}) | - | {' / '.join(medusa)} |")
     if "target_top1_in_draft_vocab" in agr:
         lines.append("")
         lines.append(f"Target's top-1 inside the draft vocabulary: {agr['target_top1_in_draft_vocab']:.4f} of positions.")
@@ -427,8 +427,8 @@ def load_models(models_dir: Path) -> dict:
         models["drafter"] = load_lm(models_dir / "drafter")
     if (models_dir / "eagle-head" / "model.safetensors").exists():
         models["eagle"] = load_eagle_head(models_dir / "eagle-head", torch.bfloat16)
-    if (models_dir / "mtp-heads" / "model.safetensors").exists():
-        models["mtp"] = load_medusa_heads(models_dir / "mtp-heads", torch.bfloat16)
+    if (models_dir / "medusa-heads" / "model.safetensors").exists():
+        models["medusa"] = load_medusa_heads(models_dir / "medusa-heads", torch.bfloat16)
     dv = load_draft_vocab(models_dir)
     if dv is not None:
         models["draft_vocab"] = dv
@@ -452,7 +452,7 @@ def evaluate(cfg: EvalConfig, methods: list[str] | None = None) -> dict:
     print(f"perplexity {ppl} ({time.time() - t0:.0f}s)", flush=True)
     agr = agreement(models, seqs[: cfg.agree_seqs])
     print(f"agreement {agr} ({time.time() - t0:.0f}s)", flush=True)
-    available = [m for m in ("drafter", "eagle", "mtp") if m in models]
+    available = [m for m in ("drafter", "eagle", "medusa") if m in models]
     methods = [m for m in (methods or available) if m in available]
     acc = acceptance(models, methods, pick_prompts(docs, cfg), cfg)
     return {
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
         default=d.temp_start_stride,
         help="T0.7: use every n-th start position",
     )
-    parser.add_argument("--methods", nargs="*", default=None, help="subset of drafter eagle mtp")
+    parser.add_argument("--methods", nargs="*", default=None, help="subset of drafter eagle medusa")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "eval_models.json"))
     args = parser.parse_args(argv)
     cfg = EvalConfig(

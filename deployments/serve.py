@@ -2,7 +2,7 @@
 embedded single-node Ray.
 
     python -m deployments.serve [--config deployments/serve_config.yaml] [--port 9000]
-        [--model DIR] [--drafter DIR] [--method draft|ngram|eagle|mtp] [-k K] [--device D]
+        [--model DIR] [--drafter DIR] [--method draft|ngram|eagle|eagle3|medusa|mtp] [-k K] [--device D]
         [--no-speculation]
 
 Reads the Serve config file (the one `serve run` and the Kubernetes manifests use), applies the
@@ -40,7 +40,7 @@ TRAIN_HINT = {
     "models/target": "python -m training corpus && python -m training tokenizer && python -m training target",
     "models/drafter": "python -m training drafter",
     "models/eagle-head": "python -m training eagle",
-    "models/mtp-heads": "python -m training mtp",
+    "models/medusa-heads": "python -m training medusa",
 }
 
 
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-port", type=int, default=None, help="HTTP proxy port (default: the config's)")
     p.add_argument("--model", default=None, help="target model directory")
     p.add_argument("--drafter", default=None, help="drafter checkpoint directory")
-    p.add_argument("--method", default=None, help="drafter kind: draft, ngram, eagle or mtp")
+    p.add_argument("--method", default=None, help="drafter kind: draft, ngram, eagle, eagle3, medusa or mtp (the target's own MTP layers)")
     p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=None, help="tokens drafted per step")
     p.add_argument("--device", default=None, help="auto, cpu or cuda")
     p.add_argument("--no-speculation", action="store_true", help="serve the target model alone")

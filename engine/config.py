@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "eagle3", "mtp")
+SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "eagle3", "medusa", "mtp")
 # How a step keeps each token's logits independent of how many tokens it computes
 # (engine/model_runner.py explains each).
 EXACT_MODES = ("auto", "rows", "pad", "batch_invariant", "off")
@@ -55,9 +55,11 @@ class SpeculativeConfig:
     """Speculative decoding: who drafts, how many tokens, and whether k adapts.
 
     method: "draft" (a small model, `model` = its checkpoint dir), "ngram" (prompt lookup, no
-    model), "eagle" (`model` = an EAGLE head dir), "eagle3" (`model` = an EAGLE-3 head dir in the
-    published layout: SpecForge / EAGLE repo, as vLLM and SGLang load it), "mtp" (`model` = MTP
-    heads dir).
+    model), "eagle" (`model` = an EAGLE-1 head dir: ours or the EAGLE repo's layout), "eagle3"
+    (`model` = an EAGLE-3 head dir in the published layout: SpecForge / EAGLE repo, as vLLM and
+    SGLang load it), "medusa" (`model` = Medusa heads dir: ours or FasterDecoding/Medusa's layout),
+    "mtp" (the multi-token-prediction layers stored in the target's own checkpoint, DeepSeek-V3
+    or MiMo layout: `model` None, or the target's directory).
     adaptive: choose k per request from its predicted acceptance and switch speculation off for a
     step when the batch is large enough that verifying costs more than it saves (engine/spec/
     speculator.py). acceptance_ema_alpha: how fast a request's own acceptance counts forget, per
@@ -80,7 +82,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        if self.method in ("draft", "eagle", "eagle3", "mtp") and not self.model:
+        if self.method in ("draft", "eagle", "eagle3", "medusa") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs `model` (a checkpoint directory)")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(

@@ -13,7 +13,9 @@ import time
 from engine import LLM, SamplingParams, SpeculativeConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRAFTERS = {"draft": "models/drafter", "eagle": "models/eagle-head", "mtp": "models/mtp-heads", "ngram": None}
+# method -> shipped checkpoint (None: no model, or, for mtp, the MTP layers in the target's own checkpoint)
+DRAFTERS = {"draft": "models/drafter", "eagle": "models/eagle-head", "medusa": "models/medusa-heads", "mtp": None,
+            "ngram": None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -219,7 +219,7 @@ class LLMEngine:
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         """KV blocks in the pool: `kv_cache_memory_bytes` of them, or, sized automatically, what
-        fits next to the drafter's per-request buffers (EAGLE/MTP hidden rows, bounded)."""
+        fits next to the drafter's per-request buffers (EAGLE/MTP/Medusa hidden rows, bounded)."""
         cc = self.cache_config
         sc = self.scheduler_config
         budget = cc.kv_cache_memory_bytes
@@ -469,8 +469,8 @@ class LLMEngine:
 
         `with_drafter_state=False` (an ablation) drops the drafter's state and KV: the draft model
         catches up over the whole context at its next round, EAGLE starts a new buffer from the
-        next step's rows over a zeroed layer KV (worse drafts), MTP needs only the next step's row,
-        n-gram never needed any. Outputs stay exact; the pending drafts are still verified.
+        next step's rows over a zeroed layer KV (worse drafts; native MTP likewise), Medusa needs
+        only the next step's row, n-gram never needed any. Outputs stay exact; the pending drafts are still verified.
         """
         handoff.check(self.handoff_compat)
         self._validate_handoff(request_id, handoff)

@@ -87,7 +87,7 @@ def save_perturbed_copy(src: str, dst: str, noise: float, seed: int = 0, **overr
 def save_tiny_heads(
     root: str, target_dir: str, seed: int = 0, scale: float = 1.0, max_position_embeddings: int = 512
 ) -> tuple[str, str]:
-    """Random EAGLE head and MTP heads for a `save_tiny_model` target, in the shipped layouts."""
+    """Random EAGLE head and Medusa heads for a `save_tiny_model` target, in the shipped layouts."""
     from pathlib import Path
 
     from training.heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_head
@@ -99,13 +99,48 @@ def save_tiny_heads(
                        target=name)
     eagle = EagleHead(ecfg)
     mcfg = MedusaConfig(num_heads=4, hidden_size=TINY["hidden_size"], vocab_size=TINY["vocab_size"], target=name)
-    mtp = MedusaHeads(mcfg)
+    medusa = MedusaHeads(mcfg)
     with torch.no_grad():
         for p in eagle.parameters():
             if p.dim() == 2:
                 p.mul_(scale)
-        for p in mtp.parameters():  # zero-initialized for training; random here
+        for p in medusa.parameters():  # zero-initialized for training; random here
             p.normal_(0, 0.3 * scale)
     save_head(eagle, ecfg.to_json_dict(), Path(root) / "eagle")
-    save_head(mtp, mcfg.to_json_dict(), Path(root) / "mtp")
-    return os.path.join(root, "eagle"), os.path.join(root, "mtp")
+    save_head(medusa, mcfg.to_json_dict(), Path(root) / "medusa")
+    return os.path.join(root, "eagle"), os.path.join(root, "medusa")
+
+
+
+def assert_each_tensor_is_checked(load, weights: dict, config: dict, root, keys=None, optional=(),
+                                  extra: str = "unused_extra.weight") -> None:
+    """`load(dir)` (a drafter loader) refuses, with a CheckpointError naming the tensor, a copy of
+    the checkpoint (config.json + model.safetensors in a new folder under `root`) that lacks any
+    of `keys` (default: every tensor of `weights`) not in `optional`, holds any of them with one
+    extra row, or holds the tensor `extra` it does not use."""
+    import json
+    import re
+
+    import pytest
+    from safetensors.torch import save_file
+
+    from engine.errors import CheckpointError
+
+    def write(name: str, w: dict) -> str:
+        d = os.path.join(str(root), name)
+        os.makedirs(d)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(config, f)
+        save_file(w, os.path.join(d, "model.safetensors"))
+        return d
+
+    for key in weights if keys is None else keys:
+        if key not in optional:
+            with pytest.raises(CheckpointError, match=re.escape(key)):
+                load(write(f"missing_{key}", {k: v for k, v in weights.items() if k != key}))
+        bad = dict(weights)
+        bad[key] = torch.cat([weights[key], weights[key][:1]])
+        with pytest.raises(CheckpointError, match=re.escape(key)):
+            load(write(f"shape_{key}", bad))
+    with pytest.raises(CheckpointError, match=re.escape(extra)):
+        load(write("extra", {**weights, extra: torch.zeros(2)}))

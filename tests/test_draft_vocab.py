@@ -43,11 +43,11 @@ def _copy(src: str, dst: str) -> str:
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("dv")
     target = save_tiny_model(str(root / "target"), "llama")
-    eagle, mtp = save_tiny_heads(str(root), target)
+    eagle, medusa = save_tiny_heads(str(root), target)
     # a "drafter" equal to the target: every draft the reduced vocabulary can express is accepted
     drafter = _copy(target, str(root / "drafter"))
     ranked = list(range(96, -1, -1))  # any permutation of the 97 ids
-    for d in (drafter, eagle, mtp):
+    for d in (drafter, eagle, medusa):
         write_ranking(d, ranked, default_size=48)
     base = LLMEngine(target, dtype="float32", device="cpu")
     outs = run_staggered(base, SPEC_PROMPTS, GREEDY, SPEC_ARRIVALS)
@@ -55,7 +55,7 @@ def tiny(tmp_path_factory):
         "target": target,
         "draft": drafter,
         "eagle": eagle,
-        "mtp": mtp,
+        "medusa": medusa,
         "baseline": [outs[f"r{i}"] for i in range(len(SPEC_PROMPTS))],
     }
 
@@ -85,7 +85,7 @@ def test_sample_drafts_maps_ids_and_scatters_probs():
     assert probs[0].sum().item() == pytest.approx(1.0) and probs[0, [0, 1, 3, 4, 6, 8]].abs().sum() == 0
 
 
-@pytest.mark.parametrize("method", ["draft", "eagle", "mtp"])
+@pytest.mark.parametrize("method", ["draft", "eagle", "medusa"])
 @pytest.mark.parametrize("size", [None, 10])
 def test_greedy_output_equals_non_speculative(tiny, method, size):
     spec = SpeculativeConfig(

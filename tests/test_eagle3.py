@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import transformers
-from helpers import assert_no_leaked_blocks, save_tiny_model
+from helpers import assert_each_tensor_is_checked, assert_no_leaked_blocks, save_tiny_model
 from safetensors.torch import load_file, save_file
 from test_engine import run_staggered
 from test_speculative import (
@@ -29,7 +29,7 @@ from test_speculative import (
 )
 
 from engine import LLMEngine, SamplingParams, SpeculativeConfig
-from engine.errors import CheckpointError, DrafterMismatchError
+from engine.errors import DrafterMismatchError
 from engine.model_runner import ModelRunner
 from engine.spec.proposers.eagle3 import Eagle3Proposer, resolve_aux_layer_ids
 
@@ -248,27 +248,8 @@ def test_missing_or_misshaped_key_is_refused(setup, tmp_path):
     Eagle3Proposer(src, runner)  # the intact checkpoint loads
     weights = load_file(os.path.join(src, "model.safetensors"))
     cfg = json.load(open(os.path.join(src, "config.json")))
-
-    def write(name, w):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(cfg))
-        save_file(w, str(d / "model.safetensors"))
-        return str(d)
-
-    for key in weights:
-        if key == "t2d":  # optional (vLLM ignores it); checked when present
-            continue
-        missing = write(f"missing_{key}", {k: v for k, v in weights.items() if k != key})
-        with pytest.raises(CheckpointError, match=key):
-            Eagle3Proposer(missing, runner)
-    for key in weights:
-        bad = dict(weights)
-        bad[key] = torch.cat([weights[key], weights[key][:1]])  # one extra row
-        with pytest.raises(CheckpointError, match=key):
-            Eagle3Proposer(write(f"shape_{key}", bad), runner)
-    with pytest.raises(CheckpointError, match="unused_extra"):
-        Eagle3Proposer(write("extra", {**weights, "unused_extra.weight": torch.zeros(2)}), runner)
+    # t2d is optional (vLLM ignores it); checked when present
+    assert_each_tensor_is_checked(lambda d: Eagle3Proposer(d, runner), weights, cfg, tmp_path, optional=("t2d",))
 
 
 def test_mismatched_target_is_refused(setup, tmp_path):
@@ -296,13 +277,8 @@ def test_sampled_distribution_matches_target(tmp_path):
 @pytest.mark.parametrize("params", ["greedy", "sampled"])
 def test_handoff_equals_colocated(setup, params):
     from test_handoff import GREEDY as H_GREEDY
-    from test_handoff import PROMPT, SAMPLED, colocated, decode, make_engine, prefill
+    from test_handoff import PROMPT, SAMPLED, assert_handoff_equals_colocated
 
-    p = H_GREEDY if params == "greedy" else SAMPLED
     models = {"target": setup["target"], "eagle3": setup["heads"]["default"]}
-    expected, expected_log = colocated(models, "eagle3", p)
-    a, b = make_engine(models, "eagle3"), make_engine(models, "eagle3")
-    h, _ = prefill(a, p)
+    h = assert_handoff_equals_colocated(models, "eagle3", H_GREEDY if params == "greedy" else SAMPLED)
     assert h.num_computed_tokens == len(PROMPT) and h.drafter_kv is not None and h.proposer_state is not None
-    tokens, log = decode(b, h)
-    assert tokens == expected and log == expected_log

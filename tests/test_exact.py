@@ -116,8 +116,8 @@ def test_auto_picks_pad_or_rows_and_bad_modes_are_refused(models):
 def drafters(models, tmp_path_factory) -> dict[str, str | None]:
     root = tmp_path_factory.mktemp("exact_drafters")
     target = models["llama"]
-    eagle, mtp = save_tiny_heads(str(root), target)
-    return {"draft": save_perturbed_copy(target, str(root / "draft"), noise=0.05), "eagle": eagle, "mtp": mtp,
+    eagle, medusa = save_tiny_heads(str(root), target)
+    return {"draft": save_perturbed_copy(target, str(root / "draft"), noise=0.05), "eagle": eagle, "medusa": medusa,
             "ngram": None}
 
 
@@ -137,7 +137,7 @@ def greedy_mismatches(models, drafters, method: str, dtype: str, exact: str) -> 
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("method", ["draft", "eagle", "mtp", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "eagle", "medusa", "ngram"])
 def test_greedy_speculation_equals_greedy_without(models, drafters, method, dtype):
     differ, drafted = greedy_mismatches(models, drafters, method, dtype, "auto")
     assert differ == 0 and drafted > 0

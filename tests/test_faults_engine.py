@@ -24,7 +24,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import sample_from_probs
 from engine.scheduler import Scheduler
 
-METHODS = ["draft", "eagle", "mtp", "ngram"]
+METHODS = ["draft", "eagle", "medusa", "ngram"]
 SHORT_PROMPTS = [[1, 2, 3], [5, 6], [7, 8, 9, 10], [11]]
 SHORT = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -34,8 +34,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     target = save_tiny_model(str(root / "target"), "llama")
     close = save_perturbed_copy(target, str(root / "close"), noise=0.02)
-    eagle, mtp = save_tiny_heads(str(root), target)
-    return {"target": target, "draft": close, "eagle": eagle, "mtp": mtp, "ngram": None}
+    eagle, medusa = save_tiny_heads(str(root), target)
+    return {"target": target, "draft": close, "eagle": eagle, "medusa": medusa, "ngram": None}
 
 
 def spec_config(models, method: str, k: int = 4, adaptive: bool = False) -> SpeculativeConfig:
@@ -65,7 +65,7 @@ def baselines(models):
 @pytest.mark.parametrize("method", METHODS)
 def test_small_token_budget_equals_non_speculative(models, baselines, method):
     """Four requests drafting k=4 in a 6-token budget (the configuration that crashed the draft
-    model and MTP proposers): exact greedy output, and the drafts were verified."""
+    model and Medusa proposers): exact greedy output, and the drafts were verified."""
     llm = LLM(models["target"], dtype="float32", device="cpu", max_num_batched_tokens=6,
               speculative=spec_config(models, method))
     outs = llm.generate(SHORT_PROMPTS, SHORT)
@@ -98,7 +98,7 @@ def leave_out_one_decoding_request(engine: LLMEngine) -> list[str]:
 def test_requests_left_out_of_a_step_do_not_draft(models, baselines, method):
     """A running, decoding request that a step leaves out committed nothing new: it keeps the
     drafts it has (still valid) and its proposer is not asked again (the draft model raised
-    `query_len=0`, MTP an IndexError)."""
+    `query_len=0`, Medusa an IndexError)."""
     engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec_config(models, method))
     left_out = leave_out_one_decoding_request(engine)
     outs = run_staggered(engine, SPEC_PROMPTS, GREEDY, SPEC_ARRIVALS)
@@ -126,16 +126,18 @@ def fail_once(monkeypatch, obj, name: str, on_call: int) -> list[int]:
 
 def inject_drafting_failure(monkeypatch, proposer, on_call: int) -> list[int]:
     """Fail the proposer after its per-request state would have been advanced by the old code:
-    the draft model and EAGLE in a forward after the round's first, MTP in its sampling."""
+    the draft model and EAGLE in a forward after the round's first, Medusa in its sampling."""
     if proposer.method in ("draft", "eagle"):
         return fail_once(monkeypatch, proposer, "_forward", on_call)
-    if proposer.method == "mtp":
-        return fail_once(monkeypatch, proposer.head, "sample", on_call)
+    if proposer.method == "medusa":
+        import engine.spec.proposers.medusa as medusa_module
+
+        return fail_once(monkeypatch, medusa_module, "sample_drafts", on_call)
     return fail_once(monkeypatch, proposer, "propose", on_call)
 
 
 def reference_drafts(models, method: str, tokens: list[int], k: int) -> list[int]:
-    if method in ("eagle", "mtp"):
+    if method in ("eagle", "medusa"):
         return _reference_drafts(models, method, tokens, k)
     drafter = transformers.AutoModelForCausalLM.from_pretrained(models["draft"], dtype=torch.float32).eval()
     ids = torch.tensor([tokens])
@@ -145,10 +147,10 @@ def reference_drafts(models, method: str, tokens: list[int], k: int) -> list[int
     return out[0, len(tokens):].tolist()
 
 
-@pytest.mark.parametrize("method", ["draft", "eagle", "mtp"])
+@pytest.mark.parametrize("method", ["draft", "eagle", "medusa"])
 def test_failed_drafting_forward_leaves_proposer_state_unchanged(models, method, monkeypatch, caplog):
     """Drafting fails after the point where the old code had already advanced the request's
-    state (the draft model's and EAGLE's second forward, MTP's sampling): the engine logs one
+    state (the draft model's and EAGLE's second forward, Medusa's sampling): the engine logs one
     ERROR with the traceback, the request goes on without drafts, its proposer state is what it
     was before the round, and its next drafts equal the reference heads' / drafter's drafts."""
     engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec_config(models, method))
@@ -158,7 +160,7 @@ def test_failed_drafting_forward_leaves_proposer_state_unchanged(models, method,
     r = engine.scheduler.requests["r"]
     n_drafted = r.num_tokens
     assert r.spec_token_ids
-    inject_drafting_failure(monkeypatch, proposer, on_call=1 if method == "mtp" else 2)
+    inject_drafting_failure(monkeypatch, proposer, on_call=1 if method == "medusa" else 2)
     with caplog.at_level(logging.ERROR, logger="engine"):
         engine.step()  # verifies, buffers the committed rows; drafting fails
     errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
@@ -315,9 +317,9 @@ def long_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("long")
     target = save_tiny_model(str(root / "target"), "llama", max_position_embeddings=LONG_POSITIONS)
-    eagle, mtp = save_tiny_heads(str(root), target, max_position_embeddings=LONG_POSITIONS)
+    eagle, medusa = save_tiny_heads(str(root), target, max_position_embeddings=LONG_POSITIONS)
     assert helpers.TINY["max_position_embeddings"] == 512
-    return {"target": target, "eagle": eagle, "mtp": mtp}
+    return {"target": target, "eagle": eagle, "medusa": medusa}
 
 
 LONG_PROMPT = [(7 * i + 3) % 97 for i in range(300)]
@@ -334,7 +336,7 @@ def buffered_rows(proposer) -> dict[str, int]:
     return {rid: st.rows.shape[0] for rid, st in proposer.states.items()}
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_non_speculative_request_buffers_no_hidden_rows(long_models, long_baseline, method):
     """A 2000-token request with speculative=False in a speculating engine: its proposer keeps
     nothing for it at any step (it never drafts), and its output is the target's."""
@@ -352,18 +354,18 @@ def test_non_speculative_request_buffers_no_hidden_rows(long_models, long_baseli
     assert engine.spec_stats.num_draft_tokens == 0
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_hidden_rows_stay_bounded_while_speculation_is_off(long_models, long_baseline, method, monkeypatch):
     """The adaptive policy keeps speculation off for ~1950 steps (forced): the request's buffered
     rows never exceed the bound (EAGLE runs its layer over them instead, extending its own KV;
-    MTP keeps one row). Turned back on, the drafts equal the reference heads' drafts over the
+    Medusa keeps one row). Turned back on, the drafts equal the reference heads' drafts over the
     whole context, so the EAGLE KV filled meanwhile is right; output equals the target's."""
     spec = SpeculativeConfig(method=method, model=long_models[method], num_speculative_tokens=4, adaptive=True)
     engine = LLMEngine(long_models["target"], dtype="float32", device="cpu", max_num_batched_tokens=256,
                        speculative=spec)
     proposer = engine.speculator.proposer
     bound = proposer.max_buffered_rows if method == "eagle" else 1
-    assert method == "mtp" or bound == 16
+    assert method == "medusa" or bound == 16
     monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
     engine.add_request("r", LONG_PROMPT, SamplingParams(max_tokens=LONG_NEW, temperature=0.0, ignore_eos=True))
     tokens: list[int] = []

@@ -23,7 +23,7 @@ from engine import (
 )
 from engine.spec.proposers.draft_model import DraftModelState
 
-METHODS = [None, "draft", "eagle", "mtp", "ngram"]
+METHODS = [None, "draft", "eagle", "medusa", "ngram"]
 # 38 tokens (2 full blocks of 16 + 6) with repetition, so n-gram lookup finds matches.
 PROMPT = list(range(36, 42)) + [11, 12, 13, 11, 12, 13, 11, 12] + [4, 5, 6, 7] * 6
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -35,8 +35,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("handoff")
     target = save_tiny_model(str(root / "target"), "llama")
     close = save_perturbed_copy(target, str(root / "close"), noise=0.02)
-    eagle, mtp = save_tiny_heads(str(root), target)
-    return {"target": target, "draft": close, "eagle": eagle, "mtp": mtp, "ngram": None}
+    eagle, medusa = save_tiny_heads(str(root), target)
+    return {"target": target, "draft": close, "eagle": eagle, "medusa": medusa, "ngram": None}
 
 
 def make_engine(models, method: str | None, target: str = "target", **kwargs) -> LLMEngine:
@@ -100,6 +100,16 @@ def decode(engine: LLMEngine, h: Handoff, rid: str = "d", **kwargs) -> tuple[lis
     return outs[rid], log
 
 
+def assert_handoff_equals_colocated(models, method: str, params) -> Handoff:
+    """Prefill on one engine, hand the request over (pickled), decode on another: the tokens and
+    each verification's (drafted, accepted) equal one engine's. Returns the handoff."""
+    expected, expected_log = colocated(models, method, params)
+    h, _ = prefill(make_engine(models, method), params)
+    tokens, log = decode(make_engine(models, method), h)
+    assert tokens == expected and log == expected_log
+    return h
+
+
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("method", METHODS)
 def test_handoff_equals_colocated(models, method, params):
@@ -117,7 +127,7 @@ def test_handoff_equals_colocated(models, method, params):
         assert (h.drafter_kv is not None) == (method in ("draft", "eagle"))
         assert (h.proposer_state is None) == (method == "ngram")
     assert (h.generator_state is not None) == (params.seed is not None)
-    assert (h.draft_probs is not None) == (method in ("draft", "eagle", "mtp") and not params.is_greedy)
+    assert (h.draft_probs is not None) == (method in ("draft", "eagle", "medusa") and not params.is_greedy)
     tokens, log = decode(b, h)
     assert tokens == expected
     assert log == expected_log
@@ -166,11 +176,11 @@ def _draft_forward_tokens(engine: LLMEngine) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("method", ["draft", "eagle", "mtp", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "eagle", "medusa", "ngram"])
 def test_without_drafter_state(models, method):
     """Ablation: the importer drops the drafter's state and KV. Outputs still equal one engine's;
     the draft model catches up over the whole context (its first round here runs over the prompt),
-    EAGLE drafts without the prompt's rows (other drafts), MTP and n-gram need no state at all."""
+    EAGLE drafts without the prompt's rows (other drafts), Medusa and n-gram need no state at all."""
     expected, expected_log = colocated(models, method, GREEDY)
     h, _ = prefill(make_engine(models, method), GREEDY)
     b = make_engine(models, method)

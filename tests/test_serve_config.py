@@ -107,7 +107,7 @@ def with_args(**changes) -> dict:
         ({"speculative__num_speculative_tokens": 0},
          "applications[0].args.speculative.num_speculative_tokens: must be in [1, 16], got 0"),
         ({"speculative__num_speculative_tokens": 17}, "applications[0].args.speculative.num_speculative_tokens"),
-        ({"speculative__method": "medusa"}, "applications[0].args.speculative.method: must be one of"),
+        ({"speculative__method": "lookahead"}, "applications[0].args.speculative.method: must be one of"),
         ({"speculative__method": "ngram"}, "applications[0].args.speculative.model: must be null for method 'ngram'"),
         ({"speculative__model": None}, "applications[0].args.speculative.model: method 'draft' needs"),
         ({"speculative__method": "eagle3", "speculative__model": None},

@@ -21,7 +21,7 @@ N_SNIPPETS = 4
 SNIPPET_LEN = 256
 DRAFTER_AGREEMENT_FLOOR = 0.38  # measured 0.445
 EAGLE_AGREEMENT_FLOOR = 0.52  # measured 0.602
-MTP_HEAD0_AGREEMENT_FLOOR = 0.22  # measured 0.278
+MEDUSA_HEAD0_AGREEMENT_FLOOR = 0.22  # measured 0.278
 DRAFT_VOCAB_TOP1_FLOOR = 0.98  # share of the target's top-1 inside each default draft vocabulary; measured 0.996
 MAX_TOTAL_BYTES = 100 * 1024 * 1024
 
@@ -69,7 +69,7 @@ def target_out(target, snippets):
         return h, target.lm_head(h).float().argmax(-1)
 
 
-@pytest.mark.parametrize("folder", ["target", "drafter", "eagle-head", "mtp-heads"])
+@pytest.mark.parametrize("folder", ["target", "drafter", "eagle-head", "medusa-heads"])
 def test_tokenizer_loads_and_roundtrips(folder):
     from transformers import AutoTokenizer
 
@@ -119,7 +119,7 @@ def test_drafter_agreement_regression(snippets, target_out):
     assert agree >= DRAFTER_AGREEMENT_FLOOR, agree
 
 
-@pytest.mark.parametrize("folder", ["drafter", "eagle-head", "mtp-heads"])
+@pytest.mark.parametrize("folder", ["drafter", "eagle-head", "medusa-heads"])
 def test_draft_vocab_holds_the_targets_predictions(folder, target_out):
     """Each shipped draft vocabulary (the engine's default) contains the target's own top-1 at
     nearly every snippet position: a broken or mismatched ranking would cut acceptance."""
@@ -156,8 +156,8 @@ def test_eagle_head_layout_and_agreement(target, snippets, target_out):
     assert agree >= EAGLE_AGREEMENT_FLOOR, agree
 
 
-def test_mtp_heads_layout_and_agreement(target, target_out):
-    path = need("mtp-heads")
+def test_medusa_heads_layout_and_agreement(target, target_out):
+    path = need("medusa-heads")
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["MedusaHeads"] and cfg["model_type"] == "medusa"
     assert cfg["target"] == "target"
@@ -168,7 +168,7 @@ def test_mtp_heads_layout_and_agreement(target, target_out):
     with torch.no_grad():
         m_top = target.lm_head(heads(h)[0][:, :-1]).argmax(-1)
     agree = float((m_top == t_top[:, 1:]).float().mean())
-    assert agree >= MTP_HEAD0_AGREEMENT_FLOOR, agree
+    assert agree >= MEDUSA_HEAD0_AGREEMENT_FLOOR, agree
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -182,7 +182,7 @@ def test_shipped_models_run_in_our_engine(dtype):
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     base = LLM(target, dtype=dtype, device="cpu").generate([prompt], sp)[0]
     assert len(base.token_ids) == 24 and base.text
-    for method, folder in (("draft", "drafter"), ("eagle", "eagle-head"), ("mtp", "mtp-heads")):
+    for method, folder in (("draft", "drafter"), ("eagle", "eagle-head"), ("medusa", "medusa-heads")):
         spec = SpeculativeConfig(method=method, model=str(need(folder)), num_speculative_tokens=4, adaptive=False)
         out = LLM(target, dtype=dtype, device="cpu", speculative=spec).generate([prompt], sp)[0]
         assert out.token_ids == base.token_ids, method

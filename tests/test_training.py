@@ -206,7 +206,7 @@ def test_eagle_incremental_matches_full_sequence():
     assert torch.allclose(full, torch.cat(steps, 1), atol=1e-5)
 
 
-def test_mtp_loss_decreases_and_layout(seqs):
+def test_medusa_loss_decreases_and_layout(seqs):
     target = frozen(tiny_llama(seed=1), embed_scale=25.0)
     heads = MedusaHeads(MedusaConfig(num_heads=3, hidden_size=TINY.hidden_size, vocab_size=TINY.vocab_size))
     keys = {f"heads.{i}.linear.{w}" for i in range(3) for w in ("weight", "bias")}
@@ -251,25 +251,25 @@ def test_joint_draft_training_shares_target_forward(seqs):
         hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, vocab_size=320
     )
     eagle = EagleHead(ecfg)
-    mtp = MedusaHeads(MedusaConfig(num_heads=2, hidden_size=32, vocab_size=320))
-    joint = torch.nn.ModuleDict({"drafter": drafter, "eagle": eagle, "mtp": mtp})
+    medusa = MedusaHeads(MedusaConfig(num_heads=2, hidden_size=32, vocab_size=320))
+    joint = torch.nn.ModuleDict({"drafter": drafter, "eagle": eagle, "medusa": medusa})
     before = {n: p.detach().clone() for n, p in joint.named_parameters()}
     outputs = TargetOutputs(target)
     loss_fn = joint_loss_fn(
         {
             "drafter": distill_loss_fn(drafter, outputs),
             "eagle": eagle_loss_fn(eagle, outputs),
-            "mtp": medusa_loss_fn(mtp, outputs, stride=3),
+            "medusa": medusa_loss_fn(medusa, outputs, stride=3),
         }
     )
-    comps = {"drafter.": 2.0, "eagle.": 1.0, "mtp.": 1.0}
+    comps = {"drafter.": 2.0, "eagle.": 1.0, "medusa.": 1.0}
     out = train_loop(
         cfg(12), joint, loss_fn, data.SequenceSampler(seqs, 4, 0), None, progress=False, components=comps
     )
     assert len(calls) == 12  # one target forward per batch, shared by the three losses
     first, last = drop(out["history"])
     assert last < first
-    assert {"drafter_loss", "eagle_loss", "mtp_loss"} <= set(out["first_metrics"])
+    assert {"drafter_loss", "eagle_loss", "medusa_loss"} <= set(out["first_metrics"])
     for n, p in joint.named_parameters():
         assert not torch.equal(p.detach().float(), before[n].float()), n
 
@@ -297,7 +297,7 @@ def test_draft_vocab_step_ranks_by_training_frequency(tmp_path, monkeypatch):
         doc = json.loads((models / name / "draft_vocab.json").read_text())
         assert doc["ranked_token_ids"][:4] == [5, 2, 9, 7] and sorted(doc["ranked_token_ids"]) == list(range(12))
         assert doc["default_size"] == 3
-    assert not (models / "mtp-heads").exists()
+    assert not (models / "medusa-heads").exists()
     assert resolve_draft_token_ids(None, str(models / "drafter"), 12).tolist() == [2, 5, 9]
 
 

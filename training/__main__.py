@@ -9,8 +9,8 @@ Steps (run in this order)::
                full model (fits the 100 MB weight budget; --teacher, --drop-layers)
     drafter    distil models/drafter from the frozen target (KL(target || drafter))
     eagle      train models/eagle-head (EAGLE-1) on the frozen target's features
-    mtp        train models/mtp-heads (Medusa-style) on the frozen target's features
-    draft-all  drafter + eagle + mtp in one loop on shared batches (one target forward per batch)
+    medusa     train models/medusa-heads (Medusa-1 heads) on the frozen target's features
+    draft-all  drafter + eagle + medusa in one loop on shared batches (one target forward per batch)
     draft-vocab  rank tokens by training-set frequency into each drafter's draft_vocab.json
     cards      write the README.md model cards from runs/*_stats.json and bench/results
 """
@@ -315,8 +315,8 @@ def step_eagle(args: argparse.Namespace) -> None:
     write_stats("eagle", out)
 
 
-def step_mtp(args: argparse.Namespace) -> None:
-    cfg = train_config(args, "mtp")
+def step_medusa(args: argparse.Namespace) -> None:
+    cfg = train_config(args, "medusa")
     train, _ = load_streams(cfg.seq_len)
     target = load_target()
     torch.manual_seed(cfg.seed)
@@ -325,23 +325,23 @@ def step_mtp(args: argparse.Namespace) -> None:
     )
     heads = MedusaHeads(mcfg)
     n_params = sum(p.numel() for p in heads.parameters())
-    log(f"mtp: {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
+    log(f"medusa: {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
     sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 3)
     loss_fn = medusa_loss_fn(heads, target)
     if args.measure_steps:
         measure(cfg, heads, loss_fn, sampler, args.measure_steps)
         return
     out = train_loop(
-        cfg, heads, loss_fn, sampler, CKPTS / "mtp.pt", resume=args.resume, log=log, max_threads=args.threads
+        cfg, heads, loss_fn, sampler, CKPTS / "medusa.pt", resume=args.resume, log=log, max_threads=args.threads
     )
-    folder = MODELS / "mtp-heads"
+    folder = MODELS / "medusa-heads"
     save_head(heads, mcfg.to_json_dict(), folder)
     data.copy_tokenizer(TOKENIZER_DIR, folder)
     out.update(params=n_params, config=asdict(cfg))
-    write_stats("mtp", out)
+    write_stats("medusa", out)
 
 
-DRAFT_PARTS = ("drafter", "eagle", "mtp")
+DRAFT_PARTS = ("drafter", "eagle", "medusa")
 
 
 def step_draft_all(args: argparse.Namespace) -> None:
@@ -367,15 +367,15 @@ def step_draft_all(args: argparse.Namespace) -> None:
         ecfg = eagle_config_from_target(target)
         modules["eagle"] = EagleHead(ecfg)
         losses["eagle"] = eagle_loss_fn(modules["eagle"], outputs, rollout_weight=args.rollout_weight)
-    if "mtp" in parts:
+    if "medusa" in parts:
         torch.manual_seed(cfg.seed + 3)
         mcfg = MedusaConfig(
             num_heads=args.num_heads,
             hidden_size=target.config.hidden_size,
             vocab_size=target.config.vocab_size,
         )
-        modules["mtp"] = MedusaHeads(mcfg)
-        losses["mtp"] = medusa_loss_fn(modules["mtp"], outputs, stride=args.mtp_stride)
+        modules["medusa"] = MedusaHeads(mcfg)
+        losses["medusa"] = medusa_loss_fn(modules["medusa"], outputs, stride=args.medusa_stride)
     joint = torch.nn.ModuleDict(modules)
     loss_fn = joint_loss_fn(losses)
     sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in modules.items()}
@@ -416,14 +416,14 @@ def step_draft_all(args: argparse.Namespace) -> None:
             save_head(modules["eagle"], ecfg.to_json_dict(), MODELS / "eagle-head")
             data.copy_tokenizer(TOKENIZER_DIR, MODELS / "eagle-head")
             stats["rollout_weight"] = args.rollout_weight
-        if name == "mtp":
-            save_head(modules["mtp"], mcfg.to_json_dict(), MODELS / "mtp-heads")
-            data.copy_tokenizer(TOKENIZER_DIR, MODELS / "mtp-heads")
-            stats["position_stride"] = args.mtp_stride
+        if name == "medusa":
+            save_head(modules["medusa"], mcfg.to_json_dict(), MODELS / "medusa-heads")
+            data.copy_tokenizer(TOKENIZER_DIR, MODELS / "medusa-heads")
+            stats["position_stride"] = args.medusa_stride
         write_stats(name, stats)
 
 
-DRAFT_FOLDERS = ("drafter", "eagle-head", "mtp-heads")
+DRAFT_FOLDERS = ("drafter", "eagle-head", "medusa-heads")
 
 
 def step_draft_vocab(args: argparse.Namespace) -> None:
@@ -497,7 +497,7 @@ STEP_DEFAULTS: dict[str, dict] = {
     "shrink": {"lr": 3e-4, "planned_tokens": 1_000_000, "max_minutes": 10.0, "warmup_steps": 10},
     "drafter": {"lr": 2e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
     "eagle": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
-    "mtp": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 10.0, "warmup_steps": 50},
+    "medusa": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 10.0, "warmup_steps": 50},
     "draft-all": {"lr": 1e-3, "planned_tokens": 2_000_000, "max_minutes": 25.0, "warmup_steps": 30},
 }
 
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "step",
         choices=[
-            "corpus", "tokenizer", "target", "shrink", "drafter", "eagle", "mtp", "draft-all", "draft-vocab", "cards"
+            "corpus", "tokenizer", "target", "shrink", "drafter", "eagle", "medusa", "draft-all", "draft-vocab", "cards"
         ],
     )
     parser.add_argument("--threads", type=int, default=2)
@@ -529,13 +529,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--rollout-weight", type=float, default=0.5, help="eagle: weight of the 2nd-step loss"
     )
-    parser.add_argument("--num-heads", type=int, default=8, help="mtp: number of heads")
+    parser.add_argument("--num-heads", type=int, default=8, help="medusa: number of heads")
     parser.add_argument(
         "--drafter-lr-scale", type=float, default=2.0, help="draft-all: drafter lr multiplier"
     )
-    parser.add_argument("--parts", default="drafter,eagle,mtp", help="draft-all: comma-separated models")
+    parser.add_argument("--parts", default="drafter,eagle,medusa", help="draft-all: comma-separated models")
     parser.add_argument(
-        "--mtp-stride", type=int, default=4, help="draft-all: MTP loss on every n-th position"
+        "--medusa-stride", type=int, default=4, help="draft-all: Medusa loss on every n-th position"
     )
     parser.add_argument("--teacher", default="runs/target-full", help="shrink: the pre-trained full-depth target")
     parser.add_argument("--drop-layers", default="3,6,9,12", help="shrink: decoder layers to remove")
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
         "shrink": step_shrink,
         "drafter": step_drafter,
         "eagle": step_eagle,
-        "mtp": step_mtp,
+        "medusa": step_medusa,
         "draft-all": step_draft_all,
         "draft-vocab": step_draft_vocab,
         "cards": step_cards,

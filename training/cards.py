@@ -23,7 +23,7 @@ python -m training tokenizer   # runs/tokenizer (copied into every model folder)
 nohup nice -n 10 python -m training {target} > runs/target.log 2>&1 &   # add --resume to continue
 {shrink}
 {downstream}
-python -m training draft-vocab # draft_vocab.json (token frequency ranking) in drafter, eagle-head, mtp-heads
+python -m training draft-vocab # draft_vocab.json (token frequency ranking) in drafter, eagle-head, medusa-heads
 python bench/eval_models.py    # bench/results/eval_models.{{json,md}}
 python -m training cards       # these README.md files
 ```"""
@@ -265,8 +265,8 @@ Training time: {_fmt_minutes(st)}. Loss: first {st.get("first_loss", float("nan"
 {_notes("drafts")}"""
 
 
-def mtp_card(tok: dict, st: dict, tst: dict, args: dict, folder: Path) -> str:
-    return f"""# mtp-heads: Medusa-style multi-token-prediction heads for `target`
+def medusa_card(tok: dict, st: dict, tst: dict, args: dict, folder: Path) -> str:
+    return f"""# medusa-heads: Medusa-1 heads for `target`
 
 ## Architecture
 
@@ -310,7 +310,7 @@ def write_cards(args: dict[str, str], models_dir: Path = MODELS) -> list[Path]:
         ("target", "target", None),
         ("drafter", "drafter", drafter_card),
         ("eagle-head", "eagle", eagle_card),
-        ("mtp-heads", "mtp", mtp_card),
+        ("medusa-heads", "medusa", medusa_card),
     ):
         if not (models_dir / folder / "model.safetensors").exists():
             continue

@@ -4,48 +4,75 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from engine.errors import CheckpointError
 from engine.models.llama import ArchConfig, CausalLM, rope_cos_sin
 
+# Model types that are one of our families under another name, with extra layers only a drafter
+# reads: MiMo is Qwen2 plus its MTP layers (`model.mtp_layers.*`).
+CONFIG_ALIASES = {"mimo": "qwen2"}
+
 
 def load_hf_config(model_dir: str):
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"model directory {model_dir!r} does not exist")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
         raise CheckpointError(f"model directory {model_dir!r} has no config.json")
+    with open(path) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type in CONFIG_ALIASES:
+        family = CONFIG_ALIASES[model_type]
+        config = CONFIG_MAPPING[family].from_pretrained(model_dir)
+        config.model_type = family
+        return config
     return AutoConfig.from_pretrained(model_dir)
 
 
-def load_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
-    """All tensors of `model.safetensors` or of the shards named by `model.safetensors.index.json`."""
+def mtp_weight_prefixes(num_hidden_layers: int, num_mtp_layers: int) -> tuple[str, ...]:
+    """Name prefixes of the native multi-token-prediction layers a checkpoint stores next to the
+    model (`num_nextn_predict_layers` of them): DeepSeek-V3's `model.layers.{num_hidden_layers + i}.`
+    and MiMo's `model.mtp_layers.{i}.`. The MTP drafter (engine/spec/proposers/mtp.py) loads them,
+    the target does not."""
+    return tuple(f"model.layers.{num_hidden_layers + i}." for i in range(num_mtp_layers)) + tuple(
+        f"model.mtp_layers.{i}." for i in range(num_mtp_layers)
+    )
+
+
+def load_safetensors(model_dir: str, select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of `model.safetensors` or of the shards named by `model.safetensors.index.json`
+    (only those whose name `select` accepts, when given; the others are not read)."""
     single = os.path.join(model_dir, "model.safetensors")
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(single):
-        return load_file(single)
-    if os.path.isfile(index):
+        files = [single]
+    elif os.path.isfile(index):
         with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        weights: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            weights.update(load_file(os.path.join(model_dir, shard)))
-        return weights
-    raise CheckpointError(
-        f"model directory {model_dir!r} has no weights: expected model.safetensors or "
-        "model.safetensors.index.json"
-    )
+            files = [os.path.join(model_dir, shard) for shard in sorted(set(json.load(f)["weight_map"].values()))]
+    else:
+        raise CheckpointError(
+            f"model directory {model_dir!r} has no weights: expected model.safetensors or "
+            "model.safetensors.index.json"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            weights.update({name: f.get_tensor(name) for name in f.keys() if select is None or select(name)})
+    return weights
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_positions: int):
     """Build our decoder for the checkpoint and load its weights. Returns (model, hf_config)."""
     hf_config = load_hf_config(model_dir)
     arch = ArchConfig.from_hf(hf_config)
-    weights = load_safetensors(model_dir)
+    mtp = mtp_weight_prefixes(arch.num_layers, int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
+    weights = load_safetensors(model_dir, select=lambda name: not name.startswith(mtp))  # MTP layers: the drafter's
     with torch.device("meta"):
         model = CausalLM(arch)
     model = model.to_empty(device=device).to(dtype)

@@ -104,14 +104,14 @@ class AcceptanceModel:
 
     Engine-wide, it keeps the conditional acceptance rate of each draft position j (accepted at j
     given that j-1 was accepted), as counts that decay over ~256 verifications; drafters differ
-    here (MTP head j is much weaker than head 1, a draft model less so). Per request, it keeps
+    here (Medusa head j is much weaker than head 1, a draft model less so). Per request, it keeps
     decayed counts of accepted and rejected drafts (decay `acceptance_ema_alpha` per
     verification), shrunk toward the engine-wide rate with REQUEST_PRIOR_TRIALS pseudo-trials.
 
     P(draft j accepted) = prod_{l <= j} min(1, rho * g_l), where g_l is the engine-wide rate at
     position l and rho = the request's rate / the engine-wide per-token rate (how much easier this
     request's text is than average). Shrinkage matters: a raw per-request EMA of a few Bernoulli
-    trials, used to pick who speculates, overestimates acceptance (measured: MTP at batch 16 on
+    trials, used to pick who speculates, overestimates acceptance (measured: Medusa at batch 16 on
     random text predicted 0.46, realized 0.27), and a fixed prior for new requests is wrong for
     text the drafter rarely guesses.
     """

@@ -24,10 +24,14 @@ def make_proposer(config: SpeculativeConfig, runner):
         from engine.spec.proposers.eagle3 import Eagle3Proposer
 
         return Eagle3Proposer(config.model, runner, config.num_speculative_tokens)
+    if config.method == "medusa":
+        from engine.spec.proposers.medusa import MedusaProposer
+
+        return MedusaProposer(config.model, runner, config.draft_vocab_size)
     if config.method == "mtp":
         from engine.spec.proposers.mtp import MTPProposer
 
-        return MTPProposer(config.model, runner, config.draft_vocab_size)
+        return MTPProposer(config.model, runner, config.draft_vocab_size, config.num_speculative_tokens)
     raise ValueError(f"unknown speculative method {config.method!r}")
 
 

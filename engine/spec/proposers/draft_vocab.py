@@ -1,7 +1,7 @@
 """Frequency-ranked draft vocabulary: the drafter's LM head over the N most frequent tokens only.
 
 A drafter's step is memory-bound, and its LM head is often most of the bytes it reads: the
-shipped drafter's tied 8192 x 256 embedding is 2/3 of its weights, and an EAGLE or MTP head
+shipped drafter's tied 8192 x 256 embedding is 2/3 of its weights, and an EAGLE or Medusa head
 reads the target's whole 8192 x 512 LM head for every draft token. The tokens a target predicts
 are overwhelmingly frequent ones (on held-out code the target's argmax lies in the 2048 most
 frequent training tokens at every measured position), so drafting over those N tokens costs

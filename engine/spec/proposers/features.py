@@ -1,13 +1,15 @@
-"""Bookkeeping shared by the proposers that read the target's hidden states (EAGLE, MTP).
+"""Bookkeeping shared by the proposers that read the target's hidden states (EAGLE, EAGLE-3,
+native MTP, Medusa).
 
-After every step, the final-norm hidden states of each scheduled request's newly committed
-positions (prefill chunk rows, or the last token + accepted drafts of a verification) are sliced
-out of the step's batch output. Each proposer keeps what it needs of them, bounded per request:
-MTP the last row, EAGLE the rows its layer has not yet run over (see eagle.py).
+After every step, the hidden states of each scheduled request's newly committed positions
+(prefill chunk rows, or the last token + accepted drafts of a verification) are sliced out of the
+step's batch output. Each proposer keeps what it needs of them, bounded per request: Medusa the
+last row, the layer drafters the rows their layers have not yet run over (see chain.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,6 +24,9 @@ class HiddenRows:
 
     start: int
     rows: torch.Tensor  # [num_rows, hidden]
+    # A drafter with several chained modules (native MTP, chain.py): module m's buffered input
+    # features (module m - 1's outputs), m = 1.., each ending where the previous one starts.
+    deeper: tuple[HiddenRows, ...] = ()
 
     @property
     def end(self) -> int:
@@ -30,7 +35,8 @@ class HiddenRows:
 
     def to(self, device, dtype=None) -> HiddenRows:
         """A copy with the rows on `device` (for a handoff: the CPU, then the importer's device)."""
-        return HiddenRows(self.start, self.rows.to(device=device, dtype=dtype, copy=True))
+        deeper = tuple(d.to(device, dtype) for d in self.deeper)
+        return HiddenRows(self.start, self.rows.to(device=device, dtype=dtype, copy=True), deeper)
 
 
 def import_hidden_rows(method: str, state, hidden_size: int, num_computed_tokens: int, device, dtype) -> HiddenRows:
@@ -67,15 +73,11 @@ def committed_hidden(sched, runner_out, hidden: torch.Tensor | None = None) -> I
         yield r, r.num_computed_tokens - committed, hidden[cu[i] : cu[i] + committed]
 
 
-def buffer_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, int, torch.Tensor]],
-                max_rows: int, forward, what: str) -> None:
+def append_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, int, torch.Tensor]],
+                what: str) -> list[tuple[Request, HiddenRows]]:
     """Append each request's newly committed rows (rows the caller owns, not views of a step's
-    tensor) to its buffer in `states`; then bound the buffers: for every request holding more than
-    `max_rows`, run `forward(chunks, token_ids, features)` over the elements (row j, token j + 1)
-    of all its rows but the last (in one call for all such requests) and keep the last row only.
-    The EAGLE layers' catch-up between drafting rounds (EAGLE-1: hidden rows, EAGLE-3: fc(aux))."""
-    from engine.model_runner import SeqChunk
-
+    tensor) to its buffer in `states`, starting a buffer for a request that has none; returns
+    the updated (request, state) pairs. Raises RuntimeError if rows do not continue the buffer."""
     updated: list[tuple[Request, HiddenRows]] = []
     for r, start, rows in committed:
         state = states.get(r.request_id)
@@ -87,9 +89,21 @@ def buffer_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, in
                 f"but its next committed row is at {start}"
             )
         else:
-            updated.append((r, HiddenRows(state.start, torch.cat([state.rows, rows]))))
+            updated.append((r, dataclasses.replace(state, rows=torch.cat([state.rows, rows]))))
     for r, state in updated:
         states[r.request_id] = state
+    return updated
+
+
+def buffer_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, int, torch.Tensor]],
+                max_rows: int, forward, what: str) -> None:
+    """`append_rows`, then bound the buffers: for every request holding more than `max_rows`,
+    run `forward(chunks, token_ids, features)` over the elements (row j, token j + 1) of all its
+    rows but the last (in one call for all such requests) and keep the last row only. EAGLE-3's
+    catch-up between drafting rounds (fc(aux) rows)."""
+    from engine.model_runner import SeqChunk
+
+    updated = append_rows(states, committed, what)
     full = [(r, st) for r, st in updated if st.rows.shape[0] > max_rows]
     if not full:
         return

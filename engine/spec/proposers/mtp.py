@@ -1,159 +1,215 @@
-"""MTP proposer: Medusa-style residual heads on the target's last hidden state.
+"""Native MTP proposer: the multi-token-prediction modules stored in the target's own checkpoint.
 
-Head i maps h_t to h_t + SiLU(W_i h_t + b_i) and, through the target's own LM head (shared in
-memory, not copied; or its draft-vocabulary rows, see `draft_vocab.py`), predicts token t+i+2. At propose time the request's last committed position
-is t = N-2 (token N-1 was just sampled from h_{N-2}), so head i drafts token N+i: k drafts in one
-pass, no KV cache. Drafts of sampled requests come with their probabilities (exactness).
-Per request it keeps one hidden row: the target's state at the last committed position.
+Module m (of `num_nextn_predict_layers`) turns a feature h (the target's hidden state for m = 0,
+module m - 1's output otherwise) and the embedding e of the token after it into the next feature:
+
+    DeepSeek-V3:  x = eh_proj(cat(enorm(e), hnorm(h)))            out = block(x)
+                  logits = head(shared_head.norm(out))             # head: its own, or the target's
+    MiMo:         x = input_proj(cat(hidden_layernorm(h), token_layernorm(e)))
+                  out = final_layernorm(block(x))                  logits = target.lm_head(out)
+
+where block is one decoder layer of the target's family (input norm, attention with its own paged
+KV cache and RoPE at the element's position, MLP; out is its residual stream). The concatenation
+orders are vLLM's (deepseek_mtp.py, mimo_mtp.py), and so are the features: DeepSeek-V3's MTP
+reads the target's final-norm hidden state (what its model returns), MiMo's the last layer's
+output before the final norm (vLLM's MiMo applies the norm in compute_logits); vLLM's zeroing of
+the embedding at position 0 is not done (SGLang does not either). `ChainProposer` runs the
+modules (one per depth, the last applied recursively for drafts beyond them; a one-module
+checkpoint is applied recursively from the first draft on, as vLLM does).
+
+Layouts, in the target's checkpoint (config `num_nextn_predict_layers`, `num_hidden_layers` = L):
+- DeepSeek-V3: `model.layers.{L + m}.` + enorm, hnorm, eh_proj [H, 2H], the decoder layer's
+  tensors, shared_head.norm, and optionally shared_head.head [V, H] and embed_tokens [V, H]
+  (copies of the target's LM head and embedding in DeepSeek-V3; the target's are used when they
+  are absent or equal, and vLLM's first-module embedding otherwise);
+- MiMo (`MiMoForCausalLM`, Qwen2): `model.mtp_layers.{m}.` + token_layernorm, hidden_layernorm,
+  input_proj [H, 2H], final_layernorm and the decoder layer's tensors; the target's embedding and
+  LM head are shared.
+The target's loader skips these tensors (`loader.mtp_weight_prefixes`).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from engine.errors import CheckpointError, DrafterMismatchError
-from engine.models.loader import load_safetensors
-from engine.request import Request
-from engine.spec.proposers.base import (
-    Draft,
-    DrafterIdentity,
-    ProposeContext,
-    Proposer,
-    StepTimer,
-    may_draft,
-    model_name,
-    weights_digest,
-)
+from engine.errors import DrafterMismatchError
+from engine.models.llama import DecoderLayer
+from engine.models.loader import load_safetensors, mtp_weight_prefixes
+from engine.spec.proposers.base import DrafterIdentity, model_name, weights_digest
+from engine.spec.proposers.chain import ChainProposer
+from engine.spec.proposers.checkpoint import check_tensors, load_decoder_layer, read_config, refuse_unused
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.features import HiddenRows, committed_hidden, import_hidden_rows
+
+DEEPSEEK, MIMO = "deepseek", "mimo"
+# published tensor names (under a module's prefix) of: token norm, feature norm, projection, and
+# the norm before the LM head (DeepSeek) or after the block (MiMo)
+TENSOR_NAMES = {
+    DEEPSEEK: ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"),
+    MIMO: (
+        "token_layernorm.weight",
+        "hidden_layernorm.weight",
+        "input_proj.weight",
+        "final_layernorm.weight",
+    ),
+}
 
 
-def read_head_config(model_dir: str, expected_arch: str) -> dict:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"drafter directory {model_dir!r} has no config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    archs = cfg.get("architectures") or []
-    if expected_arch not in archs:
-        raise DrafterMismatchError(f"{model_dir!r} is not an {expected_arch} checkpoint (architectures={archs})")
-    return cfg
+class MTPModule(nn.Module):
+    """One MTP module's own tensors around its decoder block."""
 
-
-def check_head_matches_target(model_dir: str, runner, hidden: int, vocab: int, target_name: str | None) -> None:
-    arch = runner.arch
-    problems = []
-    if hidden != arch.hidden_size:
-        problems.append(f"hidden size {hidden} vs the target's {arch.hidden_size}")
-    if vocab != arch.vocab_size:
-        problems.append(f"vocab size {vocab} vs the target's {arch.vocab_size}")
-    if target_name and os.path.basename(os.path.normpath(target_name)) != os.path.basename(
-        os.path.normpath(runner.model_dir)
-    ):
-        problems.append(f"it was trained for target {target_name!r}, not {runner.model_dir!r}")
-    if problems:
-        raise DrafterMismatchError(
-            f"drafter {model_dir!r} does not match target {runner.model_dir!r}: " + "; ".join(problems)
-        )
-
-
-class MTPProposer(Proposer):
-    method = "mtp"
-    needs_hidden_states = True
-
-    def __init__(self, model_dir: str, runner, draft_vocab_size: int | None = None) -> None:
+    def __init__(self, arch, layout: str) -> None:
         super().__init__()
-        self.states: dict[str, HiddenRows] = {}  # one row: the last committed position's state
-        cfg = read_head_config(model_dir, "MedusaHeads")
-        check_head_matches_target(model_dir, runner, cfg["hidden_size"], cfg["vocab_size"], cfg.get("target"))
-        self.num_heads = int(cfg["num_heads"])
-        self.max_k = self.num_heads
-        self.device, self.dtype = runner.device, runner.dtype
-        weights = load_safetensors(model_dir)
-        self.weight = torch.stack([weights[f"heads.{i}.linear.weight"] for i in range(self.num_heads)]).to(
-            self.device, self.dtype
-        )  # [heads, H, H]
-        self.bias = torch.stack([weights[f"heads.{i}.linear.bias"] for i in range(self.num_heads)]).to(
-            self.device, self.dtype
-        )  # [heads, H]
-        # the target's LM head, in place, or a copy of its draft-vocabulary rows
-        self.head = DraftLMHead(
-            runner.model.lm_head.weight,
-            resolve_draft_token_ids(draft_vocab_size, model_dir, runner.arch.vocab_size),
+        h = arch.hidden_size
+        self.layout, self.eps = layout, arch.rms_norm_eps
+        self.token_norm = nn.Parameter(torch.ones(h))
+        self.hidden_norm = nn.Parameter(torch.ones(h))
+        self.proj = nn.Linear(2 * h, h, bias=False)
+        self.out_norm = nn.Parameter(torch.ones(h))  # DeepSeek: before its LM head; MiMo: after the block
+        self.block = DecoderLayer(arch)
+
+    def inputs(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        # embeds, feats [T, H] -> the block's input [T, H]
+        e = F.rms_norm(embeds, embeds.shape[-1:], self.token_norm, self.eps)
+        h = F.rms_norm(feats.to(embeds.dtype), embeds.shape[-1:], self.hidden_norm, self.eps)
+        return self.proj(torch.cat([h, e] if self.layout == MIMO else [e, h], dim=-1))
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, x.shape[-1:], self.out_norm, self.eps)
+
+
+def resolve_mtp_dir(model_dir: str | None, target_dir: str) -> str:
+    """The MTP layers live in the target's checkpoint: `model` must be None or that directory."""
+    if model_dir is not None and os.path.realpath(model_dir) != os.path.realpath(target_dir):
+        raise DrafterMismatchError(
+            f"speculative method 'mtp' reads the MTP layers stored in the target's own checkpoint "
+            f"({target_dir!r}); leave `model` unset (or set it to the target's directory), got {model_dir!r}"
         )
-        self.timer = StepTimer(2e-4)  # one pass of all heads
-        self._identity = DrafterIdentity(
-            model_name(model_dir), weights_digest([("weight", self.weight), ("bias", self.bias)]), self.head.size
+    return target_dir
+
+
+class MTPProposer(ChainProposer):
+    method = "mtp"
+    name = "MTP"
+
+    def __init__(
+        self,
+        model_dir: str | None,
+        runner,
+        draft_vocab_size: int | None = None,
+        num_speculative_tokens: int = 1,
+    ) -> None:
+        super().__init__(runner, num_speculative_tokens)
+        target_dir = resolve_mtp_dir(model_dir, runner.model_dir)
+        cfg = read_config(target_dir)
+        num_modules = cfg.get("num_nextn_predict_layers")
+        if not isinstance(num_modules, int) or num_modules < 1:
+            raise DrafterMismatchError(
+                f"target {target_dir!r} has no MTP layers: its config.json has num_nextn_predict_layers="
+                f"{num_modules!r}, not an integer >= 1 (DeepSeek-V3 and MiMo checkpoints count their MTP layers there)"
+            )
+        t = runner.arch
+        prefixes = mtp_weight_prefixes(t.num_layers, num_modules)
+        w = load_safetensors(target_dir, select=lambda name: name.startswith(prefixes))
+        is_mimo = "MiMoForCausalLM" in (cfg.get("architectures") or []) or any(
+            k.startswith("model.mtp_layers.") for k in w
         )
+        self.layout = MIMO if is_mimo else DEEPSEEK
+        self.arch = dataclasses.replace(t, num_layers=num_modules)
+        self.feature_size = t.hidden_size
+        h, vocab = t.hidden_size, t.vocab_size
+        draft_ids = resolve_draft_token_ids(draft_vocab_size, target_dir, vocab)
+        target_head = DraftLMHead(runner.model.lm_head.weight, draft_ids)
+        self.mtp_modules: list[MTPModule] = []
+        self.heads: list[DraftLMHead] = []
+        self.embed_tokens = runner.model.embed_tokens
+        used: list[str] = []
+        for m in range(num_modules):
+            p = f"model.mtp_layers.{m}." if self.layout == MIMO else f"model.layers.{t.num_layers + m}."
+            module = MTPModule(t, self.layout)
+            token_norm, hidden_norm, proj, out_norm = (p + n for n in TENSOR_NAMES[self.layout])
+            shapes = {token_norm: (h,), hidden_norm: (h,), proj: (h, 2 * h), out_norm: (h,)}
+            check_tensors(w, shapes, "MTP", target_dir)
+            used += [*shapes, *load_decoder_layer(module.block, w, p, "MTP", target_dir)]
+            with torch.no_grad():
+                for dest, key in (
+                    (module.token_norm, token_norm),
+                    (module.hidden_norm, hidden_norm),
+                    (module.proj.weight, proj),
+                    (module.out_norm, out_norm),
+                ):
+                    dest.copy_(w[key])
+            self.mtp_modules.append(module.to(self.device, self.dtype).eval().requires_grad_(False))
+            head = target_head
+            if self.layout == DEEPSEEK:
+                own = self._own_copy(
+                    w, p + "shared_head.head.weight", runner.model.lm_head.weight, target_dir, used
+                )
+                if own is not None:
+                    head = DraftLMHead(own, draft_ids)
+                embed = self._own_copy(
+                    w, p + "embed_tokens.weight", runner.model.embed_tokens.weight, target_dir, used
+                )
+                if embed is not None and m == 0:  # the modules share one embedding (vLLM loads the first)
+                    self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+            self.heads.append(head)
+        refuse_unused(w, used, "MTP", target_dir)
+        self._target_head = target_head
+        self._own_embedding = self.embed_tokens is not runner.model.embed_tokens
+        self.layers = [module.block for module in self.mtp_modules]
+        if self.layout == MIMO:  # the last layer's output before the final norm (CausalLM.aux_layer_ids)
+            self.needs_hidden_states = False
+            self.aux_layer_ids = (t.num_layers,)
+        self.rope_offset = 0
+        self.rope_cos, self.rope_sin = runner.model.rope_cos, runner.model.rope_sin
+        if self.row_kernel:
+            self.rope_f32 = runner.model.rope_f32
+            target_head.use_row_kernel(runner.model.packed_lm_head())
+        named = [
+            (f"mtp.{m}.{n}", p) for m, mod in enumerate(self.mtp_modules) for n, p in mod.named_parameters()
+        ]
+        named += [(f"head.{m}", hd.weight) for m, hd in enumerate(self.heads) if hd is not target_head]
+        self._finish_init(DrafterIdentity(model_name(target_dir), weights_digest(named), target_head.size))
 
-    def identity(self) -> DrafterIdentity:
-        return self._identity
-
-    def export_state(self, request_id: str) -> HiddenRows | None:
-        state = self.states.get(request_id)
-        return None if state is None else state.to("cpu")
-
-    def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
-        """One row: the last committed position's hidden state. Every step replaces it, so a
-        request imported without it drafts again after its first step here."""
-        if state is None:
-            return
-        state = import_hidden_rows("MTP", state, self.weight.shape[-1], num_computed_tokens, self.device, self.dtype)
-        if state.rows.shape[0] != 1:
-            raise ValueError(f"MTP state must hold one hidden row, got {state.rows.shape[0]}")
-        self.states[request_id] = state
+    def _own_copy(
+        self, w: dict, key: str, target: torch.Tensor, model_dir: str, used: list[str]
+    ) -> torch.Tensor | None:
+        """The optional tensor `key` (shaped as the target's `target`) on this device, or None
+        when absent or equal to the target's (then the target's is used in place)."""
+        if key not in w:
+            return None
+        check_tensors(w, {key: tuple(target.shape)}, "MTP", model_dir)
+        used.append(key)
+        own = w[key].to(self.device, self.dtype)
+        return None if torch.equal(own, target) else own
 
     @property
     def num_parameters(self) -> int:
-        return self.weight.numel() + self.bias.numel() + self.head.num_parameters
+        own_heads = {id(hd): hd for hd in self.heads if hd is not self._target_head}.values()
+        embed = self.embed_tokens.weight.numel() if self._own_embedding else 0
+        return (
+            sum(p.numel() for mod in self.mtp_modules for p in mod.parameters())
+            + embed
+            + self._target_head.num_parameters
+            + sum(hd.weight.numel() for hd in own_heads)
+        )
 
-    def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-        return max_num_seqs * self.weight.shape[-1] * self.weight.element_size()
+    def modules(self):
+        return [*self.mtp_modules] + ([self.embed_tokens] if self._own_embedding else [])
 
-    def step_cost(self, num_requests: int, k: int) -> float:
-        return self.timer.seconds(num_requests)
+    def _inputs(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, fused: bool) -> torch.Tensor:
+        x = self.mtp_modules[m].inputs(embeds, feats)
+        return x.float() if fused else x
 
-    def observe_step(self, sched, runner_out) -> None:
-        for r, start, rows in committed_hidden(sched, runner_out):
-            if may_draft(r):
-                self.states[r.request_id] = HiddenRows(start + rows.shape[0] - 1, rows[-1:].clone())
+    def _output(self, m: int, out: torch.Tensor) -> torch.Tensor:
+        return self.mtp_modules[m].norm(out) if self.layout == MIMO else out
 
-    def check_no_leaks(self, live_ids: set[str]) -> None:
-        super().check_no_leaks(live_ids)
-        over = {rid: st.rows.shape[0] for rid, st in self.states.items() if st.rows.shape[0] != 1}
-        if over:
-            raise AssertionError(f"MTP keeps one hidden row per request, found {over}")
+    def _head_input(self, m: int, feats: torch.Tensor) -> torch.Tensor:
+        return feats if self.layout == MIMO else self.mtp_modules[m].norm(feats)
 
-    @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
-        t0 = time.perf_counter()
-        last = []
-        for r in requests:
-            state = self.states.get(r.request_id)
-            if state is None or state.start != r.num_tokens - 2:
-                raise RuntimeError(
-                    f"MTP: request {r.request_id!r} cannot draft: it needs the hidden state of position "
-                    f"{r.num_tokens - 2}, it keeps {None if state is None else state.start}"
-                )
-            last.append(state.rows[0])
-        h = torch.stack(last)  # [B, H]
-        k = max(num_tokens)
-        # [B, k, H]: h + silu(W_i h + b_i) for heads 0..k-1
-        z = torch.einsum("bh,koh->bko", h, self.weight[:k]) + self.bias[:k]
-        feats = h.unsqueeze(1) + F.silu(z)  # [B, k, H]
-        rows = [(b, i) for b, kb in enumerate(num_tokens) for i in range(kb)]
-        owners = [requests[b] for b, _ in rows]
-        flat = feats[[b for b, _ in rows], [i for _, i in rows]]  # [sum k, H]
-        picked, probs = self.head.sample(flat, owners, context.generators_for(owners))
-        drafts, at = [], 0
-        for r, kb in zip(requests, num_tokens, strict=True):
-            p = probs[at : at + kb] if probs is not None and not r.sampling_params.is_greedy else None
-            drafts.append(Draft(picked[at : at + kb], p))
-            at += kb
-        self.timer.add(len(requests), time.perf_counter() - t0)
-        return drafts
+    def _committed_rows(self, runner_out) -> torch.Tensor:
+        return runner_out.aux_hidden_states if self.layout == MIMO else runner_out.hidden_states

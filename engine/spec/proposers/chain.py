@@ -1,0 +1,350 @@
+"""Drafters that run decoder layers of their own over (feature, token) elements: EAGLE-1 (one
+layer over the target's hidden states) and native MTP (one module per depth, stored in the
+target's checkpoint). Subclasses say how a module turns an element into its layer's input
+(`_inputs`) and what its LM head reads (`_head_input`); this class runs the layers, keeps their
+paged KV caches and the per-request feature buffers, and drafts.
+
+Module m (of L) works at depth m: its element at position j pairs a feature x_j^m with token
+t_{j+1+m}, where x^0 is the target's hidden state and x^m (m >= 1) module m - 1's output at the
+same position, and its output at j predicts t_{j+2+m} (DeepSeek-V3's MTP depths). Each module has
+its own paged KV cache (the target's block tables; slot j holds its element at position j), and
+keeps in it, like the target, only elements whose token is committed: with n tokens known, module
+m's element j is final for j <= n - 2 - m. Worked example, L = 2, n = 10 (t_0..t_9 known, t_9 just
+sampled from the target's h_8): module 0 finalizes j <= 8 (tokens up to t_9); its output at 8
+drafts d_0 = t_10. Module 1 finalizes j <= 7 (tokens up to t_9); its element at 8 pairs module 0's
+output at 8 with d_0, and its output there drafts d_1 = t_11.
+
+A round of drafting (`propose`) first catches every module up over its final elements (module m
+after module m - 1, which produces m's features), drafts d_0 from module 0's last output, then for
+m = 1..L-1 runs module m over its non-final elements (positions n - 1 - m .. n - 2, tokens from
+earlier drafts) and drafts d_m from its last output. Drafts beyond L apply the last module
+recursively, as EAGLE-1 applies its one layer and vLLM its one MTP layer: its output and the
+token it drafted form the element at the next position (n - 1, n, ...). Elements of drafts land
+in slots that later rounds overwrite with final ones.
+
+Between rounds a request buffers, per module, the features of the positions that module has not
+run over (`HiddenRows`: the target's rows for module 0, `deeper` for the others; each buffer ends
+where the previous module's starts). A request that does not draft (speculation off, or a prompt
+still in chunked prefill) would buffer every target row it commits: once it holds more than
+`max_buffered_rows` = max(16, k + 1), the modules catch up over all its rows but the last (no
+drafting). A request with `speculative=False` never drafts, so none of its rows are kept.
+Sampled drafts come with their probabilities (exactness). With prefix caching, a module's KV in
+a shared block was computed for the earlier request: that can only lower acceptance.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.model_runner import (
+    EXACT_ROWS,
+    SeqChunk,
+    allocate_kv_cache,
+    build_forward_batch,
+    kv_bytes_per_token,
+)
+from engine.request import Request
+from engine.spec.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, may_draft
+from engine.spec.proposers.draft_vocab import DraftLMHead
+from engine.spec.proposers.features import HiddenRows, append_rows, committed_hidden, import_hidden_rows
+
+BUFFER_ROWS = 16  # target rows a request may buffer between steps (k + 1 if larger)
+
+
+class ChainProposer(Proposer):
+    """Subclasses set, before `_finish_init`: `arch` (ArchConfig of the layers; num_layers = L),
+    `layers` (L `DecoderLayer`s), `heads` (L `DraftLMHead`s), `embed_tokens`, `feature_size`
+    (width of the target rows it buffers), `rope_offset` (RoPE position = slot + offset) and the
+    RoPE tables `rope_cos`, `rope_sin` (and `rope_f32` for the fused CPU row path)."""
+
+    needs_hidden_states = True
+    name = ""  # in messages: "EAGLE", "MTP"
+
+    def __init__(self, runner, num_speculative_tokens: int) -> None:
+        super().__init__()
+        self.states: dict[str, HiddenRows] = {}
+        self.max_buffered_rows = max(BUFFER_ROWS, num_speculative_tokens + 1)
+        self.device, self.dtype = runner.device, runner.dtype
+        self.backend = runner.backend
+        # Small steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
+        self.row_kernel = runner.row_kernel
+        self.block_size = 0
+        self.timer = StepTimer(5e-4)  # one autoregressive step of a layer
+        self._identity = DrafterIdentity()
+
+    # --- what a subclass defines --------------------------------------------------------------
+    def _inputs(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, fused: bool) -> torch.Tensor:
+        """Module m's layer input [T, H] for token embeddings and features [T, *]; float32 when
+        `fused` (the CPU row kernel runs the layer)."""
+        raise NotImplementedError
+
+    def _output(self, m: int, out: torch.Tensor) -> torch.Tensor:
+        """Module m's output feature from its layer's output (the residual stream) [T, H]."""
+        return out
+
+    def _head_input(self, m: int, feats: torch.Tensor) -> torch.Tensor:
+        """What module m's LM head reads, from its output features [B, H]."""
+        return feats
+
+    def _committed_rows(self, runner_out) -> torch.Tensor:
+        """The step's target rows this drafter reads (default: the final-norm hidden states)."""
+        return runner_out.hidden_states
+
+    # --- set-up ---------------------------------------------------------------------------------
+    def _finish_init(self, identity: DrafterIdentity) -> None:
+        """Put the layers on the device in eval mode, with the packed weights of the fused CPU
+        row path where the target uses it."""
+        from kernels import cpu_kernels
+
+        self.layers = [
+            layer.to(self.device, self.dtype).eval().requires_grad_(False) for layer in self.layers
+        ]
+        if self.row_kernel:
+            for layer in self.layers:
+                layer.row_weights()
+                if self.dtype == torch.bfloat16 and cpu_kernels.emulated_bf16():
+                    layer.use_packed_matmuls()  # catch-up forwards too (torch emulates bf16 here)
+        self._identity = identity
+
+    @property
+    def head(self) -> DraftLMHead:
+        """Module 0's LM head."""
+        return self.heads[0]
+
+    def identity(self) -> DrafterIdentity:
+        return self._identity
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, self.device)
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.arch, self.dtype)
+
+    def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """Buffered rows between steps (and one row per deeper module), plus one step's committed
+        rows before they are bounded."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        rows = (max_num_seqs * self.max_buffered_rows + max_num_batched_tokens) * self.feature_size
+        deeper = max_num_seqs * (len(self.layers) - 1) * self.max_buffered_rows * self.arch.hidden_size
+        return (rows + deeper) * size
+
+    def step_cost(self, num_requests: int, k: int) -> float:
+        return self.timer.seconds(num_requests) * k
+
+    # --- handoff --------------------------------------------------------------------------------
+    def export_state(self, request_id: str) -> HiddenRows | None:
+        """The buffered rows (on the CPU) of the positions the modules have not run over yet; the
+        modules' KV of the others travels as the handoff's `drafter_kv`."""
+        state = self.states.get(request_id)
+        return None if state is None else state.to("cpu")
+
+    def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
+        """Without a state (nothing handed over) the request's first committed rows on this engine
+        start a new buffer: the modules never see the earlier positions' rows, so drafts are worse
+        (outputs stay exact)."""
+        if state is None:
+            return
+        own = import_hidden_rows(
+            self.name, state, self.feature_size, num_computed_tokens, self.device, self.dtype
+        )
+        end = own.start
+        for m, d in enumerate(own.deeper, start=1):
+            if d.rows.dim() != 2 or d.rows.shape[1] != self.arch.hidden_size or d.end != end or d.start < 0:
+                raise ValueError(
+                    f"{self.name} state: module {m}'s rows must be {self.arch.hidden_size} wide and end at "
+                    f"position {end}, got {(d.start, tuple(d.rows.shape))}"
+                )
+            end = d.start
+        if own.deeper and len(own.deeper) != len(self.layers) - 1:
+            raise ValueError(
+                f"{self.name} state has rows for {len(own.deeper) + 1} modules, this drafter has {len(self.layers)}"
+            )
+        self.states[request_id] = own
+
+    # --- per step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def observe_step(self, sched, runner_out) -> None:
+        """Buffer each drafting-capable request's newly committed target rows, then bound the
+        buffers: the modules catch up over the rows of every request holding more than
+        `max_buffered_rows`, all but the last."""
+        committed = [
+            (r, start, rows.clone())
+            for r, start, rows in committed_hidden(sched, runner_out, self._committed_rows(runner_out))
+            if may_draft(r)
+        ]
+        updated = append_rows(self.states, committed, self.name)
+        full = [(r, st) for r, st in updated if st.rows.shape[0] > self.max_buffered_rows]
+        if full:
+            new, _, _ = self._catch_up(
+                [r for r, _ in full], [st for _, st in full], [st.end for _, st in full]
+            )
+            for (r, _), st in zip(full, new, strict=True):
+                self.states[r.request_id] = st
+
+    def check_no_leaks(self, live_ids: set[str]) -> None:
+        super().check_no_leaks(live_ids)
+        over = {
+            rid: [st.rows.shape[0]] + [d.rows.shape[0] for d in st.deeper]
+            for rid, st in self.states.items()
+            if max([st.rows.shape[0]] + [d.rows.shape[0] for d in st.deeper]) > self.max_buffered_rows
+        }
+        if over:
+            raise AssertionError(f"{self.name} buffers more than {self.max_buffered_rows} rows: {over}")
+
+    # --- the layers -----------------------------------------------------------------------------
+    def _forward(
+        self, m: int, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor
+    ) -> torch.Tensor:
+        """Run module m on elements (features[i], token_ids[i]) at the cache positions of
+        `chunks`; returns every element's output feature [T, H]."""
+        fused = self.row_kernel and len(token_ids) <= EXACT_ROWS
+        batch = build_forward_batch(
+            chunks, self.block_size, self.backend, self.device, row_exact="kernel" if fused else None
+        )
+        embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
+        x = self._inputs(m, embeds, features, fused)
+        rope_pos = batch.positions + self.rope_offset
+        k_cache, v_cache = self.kv_caches[m]
+        layer = self.layers[m]
+        if fused:  # float32 activations through the layer, one call
+            cos, sin = self.rope_f32[0][rope_pos], self.rope_f32[1][rope_pos]
+            out, residual = layer.forward_rows(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata)
+            return self._output(m, (residual + out).to(self.dtype))
+        cos, sin = self.rope_cos[rope_pos].unsqueeze(1), self.rope_sin[rope_pos].unsqueeze(1)
+        out, residual = layer(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
+        return self._output(m, residual + out)
+
+    def _catch_up(self, requests: list[Request], states: list[HiddenRows], num_known: list[int]):
+        """Run every module over its final elements, given the first num_known[i] tokens of
+        requests[i] (module m: the buffered positions j < num_known - 1 - m), module 0 first.
+        Returns the requests' new states (changing none in place), each request's module-0
+        output at its last position run ([B, H]; a request with none gets a zero row), and the
+        number of forwards run."""
+        num_modules = len(self.layers)
+        bufs = [
+            [
+                st,
+                *(
+                    st.deeper
+                    or [
+                        HiddenRows(st.start, st.rows.new_empty(0, self.arch.hidden_size))
+                        for _ in range(num_modules - 1)
+                    ]
+                ),
+            ]
+            for st in states
+        ]
+        last0 = torch.zeros(len(requests), self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        num_forwards = 0
+        for m in range(num_modules):
+            todo = [
+                (i, min(b[m].end, n - 1 - m) - b[m].start)
+                for i, (b, n) in enumerate(zip(bufs, num_known, strict=True))
+            ]
+            todo = [(i, c) for i, c in todo if c > 0]
+            if not todo:
+                continue
+            chunks = [SeqChunk([0] * c, bufs[i][m].start, requests[i].block_ids) for i, c in todo]
+            token_ids = [
+                requests[i].token_at(j + 1 + m)
+                for i, c in todo
+                for j in range(bufs[i][m].start, bufs[i][m].start + c)
+            ]
+            out = self._forward(m, chunks, token_ids, torch.cat([bufs[i][m].rows[:c] for i, c in todo]))
+            num_forwards += 1
+            for (i, c), o in zip(todo, out.split([c for _, c in todo]), strict=True):
+                b = bufs[i][m]
+                bufs[i][m] = HiddenRows(b.start + c, b.rows[c:])
+                if m + 1 < num_modules:  # module m's outputs are module m + 1's features
+                    nxt = bufs[i][m + 1]
+                    bufs[i][m + 1] = HiddenRows(nxt.start, torch.cat([nxt.rows, o]))
+                if m == 0:
+                    last0[i] = o[-1]
+        new = [
+            HiddenRows(
+                b[0].start, b[0].rows.clone(), tuple(HiddenRows(d.start, d.rows.clone()) for d in b[1:])
+            )
+            for b in bufs
+        ]
+        return new, last0, num_forwards
+
+    def _sample(self, m: int, feats: torch.Tensor, requests: list[Request], generators):
+        return self.heads[m].sample(self._head_input(m, feats), requests, generators)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        t_start = time.perf_counter()
+        num_modules = len(self.layers)
+        states = []
+        for r in requests:
+            n = r.num_tokens
+            state = self.states.get(r.request_id)
+            if state is None or state.end != n - 1 or state.start == state.end:
+                raise RuntimeError(
+                    f"{self.name}: request {r.request_id!r} cannot draft: it needs the hidden rows up to position "
+                    f"{n - 2}, it buffers {None if state is None else (state.start, state.end)}"
+                )
+            states.append(state)
+        catch_up = max(
+            n - 1 - st.start for n, st in zip([r.num_tokens for r in requests], states, strict=True)
+        )
+        new, feats, num_forwards = self._catch_up(requests, states, [r.num_tokens for r in requests])
+        generators = context.generators_for(requests)
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        # outputs of the last step run, per request: positions [n - 1 - len, n - 1)
+        prev: list[torch.Tensor] = list(feats.unsqueeze(1))
+        active = list(range(len(requests)))
+        step = 0
+        while True:
+            m = min(step, num_modules - 1)
+            picked, p = self._sample(
+                m,
+                torch.stack([prev[i][-1] for i in active]),
+                [requests[i] for i in active],
+                [generators[i] for i in active],
+            )
+            for j, i in enumerate(active):
+                tokens[i].append(picked[j])
+                if p is not None:
+                    probs[i].append(p[j])
+            active = [i for i in active if len(tokens[i]) < num_tokens[i]]
+            if not active:
+                break
+            step += 1
+            m = min(step, num_modules - 1)
+            chunks, elem_tokens, elem_feats = [], [], []
+            for i in active:
+                r, n = requests[i], requests[i].num_tokens
+                if step < num_modules:  # module `step` at its depth: positions [buffer start, n - 1)
+                    buf = new[i].deeper[step - 1]
+                    fresh = (
+                        prev[i][prev[i].shape[0] - (n - 1 - buf.end) :] if n - 1 > buf.end else prev[i][:0]
+                    )
+                    chunks.append(SeqChunk([0] * (n - 1 - buf.start), buf.start, r.block_ids))
+                    elem_feats += [buf.rows, fresh]
+                    elem_tokens += [
+                        r.token_at(t) if t < n else tokens[i][t - n]
+                        for t in range(buf.start + 1 + step, n + step)
+                    ]
+                else:  # the last module again, one position further (its output, its draft)
+                    chunks.append(SeqChunk([0], n - 1 + step - num_modules, r.block_ids))
+                    elem_feats.append(prev[i][-1:])
+                    elem_tokens.append(tokens[i][-1])
+            out = self._forward(m, chunks, elem_tokens, torch.cat(elem_feats))
+            num_forwards += 1
+            for i, o in zip(active, out.split([len(c.token_ids) for c in chunks]), strict=True):
+                prev[i] = o
+        # Every forward succeeded: the modules' KV holds the final elements now.
+        for r, st in zip(requests, new, strict=True):
+            self.states[r.request_id] = st
+        self.timer.add_round(
+            len(requests), time.perf_counter() - t_start, num_forwards, catch_up, max(num_tokens)
+        )
+        return [
+            Draft(t, torch.stack(pr) if pr and not r.sampling_params.is_greedy else None)
+            for t, pr, r in zip(tokens, probs, requests, strict=True)
+        ]
