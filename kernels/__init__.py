@@ -21,6 +21,15 @@ Query token ``i`` (0 <= i < q_len_b) of request b sits at context position
 Its K/V must already be in the cache (``write_kv`` first, then ``attention``).
 GQA: query head h reads kv head ``h // (num_heads // num_kv_heads)``.
 
+Tree speculation: ``build_metadata(..., tree_masks=...)`` takes, per request, None (causal) or a
+bool ``[m, m]`` mask over the request's last m query tokens (a token tree, its root first): token
+i of those m sees the context before them and token j of them iff ``mask[i, j]``. The mask must
+be lower triangular with a True diagonal and a True first column (every node sees the root), so
+no query row is ever fully masked, and m <= MAX_TREE_TOKENS (64: a row is one int64 of bits).
+Earlier query tokens of the request stay causal. Worked
+example: q_len=3, seq_len=10, mask [[1,0],[1,1]] over the last 2 tokens -> tokens at positions 8
+and 9 both see 0..7 and 8; 9 also sees itself; token 7 (causal) sees 0..7.
+
 Per step, the engine calls ``backend.build_metadata(...)`` once and shares the result between
 all layers; per layer it calls ``write_kv`` then ``attention``.  ``slot_mapping`` entries of -1
 mean "do not write" (padding tokens).
@@ -38,10 +47,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+MAX_TREE_TOKENS = 64  # tree-masked query tokens per request (one int64 of mask bits per token)
+
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "build_common_metadata",
+    "pack_tree_masks",
+    "MAX_TREE_TOKENS",
     "get_attention_backend",
     "validate_step_inputs",
 ]
@@ -58,6 +71,10 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     extras: dict = field(default_factory=dict)  # backend-specific precomputed tensors
+    # Tree masks (None when every request is causal), see ``pack_tree_masks``:
+    tree_lens: torch.Tensor | None = None  # [B] int32, m_b: trailing query tokens under the mask (0: none)
+    tree_mask_offsets: torch.Tensor | None = None  # [B] int32, request b's first row in tree_mask
+    tree_mask: torch.Tensor | None = None  # [sum m_b] int64, bit j of row i: token i sees token j
 
     @property
     def num_reqs(self) -> int:
@@ -82,6 +99,7 @@ class AttentionBackend(Protocol):
         slot_mapping: list[int],
         block_size: int,
         device: torch.device,
+        tree_masks: list[torch.Tensor | None] | None = None,
     ) -> AttentionMetadata: ...
 
     def write_kv(
@@ -143,14 +161,17 @@ def build_common_metadata(
     block_size: int,
     device: torch.device | str,
     min_blocks: int = 0,
+    tree_masks: list[torch.Tensor | None] | None = None,
 ) -> AttentionMetadata:
     """Validate the step inputs and build the backend-independent part of the metadata.
 
     ``block_tables`` rows are right-padded with 0 to ``max(max row length, ceil(max_seq_len /
     block_size), min_blocks)`` columns. ``extras`` is left empty for the backend to fill.
     Example: query_lens=[1, 3], seq_lens=[5, 3] -> query_start_loc=[0, 1, 4].
+    ``tree_masks``: see the module docstring; packed by ``pack_tree_masks``.
     """
     validate_step_inputs(query_lens, seq_lens, block_tables, slot_mapping, block_size)
+    packed = pack_tree_masks(query_lens, tree_masks) if tree_masks is not None else None
     max_s = max(seq_lens)
     width = max(max(len(bt) for bt in block_tables), -(-max_s // block_size), min_blocks, 1)
     padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
@@ -158,6 +179,7 @@ def build_common_metadata(
     for q in query_lens:
         cu.append(cu[-1] + q)
     device = torch.device(device)
+    lens, offsets, mask = (None, None, None) if packed is None else (t.to(device) for t in packed)
     return AttentionMetadata(
         query_start_loc=torch.tensor(cu, dtype=torch.int32).to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
@@ -166,7 +188,40 @@ def build_common_metadata(
         max_query_len=max(query_lens),
         max_seq_len=max_s,
         extras={},
+        tree_lens=lens,
+        tree_mask_offsets=offsets,
+        tree_mask=mask,
     )
+
+
+def pack_tree_masks(
+    query_lens: list[int], tree_masks: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Validate per-request tree masks and pack them, on the CPU: (tree_lens [B] int32,
+    tree_mask_offsets [B] int32, tree_mask [sum m] int64), or None when every entry is None.
+    Request b's rows are tree_mask[offsets[b] : offsets[b] + m_b]; bit j of a row is mask[i, j].
+    Example: masks [None, [[1,0],[1,1]]] -> lens [0, 2], offsets [0, 0], tree_mask [0b01, 0b11].
+    """
+    if len(tree_masks) != len(query_lens):
+        raise ValueError(f"tree_masks has {len(tree_masks)} entries, expected one per request ({len(query_lens)})")
+    if all(m is None for m in tree_masks):
+        return None
+    lens, offsets, rows = [], [], []
+    for b, (m, q) in enumerate(zip(tree_masks, query_lens, strict=True)):
+        offsets.append(sum(lens))
+        if m is None:
+            lens.append(0)
+            continue
+        n = m.shape[0]
+        if m.dim() != 2 or m.shape[1] != n or not 1 <= n <= min(q, MAX_TREE_TOKENS):
+            raise ValueError(f"request {b}: tree mask must be [m, m] with 1 <= m <= min(query_len={q}, "
+                             f"{MAX_TREE_TOKENS}), got {tuple(m.shape)}")
+        m = m.to(device="cpu", dtype=torch.bool)
+        if not (m.diagonal().all() and m[:, 0].all() and not m.triu(1).any()):
+            raise ValueError(f"request {b}: tree mask must be lower triangular with a True diagonal and first column")
+        lens.append(n)
+        rows.append((m.long() << torch.arange(n)).sum(dim=1))  # bit 63 wraps to the sign bit, as wanted
+    return torch.tensor(lens, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32), torch.cat(rows)
 
 
 def triton_available() -> bool:

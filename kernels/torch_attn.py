@@ -24,6 +24,8 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
     all-False and SDPA never produces NaN there.
   - ``pad_idx``     ``[group tokens]`` int64: flat query token -> ``b * max_query_len + i``,
     or None when all q_len are equal (pure decode / uniform verification: padding is a reshape).
+  Tree masks (``build_metadata(..., tree_masks=...)``, see :mod:`kernels`): request b's block
+  ``attn_mask[b, 0, q_b - m_b : q_b, seq_b - m_b : seq_b]`` is its tree mask instead of causal.
   (B, S and max_query_len are the group's.) For the whole step: ``extras["write_idx"]`` /
   ``extras["write_slots"]``: tokens whose slot is not -1 and their slots (``write_idx`` is None
   when no slot is -1).
@@ -98,13 +100,21 @@ class TorchAttentionBackend:
         block_size: int,
         device: torch.device,
         row_exact: str | None = None,
+        tree_masks: list[torch.Tensor | None] | None = None,
     ) -> AttentionMetadata:
         """`row_exact` makes a token's output independent of the other tokens of the step (the
         drafts verified with it, other requests), bit for bit: "sdpa" makes every query token a
         group of its own, attending to exactly its own keys with no mask (the very SDPA call a
         one-token decode step of that request makes at that position; one call per token);
-        "kernel" runs kernels.cpu_kernels.rows_attention over all tokens at once (CPU only)."""
-        md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, "cpu")
+        "kernel" runs kernels.cpu_kernels.rows_attention over all tokens at once (CPU only).
+        `tree_masks`: see :mod:`kernels`; not with `row_exact` (a tree token's keys are not a
+        prefix of the context)."""
+        md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, "cpu",
+                                   tree_masks=tree_masks)
+        if md.tree_lens is None:
+            tree_masks = None
+        elif row_exact is not None:
+            raise ValueError(f"row_exact={row_exact!r} does not support tree masks; use row_exact=None")
         device = torch.device(device)
         starts = md.query_start_loc.tolist()
         rows_kernel = None
@@ -124,7 +134,7 @@ class TorchAttentionBackend:
             member_lists = group_requests(query_lens)
             groups = [
                 self._group(members, query_lens, seq_lens, starts, md.block_tables, block_size, device,
-                            whole=len(member_lists) == 1)
+                            whole=len(member_lists) == 1, tree_masks=tree_masks)
                 for members in member_lists
             ]
 
@@ -140,6 +150,9 @@ class TorchAttentionBackend:
         md.seq_lens = md.seq_lens.to(device)
         md.block_tables = md.block_tables.to(device)
         md.slot_mapping = md.slot_mapping.to(device)
+        for name in ("tree_lens", "tree_mask_offsets", "tree_mask"):
+            if getattr(md, name) is not None:
+                setattr(md, name, getattr(md, name).to(device))
         md.extras = {
             "block_size": block_size,
             "groups": groups,
@@ -151,7 +164,8 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _group(members: list[int], query_lens: list[int], seq_lens: list[int], starts: list[int],
-               block_tables: torch.Tensor, block_size: int, device: torch.device, whole: bool) -> dict:
+               block_tables: torch.Tensor, block_size: int, device: torch.device, whole: bool,
+               tree_masks: list[torch.Tensor | None] | None = None) -> dict:
         qlens_l = [query_lens[b] for b in members]
         seqs_l = [seq_lens[b] for b in members]
         max_q, max_s = max(qlens_l), max(seqs_l)
@@ -173,6 +187,11 @@ class TorchAttentionBackend:
             pos = torch.arange(max_s, dtype=torch.int64)  # [S]
             qpos = seq[:, None] - qlens[:, None] + torch.minimum(i[None, :], qlens[:, None] - 1)  # [B, Lq]
             mask = (pos[None, None, :] <= qpos[:, :, None]).unsqueeze(1)  # [B, 1, Lq, S]
+            for i, b in enumerate(members):
+                tree = None if tree_masks is None else tree_masks[b]
+                if tree is not None and tree.shape[0] > 1:  # (one token: the same as causal)
+                    m, q, s = tree.shape[0], query_lens[b], seq_lens[b]
+                    mask[i, 0, q - m : q, s - m : s] = tree.to(device="cpu", dtype=torch.bool)
 
         pad_idx = None
         if min(qlens_l) != max_q:

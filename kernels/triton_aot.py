@@ -1,7 +1,8 @@
 """Ahead-of-time compilation of the Triton kernels for sm_80 and sm_90, without a GPU.
 
 Each launch the engine can make (dtype x model shape x step kind) is built by the same helpers
-``write_kv_cache`` / ``paged_attention`` launch with (``_write_kv_launch``, ``_paged_attn_launch``),
+``write_kv_cache`` / ``paged_attention`` launch with (``_write_kv_launch``, ``_paged_attn_launch``;
+steps of more than one query token also with a tree mask, ``HAS_TREE``),
 on meta tensors laid out as the model produces them, then specialized by Triton's own JIT binder
 (integer ``== 1`` -> constexpr, ``% 16 == 0`` and 16-byte aligned pointers -> divisibility hints),
 so each compile here is the compile a real launch triggers. ``triton.compile`` runs the whole
@@ -52,8 +53,10 @@ LLAMA_NUM_KV_HEADS = 8
 # (num_heads, num_kv_heads, head_dim) of the tiny models the tests run (tests/helpers.py TINY,
 # tests/test_kernels.py CASES); tests/test_triton_aot.py checks this still covers them.
 TEST_SHAPES = ((4, 2, 16), (8, 2, 32), (8, 2, 16), (4, 4, 16), (6, 2, 24), (8, 4, 16), (4, 1, 32))
-# A decode-like step (max_query_len 1: 16-row tiles) and a prefill chunk (64-row tiles).
-MAX_QUERY_LENS = (1, 2048)
+# A decode-like step (max_query_len 1: 16-row tiles), a verify step (16 query tokens: 16-row tiles
+# when G == 1, else the prefill tile) and a prefill chunk (64-row tiles). Steps of more than one
+# query token are also compiled with a tree mask (HAS_TREE).
+MAX_QUERY_LENS = (1, 16, 2048)
 # Block-table width (the kernel's stride_bt): the JIT specializes 1 (constexpr) and multiples of
 # 16 separately from other widths; 7 is the general case, the other two only change index math.
 BLOCK_TABLE_WIDTHS = (7,)
@@ -143,29 +146,37 @@ def _engine_launches(
     query_start_loc = torch.empty(num_reqs + 1, dtype=torch.int32, device="meta")
     seq_lens = torch.empty(num_reqs, dtype=torch.int32, device="meta")
     block_tables = torch.empty(num_reqs, block_table_width, dtype=torch.int32, device="meta")
+    # tree masks as kernels.pack_tree_masks makes them: lengths, row offsets, one int64 of bits a row
+    tree = (
+        torch.empty(num_reqs, dtype=torch.int32, device="meta"),
+        torch.empty(num_reqs, dtype=torch.int32, device="meta"),
+        torch.empty(num_tokens, dtype=torch.int64, device="meta"),
+    )
 
     def wrap(args: tuple) -> tuple:
         return tuple(_PointerArg(a) if isinstance(a, torch.Tensor) else a for a in args)
 
     label = f"{shape.label} ({shape.source})"
     _, w_args, w_const = triton_attn._write_kv_launch(k, v, k_cache, v_cache, slot_mapping)
-    _, a_args, a_const = triton_attn._paged_attn_launch(
-        q,
-        k_cache,
-        v_cache,
-        out,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        max_query_len,
-        d**-0.5,
-        is_compiled=True,
-    )
-    step = "decode" if max_query_len == 1 else "prefill"
-    return [
-        Launch(triton_attn._write_kv_kernel, dtype, wrap(w_args), w_const, label),
-        Launch(triton_attn._paged_attn_kernel, dtype, wrap(a_args), a_const, f"{label} {step}"),
-    ]
+    step = "decode" if max_query_len == 1 else "verify" if max_query_len <= 64 else "prefill"
+    launches = [Launch(triton_attn._write_kv_kernel, dtype, wrap(w_args), w_const, label)]
+    for with_tree in (False, True) if max_query_len > 1 else (False,):
+        _, a_args, a_const = triton_attn._paged_attn_launch(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            max_query_len,
+            d**-0.5,
+            is_compiled=True,
+            tree=tree if with_tree else None,
+        )
+        kind = f"{step}+tree" if with_tree else step
+        launches.append(Launch(triton_attn._paged_attn_kernel, dtype, wrap(a_args), a_const, f"{label} {kind}"))
+    return launches
 
 
 @dataclass

@@ -26,6 +26,13 @@ softmax in fp32 (exp2 with ``scale * log2(e)`` folded in). Causal rule: query to
 position p iff ``p <= ctx_len + i``. Position 0 is visible to every row, so no row is ever fully
 masked (no NaN), padded rows included.
 
+Tree masks (``HAS_TREE``, a constexpr: the causal kernel is compiled without any of it): request
+b's last ``m = tree_lens[b]`` query tokens (positions ``seq_len - m ..``) see a position p among
+those m only if bit ``p - (seq_len - m)`` of their row ``tree_mask[tree_mask_offsets[b] + i]``
+(int64, m <= 64) is set; each row is loaded once, before the walk over the context. The mask's
+first column is all True (every node sees the root), so position 0 stays visible. Example:
+seq_len 10, m 3, query token at position 9 (tree row 2), key 8 -> bit 1 of tree_mask[off + 2].
+
 Under the interpreter, 16-bit inputs are upcast to fp32 before ``tl.dot`` (the interpreter's
 16-bit dot is wrong in triton 3.9); compiled GPU runs use native 16-bit dots with fp32 accumulation.
 
@@ -97,6 +104,9 @@ def _paged_attn_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B+1] int32
+    tree_lens_ptr,  # [B] int32 (HAS_TREE only)
+    tree_offsets_ptr,  # [B] int32 (HAS_TREE only)
+    tree_mask_ptr,  # [sum m] int64 bit rows (HAS_TREE only)
     scale_log2e,  # softmax scale * log2(e)
     stride_qt,
     stride_qh,
@@ -119,6 +129,7 @@ def _paged_attn_kernel(
     BLOCK_D: tl.constexpr,  # next_pow2(head_dim)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for 16-bit)
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter on CPU: its 16-bit tl.dot is wrong)
+    HAS_TREE: tl.constexpr,  # some request's last query tokens carry a tree mask
 ):
     b = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -146,6 +157,12 @@ def _paged_attn_kernel(
         q = q.to(tl.float32)
     q_pos = ctx_len + qi  # [BLOCK_M] context position of each row's query token
     last_pos = ctx_len + tl.minimum(q_first + BLOCK_Q, q_len) - 1  # last position any real row sees
+    if HAS_TREE:
+        tree_len = tl.load(tree_lens_ptr + b)
+        tree_start = seq_len - tree_len  # first position under the tree mask
+        tree_row = qi - (q_len - tree_len)  # [BLOCK_M] row in the request's tree mask (< 0: causal)
+        in_tree_q = row_valid & (tree_row >= 0)  # [BLOCK_M]
+        tree_bits = tl.load(tree_mask_ptr + tl.load(tree_offsets_ptr + b) + tree_row, mask=in_tree_q, other=-1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -167,6 +184,11 @@ def _paged_attn_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         visible = (kpos[None, :] <= q_pos[:, None]) & kmask[None, :]
+        if HAS_TREE:
+            if start + BLOCK_N > tree_start:  # (scalar) the tile reaches the tree's tokens
+                tree_col = tl.minimum(tl.maximum(kpos - tree_start, 0), 63).to(tl.int64)  # [BLOCK_N]
+                tree_bit = (tree_bits[:, None] >> tree_col[None, :]) & 1
+                visible = visible & ((tree_bit != 0) | (kpos < tree_start)[None, :])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: position 0 is visible to every row
         alpha = tl.exp2(m_i - m_new)
@@ -261,8 +283,10 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, H, D]
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [num_tokens, H, D]
-    """Varlen causal paged attention over the whole context of each request (see module doc)."""
+    """Varlen causal paged attention over the whole context of each request (see module doc).
+    ``tree``: (tree_lens, tree_mask_offsets, tree_mask) as in ``AttentionMetadata``, or None."""
     num_tokens, h, d = query.shape
     hkv = k_cache.shape[2]
     if h % hkv != 0:
@@ -285,6 +309,7 @@ def paged_attention(
         max_query_len,
         scale,
         is_compiled=query.device.type == "cuda",
+        tree=tree,
     )
     _paged_attn_kernel[grid](*args, **constexprs)
     return out
@@ -301,9 +326,12 @@ def _paged_attn_launch(
     max_query_len: int,
     scale: float,
     is_compiled: bool,
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[tuple[int, int, int], tuple, dict]:
     """Grid, runtime arguments and constexprs of one ``_paged_attn_kernel`` launch (also used by
-    :mod:`kernels.triton_aot`). ``is_compiled``: a CUDA run, not the interpreter."""
+    :mod:`kernels.triton_aot`). ``is_compiled``: a CUDA run, not the interpreter. Without a
+    ``tree`` the tree pointers are placeholders (``seq_lens``) the kernel never reads."""
+    tree_lens, tree_offsets, tree_mask = (seq_lens, seq_lens, seq_lens) if tree is None else tree
     h, d = query.shape[1:]
     hkv = k_cache.shape[2]
     g = h // hkv
@@ -319,6 +347,9 @@ def _paged_attn_launch(
         block_tables,
         seq_lens,
         query_start_loc,
+        tree_lens,
+        tree_offsets,
+        tree_mask,
         scale * _LOG2E,
         query.stride(0),
         query.stride(1),
@@ -345,6 +376,7 @@ def _paged_attn_launch(
         # Under TRITON_INTERPRET=1 (CPU tensors) tl.dot on bf16/fp16 returns garbage in triton 3.9,
         # so the interpreter path does its dots in fp32; compiled GPU runs keep 16-bit dots.
         UPCAST=not is_compiled and query.dtype != torch.float32,
+        HAS_TREE=tree is not None,
     )
     return grid, args, constexprs
 
@@ -362,8 +394,10 @@ class TritonAttentionBackend:
         slot_mapping: list[int],
         block_size: int,
         device: torch.device,
+        tree_masks: list[torch.Tensor | None] | None = None,
     ) -> AttentionMetadata:
-        md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, device)
+        md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, device,
+                                   tree_masks=tree_masks)
         md.extras = {"block_size": block_size}
         return md
 
@@ -394,4 +428,6 @@ class TritonAttentionBackend:
             metadata.block_tables,
             metadata.max_query_len,
             scale,
+            tree=None if metadata.tree_lens is None
+            else (metadata.tree_lens, metadata.tree_mask_offsets, metadata.tree_mask),
         )

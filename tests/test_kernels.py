@@ -436,26 +436,23 @@ def _interpret_main() -> None:
     print("RESULTS " + json.dumps(results))
 
 
+def run_triton_interpreter(script: str, timeout: int = 300) -> dict:
+    """Run `python script --interpret-check` with TRITON_INTERPRET=1 in a subprocess (the variable
+    must be set before triton is imported, and this process may have imported it already) and
+    return the JSON the script prints on its last line starting with "RESULTS "."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, script, "--interpret-check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
     if not triton_available():
         pytest.skip("triton not importable")
-    env = dict(
-        os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--interpret-check"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, (
-        f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return run_triton_interpreter(os.path.abspath(__file__))
 
 
 @pytest.mark.parametrize("name,dtype_name", INTERPRET_CASES)

@@ -4,8 +4,9 @@ The interpreter tests (test_kernels.py) check what the kernels compute; this che
 launches the engine makes get through triton's whole pipeline and the bundled ptxas for both
 targets, within 255 registers per thread and the target's shared memory per block, and without
 register spills, except where they are known (below). A representative subset runs here (the
-shipped target model's shape in its dtype, decode and prefill, plus the biggest tiles: head_dim 128
-prefill in fp16 and fp32, ~20 s); the full set (210 configs, ~4 min) is ``python -m kernels.triton_aot``.
+shipped target model's shape in its dtype, decode and prefill, with and without a tree mask, plus the
+biggest tiles: head_dim 128 prefill in fp16 and fp32, and with a tree mask in fp16, ~30 s); the full
+set (306 configs, ~6 min) is ``python -m kernels.triton_aot``.
 
 Known spills (ptxas 13.4, triton 3.9): fp32 inputs take the "ieee" dot, which is FMA code rather
 than tensor-core MMA, and at the 64-row prefill tile it does not fit in registers: ~1.3 KB of spill
@@ -47,7 +48,7 @@ def _subset() -> list[triton_aot.AotConfig]:
         for c in triton_aot.launch_configs(
             TARGETS, shapes=big, dtypes=(torch.float16, torch.float32), max_query_lens=(2048,)
         )
-        if c.name == "_paged_attn_kernel"
+        if c.name == "_paged_attn_kernel" and not (c.dtype == torch.float32 and c.named_constexprs()["HAS_TREE"])
     ]
     return configs
 
@@ -84,6 +85,8 @@ def test_subset_covers_both_targets_and_kernels() -> None:
     # decode (16-row tiles) and prefill (64-row tiles) of the shipped model, both targets
     rows = {(c.target.arch, c.named_constexprs().get("BLOCK_M")) for c in SUBSET}
     assert {(arch, m) for arch in TARGETS for m in (16, 64)} <= rows
+    # and the tree-mask variant of the kernel (speculative tree verification)
+    assert {c.target.arch for c in SUBSET if c.named_constexprs().get("HAS_TREE")} == set(TARGETS)
 
 
 def test_enumeration_covers_the_engine_and_test_shapes() -> None:
