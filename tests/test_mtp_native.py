@@ -297,6 +297,34 @@ def test_greedy_output_equals_target(targets, name, k):
     assert_no_leaked_blocks(engine)
 
 
+def test_modules_catch_up_while_not_drafting(targets, monkeypatch):
+    """A 40-token prompt prefilled 16 tokens a step, then 20 steps with speculation off (forced):
+    the modules catch up over the buffered rows instead of holding more than the bound; turned
+    back on, the drafts equal the reference's over the whole context, so the KV they filled
+    meanwhile is right."""
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=4, adaptive=True)
+    engine = LLMEngine(
+        targets["deepseek2"], dtype="float32", device="cpu", speculative=spec, max_num_batched_tokens=16
+    )
+    proposer = engine.speculator.proposer
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
+    prompt = [(7 * i + 3) % 97 for i in range(40)]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    r = engine.scheduler.requests["r"]
+    most = 0
+    while r.num_output_tokens < 20:
+        engine.step()
+        st = proposer.states["r"]
+        most = max(most, st.rows.shape[0])
+        assert st.rows.shape[0] <= proposer.max_buffered_rows and all(d.rows.shape[0] <= 1 for d in st.deeper)
+        assert_no_leaked_blocks(engine)
+    assert most == proposer.max_buffered_rows and engine.spec_stats.num_draft_tokens == 0
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 4)
+    monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: max(ks))
+    engine.step()
+    assert r.spec_token_ids == reference_drafts(targets["deepseek2"], r.all_token_ids, 4)[0]
+
+
 def test_missing_or_misshaped_key_is_refused(targets, tmp_path):
     """Every MTP tensor of each layout, dropped or given one extra row, is refused by name; so is
     a tensor under an MTP prefix that no module uses. (The target's own tensors stay as they are:
