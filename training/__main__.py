@@ -9,6 +9,7 @@ Steps (run in this order)::
                full model (fits the 100 MB weight budget; --teacher, --drop-layers)
     drafter    distil models/drafter from the frozen target (KL(target || drafter))
     eagle      train models/eagle-head (EAGLE-1) on the frozen target's features
+    eagle3     train models/eagle3-head (EAGLE-3, training-time test) on the frozen target's features
     medusa     train models/medusa-heads (Medusa-1 heads) on the frozen target's features
     draft-all  drafter + eagle + medusa in one loop on shared batches (one target forward per batch)
     draft-vocab  rank tokens by training-set frequency into each drafter's draft_vocab.json
@@ -28,6 +29,7 @@ import torch
 
 from . import data
 from .config import DRAFTER_SPEC, TARGET_SPEC, LlamaSpec, TrainConfig
+from .eagle3 import Eagle3Config, Eagle3Head, draft_vocabulary, eagle3_loss_fn, save_eagle3
 from .heads import EagleConfig, EagleHead, MedusaConfig, MedusaHeads, save_head
 from .trainer import (
     TargetOutputs,
@@ -341,6 +343,46 @@ def step_medusa(args: argparse.Namespace) -> None:
     write_stats("medusa", out)
 
 
+def step_eagle3(args: argparse.Namespace) -> None:
+    """Train models/eagle3-head on the frozen shipped target (`python -m training eagle3`)."""
+    cfg = replace(train_config(args, "eagle3"), dtype=args.dtype)
+    train, _ = load_streams(cfg.seq_len)
+    target = load_target().to(getattr(torch, args.dtype))
+    t = target.config
+    ranked = json.loads((MODELS / "drafter" / "draft_vocab.json").read_text())["ranked_token_ids"]
+    token_ids = draft_vocabulary(ranked, args.draft_vocab_size)
+    layers = t.num_hidden_layers
+    c = Eagle3Config(
+        hidden_size=t.hidden_size, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=t.hidden_size // t.num_attention_heads,
+        intermediate_size=args.head_intermediate_size or t.intermediate_size, vocab_size=t.vocab_size,
+        draft_vocab_size=token_ids.numel(), aux_layer_ids=(2, layers // 2, layers - 3),
+        rms_norm_eps=t.rms_norm_eps, rope_theta=float(t.rope_parameters["rope_theta"]),
+        max_position_embeddings=t.max_position_embeddings,
+    )
+    torch.manual_seed(cfg.seed + 5)
+    head = Eagle3Head(c)
+    with torch.no_grad():  # start the head's LM head and norm at the target's (rows of the draft vocabulary)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[token_ids])
+        head.norm.weight.copy_(target.model.norm.weight)
+    n_params = sum(p.numel() for p in head.parameters())
+    log(f"eagle3: {n_params / 1e6:.2f}M params, ttt_steps {args.ttt_steps}, {c}, config {asdict(cfg)}")
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 5)
+    loss_fn = eagle3_loss_fn(head, target, token_ids, args.ttt_steps)
+    if args.measure_steps:
+        tcfg = replace(cfg, planned_tokens=cfg.tokens_per_step * args.measure_steps, warmup_steps=1)
+        out = train_loop(tcfg, head, loss_fn, sampler, None, log=log, progress=False, max_threads=args.threads)
+        log(f"measure: {out['tokens_per_s']:.0f} tok/s, {out['elapsed_s'] / args.measure_steps:.2f} s/step")
+        return
+    out = train_loop(
+        cfg, head, loss_fn, sampler, CKPTS / "eagle3.pt", resume=args.resume, log=log, max_threads=args.threads
+    )
+    folder = MODELS / "eagle3-head"
+    save_eagle3(head, token_ids, folder)  # no tokenizer copy: the head reads the target's token ids
+    out.update(params=n_params, ttt_steps=args.ttt_steps, head=asdict(c), config=asdict(cfg))
+    write_stats("eagle3", out)
+
+
 DRAFT_PARTS = ("drafter", "eagle", "medusa")
 
 
@@ -498,6 +540,7 @@ STEP_DEFAULTS: dict[str, dict] = {
     "drafter": {"lr": 2e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
     "eagle": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
     "medusa": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 10.0, "warmup_steps": 50},
+    "eagle3": {"lr": 1e-3, "planned_tokens": 1_200_000, "max_minutes": 70.0, "warmup_steps": 20},
     "draft-all": {"lr": 1e-3, "planned_tokens": 2_000_000, "max_minutes": 25.0, "warmup_steps": 30},
 }
 
@@ -507,10 +550,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "step",
         choices=[
-            "corpus", "tokenizer", "target", "shrink", "drafter", "eagle", "medusa", "draft-all", "draft-vocab", "cards"
+            "corpus", "tokenizer", "target", "shrink", "drafter", "eagle", "medusa", "eagle3", "draft-all", "draft-vocab",
+            "cards",
         ],
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="eagle3: training dtype (float32 where the CPU only emulates bf16 products)")
+    parser.add_argument("--ttt-steps", type=int, default=5, help="eagle3: training-time-test unroll depth")
+    parser.add_argument("--head-intermediate-size", type=int, default=None,
+                        help="eagle3: the midlayer's MLP width (default: the target's)")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -558,6 +607,7 @@ def main(argv: list[str] | None = None) -> None:
         "drafter": step_drafter,
         "eagle": step_eagle,
         "medusa": step_medusa,
+        "eagle3": step_eagle3,
         "draft-all": step_draft_all,
         "draft-vocab": step_draft_vocab,
         "cards": step_cards,
