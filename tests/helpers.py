@@ -144,3 +144,27 @@ def assert_each_tensor_is_checked(load, weights: dict, config: dict, root, keys=
             load(write(f"shape_{key}", bad))
     with pytest.raises(CheckpointError, match=re.escape(extra)):
         load(write("extra", {**weights, extra: torch.zeros(2)}))
+
+
+# --- reference math for drafter tests (the papers' equations, float32, no cache) ----------------
+def ref_rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def ref_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE, rotate-half layout: x [m, heads, head_dim] at `positions` [m]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = positions.float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
+
+
+def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of elements 0..m-1 over each other: q [m, heads, d], k/v [m, kv_heads, d]
+    (grouped) -> [m, heads * d]."""
+    m, heads, d = q.shape
+    k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // v.shape[1], 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+    scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(m, heads * d)

@@ -13,7 +13,9 @@ import os
 import pytest
 import torch
 import transformers
-from helpers import assert_each_tensor_is_checked, assert_no_leaked_blocks, save_tiny_model
+from helpers import assert_each_tensor_is_checked, assert_no_leaked_blocks, ref_attention, save_tiny_model
+from helpers import ref_rms as _rms
+from helpers import ref_rope as _rope
 from safetensors.torch import load_file, save_file
 from test_engine import run_staggered
 from test_speculative import (
@@ -106,18 +108,6 @@ def setup(tmp_path_factory):
 
 
 # --- the reference: the paper's equations, no cache ------------------------------------------
-def _rms(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
-
-
-def _rope(x, positions):  # x [m, heads, d], rotate-half layout
-    inv = 1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
-    ang = positions.float()[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    half = HEAD_DIM // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
-
 def _midlayer(w, embeds, feats, norm_before_residual):
     """Output features [m, H] of elements 0..m-1 (element j at RoPE position j), causal."""
     m = embeds.shape[0]
@@ -125,13 +115,10 @@ def _midlayer(w, embeds, feats, norm_before_residual):
     normed = _rms(feats, w[p + "hidden_norm.weight"])
     x = torch.cat([_rms(embeds, w[p + "input_layernorm.weight"]), normed], -1)
     pos = torch.arange(m)
-    q = _rope((x @ w[p + "self_attn.q_proj.weight"].T).view(m, HEADS, HEAD_DIM), pos)
-    k = _rope((x @ w[p + "self_attn.k_proj.weight"].T).view(m, KV_HEADS, HEAD_DIM), pos)
+    q = _rope((x @ w[p + "self_attn.q_proj.weight"].T).view(m, HEADS, HEAD_DIM), pos, THETA)
+    k = _rope((x @ w[p + "self_attn.k_proj.weight"].T).view(m, KV_HEADS, HEAD_DIM), pos, THETA)
     v = (x @ w[p + "self_attn.v_proj.weight"].T).view(m, KV_HEADS, HEAD_DIM)
-    k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
-    scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
-    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(m, HEADS * HEAD_DIM)
+    attn = ref_attention(q, k, v)
     r = (normed if norm_before_residual else feats) + attn @ w[p + "self_attn.o_proj.weight"].T
     h = _rms(r, w[p + "post_attention_layernorm.weight"])
     mlp = (torch.nn.functional.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T))

@@ -15,7 +15,9 @@ import os
 import pytest
 import torch
 import transformers
-from helpers import assert_each_tensor_is_checked, assert_no_leaked_blocks, save_tiny_model
+from helpers import assert_each_tensor_is_checked, assert_no_leaked_blocks, ref_attention, save_tiny_model
+from helpers import ref_rms as rms
+from helpers import ref_rope as rope
 from safetensors.torch import load_file, save_file
 from test_engine import run_staggered
 from test_speculative import (
@@ -141,18 +143,6 @@ def targets(tmp_path_factory):
 
 
 # --- the reference: the equations, no cache -----------------------------------------------------
-def rms(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
-
-
-def rope(x, positions):  # x [m, heads, d], rotate-half layout
-    inv = 1.0 / (THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
-    ang = positions.float()[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    half = HEAD_DIM // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
-
 def decoder_layer(w, p, x, positions, input_norm: bool = True):
     """A pre-norm decoder layer on elements x [m, H] at RoPE `positions`, causal: its residual stream."""
     m = x.shape[0]
@@ -165,14 +155,7 @@ def decoder_layer(w, p, x, positions, input_norm: bool = True):
         return y.view(m, heads, HEAD_DIM)
 
     q, k, v = rope(proj("q", HEADS), positions), rope(proj("k", KV_HEADS), positions), proj("v", KV_HEADS)
-    k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
-    scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
-    r = (
-        x
-        + torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(m, -1)
-        @ w[p + "self_attn.o_proj.weight"].T
-    )
+    r = x + ref_attention(q, k, v) @ w[p + "self_attn.o_proj.weight"].T
     g = rms(r, w[p + "post_attention_layernorm.weight"])
     mlp = torch.nn.functional.silu(g @ w[p + "mlp.gate_proj.weight"].T) * (g @ w[p + "mlp.up_proj.weight"].T)
     return r + mlp @ w[p + "mlp.down_proj.weight"].T

@@ -124,8 +124,9 @@ class ChainProposer(Proposer):
         return kv_bytes_per_token(self.arch, self.dtype)
 
     def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-        """Buffered rows between steps (and one row per deeper module), plus one step's committed
-        rows before they are bounded."""
+        """Buffered target rows between steps and as many per deeper module (they hold one row
+        between rounds, more while a catch-up runs), plus one step's committed rows before they
+        are bounded."""
         size = torch.empty((), dtype=self.dtype).element_size()
         rows = (max_num_seqs * self.max_buffered_rows + max_num_batched_tokens) * self.feature_size
         deeper = max_num_seqs * (len(self.layers) - 1) * self.max_buffered_rows * self.arch.hidden_size

@@ -25,17 +25,6 @@ def read_config(model_dir: str) -> dict:
         return json.load(f)
 
 
-def read_head_config(model_dir: str, expected_arch: str) -> dict:
-    """config.json of a head in one of our own layouts (`architectures` names it)."""
-    cfg = read_config(model_dir)
-    archs = cfg.get("architectures") or []
-    if expected_arch not in archs:
-        raise DrafterMismatchError(
-            f"{model_dir!r} is not an {expected_arch} checkpoint (architectures={archs})"
-        )
-    return cfg
-
-
 def load_tensors(model_dir: str, other_files: Iterable[str] = ()) -> dict[str, torch.Tensor]:
     """model.safetensors (or its shards), else the first of `other_files` the directory holds:
     a .safetensors file as such, anything else (pytorch_model.bin, the Medusa repo's

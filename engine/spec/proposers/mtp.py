@@ -170,7 +170,9 @@ class MTPProposer(ChainProposer):
             self.rope_f32 = runner.model.rope_f32
             target_head.use_row_kernel(runner.model.packed_lm_head())
         named = [
-            (f"mtp.{m}.{n}", p) for m, mod in enumerate(self.mtp_modules) for n, p in mod.named_parameters()
+            (f"mtp.{m}.{n}", param)
+            for m, mod in enumerate(self.mtp_modules)
+            for n, param in mod.named_parameters()
         ]
         named += [(f"head.{m}", hd.weight) for m, hd in enumerate(self.heads) if hd is not target_head]
         self._finish_init(DrafterIdentity(model_name(target_dir), weights_digest(named), target_head.size))
