@@ -58,6 +58,16 @@ def rejection_sample(
     any_greedy, any_sampled = _step_kinds(is_greedy, target_argmax, target_probs)
     device = draft_token_ids.device
     num_drafts = sum(num_draft_tokens)
+    if not any_sampled:  # all greedy: the same one host sync, then a walk over two short lists
+        flat = torch.cat([draft_token_ids, target_argmax]).tolist()  # (~2 us here; ten tensor ops: ~90)
+        out, d0, t0 = [], 0, num_drafts
+        for n in num_draft_tokens:
+            a = 0
+            while a < n and flat[d0 + a] == flat[t0 + a]:
+                a += 1
+            out.append(flat[d0 : d0 + a] + [flat[t0 + a]])
+            d0, t0 = d0 + n, t0 + n + 1
+        return out
     if any_sampled and num_drafts and draft_probs is None:
         raise ValueError("draft_probs is needed when a sampled request has drafts")
     # index vectors, built on the host and moved in one transfer
