@@ -34,6 +34,7 @@ METHODS = {
     "ngram": None,
     "eagle": str(MODELS / "eagle-head"),
     "medusa": str(MODELS / "medusa-heads"),
+    "eagle3": str(MODELS / "eagle3-head"),  # python -m training eagle3 (not shipped yet)
 }
 
 
@@ -169,24 +170,27 @@ def part1(prompts, batch_prompts, sustained_prompts, new_tokens: int, k: int, me
     return rows
 
 
-def sweep(prompts, batch_prompts, new_tokens: int, methods: list[str]) -> list[dict]:
+def sweep(prompts, batch_prompts, new_tokens: int, methods: list[str], ks=range(1, 9),
+          batch1_only: bool = False) -> list[dict]:
     rows = []
     base = make_llm(None, 1, adaptive=False, max_num_seqs=32)
+    loads = ((False, prompts),) if batch1_only else ((False, prompts), (True, batch_prompts))
     for workload in ("code", "unpredictable"):
-        for concurrent, ps in ((False, prompts), (True, batch_prompts)):
+        for concurrent, ps in loads:
             r = run_ours(base, ps, workload, new_tokens, concurrent)
             rows.append({"method": "off", "k": 0, "workload": workload, "batch": len(ps) if concurrent else 1, **r})
     for method in methods:
         llm = make_llm(method, 8, adaptive=False, max_num_seqs=32)
         llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))
         for workload in ("code", "unpredictable"):
-            for k in range(1, 9):
-                for concurrent, ps in ((False, prompts), (True, batch_prompts)):
+            for k in ks:
+                for concurrent, ps in loads:
                     r = run_ours(llm, ps, workload, new_tokens, concurrent, k=k)
                     rows.append({"method": method, "k": k, "workload": workload,
                                  "batch": len(ps) if concurrent else 1, **r})
-                print(f"sweep {method} {workload} k={k}: {rows[-2]['tokens_per_s']:.1f} tok/s (b1), "
-                      f"accepted {rows[-2]['mean_accepted_length']}", flush=True)
+                b1 = rows[-len(loads)]
+                print(f"sweep {method} {workload} k={k}: {b1['tokens_per_s']:.1f} tok/s (b1), "
+                      f"accepted {b1['mean_accepted_length']}", flush=True)
     return rows
 
 
@@ -253,6 +257,10 @@ def main(argv=None) -> dict:
     ap.add_argument("-k", type=int, default=6, help="k cap for the adaptive runs of part 1")
     ap.add_argument("--methods", default="draft,ngram,eagle,medusa")
     ap.add_argument("--sweep", action="store_true", help="also run the k = 1..8 sweep (part 2)")
+    ap.add_argument("--sweep-ks", default="1,2,3,4,5,6,7,8", help="the sweep's k values")
+    ap.add_argument("--sweep-batch1-only", action="store_true", help="the sweep without its 16-concurrent runs")
+    ap.add_argument("--sweep-name", default="spec_sweep",
+                    help="results file of the sweep (a partial sweep, other than the default, draws no plots)")
     ap.add_argument("--skip-part1", action="store_true")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the batch-1 code rows of each model drafter over the whole vocabulary")
@@ -277,9 +285,11 @@ def main(argv=None) -> dict:
                            "mean_accepted_length", "acceptance_rate", "draft_token_over_target_step"]))
         write_results("spec", results)
     if args.sweep:
-        srows = sweep(prompts, batch_prompts, args.new_tokens, methods)
-        write_results("spec_sweep", {"machine": results["machine"], "args": vars(args), "sweep": srows,
-                                     "sweep_plots": plot_sweep(srows)})
+        ks = [int(k) for k in args.sweep_ks.split(",")]
+        srows = sweep(prompts, batch_prompts, args.new_tokens, methods, ks, args.sweep_batch1_only)
+        full = ks == list(range(1, 9)) and not args.sweep_batch1_only
+        write_results(args.sweep_name, {"machine": results["machine"], "args": vars(args), "sweep": srows,
+                                        "sweep_plots": plot_sweep(srows) if full else []})
     return results
 
 
