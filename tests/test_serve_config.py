@@ -39,7 +39,7 @@ def test_shipped_config_passes_our_validator() -> None:
     assert config.model == "models/target"
     assert config.speculative is not None
     assert (config.speculative.method, config.speculative.model, config.speculative.num_speculative_tokens) == (
-        "draft", "models/drafter", 4,
+        "eagle", "models/eagle-head", 4,
     )
 
 
@@ -109,7 +109,7 @@ def with_args(**changes) -> dict:
         ({"speculative__num_speculative_tokens": 17}, "applications[0].args.speculative.num_speculative_tokens"),
         ({"speculative__method": "lookahead"}, "applications[0].args.speculative.method: must be one of"),
         ({"speculative__method": "ngram"}, "applications[0].args.speculative.model: must be null for method 'ngram'"),
-        ({"speculative__model": None}, "applications[0].args.speculative.model: method 'draft' needs"),
+        ({"speculative__model": None}, "applications[0].args.speculative.model: method 'eagle' needs"),
         ({"speculative__method": "eagle3", "speculative__model": None},
          "applications[0].args.speculative.model: method 'eagle3' needs a checkpoint directory"),
         ({"speculative__method": "eagle3", "speculative__draft_vocab_size": 1024},
