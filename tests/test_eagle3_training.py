@@ -21,6 +21,11 @@ VOCAB, STEPS = 97, 3
 
 @pytest.fixture(scope="module")
 def trained_layout(tmp_path_factory):
+    return make_layout(tmp_path_factory, (2, 3, 4))
+
+
+def make_layout(tmp_path_factory, aux_layer_ids):
+    """A tiny target and a random head of the recipe, saved in the published layout."""
     root = tmp_path_factory.mktemp("eagle3_train")
     target = save_tiny_model(str(root / "target"), "llama", num_hidden_layers=NUM_LAYERS)
     ranked = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3)).tolist()
@@ -28,7 +33,7 @@ def trained_layout(tmp_path_factory):
     assert token_ids.tolist() == sorted(ranked[:64])
     cfg = Eagle3Config(
         hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-        intermediate_size=INTER, vocab_size=VOCAB, draft_vocab_size=64, aux_layer_ids=(2, 3, 4),
+        intermediate_size=INTER, vocab_size=VOCAB, draft_vocab_size=64, aux_layer_ids=aux_layer_ids,
         rms_norm_eps=EPS, rope_theta=THETA,
     )
     torch.manual_seed(0)
@@ -39,16 +44,26 @@ def trained_layout(tmp_path_factory):
                 p.add_(0.2 * torch.randn_like(p))
     save_eagle3(head, token_ids, root / "head", dtype=torch.float32)
     return {"target": target, "head": head.eval(), "dir": str(root / "head"), "token_ids": token_ids,
-            "heads": {"trained": str(root / "head")}, "boundaries": {"trained": (2, 3, 4)}}
+            "heads": {"trained": str(root / "head")}, "boundaries": {"trained": aux_layer_ids}}
 
 
-def test_unroll_equals_autoregressive_drafting(trained_layout):
+@pytest.mark.parametrize("aux_layer_ids", [(2, 3, 4), (2, 4, NUM_LAYERS)], ids=["default", "last-layer-output"])
+def test_unroll_equals_autoregressive_drafting(tmp_path_factory, aux_layer_ids):
+    """Boundary L (the last layer's output) is taken before the final norm, as the engine does."""
+    trained_layout = make_layout(tmp_path_factory, aux_layer_ids)
     tokens = torch.randint(2, VOCAB, (1, 14), generator=torch.Generator().manual_seed(5))
     ref = transformers.AutoModelForCausalLM.from_pretrained(trained_layout["target"], dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = ref.model(tokens, output_hidden_states=True)
-        aux = torch.cat([out.hidden_states[b] for b in (2, 3, 4)], -1)
-        logits = trained_layout["head"].unroll(aux, ref.model.embed_tokens(tokens), STEPS)
+    fn = eagle3_loss_fn(trained_layout["head"], ref, trained_layout["token_ids"], STEPS)  # hooks the last layer
+    captured = {}
+    head = trained_layout["head"]
+    orig = head.unroll
+    head.unroll = lambda aux, embeds, steps: captured.setdefault("logits", orig(aux, embeds, steps))
+    try:
+        with torch.no_grad():
+            fn(tokens)
+    finally:
+        head.unroll = orig
+    logits = captured["logits"]
     ids = trained_layout["token_ids"]
     for j in (0, 4, 9):  # element j: feature of position j, token j + 1
         seq = tokens[0].tolist()

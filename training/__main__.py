@@ -356,7 +356,8 @@ def step_eagle3(args: argparse.Namespace) -> None:
         hidden_size=t.hidden_size, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, head_dim=t.hidden_size // t.num_attention_heads,
         intermediate_size=args.head_intermediate_size or t.intermediate_size, vocab_size=t.vocab_size,
-        draft_vocab_size=token_ids.numel(), aux_layer_ids=(2, layers // 2, layers - 3),
+        draft_vocab_size=token_ids.numel(),
+        aux_layer_ids=tuple(int(i) for i in args.aux_layers.split(",")) if args.aux_layers else (2, layers // 2, layers - 3),
         rms_norm_eps=t.rms_norm_eps, rope_theta=float(t.rope_parameters["rope_theta"]),
         max_position_embeddings=t.max_position_embeddings,
     )
@@ -365,6 +366,12 @@ def step_eagle3(args: argparse.Namespace) -> None:
     with torch.no_grad():  # start the head's LM head and norm at the target's (rows of the draft vocabulary)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[token_ids])
         head.norm.weight.copy_(target.model.norm.weight)
+    if args.init_from:  # warm start: every tensor of an earlier head (e.g. trained on other aux layers)
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(args.init_from) / "model.safetensors"))
+        head.load_state_dict({k: v.float() for k, v in state.items() if k not in ("d2t", "t2d")})
+        log(f"eagle3: initialized from {args.init_from}")
     n_params = sum(p.numel() for p in head.parameters())
     log(f"eagle3: {n_params / 1e6:.2f}M params, ttt_steps {args.ttt_steps}, {c}, config {asdict(cfg)}")
     sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 5)
@@ -558,6 +565,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="eagle3: training dtype (float32 where the CPU only emulates bf16 products)")
     parser.add_argument("--ttt-steps", type=int, default=5, help="eagle3: training-time-test unroll depth")
+    parser.add_argument("--aux-layers", default="",
+                        help="eagle3: comma-separated layer boundaries feeding fc (default: 2, L/2, L-3)")
+    parser.add_argument("--init-from", default=None, help="eagle3: start from this head folder's weights")
     parser.add_argument("--head-intermediate-size", type=int, default=None,
                         help="eagle3: the midlayer's MLP width (default: the target's)")
     parser.add_argument("--vocab-size", type=int, default=8192)

@@ -207,12 +207,19 @@ def eagle3_loss_fn(head: Eagle3Head, target: nn.Module, token_ids: torch.Tensor,
     in_draft = torch.zeros(vocab, dtype=torch.bool)
     in_draft[token_ids] = True
     embed = target.get_input_embeddings()
+    # Boundary b is the input of decoder layer b (HF's hidden_states[b]); b = L, the last layer's
+    # output, is taken before the final norm (HF's hidden_states[L] is after it), as the engine does.
+    num_layers = len(target.model.layers)
+    last: dict[str, torch.Tensor] = {}
+    if num_layers in aux_ids:
+        target.model.layers[-1].register_forward_hook(
+            lambda mod, inp, out: last.__setitem__("out", out[0] if isinstance(out, tuple) else out))
 
     def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         dtype = head.fc.weight.dtype
         with torch.no_grad():
             out = target.model(input_ids=batch, output_hidden_states=True)
-            aux = torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1).to(dtype)
+            aux = torch.cat([last["out"] if i == num_layers else out.hidden_states[i] for i in aux_ids], dim=-1).to(dtype)
             logits = target.lm_head(out.last_hidden_state).float()  # [B, T, V]
             t_argmax = logits.argmax(-1)
             t_probs = logits[..., token_ids].softmax(-1)  # restricted to the draft vocabulary
