@@ -435,7 +435,7 @@ def test_leak_check_fails_on_an_overfull_buffer(models):
     proposer = engine.speculator.proposer
     state = proposer.states["r"]
     state.rows = torch.zeros(proposer.max_buffered_rows + 1, 64)
-    with pytest.raises(AssertionError, match="more than 16 hidden rows"):
+    with pytest.raises(AssertionError, match="buffers more than 16 rows"):
         assert_no_leaked_blocks(engine)
 
 
