@@ -82,6 +82,15 @@ class DraftTree:
             kids[self.parents[i]].append(i)
         return tuple(tuple(k) for k in kids)
 
+    def truncated(self, num_drafts: int) -> DraftTree:
+        """The tree of its root and first `num_drafts` draft nodes (index order keeps every
+        parent), as the scheduler cuts drafts to fit a step's token budget."""
+        n = min(num_drafts, self.num_nodes - 1) + 1
+        if n == self.num_nodes:
+            return self
+        return DraftTree(self.token_ids[:n], self.parents[:n], self.cum_logprobs[:n],
+                         None if self.source_ids is None else self.source_ids[:n])
+
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to `node` (empty for the root)."""
         path = []

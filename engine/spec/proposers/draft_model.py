@@ -7,6 +7,13 @@ the tokens committed since the last round (accepted drafts + bonus token) in the
 pass that makes the first draft, then makes k-1 more one token at a time. Draft tokens' own KV
 lands in lookahead slots and is simply overwritten next round. The count advances only once every
 forward of the round has succeeded (a failed round is redone from the same point).
+
+Trees (`propose_trees`, EAGLE-2's dynamic tree): the same catch-up forward gives the root's top-k
+children; then each level feeds the root and every node expanded so far as one token tree (its
+mask, depth positions) into scratch slots after the root and takes the top-k children of the
+newest expanded nodes; the best nodes of all levels by cumulative draft probability form the
+tree. Like a chain's drafts, the tree's KV is scratch: the next round's catch-up recomputes the
+accepted path's KV (it is the committed tokens since the last round), so nothing is moved.
 """
 
 from __future__ import annotations
@@ -37,6 +44,14 @@ from engine.spec.proposers.base import (
     weights_digest,
 )
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
+from engine.spec.tree import (
+    DraftTree,
+    TreeLevel,
+    build_dynamic_trees,
+    expand_level,
+    first_level,
+    select_frontier,
+)
 
 
 @dataclass
@@ -46,9 +61,11 @@ class DraftModelState:
 
 class DraftModelProposer(Proposer):
     method = "draft"
+    supports_tree = True
 
-    def __init__(self, model_dir: str, runner, draft_vocab_size: int | None = None) -> None:
+    def __init__(self, model_dir: str, runner, draft_vocab_size: int | None = None, tree_width: int = 4) -> None:
         super().__init__()
+        self.tree_width = tree_width  # children per expanded node, and nodes expanded per level
         self.states: dict[str, DraftModelState] = {}
         self.device, self.dtype = runner.device, runner.dtype
         self.model, _ = load_model(model_dir, self.dtype, self.device, runner.model.rope_cos.shape[0])
@@ -106,15 +123,102 @@ class DraftModelProposer(Proposer):
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.seconds(num_requests) * k
 
-    def _forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Final hidden state of each chunk's last token [B, H]."""
-        fused = self.row_kernel and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS
+    def _forward(self, chunks: list[SeqChunk], num_last: int = 1) -> torch.Tensor:
+        """Final hidden states of each chunk's last `num_last` tokens [B * num_last, H], chunk
+        after chunk."""
+        fused = (self.row_kernel and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS
+                 and all(c.tree is None for c in chunks))
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
                                     row_exact="kernel" if fused else None)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,
                             tile_rows=ROW_KERNEL if fused else 0)
-        last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
-        return hidden[last]  # [B, H]
+        ends = torch.tensor(batch.cu_query_lens[1:], device=self.device)  # [B]
+        rows = (ends.unsqueeze(1) - num_last + torch.arange(num_last, device=self.device)).flatten()
+        return hidden[rows]  # [B * num_last, H]
+
+    def _top_children(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target token ids, log-probabilities) [n, k] of the draft's k most probable next
+        tokens after each row of hidden [n, H] (temperature 1: the ranking, not a sample)."""
+        logprobs = torch.log_softmax(self.head(hidden), dim=-1)  # [n, V'] over the draft vocabulary
+        lp, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        return (ids if self.head.token_ids is None else self.head.token_ids[ids]), lp
+
+    @torch.inference_mode()
+    def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
+                      context: ProposeContext) -> list[Draft]:
+        """EAGLE-2 dynamic trees: level 1 is the root's top-k (k = tree_width) from the catch-up
+        forward; level d + 1 the top-k children of level d's k most probable candidates (by
+        cumulative draft log-probability); the tree keeps the num_nodes[r] best candidates of
+        request r's first max_depths[r] levels (`build_dynamic_trees`).
+
+        Level d's forward feeds, per request, the root (sequence index T - 1, T = its tokens)
+        and the nodes expanded at depths 1..d (root, then depth by depth) as one token tree at
+        sequence indices T - 1 .., rewriting their scratch KV; each sees the committed context
+        and its ancestors. Example, k = 2, depth 3: forwards over the catch-up chunk, then
+        [root, 2 depth-1 nodes], then [root, 2 + 2 nodes]. The drafts are deterministic given
+        the drafter (the top-k), so sampled requests verify them with one-hot q (probs None):
+        the sampler stays exact. A request drafts no deeper than its blocks hold scratch for.
+        """
+        width = self.tree_width
+        t_start = time.perf_counter()
+        depths = [
+            max(1, min(d, 1 + (len(r.block_ids) * self.block_size - r.num_tokens) // width))
+            for r, d in zip(requests, max_depths, strict=True)
+        ]
+        chunks, catch_up = [], 0
+        for r in requests:
+            state = self.states.get(r.request_id)
+            start = state.num_computed if state is not None else 0
+            chunks.append(SeqChunk([r.token_at(p) for p in range(start, r.num_tokens)], start, r.block_ids))
+            catch_up = max(catch_up, r.num_tokens - start)
+        levels = [first_level(*self._top_children(self._forward(chunks), width))]
+        # per request: the expanded nodes so far (tokens, parents in that list; 0 = the root) and,
+        # per level, candidate index -> its place in that list
+        expanded = [([r.last_token_id], [-1]) for r in requests]
+        place: list[list[dict[int, int]]] = [[] for _ in requests]
+        for d in range(1, max(depths)):
+            active = [i for i, depth in enumerate(depths) if depth > d]
+            level = levels[-1]
+            frontier = select_frontier(level, width)  # [R, F]
+            f = frontier.shape[1]
+            table = torch.stack([frontier, level.parent_ids.gather(1, frontier),
+                                 level.token_ids.gather(1, frontier)]).tolist()  # [3, R, F]
+            chunks = []
+            for i in active:
+                tokens, parents = expanded[i]
+                here = {}
+                for j in range(f):
+                    parent = table[1][i][j]
+                    here[table[0][i][j]] = len(tokens)
+                    parents.append(0 if parent < 0 else place[i][-1][parent])
+                    tokens.append(table[2][i][j])
+                place[i].append(here)
+                r = requests[i]
+                tree = DraftTree(tuple(tokens), tuple(parents), (0.0,) * len(tokens))
+                chunks.append(SeqChunk(list(tokens), r.num_tokens - 1, r.block_ids, tree))
+            ids, lp = self._top_children(self._forward(chunks, f), width)  # [A * F, k]
+            k = ids.shape[1]
+            rows = torch.tensor(active, device=self.device)
+            all_ids = torch.zeros(len(requests), f, k, dtype=torch.long, device=self.device)
+            all_lp = torch.full((len(requests), f, k), float("-inf"), device=self.device)  # rows never used
+            all_ids.index_copy_(0, rows, ids.view(len(active), f, k))
+            all_lp.index_copy_(0, rows, lp.view(len(active), f, k).float())
+            levels.append(expand_level(level, frontier, all_ids, all_lp))
+        trees: list[DraftTree | None] = [None] * len(requests)
+        for depth in sorted(set(depths)):
+            group = [i for i, dd in enumerate(depths) if dd == depth]
+            rows = torch.tensor(group, device=self.device)
+            sliced = [TreeLevel(lv.parent_ids.index_select(0, rows), lv.token_ids.index_select(0, rows),
+                                lv.cum_logprobs.index_select(0, rows)) for lv in levels[:depth]]
+            built = build_dynamic_trees([requests[i].last_token_id for i in group], sliced,
+                                        [num_nodes[i] for i in group])
+            for i, tree in zip(group, built, strict=True):
+                trees[i] = tree
+        # Every forward succeeded: the committed tokens' draft KV is valid now.
+        for r in requests:
+            self.states[r.request_id] = DraftModelState(r.num_tokens)
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, max(depths), catch_up, max(depths))
+        return [Draft(list(t.token_ids[1:]), None, t) for t in trees]
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
