@@ -194,6 +194,8 @@ class DraftModelProposer(Proposer):
                     tokens.append(table[2][i][j])
                 place[i].append(here)
                 r = requests[i]
+                # (the root's KV is rewritten, the same token at the same position: only the
+                # numerics of this step's path may differ, which moves drafts, never outputs)
                 tree = DraftTree(tuple(tokens), tuple(parents), (0.0,) * len(tokens))
                 chunks.append(SeqChunk(list(tokens), r.num_tokens - 1, r.block_ids, tree))
             ids, lp = self._top_children(self._forward(chunks, f), width)  # [A * F, k]
