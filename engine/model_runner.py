@@ -438,16 +438,14 @@ class ModelRunner:
         target_probs = draft_probs = None
         if not all(is_greedy):
             target_probs = self._target_probs(sampling, logits, num_nodes)
-            with_q = [s for s in sampling if s.spec_token_ids and s.spec_tree is None
-                      and s.request.request_id in self.draft_probs]
-            if with_q:  # some chain drafts come with their q: every node needs a row
+            if any(s.spec_token_ids and s.request.request_id in self.draft_probs for s in sampling):
+                # some drafts come with the q they were drawn from: every node needs a row
                 vocab = logits.shape[-1]
                 rows = []
                 for s in sampling:
                     rows.append(torch.zeros(1, vocab, device=self.device))  # the root's (unused)
                     if s.spec_token_ids:
-                        probs = None if s.spec_tree is not None else self.draft_probs.get(s.request.request_id)
-                        rows.append(_draft_probs(s, probs, vocab, self.device))
+                        rows.append(_draft_probs(s, self.draft_probs.get(s.request.request_id), vocab, self.device))
                 draft_probs = torch.cat(rows, dim=0)  # [sum num_nodes, vocab]
         generators = [self._generator(s.request) for s in sampling]
         accepted = tree_rejection_sample(num_nodes, parent_ids, node_ids, argmax, target_probs, draft_probs,

@@ -3,6 +3,8 @@ equals the target alone token for token (fp32), alone or batched with chain and
 non-speculative requests, under preemption and with prefix-cache hits; sampled output follows
 the target's exact distribution."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import assert_no_leaked_blocks, save_perturbed_copy, save_tiny_model
@@ -141,17 +143,19 @@ def test_scheduler_cuts_a_tree_to_a_prefix():
 
 # --- sampled distribution ---------------------------------------------------------------
 
+PROMPT = [0, 1, 2, 1, 0, 1, 2, 1, 0]
+TEMPERATURE_1 = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)
 
-def _sample_counts(target: str, drafter: str) -> tuple[dict, LLM]:
-    """NUM_SAMPLES continuations of NUM_NEW tokens at temperature 1 from a tree-speculating
-    engine: every other request drafts a chain (with its q) instead of a tree, so steps verify
-    both kinds together."""
+
+def _sample_counts(target: str, drafter: str, params: SamplingParams) -> tuple[dict, LLM]:
+    """NUM_SAMPLES continuations of NUM_NEW tokens from a tree-speculating engine: every other
+    request drafts a chain instead of a tree, so steps verify both kinds together, each draft
+    with the q it was drawn from."""
     torch.manual_seed(1234)
     spec = SpeculativeConfig(method="draft", model=drafter, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
     llm = LLM(target, dtype="float32", device="cpu", speculative=spec, max_num_seqs=512)
-    tree = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)
-    chain = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True, num_speculative_tokens=2)
-    outs = llm.generate([PROMPT] * NUM_SAMPLES, [tree if i % 2 else chain for i in range(NUM_SAMPLES)])
+    chain = dataclasses.replace(params, num_speculative_tokens=2)
+    outs = llm.generate([PROMPT] * NUM_SAMPLES, [params if i % 2 else chain for i in range(NUM_SAMPLES)])
     counts: dict = {}
     for o in outs:
         counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
@@ -159,19 +163,20 @@ def _sample_counts(target: str, drafter: str) -> tuple[dict, LLM]:
     return counts, llm
 
 
-PROMPT = [0, 1, 2, 1, 0, 1, 2, 1, 0]
-TEMPERATURE_1 = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)
 
-
-def test_sampled_tree_distribution_matches_target(small_vocab):  # noqa: F811
+@pytest.mark.parametrize("params", [
+    TEMPERATURE_1, SamplingParams(max_tokens=NUM_NEW, temperature=0.8, top_k=2, top_p=0.9, ignore_eos=True),
+])
+def test_sampled_tree_distribution_matches_target(small_vocab, params):  # noqa: F811
     """Chi-square goodness of fit of 3000 samples of (x1..x4) against the target's exact joint
-    distribution (81 cells, small cells pooled). It fails when p < 1e-4, so a correct sampler
-    fails with probability 1e-4 per run (the seed is fixed, so the run is reproducible)."""
+    distribution (81 cells, small cells pooled); tree children are drawn from the drafter's q
+    without replacement. It fails when p < 1e-4, so a correct sampler fails with probability
+    1e-4 per run and parameter set (the seed is fixed, so the run is reproducible)."""
     target, drafter = small_vocab
-    counts, llm = _sample_counts(target, drafter)
+    counts, llm = _sample_counts(target, drafter, params)
     stats = llm.engine.spec_stats
     assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, TEMPERATURE_1), NUM_SAMPLES)
+    p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, params), NUM_SAMPLES)
     assert p > 1e-4, f"tree speculative samples do not follow the target distribution (p={p:.2e})"
 
 
@@ -196,6 +201,6 @@ def test_broken_tree_sampler_is_detected(small_vocab, monkeypatch):  # noqa: F81
 
     monkeypatch.setattr(mr, "tree_rejection_sample", first_child_always)
     target, drafter = small_vocab
-    counts, _ = _sample_counts(target, drafter)
+    counts, _ = _sample_counts(target, drafter, TEMPERATURE_1)
     p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, TEMPERATURE_1), NUM_SAMPLES)
     assert p < 1e-4
