@@ -18,7 +18,7 @@ from test_speculative import (
 )
 
 from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
-from engine.spec.tree import DraftTree
+from engine.spec.tree import DraftTree, TreeLevel, build_sampled_trees
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 CHAIN = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, num_speculative_tokens=3)
@@ -139,6 +139,30 @@ def test_scheduler_cuts_a_tree_to_a_prefix():
     cut = tree.truncated(2)
     assert (cut.token_ids, cut.parents) == ((5, 1, 2), (-1, 0, 0))
     assert tree.truncated(9) is tree
+
+
+def test_sampled_trees_keep_level_order_and_skip_undrawn():
+    """The docstring example of `build_sampled_trees`: no reranking by value, and a child drawn
+    after its parent's q ran out (-inf) is no node."""
+    level0 = TreeLevel(torch.tensor([[-1, -1]]), torch.tensor([[7, 8]]), torch.tensor([[-0.1, -2.0]]))
+    level1 = TreeLevel(torch.tensor([[1, 1]]), torch.tensor([[9, 4]]), torch.tensor([[-2.5, float("-inf")]]))
+    tree, = build_sampled_trees([5], [level0, level1], [3])
+    assert (tree.token_ids, tree.parents, tree.source_ids) == ((5, 7, 8, 9), (-1, 0, 0, 2), (-1, 0, 1, 2))
+    tree, = build_sampled_trees([5], [level0, level1], [1])
+    assert tree.token_ids == (5, 7)
+
+
+def test_seeded_sampled_tree_requests_repeat(models):
+    """A seeded request drafts its tree children and verifies with its own generator: the same
+    run gives the same tokens."""
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=11, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = tree_engine(models)
+        outs, _ = run_mixed(engine, MIXED_PROMPTS[:3], [params] * 3, [0, 0, 1])
+        assert engine.spec_stats.num_accepted_tokens > 0
+        runs.append(outs)
+    assert runs[0] == runs[1]
 
 
 # --- sampled distribution ---------------------------------------------------------------
