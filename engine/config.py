@@ -71,9 +71,11 @@ class SpeculativeConfig:
     default when it ships one, else the whole vocabulary; 0: the whole vocabulary.
     tree_nodes: draft a token tree of up to this many nodes per request and step (the root, the
     last committed token, not counted) instead of a chain of `num_speculative_tokens`; 0 (the
-    default): chains. The tree is EAGLE-2's dynamic tree: `tree_depth` levels, each expanding the
-    `tree_width` most probable nodes of the previous level into their `tree_width` most probable
-    children, then the `tree_nodes` most probable candidates by cumulative draft probability kept.
+    default): chains. The tree is a dynamic tree of `tree_depth` levels, each expanding the
+    `tree_width` most probable nodes of the previous level into `tree_width` children each (a
+    greedy request: the drafter's top-k, then EAGLE-2's `tree_nodes` most probable candidates by
+    cumulative draft probability; a sampled request: draws from the drafter's q without
+    replacement, the first `tree_nodes` in level order).
     Trees need method "draft" (the only tree-capable drafter so far) and adaptive=False (the
     adaptive policy sizes chains only). See docs/architecture.md, "Tree speculation".
     """

@@ -32,8 +32,8 @@ from engine.spec.tree import DraftTree
 class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab] float32, or None if deterministic
-    # A token tree whose nodes 1.. are token_ids in index order (node 0: the request's last
-    # token); None for a chain.
+    # A token tree whose nodes 1.. are token_ids (and probs rows) in index order (node 0: the
+    # request's last token); None for a chain.
     tree: DraftTree | None = None
 
 

@@ -13,8 +13,9 @@ children (greedy: the top-k; sampled: k draws from q without replacement); then 
 the root and every node expanded so far as one token tree (its mask, depth positions) into
 scratch slots after the root and takes the children of the newest expanded nodes; the best nodes
 of all levels by cumulative draft probability form a greedy request's tree, the first ones in
-level order a sampled request's. Like a chain's drafts, the tree's KV is scratch: the next round's catch-up recomputes the
-accepted path's KV (it is the committed tokens since the last round), so nothing is moved.
+level order a sampled request's. Like a chain's drafts, the tree's KV is scratch: the next
+round's catch-up recomputes the accepted path's KV (it is the committed tokens since the last
+round), so nothing is moved.
 """
 
 from __future__ import annotations
