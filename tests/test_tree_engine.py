@@ -18,7 +18,7 @@ from test_speculative import (
 )
 
 from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
-from engine.spec.tree import DraftTree, TreeLevel, build_sampled_trees
+from engine.spec.tree import DraftTree, TreeLevel, build_sampled_trees, tree_attention_mask
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 CHAIN = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, num_speculative_tokens=3)
@@ -118,6 +118,54 @@ def test_greedy_tree_with_prefix_cache_hits(models, baseline):
     again, num_cached = run_mixed(engine, MIXED_PROMPTS, [GREEDY] * len(MIXED_PROMPTS), [0] * len(MIXED_PROMPTS))
     assert num_cached > 0
     assert first == again == baseline
+
+
+def test_bf16_tree_equals_target_at_batch_1(models):
+    """With the CPU row kernels (exact="rows"), a tree step of at most 16 tokens reads each
+    token's context and ancestors in position order, as the one-token steps of its accepted path
+    do: even in bfloat16 the output equals the target alone."""
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("needs the CPU row kernels")
+    base = LLMEngine(models["target"], dtype="bfloat16", device="cpu")
+    engine = LLMEngine(models["target"], dtype="bfloat16", device="cpu",
+                       speculative=SpeculativeConfig(model=models["target"], **TREE))
+    assert engine.runner.exact == "rows"
+    for prompt in PROMPTS:
+        assert run_mixed(engine, [prompt], [GREEDY], [0])[0] == run_mixed(base, [prompt], [PLAIN], [0])[0]
+    assert engine.spec_stats.mean_accepted_length > 3.0
+
+
+def test_slot_tables_example():
+    from kernels.torch_attn import slot_tables
+
+    tree = tree_attention_mask(DraftTree((1, 2, 3), (-1, 0, 0), (0.0,) * 3))
+    table, lens = slot_tables([3], [7], torch.tensor([[3, 5]], dtype=torch.int32), 4, [tree])
+    assert lens.tolist() == [5, 6, 6]
+    assert table[2].tolist() == [12, 13, 14, 15, 20, 22]
+    assert table[1, :6].tolist() == [12, 13, 14, 15, 20, 21]
+
+
+def test_row_kernel_tree_attention_matches_masked_torch():
+    """The row kernel over slot tables computes the tree-masked attention of the torch path."""
+    from kernels import cpu_kernels
+    from kernels.torch_attn import TorchAttentionBackend
+
+    if not cpu_kernels.available():
+        pytest.skip("needs the CPU row kernels")
+    torch.manual_seed(0)
+    be, bs = TorchAttentionBackend(), 4
+    k_cache, v_cache = torch.randn(10, bs, 2, 16), torch.randn(10, bs, 2, 16)
+    mask = tree_attention_mask(DraftTree((1, 2, 3, 4, 5), (-1, 0, 0, 1, 2), (0.0,) * 5))
+    query_lens, seq_lens, tables = [5, 1, 3], [11, 6, 9], [[3, 1, 7], [2, 5], [0, 4, 6]]
+    slots = [t[p // bs] * bs + p % bs for q, s, t in zip(query_lens, seq_lens, tables, strict=True) for p in range(s - q, s)]
+    query = torch.randn(sum(query_lens), 4, 16)
+    args = (query_lens, seq_lens, tables, slots, bs, "cpu")
+    ref = be.attention(query, k_cache, v_cache, be.build_metadata(*args, tree_masks=[mask, None, None]), 0.25)
+    out = be.attention(query, k_cache, v_cache,
+                       be.build_metadata(*args, row_exact="kernel", tree_masks=[mask, None, None]), 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_tree_config_errors(models):

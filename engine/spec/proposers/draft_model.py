@@ -130,8 +130,7 @@ class DraftModelProposer(Proposer):
     def _forward(self, chunks: list[SeqChunk], num_last: int = 1) -> torch.Tensor:
         """Final hidden states of each chunk's last `num_last` tokens [B * num_last, H], chunk
         after chunk."""
-        fused = (self.row_kernel and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS
-                 and all(c.tree is None for c in chunks))
+        fused = self.row_kernel and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
                                     row_exact="kernel" if fused else None)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,
