@@ -26,6 +26,7 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
     or None when all q_len are equal (pure decode / uniform verification: padding is a reshape).
   Tree masks (``build_metadata(..., tree_masks=...)``, see :mod:`kernels`): request b's block
   ``attn_mask[b, 0, q_b - m_b : q_b, seq_b - m_b : seq_b]`` is its tree mask instead of causal.
+  With ``row_exact="kernel"`` the row kernel gets per-token slot tables instead (``slot_tables``).
   (B, S and max_query_len are the group's.) For the whole step: ``extras["write_idx"]`` /
   ``extras["write_slots"]``: tokens whose slot is not -1 and their slots (``write_idx`` is None
   when no slot is -1).
