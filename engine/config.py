@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "eagle3", "medusa", "mtp")
+TREE_METHODS = ("draft",)  # drafters that can propose token trees (SpeculativeConfig.tree_nodes)
+MAX_TREE_NODES = 63  # draft nodes of one tree: with its root, kernels.MAX_TREE_TOKENS query tokens
 # How a step keeps each token's logits independent of how many tokens it computes
 # (engine/model_runner.py explains each).
 EXACT_MODES = ("auto", "rows", "pad", "batch_invariant", "off")
@@ -67,6 +69,15 @@ class SpeculativeConfig:
     draft_vocab_size: draft over the N most frequent tokens only (FR-Spec; the drafter's LM head
     reads N/V of its rows; outputs stay exact). None: the drafter folder's `draft_vocab.json`
     default when it ships one, else the whole vocabulary; 0: the whole vocabulary.
+    tree_nodes: draft a token tree of up to this many nodes per request and step (the root, the
+    last committed token, not counted) instead of a chain of `num_speculative_tokens`; 0 (the
+    default): chains. The tree is a dynamic tree of `tree_depth` levels, each expanding the
+    `tree_width` most probable nodes of the previous level into `tree_width` children each (a
+    greedy request: the drafter's top-k, then EAGLE-2's `tree_nodes` most probable candidates by
+    cumulative draft probability; a sampled request: draws from the drafter's q without
+    replacement, the first `tree_nodes` in level order).
+    Trees need method "draft" (the only tree-capable drafter so far) and adaptive=False (the
+    adaptive policy sizes chains only). See docs/architecture.md, "Tree speculation".
     """
 
     method: str = "draft"
@@ -78,6 +89,22 @@ class SpeculativeConfig:
     acceptance_ema_alpha: float = 0.1
     min_speculative_tokens: int = 1
     draft_vocab_size: int | None = None
+    tree_nodes: int = 0
+    tree_width: int = 4
+    tree_depth: int = 4
+
+    @property
+    def uses_tree(self) -> bool:
+        return self.tree_nodes > 0
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past a request's tokens that drafts may use: the chain's k, or a tree's nodes
+        (target verification) and the drafter's scratch rows while it grows the tree (the root
+        plus `tree_width` nodes per expanded level)."""
+        if not self.uses_tree:
+            return self.num_speculative_tokens
+        return max(self.num_speculative_tokens, self.tree_nodes, 1 + (self.tree_depth - 1) * self.tree_width)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -103,4 +130,29 @@ class SpeculativeConfig:
                 raise ValueError(
                     "draft_vocab_size does not apply to eagle3: the checkpoint's own `draft_vocab_size` "
                     "and `d2t` map fix its draft vocabulary; leave it None"
+                )
+        if not isinstance(self.tree_nodes, int) or not 0 <= self.tree_nodes <= MAX_TREE_NODES:
+            raise ValueError(
+                f"tree_nodes must be an integer in [0, {MAX_TREE_NODES}] (0: chains), got {self.tree_nodes!r}"
+            )
+        if not isinstance(self.tree_width, int) or not 1 <= self.tree_width <= 8:
+            raise ValueError(f"tree_width must be an integer in [1, 8], got {self.tree_width!r}")
+        if not isinstance(self.tree_depth, int) or not 1 <= self.tree_depth <= 16:
+            raise ValueError(f"tree_depth must be an integer in [1, 16], got {self.tree_depth!r}")
+        if self.uses_tree:
+            if self.method not in TREE_METHODS:
+                raise ValueError(
+                    f"tree speculation (tree_nodes={self.tree_nodes}) needs method in {TREE_METHODS}, "
+                    f"got {self.method!r}; set tree_nodes=0 for chains"
+                )
+            scratch = 1 + (self.tree_depth - 1) * self.tree_width
+            if scratch > MAX_TREE_NODES + 1:
+                raise ValueError(
+                    f"the drafter grows a tree over 1 + (tree_depth - 1) * tree_width = {scratch} query tokens, "
+                    f"at most {MAX_TREE_NODES + 1}: lower tree_depth ({self.tree_depth}) or tree_width ({self.tree_width})"
+                )
+            if self.adaptive:
+                raise ValueError(
+                    "tree speculation does not adapt yet (the adaptive policy sizes chains only): "
+                    "set adaptive=False, or tree_nodes=0 for adaptive chains"
                 )

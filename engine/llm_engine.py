@@ -168,7 +168,7 @@ class LLMEngine:
             )
             self.runner.keep_hidden_states = self.speculator.proposer.needs_hidden_states
             self.runner.model.aux_layer_ids = self.speculator.proposer.aux_layer_ids
-            num_lookahead = speculative.num_speculative_tokens
+            num_lookahead = speculative.num_lookahead_tokens
 
         num_blocks = self._num_kv_blocks(max_model_len)
         self.runner.init_kv_cache(num_blocks, block_size)
@@ -379,6 +379,7 @@ class LLMEngine:
                 drafts = {}
             for request_id, draft in drafts.items():
                 self.scheduler.requests[request_id].spec_token_ids = list(draft.token_ids)
+                self.scheduler.requests[request_id].spec_tree = draft.tree
                 self.runner.set_draft_probs(request_id, draft.probs)
             record.draft_time_s = time.perf_counter() - td
             self.spec_stats.draft_time_s += record.draft_time_s
@@ -431,13 +432,15 @@ class LLMEngine:
                 n = min(len(request.block_ids), cdiv(request.num_tokens, bs))
                 drafter_kv = gather_kv_blocks(self.speculator.kv_caches, request.block_ids[:n], on_device)
         draft_probs, generator_state = self.runner.export_request(rid)
+        # A handoff carries chains only: a tree's drafts stay behind (the importer drafts anew).
+        spec = () if request.spec_tree is not None else tuple(request.spec_token_ids)
         handoff = Handoff(
             request_id=rid,
             prompt_token_ids=tuple(request.prompt_token_ids),
             output_token_ids=tuple(request.output_token_ids),
             sampling_params=copy.deepcopy(request.sampling_params),
             num_computed_tokens=request.num_computed_tokens,
-            spec_token_ids=tuple(request.spec_token_ids),
+            spec_token_ids=spec,
             acceptance_counts=tuple(request.acceptance_counts),
             spec_stats=copy.deepcopy(request.spec_stats),
             num_cached_tokens=request.num_cached_tokens,
@@ -445,7 +448,7 @@ class LLMEngine:
             kv=kv,
             drafter_kv=drafter_kv,
             proposer_state=proposer_state,
-            draft_probs=draft_probs if request.spec_token_ids else None,
+            draft_probs=draft_probs if spec else None,
             generator_state=generator_state,
         )
         self.scheduler.finish_request(rid, RequestStatus.FINISHED_HANDOFF)

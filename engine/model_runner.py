@@ -22,7 +22,15 @@ from engine.models.loader import load_model
 from engine.request import Request
 from engine.sampler import probs_from_logits
 from engine.scheduler import SchedulerOutput
-from engine.spec.rejection_sampler import rejection_sample
+from engine.spec.rejection_sampler import rejection_sample, tree_rejection_sample
+from engine.spec.tree import (
+    DraftTree,
+    accepted_kv_moves,
+    chain_tree,
+    move_kv,
+    tree_attention_mask,
+    tree_positions,
+)
 from kernels import cpu_kernels, get_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -47,6 +55,11 @@ logger = logging.getLogger(__name__)
 #           query at a time: a request's output never depends on what else is batched or how its
 #           prompt was chunked. Costly; for reproducibility.
 #   "off":  one product per step (fastest; speculation may flip near-ties).
+# A step that verifies a token tree is row-exact where the CPU kernels run: each tree token
+# reads its context and ancestors in position order (kernels.torch_attn.slot_tables), as the
+# one-token step of its accepted path does. Elsewhere ("sdpa" has no tree mask) it keeps the
+# mode's matmul tiles but runs the backend's masked attention over the whole step, and may flip
+# near-ties in reduced precision, as "off" does.
 EXACT_ROWS = 16
 PAD_COST_LIMIT = 1.3
 
@@ -82,11 +95,16 @@ def choose_exact_mode(model, device: torch.device, dtype: torch.dtype) -> str:
 
 @dataclass
 class SeqChunk:
-    """Tokens of one request to compute in a forward pass, from context position `start`."""
+    """Tokens of one request to compute in a forward pass, from context position `start`.
+
+    With `tree`, the chunk's last tree.num_nodes tokens are the tree's nodes in index order (its
+    root first): they take the normal slots (sequence indices), but RoPE positions by depth
+    (`tree_positions`) and the tree's attention mask (`tree_attention_mask`)."""
 
     token_ids: list[int]
     start: int
     block_ids: list[int]
+    tree: DraftTree | None = None
 
 
 @dataclass
@@ -100,29 +118,41 @@ class ForwardBatch:
 def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device: torch.device,
                         row_exact: str | None = None) -> ForwardBatch:
     """Flatten chunks into one varlen batch. Example: block_size 4, a chunk of 3 tokens from
-    position 5 with blocks [7, 2] -> positions [5, 6, 7], slots [2*4+1, 2*4+2, 2*4+3]."""
+    position 5 with blocks [7, 2] -> positions [5, 6, 7], slots [2*4+1, 2*4+2, 2*4+3]. The same
+    chunk whose last 3 tokens are a tree with parents (-1, 0, 0) -> positions [5, 6, 6], the
+    same slots, and the tree's mask over those 3 query tokens."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     query_lens: list[int] = []
     seq_lens: list[int] = []
     block_tables: list[list[int]] = []
+    tree_masks: list[torch.Tensor | None] = []
     cu = [0]
     for c in chunks:
         n = len(c.token_ids)
         input_ids.extend(c.token_ids)
         pos = range(c.start, c.start + n)
-        positions.extend(pos)
+        if c.tree is None:
+            positions.extend(pos)
+            tree_masks.append(None)
+        else:
+            m = c.tree.num_nodes
+            positions.extend(pos[: n - m])
+            positions.extend(tree_positions(c.tree, c.start + n - m))
+            tree_masks.append(tree_attention_mask(c.tree))
         bids = c.block_ids
         slots.extend(bids[p // block_size] * block_size + p % block_size for p in pos)
         query_lens.append(n)
         seq_lens.append(c.start + n)
         block_tables.append(bids[: cdiv(c.start + n, block_size)])
         cu.append(cu[-1] + n)
+    trees = {"tree_masks": tree_masks} if any(t is not None for t in tree_masks) else {}
     if row_exact:
-        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device, row_exact=row_exact)
+        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device, row_exact=row_exact,
+                                    **trees)
     else:
-        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device)
+        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device, **trees)
     return ForwardBatch(
         torch.tensor(input_ids, dtype=torch.long, device=device),
         torch.tensor(positions, dtype=torch.long, device=device),
@@ -290,7 +320,7 @@ class ModelRunner:
             r = s.request
             c = r.num_computed_tokens
             tokens = [r.token_at(p) for p in range(c, c + s.num_new_tokens)] + s.spec_token_ids
-            chunks.append(SeqChunk(tokens, c, r.block_ids))
+            chunks.append(SeqChunk(tokens, c, r.block_ids, s.spec_tree))
         batch, hidden = self.forward(chunks)
         tile = self.tile_rows(chunks)
 
@@ -324,7 +354,8 @@ class ModelRunner:
         with the row invariance of `self.exact` (`tile_rows`)."""
         tile = self.tile_rows(chunks)
         row_exact = None
-        if tile != 0 and getattr(self.backend, "supports_row_exact", False):
+        has_tree = any(c.tree is not None for c in chunks)
+        if tile != 0 and getattr(self.backend, "supports_row_exact", False) and (self.row_kernel or not has_tree):
             row_exact = "kernel" if self.row_kernel else "sdpa"
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device, row_exact=row_exact)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,
@@ -353,7 +384,11 @@ class ModelRunner:
         return self.model.compute_logits(hidden, tile_rows=tile_rows)
 
     def _sample(self, sampling, hidden: torch.Tensor, rows: list[int], tile: int) -> list[list[int]]:
+        """Sample, or verify the drafts of, each request of `sampling`: rows are, per request,
+        its last regular token's and then one per draft (a tree's node order)."""
         logits = self.logits(hidden[torch.tensor(rows, device=self.device)], tile)  # [R, vocab]
+        if any(s.spec_tree is not None for s in sampling):
+            return self._verify_trees(sampling, logits)
         num_draft = [len(s.spec_token_ids) for s in sampling]
         is_greedy = [s.request.sampling_params.is_greedy for s in sampling]
         draft_ids = [t for s in sampling for t in s.spec_token_ids]
@@ -361,15 +396,7 @@ class ModelRunner:
         argmax = logits.argmax(dim=-1) if any(is_greedy) else None
         target_probs = draft_probs = None
         if not all(is_greedy):
-            reps = [k + 1 for k in num_draft]
-            params = [s.request.sampling_params for s in sampling]
-            temp = torch.tensor([max(p.temperature, 1e-5) for p in params], device=self.device)
-            top_k = torch.tensor([p.top_k for p in params], device=self.device)
-            top_p = torch.tensor([p.top_p for p in params], device=self.device)
-            rep = torch.tensor(reps, device=self.device)
-            target_probs = probs_from_logits(
-                logits, temp.repeat_interleave(rep), top_k.repeat_interleave(rep), top_p.repeat_interleave(rep)
-            )
+            target_probs = self._target_probs(sampling, logits, [k + 1 for k in num_draft])
             if draft_ids:
                 vocab = logits.shape[-1]
                 draft_probs = torch.cat(
@@ -379,6 +406,62 @@ class ModelRunner:
                 )
         generators = [self._generator(s.request) for s in sampling]
         return rejection_sample(num_draft, draft_ids_t, argmax, target_probs, draft_probs, is_greedy, generators)
+
+    def _target_probs(self, sampling, logits: torch.Tensor, reps: list[int]) -> torch.Tensor:
+        """The target's filtered distributions [sum reps, vocab] of logits rows, reps[i] rows per
+        request with request i's temperature/top-k/top-p."""
+        params = [s.request.sampling_params for s in sampling]
+        temp = torch.tensor([max(p.temperature, 1e-5) for p in params], device=self.device)
+        top_k = torch.tensor([p.top_k for p in params], device=self.device)
+        top_p = torch.tensor([p.top_p for p in params], device=self.device)
+        rep = torch.tensor(reps, device=self.device)
+        return probs_from_logits(
+            logits, temp.repeat_interleave(rep), top_k.repeat_interleave(rep), top_p.repeat_interleave(rep)
+        )
+
+    def _verify_trees(self, sampling, logits: torch.Tensor) -> list[list[int]]:
+        """`_sample` for a step with a token tree: every request's drafts as a tree (a chain as
+        `chain_tree`, a request without drafts as a lone root), verified by
+        `tree_rejection_sample`; then the KV of each accepted path moves into place.
+
+        Request r's root is its last regular token, at sequence index p0 (its node i sits at
+        p0 + i); the accepted nodes a_1..a_L move to p0 + 1..p0 + L (`accepted_kv_moves`).
+        Example: a tree with parents (-1, 0, 0, 2) at p0 = 9 accepting nodes [2, 3] -> KV of
+        sequence indices 11, 12 moves to 10, 11.
+        """
+        trees = [s.spec_tree if s.spec_tree is not None else chain_tree(s.request.last_token_id, s.spec_token_ids)
+                 for s in sampling]
+        num_nodes = [t.num_nodes for t in trees]
+        parent_ids = [p for t in trees for p in t.parents]
+        node_ids = torch.tensor([tok for t in trees for tok in t.token_ids], dtype=torch.long, device=self.device)
+        is_greedy = [s.request.sampling_params.is_greedy for s in sampling]
+        argmax = logits.argmax(dim=-1) if any(is_greedy) else None
+        target_probs = draft_probs = None
+        if not all(is_greedy):
+            target_probs = self._target_probs(sampling, logits, num_nodes)
+            if any(s.spec_token_ids and s.request.request_id in self.draft_probs for s in sampling):
+                # some drafts come with the q they were drawn from: every node needs a row
+                vocab = logits.shape[-1]
+                rows = []
+                for s in sampling:
+                    rows.append(torch.zeros(1, vocab, device=self.device))  # the root's (unused)
+                    if s.spec_token_ids:
+                        rows.append(_draft_probs(s, self.draft_probs.get(s.request.request_id), vocab, self.device))
+                draft_probs = torch.cat(rows, dim=0)  # [sum num_nodes, vocab]
+        generators = [self._generator(s.request) for s in sampling]
+        accepted = tree_rejection_sample(num_nodes, parent_ids, node_ids, argmax, target_probs, draft_probs,
+                                         is_greedy, generators)
+        src: list[int] = []
+        dst: list[int] = []
+        for s, acc in zip(sampling, accepted, strict=True):
+            if s.spec_tree is not None:
+                r = s.request
+                p0 = r.num_computed_tokens + s.num_new_tokens - 1
+                moves = accepted_kv_moves(acc.node_ids, p0, r.block_ids, self.block_size)
+                src.extend(moves[0])
+                dst.extend(moves[1])
+        move_kv(self.kv_caches, src, dst)  # (the requests' slots are disjoint: one call for all)
+        return [acc.token_ids for acc in accepted]
 
 
 def _draft_probs(s, probs: torch.Tensor | None, vocab: int, device) -> torch.Tensor:

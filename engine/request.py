@@ -12,8 +12,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.spec.tree import DraftTree
 
 
 class RequestStatus(enum.Enum):
@@ -123,6 +127,9 @@ class Request:
         self.export_drafter_state = True
         # Speculation: drafts proposed for the next step (their distributions: the model runner's).
         self.spec_token_ids: list[int] = []
+        # ...or, for tree speculation, the tree they form (its nodes 1.. are spec_token_ids, in
+        # index order; node 0 is the last token); None for a chain.
+        self.spec_tree: DraftTree | None = None
         self.acceptance_counts = (0.0, 0.0)  # decayed (accepted, tried) drafts: spec/speculator.py
         self.spec_stats = SpecStats()
         # Timing for metrics / tracing.

@@ -21,7 +21,9 @@ class SamplingParams:
     batch (token budget, adaptive policy): the tokens repeat only when the same requests run the
     same way (same engine configuration and arrivals, `adaptive=False`).
     `speculative` turns speculation off for this request when False; `num_speculative_tokens`
-    caps k for this request (None: the engine's default; 0: no speculation either).
+    caps k for this request (None: the engine's default; 0: no speculation either); on an engine
+    that drafts token trees (`SpeculativeConfig.tree_nodes`), a request that sets it drafts a
+    chain of at most that many tokens instead of a tree.
     """
 
     max_tokens: int = 16

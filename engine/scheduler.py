@@ -16,18 +16,25 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
 
+if TYPE_CHECKING:
+    from engine.spec.tree import DraftTree
+
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: `num_new_tokens` regular tokens then its draft tokens."""
+    """One request's share of a step: `num_new_tokens` regular tokens then its draft tokens.
+
+    A tree's drafts are its nodes 1..n in index order; its root is the last regular token."""
 
     request: Request
     num_new_tokens: int  # regular (not draft) tokens to compute this step
     spec_token_ids: list[int]  # draft tokens to verify this step (empty when not speculating)
+    spec_tree: DraftTree | None = None  # the tree they form, or None for a chain
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -133,6 +140,7 @@ class Scheduler:
                 pass
         self.block_manager.free(request)
         request.spec_token_ids = []
+        request.spec_tree = None
         self.requests.pop(request.request_id, None)
 
     @property
@@ -149,6 +157,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.spec_tree = None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -171,6 +180,9 @@ class Scheduler:
                 num_behind = len(self.running) - i - 1
                 spec = request.spec_token_ids[: max(0, budget - num_new - num_behind)]
             request.spec_token_ids = list(spec)
+            # a tree's first nodes in index order are a tree (every parent comes first)
+            tree = request.spec_tree.truncated(len(spec)) if request.spec_tree is not None and spec else None
+            request.spec_tree = tree
             while not bm.allocate_slots(request, num_new + len(spec), self.num_lookahead_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -179,7 +191,7 @@ class Scheduler:
                     break
             if request.status == RequestStatus.PREEMPTED:
                 break
-            scheduled.append(ScheduledRequest(request, num_new, list(spec)))
+            scheduled.append(ScheduledRequest(request, num_new, list(spec), tree))
             budget -= num_new + len(spec)
             i += 1
 
@@ -207,7 +219,8 @@ class Scheduler:
         """Commit the verified tokens of each scheduled request and finish those that stop.
 
         `sampled_token_ids[i]` is empty for a prefill chunk that does not reach the end, else
-        the accepted draft tokens followed by one bonus/recovered token (1..k+1 tokens).
+        the accepted draft tokens (of a tree: its accepted path's, whose KV the model runner has
+        moved into place) followed by one bonus/recovered token (1..k+1 tokens).
         """
         results: list[StepResult] = []
         now = time.monotonic()
@@ -225,6 +238,7 @@ class Scheduler:
             if num_spec:
                 request.spec_stats.record(num_spec, num_accepted)
             request.spec_token_ids = []
+            request.spec_tree = None
             new_tokens: list[int] = []
             status = None
             for token in tokens:

@@ -26,6 +26,7 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
     or None when all q_len are equal (pure decode / uniform verification: padding is a reshape).
   Tree masks (``build_metadata(..., tree_masks=...)``, see :mod:`kernels`): request b's block
   ``attn_mask[b, 0, q_b - m_b : q_b, seq_b - m_b : seq_b]`` is its tree mask instead of causal.
+  With ``row_exact="kernel"`` the row kernel gets per-token slot tables instead (``slot_tables``).
   (B, S and max_query_len are the group's.) For the whole step: ``extras["write_idx"]`` /
   ``extras["write_slots"]``: tokens whose slot is not -1 and their slots (``write_idx`` is None
   when no slot is -1).
@@ -62,7 +63,7 @@ import torch.nn.functional as F
 
 from kernels import AttentionMetadata, build_common_metadata, cpu_kernels
 
-__all__ = ["TorchAttentionBackend"]
+__all__ = ["TorchAttentionBackend", "rows_kernel_inputs", "slot_tables"]
 
 
 PAD_LIMIT = 2  # a group's padded query rows may be at most this many times its real tokens
@@ -83,6 +84,49 @@ def group_requests(query_lens: list[int]) -> list[list[int]]:
         tokens += q
     groups.append(sorted(current))
     return groups
+
+
+def slot_tables(query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int,
+                tree_masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot tables [T, L] int64 (0-padded), context lengths [T] int64) for the row kernel over a
+    cache viewed with one slot per block: row t lists, in position order, the slots token t
+    attends to. A causal token at position p: the slots of positions 0..p. Token j of a tree
+    over request b's last m tokens (the root at position r = seq_len - m): positions 0..r-1,
+    then r + i for each node i that mask row j sees (its ancestors and itself, in index order,
+    so in depth order). Example: block_size 4, block table [3, 5], seq_len 7, a tree with
+    parents (-1, 0, 0) over positions 4..6: token 6 (node 2) -> slots of positions 0-4 and 6 =
+    [12, 13, 14, 15, 20, 22], length 6."""
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    rows: list[torch.Tensor] = []
+    for b, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        nblk = -(-s // block_size)
+        slots = (block_tables[b, :nblk].to(torch.int64)[:, None] * block_size + offsets).flatten()[:s]  # [s]
+        tree = tree_masks[b]
+        m = 0 if tree is None else tree.shape[0]
+        for i in range(q):
+            j = i - (q - m)  # row in the tree mask (< 0: a causal token)
+            if j < 0:
+                rows.append(slots[: s - q + i + 1])
+            else:
+                seen = tree[j].to(device="cpu", dtype=torch.bool).nonzero().flatten()
+                rows.append(torch.cat([slots[: s - m], slots[s - m :][seen]]))
+    lens = [len(r) for r in rows]
+    table = torch.zeros(len(rows), max(lens), dtype=torch.int64)
+    for t, r in enumerate(rows):
+        table[t, : len(r)] = r
+    return table, torch.tensor(lens, dtype=torch.int64)
+
+
+def rows_kernel_inputs(metadata: AttentionMetadata, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache, tables, context lengths) for kernels.cpu_kernels.rows_attention /
+    rows_layer from metadata built with row_exact="kernel": the caches as they are with block
+    tables, or viewed as [num_slots, 1, kv_heads, head_dim] with slot tables (`slot_tables`)."""
+    tables, lens = metadata.extras["rows_kernel"]
+    if metadata.extras.get("rows_kernel_slots"):
+        k_cache = k_cache.view(-1, 1, *k_cache.shape[2:])
+        v_cache = v_cache.view(-1, 1, *v_cache.shape[2:])
+    return k_cache, v_cache, tables, lens
 
 
 class TorchAttentionBackend:
@@ -107,18 +151,24 @@ class TorchAttentionBackend:
         group of its own, attending to exactly its own keys with no mask (the very SDPA call a
         one-token decode step of that request makes at that position; one call per token);
         "kernel" runs kernels.cpu_kernels.rows_attention over all tokens at once (CPU only).
-        `tree_masks`: see :mod:`kernels`; not with `row_exact` (a tree token's keys are not a
-        prefix of the context)."""
+        `tree_masks`: see :mod:`kernels`; not with row_exact="sdpa" (a tree token's keys are not
+        a prefix of the context). With "kernel", a step with a tree gives the kernel one row of
+        slots per token (`slot_tables`) over the cache viewed with one slot per block
+        (`rows_kernel_inputs`), so a tree token reads its context and ancestors in position order,
+        exactly as the one-token step of its accepted path does."""
         md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, "cpu",
                                    tree_masks=tree_masks)
         if md.tree_lens is None:
             tree_masks = None
-        elif row_exact is not None:
-            raise ValueError(f"row_exact={row_exact!r} does not support tree masks; use row_exact=None")
+        elif row_exact == "sdpa":
+            raise ValueError(f"row_exact={row_exact!r} does not support tree masks; use 'kernel' or None")
         device = torch.device(device)
         starts = md.query_start_loc.tolist()
         rows_kernel = None
-        if row_exact == "kernel":
+        if row_exact == "kernel" and tree_masks is not None:
+            rows_kernel = slot_tables(query_lens, seq_lens, md.block_tables, block_size, tree_masks)
+            groups = []
+        elif row_exact == "kernel":
             owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
             lens = [seq_lens[b] - query_lens[b] + i + 1 for b, q in enumerate(query_lens) for i in range(q)]
             rows_kernel = (md.block_tables[owner].to(torch.int64).contiguous(), torch.tensor(lens, dtype=torch.int64))
@@ -157,6 +207,7 @@ class TorchAttentionBackend:
             "block_size": block_size,
             "groups": groups,
             "rows_kernel": rows_kernel,  # (block tables [T, nblk], context lengths [T]) or None
+            "rows_kernel_slots": row_exact == "kernel" and tree_masks is not None,  # tables of slots
             "write_idx": write_idx,  # [num_written] or None
             "write_slots": write_slots.to(device),  # [num_written]
         }
@@ -246,9 +297,8 @@ class TorchAttentionBackend:
             raise ValueError(
                 f"query has {num_tokens} tokens, metadata expects {metadata.slot_mapping.shape[0]}"
             )
-        rows_kernel = metadata.extras.get("rows_kernel")
-        if rows_kernel is not None:
-            return cpu_kernels.rows_attention(query, k_cache, v_cache, *rows_kernel, scale)
+        if metadata.extras.get("rows_kernel") is not None:
+            return cpu_kernels.rows_attention(query, *rows_kernel_inputs(metadata, k_cache, v_cache), scale)
         groups = metadata.extras["groups"]
         if len(groups) == 1:
             return _group_attention(query, k_cache, v_cache, groups[0], scale)

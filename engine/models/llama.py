@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.errors import UnsupportedModelError
 from kernels import cpu_kernels
+from kernels.torch_attn import rows_kernel_inputs
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -200,7 +201,7 @@ class DecoderLayer(nn.Module):
         """`forward` through the fused row-invariant CPU kernel (one call): x, residual float32
         [T, hidden]; cos/sin float32 [T, head_dim]; metadata built with row_exact="kernel"."""
         cfg = self.cfg
-        tables, lens = attn_metadata.extras["rows_kernel"]
+        k_cache, v_cache, tables, lens = rows_kernel_inputs(attn_metadata, k_cache, v_cache)
         return cpu_kernels.rows_layer(x, residual, cos, sin, self.row_weights(), k_cache, v_cache,
                                       attn_metadata.slot_mapping, tables, lens, cfg.num_heads, cfg.num_kv_heads,
                                       cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5)

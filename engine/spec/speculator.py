@@ -185,6 +185,8 @@ class Speculator:
         self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int,
         max_num_batched_tokens: int | None = None,
     ) -> None:
+        if config.uses_tree and not proposer.supports_tree:
+            raise ValueError(f"the {proposer.method!r} proposer drafts chains only; set tree_nodes=0")
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
@@ -289,11 +291,14 @@ class Speculator:
     def update_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
         self.acceptance.observe(request, num_draft, num_accepted)
 
-    def max_k(self, request: Request) -> int:
+    def max_k(self, request: Request, limit: int | None = None) -> int:
+        """The most drafts (a tree: levels) `request` may verify next step: `limit` (default
+        num_speculative_tokens) capped by its own setting, the tokens it may still produce, the
+        model length and its blocks."""
         params = request.sampling_params
         if not params.speculative:
             return 0
-        k = min(self.config.num_speculative_tokens, self.proposer.max_k)
+        k = min(self.config.num_speculative_tokens if limit is None else limit, self.proposer.max_k)
         if params.num_speculative_tokens is not None:
             k = min(k, params.num_speculative_tokens)
         k = min(k, params.max_tokens - request.num_output_tokens - 1)  # don't draft past the end
@@ -363,6 +368,8 @@ class Speculator:
         decoding = [r for r in running if r.request_id in scheduled_ids and r.is_decoding]
         if not decoding:
             return {}
+        if self.config.uses_tree:
+            return self._propose_trees(running, decoding, scheduled_ids, context)
         ks = [self.choose_k(r, step_index) for r in decoding]
         candidates = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         drafts = None
@@ -404,3 +411,45 @@ class Speculator:
         else:
             drafts = [drafts[i] for i in keep]
         return {r.request_id: d for r, d in zip(requests, drafts, strict=True) if d.token_ids}
+
+    def _propose_trees(self, running: list[Request], decoding: list[Request], scheduled_ids: set[str],
+                       context: ProposeContext) -> dict[str, Draft]:
+        """Tree speculation (`SpeculativeConfig.tree_nodes`): every decoding request that may
+        speculate drafts a tree of up to tree_nodes nodes and tree_depth levels (levels capped
+        like a chain's k by `max_k`), except a request that sets its own
+        `num_speculative_tokens`, which drafts a chain of that many. Drafts are cut to the
+        model length and to the step's token budget in scheduling order, as chains are. Not
+        adaptive yet: no per-request sizing, no switching speculation off for large batches."""
+        cfg = self.config
+        room = None
+        if self.max_num_batched_tokens is not None:
+            pending = sum(len(r.spec_token_ids) for r in running if r.request_id not in scheduled_ids)
+            room = self.max_num_batched_tokens - len(running) - pending
+        trees: list[tuple[Request, int, int]] = []  # (request, nodes, levels)
+        chains: list[tuple[Request, int]] = []  # (request, k)
+        for r in decoding:
+            is_chain = r.sampling_params.num_speculative_tokens is not None
+            depth = self.max_k(r) if is_chain else self.max_k(r, cfg.tree_depth)
+            nodes = min(depth if is_chain else cfg.tree_nodes, self.max_model_len - r.num_tokens - 1)
+            if room is not None:
+                nodes = min(nodes, room)
+            if depth <= 0 or nodes <= 0:
+                continue
+            if room is not None:
+                room -= nodes
+            if is_chain:
+                chains.append((r, nodes))
+            else:
+                trees.append((r, nodes, min(depth, nodes)))
+        if not trees and not chains:
+            return {}
+        self.num_steps_on += 1
+        drafts: dict[str, Draft] = {}
+        if chains:
+            made = self.proposer.propose([r for r, _ in chains], [k for _, k in chains], context)
+            drafts.update((r.request_id, d) for (r, _), d in zip(chains, made, strict=True))
+        if trees:
+            made = self.proposer.propose_trees([r for r, _, _ in trees], [n for _, n, _ in trees],
+                                               [d for _, _, d in trees], context)
+            drafts.update((r.request_id, d) for (r, _, _), d in zip(trees, made, strict=True))
+        return {rid: d for rid, d in drafts.items() if d.token_ids}

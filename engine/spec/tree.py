@@ -23,6 +23,7 @@ __all__ = [
     "TreeLevel",
     "accepted_kv_moves",
     "build_dynamic_trees",
+    "build_sampled_trees",
     "chain_tree",
     "expand_level",
     "first_level",
@@ -81,6 +82,15 @@ class DraftTree:
         for i in range(1, self.num_nodes):
             kids[self.parents[i]].append(i)
         return tuple(tuple(k) for k in kids)
+
+    def truncated(self, num_drafts: int) -> DraftTree:
+        """The tree of its root and first `num_drafts` draft nodes (index order keeps every
+        parent), as the scheduler cuts drafts to fit a step's token budget."""
+        n = min(num_drafts, self.num_nodes - 1) + 1
+        if n == self.num_nodes:
+            return self
+        return DraftTree(self.token_ids[:n], self.parents[:n], self.cum_logprobs[:n],
+                         None if self.source_ids is None else self.source_ids[:n])
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to `node` (empty for the root)."""
@@ -241,4 +251,47 @@ def build_dynamic_trees(root_token_ids: list[int], levels: list[TreeLevel], num_
             (0.0, *(cum_l[r][j] for j in cols)),
             (-1, *(int(kept_l[r][j]) for j in cols)),
         ))
+    return trees
+
+
+def build_sampled_trees(root_token_ids: list[int], levels: list[TreeLevel], num_nodes: list[int]) -> list[DraftTree]:
+    """Trees of sampled candidates: per request, its first num_nodes[r] candidates with a finite
+    cumulative log-probability, in pool order (level 0 first, then by index), with no reranking.
+
+    For drafts drawn from the drafter's q, a candidate may not be kept or dropped by its own
+    value (the rejection sampler needs each child distributed as the q given for it): the pool
+    order keeps every node's children as a prefix of its draws, and whether a candidate is kept
+    depends only on the candidates before it. A candidate with cum log-prob -inf was not drawn
+    (its parent's q ran out of tokens, or its parent was not drawn); the kept set is closed under
+    parents (parents come first in the pool). `source_ids` as in `build_dynamic_trees`.
+    Example: level 0 tokens [7, 8] (cum -0.1, -2.0), level 1 = children of candidate 1, tokens
+    [9, 4] (cum -2.5, -inf), num_nodes 3 -> nodes (root, 7, 8, 9), parents (-1, 0, 0, 2).
+    """
+    if not levels:
+        return [DraftTree((t,), (-1,), (0.0,)) for t in root_token_ids]
+    offsets = [0]
+    for lv in levels:
+        offsets.append(offsets[-1] + lv.token_ids.shape[1])
+    pool_parent = torch.cat(
+        [levels[0].parent_ids] + [lv.parent_ids + offsets[d] for d, lv in enumerate(levels[1:])], dim=1
+    )  # [R, P] pool index of each candidate's parent (-1: the root)
+    pool_tokens = torch.cat([lv.token_ids for lv in levels], dim=1)  # [R, P]
+    pool_cum = torch.cat([lv.cum_logprobs for lv in levels], dim=1)  # [R, P]
+    parents_l, tokens_l, cum_l = torch.stack([pool_parent.double(), pool_tokens.double(), pool_cum.double()]).tolist()
+    trees = []
+    for r, root in enumerate(root_token_ids):
+        node_of = {-1: 0}  # pool index -> node index
+        tokens, parents, cums, sources = [root], [-1], [0.0], [-1]
+        for j, cum in enumerate(cum_l[r]):
+            if len(tokens) > num_nodes[r]:
+                break
+            parent = int(parents_l[r][j])
+            if cum == float("-inf") or parent not in node_of:
+                continue
+            node_of[j] = len(tokens)
+            tokens.append(int(tokens_l[r][j]))
+            parents.append(node_of[parent])
+            cums.append(cum)
+            sources.append(j)
+        trees.append(DraftTree(tuple(tokens), tuple(parents), tuple(cums), tuple(sources)))
     return trees

@@ -15,7 +15,7 @@ def make_proposer(config: SpeculativeConfig, runner):
     if config.method == "draft":
         from engine.spec.proposers.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config.model, runner, config.draft_vocab_size)
+        return DraftModelProposer(config.model, runner, config.draft_vocab_size, config.tree_width)
     if config.method == "eagle":
         from engine.spec.proposers.eagle import EagleProposer
 

@@ -25,12 +25,16 @@ import torch
 
 from engine.request import Request
 from engine.sampler import probs_from_logits, sample_from_probs
+from engine.spec.tree import DraftTree
 
 
 @dataclass
 class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), vocab] float32, or None if deterministic
+    # A token tree whose nodes 1.. are token_ids (and probs rows) in index order (node 0: the
+    # request's last token); None for a chain.
+    tree: DraftTree | None = None
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Proposer:
     reads the target's final-norm hidden states, handed to `observe_step` after every step.
     aux_layer_ids: the target's layer boundaries whose residual stream it reads (EAGLE-3; see
     `CausalLM.aux_layer_ids`), handed to `observe_step` as `aux_hidden_states`; () for none.
+    supports_tree: it implements `propose_trees` (SpeculativeConfig.tree_nodes).
     """
 
     method: str = ""
@@ -88,6 +93,7 @@ class Proposer:
     propose_is_free: bool = False
     needs_hidden_states: bool = False
     aux_layer_ids: tuple[int, ...] = ()
+    supports_tree: bool = False
 
     def __init__(self) -> None:
         self.states: dict[str, object] = {}  # request id -> this proposer's per-request state
@@ -127,6 +133,12 @@ class Proposer:
 
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         raise NotImplementedError
+
+    def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
+                      context: ProposeContext) -> list[Draft]:
+        """A token tree per request (`Draft.tree`), of at most num_nodes[r] draft nodes and
+        max_depths[r] levels (max_depths[r] >= 1). Only where `supports_tree`."""
+        raise NotImplementedError(f"{self.method} proposer drafts chains only")
 
     def step_cost(self, num_requests: int, k: int) -> float:
         """Estimated drafting time for `num_requests` requests at k tokens, in seconds."""

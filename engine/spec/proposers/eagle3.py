@@ -57,6 +57,7 @@ from engine.spec.proposers.base import (
 )
 from engine.spec.proposers.draft_vocab import DraftLMHead
 from engine.spec.proposers.features import HiddenRows, buffer_rows, committed_hidden, import_hidden_rows
+from kernels.torch_attn import rows_kernel_inputs
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE3_BUFFER_ROWS = 16  # feature rows a request may buffer between steps (k + 1 if larger)
@@ -168,7 +169,7 @@ class Eagle3Layer(nn.Module):
         feats = feats.float()
         normed = F.rms_norm(feats, (cfg.hidden_size,), self.hidden_norm.float(), eps)
         x_in = torch.cat([F.rms_norm(embeds.float(), (cfg.hidden_size,), self.input_layernorm.float(), eps), normed], -1)
-        tables, lens = attn_metadata.extras["rows_kernel"]
+        k_cache, v_cache, tables, lens = rows_kernel_inputs(attn_metadata, k_cache, v_cache)
         out, residual = cpu_kernels.rows_layer(
             normed if self.norm_before_residual else feats, None, cos, sin, self.row_weights(), k_cache, v_cache,
             attn_metadata.slot_mapping, tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, eps,

@@ -1,0 +1,278 @@
+"""Tree speculation through the engine is lossless: greedy output with draft-model token trees
+equals the target alone token for token (fp32), alone or batched with chain and
+non-speculative requests, under preemption and with prefix-cache hits; sampled output follows
+the target's exact distribution."""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import assert_no_leaked_blocks, save_perturbed_copy, save_tiny_model
+from test_engine import PROMPTS
+from test_speculative import (
+    NUM_NEW,
+    NUM_SAMPLES,
+    _chi_square_p_value,
+    _exact_distribution,
+    small_vocab,  # noqa: F401 (a fixture)
+)
+
+from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
+from engine.spec.tree import DraftTree, TreeLevel, build_sampled_trees, tree_attention_mask
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+CHAIN = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, num_speculative_tokens=3)
+PLAIN = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, speculative=False)
+TREE = dict(method="draft", adaptive=False, tree_nodes=8, tree_width=2, tree_depth=4)
+MIXED_PROMPTS = PROMPTS[:6] + [[4, 5, 6, 7] * 6]
+MIXED_PARAMS = [GREEDY, CHAIN, GREEDY, PLAIN, GREEDY, CHAIN, GREEDY]
+ARRIVALS = [0, 0, 1, 2, 3, 5, 8]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree_engine")
+    target = save_tiny_model(str(root / "target"), "llama")
+    close = save_perturbed_copy(target, str(root / "close"), noise=0.02)
+    return {"target": target, "close": close}
+
+
+def run_mixed(engine: LLMEngine, prompts, params, arrivals) -> tuple[dict[str, list[int]], int]:
+    """Add prompt i with params[i] at engine step arrivals[i]; step until all finish, checking
+    the no-leak invariants at every step. Returns (outputs by id, prompt tokens served from the
+    prefix cache)."""
+    outputs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", prompts[i], params[i])
+            outputs[f"r{i}"] = []
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+        assert_no_leaked_blocks(engine)
+        step += 1
+    assert_no_leaked_blocks(engine)
+    return outputs, sum(cached.values())
+
+
+@pytest.fixture(scope="module")
+def baseline(models):
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu")
+    return run_mixed(engine, MIXED_PROMPTS, [PLAIN] * len(MIXED_PROMPTS), ARRIVALS)[0]
+
+
+def tree_engine(models, drafter: str = "close", **kw) -> LLMEngine:
+    return LLMEngine(models["target"], dtype="float32", device="cpu",
+                     speculative=SpeculativeConfig(model=models[drafter], **TREE), **kw)
+
+
+def test_greedy_tree_equals_target_at_batch_1(models, baseline):
+    """One request at a time; the target as its own drafter accepts deep paths whose nodes sit
+    off the chain positions, so the KV of accepted paths moves."""
+    for drafter in ("target", "close"):
+        engine = tree_engine(models, drafter)
+        for i in (0, 6):
+            outs, _ = run_mixed(engine, [MIXED_PROMPTS[i]], [GREEDY], [0])
+            assert outs["r0"] == baseline[f"r{i}"], (drafter, i)
+        stats = engine.spec_stats
+        assert stats.num_verify_steps > 0 and stats.num_accepted_tokens > 0
+        if drafter == "target":
+            assert stats.mean_accepted_length > 3.0
+
+
+def test_greedy_tree_mixed_with_chain_and_plain_requests(models, baseline):
+    """Trees, chains (a request's own num_speculative_tokens) and non-speculative requests in
+    the same steps, with staggered arrivals and a small token budget that cuts trees."""
+    engine = tree_engine(models, max_num_batched_tokens=24)
+    kinds_per_step = []
+    execute = engine.runner.execute
+
+    def spy(sched):
+        kinds_per_step.append({"tree" if s.spec_tree is not None else "chain" if s.spec_token_ids else "none"
+                               for s in sched.scheduled})
+        return execute(sched)
+
+    engine.runner.execute = spy
+    outs, _ = run_mixed(engine, MIXED_PROMPTS, MIXED_PARAMS, ARRIVALS)
+    assert outs == baseline
+    assert any(kinds == {"tree", "chain", "none"} for kinds in kinds_per_step)
+
+
+def test_greedy_tree_under_preemption(models, baseline):
+    bytes_per_token = 2 * 2 * 2 * 16 * 4 * 2  # target + drafter, fp32
+    engine = tree_engine(models, block_size=4, kv_cache_memory_bytes=18 * 4 * bytes_per_token, max_model_len=60)
+    prompts = [p[:30] for p in MIXED_PROMPTS]
+    outs, _ = run_mixed(engine, prompts, [GREEDY] * len(prompts), ARRIVALS)
+    assert engine.scheduler.num_preemptions > 0
+    ref = LLMEngine(models["target"], dtype="float32", device="cpu")
+    assert outs == run_mixed(ref, prompts, [PLAIN] * len(prompts), ARRIVALS)[0]
+
+
+def test_greedy_tree_with_prefix_cache_hits(models, baseline):
+    engine = tree_engine(models, block_size=4)
+    first, _ = run_mixed(engine, MIXED_PROMPTS, [GREEDY] * len(MIXED_PROMPTS), ARRIVALS)
+    again, num_cached = run_mixed(engine, MIXED_PROMPTS, [GREEDY] * len(MIXED_PROMPTS), [0] * len(MIXED_PROMPTS))
+    assert num_cached > 0
+    assert first == again == baseline
+
+
+def test_bf16_tree_equals_target_at_batch_1(models):
+    """With the CPU row kernels (exact="rows"), a tree step of at most 16 tokens reads each
+    token's context and ancestors in position order, as the one-token steps of its accepted path
+    do: even in bfloat16 the output equals the target alone."""
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("needs the CPU row kernels")
+    base = LLMEngine(models["target"], dtype="bfloat16", device="cpu")
+    engine = LLMEngine(models["target"], dtype="bfloat16", device="cpu",
+                       speculative=SpeculativeConfig(model=models["target"], **TREE))
+    assert engine.runner.exact == "rows"
+    for prompt in PROMPTS:
+        assert run_mixed(engine, [prompt], [GREEDY], [0])[0] == run_mixed(base, [prompt], [PLAIN], [0])[0]
+    assert engine.spec_stats.mean_accepted_length > 3.0
+
+
+def test_slot_tables_example():
+    from kernels.torch_attn import slot_tables
+
+    tree = tree_attention_mask(DraftTree((1, 2, 3), (-1, 0, 0), (0.0,) * 3))
+    table, lens = slot_tables([3], [7], torch.tensor([[3, 5]], dtype=torch.int32), 4, [tree])
+    assert lens.tolist() == [5, 6, 6]
+    assert table[2].tolist() == [12, 13, 14, 15, 20, 22]
+    assert table[1, :6].tolist() == [12, 13, 14, 15, 20, 21]
+
+
+def test_row_kernel_tree_attention_matches_masked_torch():
+    """The row kernel over slot tables computes the tree-masked attention of the torch path."""
+    from kernels import cpu_kernels
+    from kernels.torch_attn import TorchAttentionBackend
+
+    if not cpu_kernels.available():
+        pytest.skip("needs the CPU row kernels")
+    torch.manual_seed(0)
+    be, bs = TorchAttentionBackend(), 4
+    k_cache, v_cache = torch.randn(10, bs, 2, 16), torch.randn(10, bs, 2, 16)
+    mask = tree_attention_mask(DraftTree((1, 2, 3, 4, 5), (-1, 0, 0, 1, 2), (0.0,) * 5))
+    query_lens, seq_lens, tables = [5, 1, 3], [11, 6, 9], [[3, 1, 7], [2, 5], [0, 4, 6]]
+    slots = [t[p // bs] * bs + p % bs for q, s, t in zip(query_lens, seq_lens, tables, strict=True) for p in range(s - q, s)]
+    query = torch.randn(sum(query_lens), 4, 16)
+    args = (query_lens, seq_lens, tables, slots, bs, "cpu")
+    ref = be.attention(query, k_cache, v_cache, be.build_metadata(*args, tree_masks=[mask, None, None]), 0.25)
+    out = be.attention(query, k_cache, v_cache,
+                       be.build_metadata(*args, row_exact="kernel", tree_masks=[mask, None, None]), 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_config_errors(models):
+    with pytest.raises(ValueError, match="adaptive=False"):
+        SpeculativeConfig(method="draft", model="m", tree_nodes=8)
+    with pytest.raises(ValueError, match="needs method"):
+        SpeculativeConfig(method="ngram", adaptive=False, tree_nodes=8)
+    with pytest.raises(ValueError, match=r"tree_nodes must be an integer in \[0, 63\]"):
+        SpeculativeConfig(method="draft", model="m", adaptive=False, tree_nodes=64)
+    with pytest.raises(ValueError, match="tree_width"):
+        SpeculativeConfig(method="draft", model="m", adaptive=False, tree_nodes=8, tree_width=0)
+    with pytest.raises(ValueError, match="lower tree_depth"):
+        SpeculativeConfig(method="draft", model="m", adaptive=False, tree_nodes=8, tree_width=8, tree_depth=16)
+    assert not SpeculativeConfig(method="draft", model="m").uses_tree  # default: chains
+
+
+def test_scheduler_cuts_a_tree_to_a_prefix():
+    tree = DraftTree((5, 1, 2, 3, 4), (-1, 0, 0, 1, 2), (0.0, -1.0, -2.0, -2.5, -3.0))
+    cut = tree.truncated(2)
+    assert (cut.token_ids, cut.parents) == ((5, 1, 2), (-1, 0, 0))
+    assert tree.truncated(9) is tree
+
+
+def test_sampled_trees_keep_level_order_and_skip_undrawn():
+    """The docstring example of `build_sampled_trees`: no reranking by value, and a child drawn
+    after its parent's q ran out (-inf) is no node."""
+    level0 = TreeLevel(torch.tensor([[-1, -1]]), torch.tensor([[7, 8]]), torch.tensor([[-0.1, -2.0]]))
+    level1 = TreeLevel(torch.tensor([[1, 1]]), torch.tensor([[9, 4]]), torch.tensor([[-2.5, float("-inf")]]))
+    tree, = build_sampled_trees([5], [level0, level1], [3])
+    assert (tree.token_ids, tree.parents, tree.source_ids) == ((5, 7, 8, 9), (-1, 0, 0, 2), (-1, 0, 1, 2))
+    tree, = build_sampled_trees([5], [level0, level1], [1])
+    assert tree.token_ids == (5, 7)
+
+
+def test_seeded_sampled_tree_requests_repeat(models):
+    """A seeded request drafts its tree children and verifies with its own generator: the same
+    run gives the same tokens."""
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=11, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = tree_engine(models)
+        outs, _ = run_mixed(engine, MIXED_PROMPTS[:3], [params] * 3, [0, 0, 1])
+        assert engine.spec_stats.num_accepted_tokens > 0
+        runs.append(outs)
+    assert runs[0] == runs[1]
+
+
+# --- sampled distribution ---------------------------------------------------------------
+
+PROMPT = [0, 1, 2, 1, 0, 1, 2, 1, 0]
+TEMPERATURE_1 = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)
+
+
+def _sample_counts(target: str, drafter: str, params: SamplingParams) -> tuple[dict, LLM]:
+    """NUM_SAMPLES continuations of NUM_NEW tokens from a tree-speculating engine: every other
+    request drafts a chain instead of a tree, so steps verify both kinds together, each draft
+    with the q it was drawn from."""
+    torch.manual_seed(1234)
+    spec = SpeculativeConfig(method="draft", model=drafter, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
+    llm = LLM(target, dtype="float32", device="cpu", speculative=spec, max_num_seqs=512)
+    chain = dataclasses.replace(params, num_speculative_tokens=2)
+    outs = llm.generate([PROMPT] * NUM_SAMPLES, [params if i % 2 else chain for i in range(NUM_SAMPLES)])
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert_no_leaked_blocks(llm.engine)
+    return counts, llm
+
+
+
+@pytest.mark.parametrize("params", [
+    TEMPERATURE_1, SamplingParams(max_tokens=NUM_NEW, temperature=0.8, top_k=2, top_p=0.9, ignore_eos=True),
+])
+def test_sampled_tree_distribution_matches_target(small_vocab, params):  # noqa: F811
+    """Chi-square goodness of fit of 3000 samples of (x1..x4) against the target's exact joint
+    distribution (81 cells, small cells pooled); tree children are drawn from the drafter's q
+    without replacement. It fails when p < 1e-4, so a correct sampler fails with probability
+    1e-4 per run and parameter set (the seed is fixed, so the run is reproducible)."""
+    target, drafter = small_vocab
+    counts, llm = _sample_counts(target, drafter, params)
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, params), NUM_SAMPLES)
+    assert p > 1e-4, f"tree speculative samples do not follow the target distribution (p={p:.2e})"
+
+
+def test_broken_tree_sampler_is_detected(small_vocab, monkeypatch):  # noqa: F811
+    """The same test catches a tree sampler that always accepts each node's first child."""
+    import engine.model_runner as mr
+
+    real = mr.tree_rejection_sample
+
+    def first_child_always(num_nodes, parents, tokens, argmax, target_probs, draft_probs, greedy, gens):
+        # a greedy walk where each node's "argmax" is its first child's token (at a leaf: a
+        # sample of the target): every first child is accepted
+        parent = torch.tensor(parents)
+        start = torch.repeat_interleave(torch.cumsum(torch.tensor(num_nodes), 0) - torch.tensor(num_nodes),
+                                        torch.tensor(num_nodes))
+        fake = torch.multinomial(target_probs, 1).squeeze(1)  # [total]
+        child = torch.nonzero(parent >= 0).flatten()  # [C] global ids
+        first = torch.full_like(fake, len(parents)).scatter_reduce(0, (parent + start)[child], child, "amin")
+        has_child = first < len(parents)
+        fake[has_child] = tokens[first[has_child]]
+        return real(num_nodes, parents, tokens, fake, None, None, [True] * len(num_nodes), gens)
+
+    monkeypatch.setattr(mr, "tree_rejection_sample", first_child_always)
+    target, drafter = small_vocab
+    counts, _ = _sample_counts(target, drafter, TEMPERATURE_1)
+    p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, TEMPERATURE_1), NUM_SAMPLES)
+    assert p < 1e-4
