@@ -104,4 +104,4 @@ def test_loss_trains(trained_layout):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert float(loss) - floor < 0.5 * (float(first) - floor)
+    assert float(loss.detach()) - floor < 0.5 * (float(first.detach()) - floor)
