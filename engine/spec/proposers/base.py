@@ -116,12 +116,24 @@ class Proposer:
         if state is not None:
             raise ValueError(f"{self.method} proposer keeps no per-request state to import, got {type(state).__name__}")
 
+    kv_arch = None  # the ArchConfig of the proposer's own paged-KV layers; None: it keeps no KV
+
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate the proposer's own paged KV cache (same block tables as the target's), if any."""
+        """Allocate the proposer's own paged KV cache (same block tables as the target's), if any:
+        `kv_arch`'s layers."""
+        if self.kv_arch is not None:
+            from engine.model_runner import allocate_kv_cache
+
+            self.block_size = block_size
+            self.kv_caches = allocate_kv_cache(self.kv_arch, num_blocks, block_size, self.dtype, self.device)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of the proposer's KV cache per token of the shared block pool."""
-        return 0
+        if self.kv_arch is None:
+            return 0
+        from engine.model_runner import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.kv_arch, self.dtype)
 
     def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
         """The most bytes the proposer's per-request buffers (other than KV) can hold at once."""

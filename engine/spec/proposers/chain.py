@@ -41,9 +41,7 @@ import torch
 from engine.model_runner import (
     EXACT_ROWS,
     SeqChunk,
-    allocate_kv_cache,
     build_forward_batch,
-    kv_bytes_per_token,
 )
 from engine.request import Request
 from engine.spec.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, may_draft
@@ -116,12 +114,9 @@ class ChainProposer(Proposer):
     def identity(self) -> DrafterIdentity:
         return self._identity
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, self.device)
-
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.arch, self.dtype)
+    @property
+    def kv_arch(self):
+        return self.arch
 
     def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
         """Buffered target rows between steps and as many per deeper module (they hold one row

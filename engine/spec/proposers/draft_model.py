@@ -29,9 +29,7 @@ from engine.errors import DrafterMismatchError
 from engine.model_runner import (
     EXACT_ROWS,
     SeqChunk,
-    allocate_kv_cache,
     build_forward_batch,
-    kv_bytes_per_token,
 )
 from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
@@ -117,12 +115,9 @@ class DraftModelProposer(Proposer):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters()) + self.head.num_parameters
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.kv_caches = allocate_kv_cache(self.model.cfg, num_blocks, block_size, self.dtype, self.device)
-
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model.cfg, self.dtype)
+    @property
+    def kv_arch(self):
+        return self.model.cfg
 
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.seconds(num_requests) * k

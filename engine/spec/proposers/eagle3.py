@@ -38,9 +38,7 @@ from engine.errors import CheckpointError, DrafterMismatchError, UnsupportedMode
 from engine.model_runner import (
     EXACT_ROWS,
     SeqChunk,
-    allocate_kv_cache,
     build_forward_batch,
-    kv_bytes_per_token,
 )
 from engine.models.llama import ArchConfig, apply_rope, rope_cos_sin
 from engine.models.loader import load_safetensors
@@ -376,12 +374,9 @@ class Eagle3Proposer(Proposer):
     def modules(self):
         return [self.fc, self.layer] + ([self.embed_tokens] if self._own_embedding else [])
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, self.device)
-
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.arch, self.dtype)
+    @property
+    def kv_arch(self):
+        return self.arch
 
     def buffer_bytes(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
         """Buffered features between steps, plus one step's committed rows (and their aux input)."""
