@@ -201,6 +201,19 @@ def expand_level(level: TreeLevel, frontier: torch.Tensor, topk_token_ids: torch
     return TreeLevel(parents.reshape(r, f * k), topk_token_ids.reshape(r, f * k), cum.reshape(r, f * k))
 
 
+def _candidate_pool(levels: list[TreeLevel]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The levels' candidates concatenated (level 0 first), each [R, P]: the pool index of each
+    candidate's parent (-1: the root), its token, its cumulative draft log-probability."""
+    offsets = [0]
+    for lv in levels:
+        offsets.append(offsets[-1] + lv.token_ids.shape[1])
+    pool_parent = torch.cat(
+        [levels[0].parent_ids] + [lv.parent_ids + offsets[d] for d, lv in enumerate(levels[1:])], dim=1
+    )
+    return (pool_parent, torch.cat([lv.token_ids for lv in levels], dim=1),
+            torch.cat([lv.cum_logprobs for lv in levels], dim=1))
+
+
 def build_dynamic_trees(root_token_ids: list[int], levels: list[TreeLevel], num_nodes: list[int]) -> list[DraftTree]:
     """EAGLE-2 reranking: per request, the num_nodes[r] candidates of all levels with the highest
     cumulative draft log-probability (ties: the earlier level, then the lower index), as a tree
@@ -216,17 +229,7 @@ def build_dynamic_trees(root_token_ids: list[int], levels: list[TreeLevel], num_
     """
     if not levels:
         return [DraftTree((t,), (-1,), (0.0,)) for t in root_token_ids]
-    offsets = [0]
-    for lv in levels:
-        offsets.append(offsets[-1] + lv.token_ids.shape[1])
-    # parents as pool indices (-1: the root)
-    pool_parent = torch.cat(
-        [levels[0].parent_ids]
-        + [lv.parent_ids + offsets[d] for d, lv in enumerate(levels[1:])],
-        dim=1,
-    )  # [R, P]
-    pool_tokens = torch.cat([lv.token_ids for lv in levels], dim=1)  # [R, P]
-    pool_cum = torch.cat([lv.cum_logprobs for lv in levels], dim=1)  # [R, P]
+    pool_parent, pool_tokens, pool_cum = _candidate_pool(levels)
     num_reqs, pool = pool_tokens.shape
     width = min(max(num_nodes), pool)
     kept = torch.sort(-pool_cum, dim=1, stable=True).indices[:, :width].sort(dim=1).values  # [R, W]
@@ -269,14 +272,7 @@ def build_sampled_trees(root_token_ids: list[int], levels: list[TreeLevel], num_
     """
     if not levels:
         return [DraftTree((t,), (-1,), (0.0,)) for t in root_token_ids]
-    offsets = [0]
-    for lv in levels:
-        offsets.append(offsets[-1] + lv.token_ids.shape[1])
-    pool_parent = torch.cat(
-        [levels[0].parent_ids] + [lv.parent_ids + offsets[d] for d, lv in enumerate(levels[1:])], dim=1
-    )  # [R, P] pool index of each candidate's parent (-1: the root)
-    pool_tokens = torch.cat([lv.token_ids for lv in levels], dim=1)  # [R, P]
-    pool_cum = torch.cat([lv.cum_logprobs for lv in levels], dim=1)  # [R, P]
+    pool_parent, pool_tokens, pool_cum = _candidate_pool(levels)
     parents_l, tokens_l, cum_l = torch.stack([pool_parent.double(), pool_tokens.double(), pool_cum.double()]).tolist()
     trees = []
     for r, root in enumerate(root_token_ids):
