@@ -199,6 +199,37 @@ def step_target(args: argparse.Namespace) -> None:
     save_lm("target", model, held, out, cfg, n_params, args)
 
 
+def step_target_continue(args: argparse.Namespace) -> None:
+    """Continued pre-training of an already trained target (``--init-from``, default models/target).
+
+    Same next-token loss and data as ``target`` but a new sampling order (seed + 5), written to
+    ``--out`` (default runs/target-continued) rather than models/, so that the shipped family stays
+    consistent until its drafters are retrained on the new weights. Resumable with ``--resume``;
+    ``--max-minutes`` is the total budget over all resumptions (raise it to continue a finished run)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = replace(train_config(args, "target-continue"), dtype=args.dtype)
+    train, held = load_streams(cfg.seq_len)
+    src = Path(args.init_from) if args.init_from else MODELS / "target"
+    model = LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float32, attn_implementation="sdpa")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"target-continue: from {src}, {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 5)
+    loss_fn = lm_loss_fn(model)
+    if args.measure_steps:
+        measure(cfg, model, loss_fn, sampler, args.measure_steps)
+        return
+    model.eval()
+    nll_before = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
+    log(f"target-continue: held-out NLL before {nll_before:.4f}")
+    out = train_loop(
+        cfg, model, loss_fn, sampler, CKPTS / "target-continue.pt", resume=args.resume, log=log,
+        max_threads=args.threads,
+    )
+    out.update(init_from=str(src), heldout_nll_before=nll_before)
+    save_lm("target-continue", model, held, out, cfg, n_params, args, folder=Path(args.out))
+
+
 def step_shrink(args: argparse.Namespace) -> None:
     """models/target = the --teacher model without --drop-layers, healed by KL(teacher || student).
 
@@ -240,12 +271,21 @@ def step_shrink(args: argparse.Namespace) -> None:
 
 
 def save_lm(
-    name: str, model, held, out: dict, cfg, n_params: int, args: argparse.Namespace, stats_name: str | None = None
+    name: str,
+    model,
+    held,
+    out: dict,
+    cfg,
+    n_params: int,
+    args: argparse.Namespace,
+    stats_name: str | None = None,
+    folder: Path | None = None,
 ) -> None:
-    """Held-out NLL, then the bf16 checkpoint + tokenizer in models/<name>/ and runs/<name>_stats.json."""
+    """Held-out NLL, then the bf16 checkpoint + tokenizer in ``folder`` (default models/<name>/) and
+    runs/<name>_stats.json."""
     model.eval()
     nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
-    folder = MODELS / name
+    folder = folder or MODELS / name
     model.to(torch.bfloat16).save_pretrained(str(folder))
     data.copy_tokenizer(TOKENIZER_DIR, folder)
     out.update(
@@ -543,6 +583,7 @@ def step_cards(args: argparse.Namespace) -> None:
 
 STEP_DEFAULTS: dict[str, dict] = {
     "target": {"lr": 1e-3, "planned_tokens": 16_000_000, "max_minutes": 70.0, "warmup_steps": 100},
+    "target-continue": {"lr": 4e-4, "planned_tokens": 4_000_000, "max_minutes": 150.0, "warmup_steps": 30},
     "shrink": {"lr": 3e-4, "planned_tokens": 1_000_000, "max_minutes": 10.0, "warmup_steps": 10},
     "drafter": {"lr": 2e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
     "eagle": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
@@ -557,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "step",
         choices=[
-            "corpus", "tokenizer", "target", "shrink", "drafter", "eagle", "medusa", "eagle3", "draft-all", "draft-vocab",
+            "corpus", "tokenizer", "target", "target-continue", "shrink", "drafter", "eagle", "medusa", "eagle3", "draft-all", "draft-vocab",
             "cards",
         ],
     )
@@ -567,7 +608,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttt-steps", type=int, default=5, help="eagle3: training-time-test unroll depth")
     parser.add_argument("--aux-layers", default="",
                         help="eagle3: comma-separated layer boundaries feeding fc (default: 2, L/2, L-3)")
-    parser.add_argument("--init-from", default=None, help="eagle3: start from this head folder's weights")
+    parser.add_argument("--init-from", default=None,
+                        help="eagle3: start from this head folder's weights; target-continue: the target to continue")
+    parser.add_argument("--out", default="runs/target-continued", help="target-continue: output folder")
     parser.add_argument("--head-intermediate-size", type=int, default=None,
                         help="eagle3: the midlayer's MLP width (default: the target's)")
     parser.add_argument("--vocab-size", type=int, default=8192)
@@ -613,6 +656,7 @@ def main(argv: list[str] | None = None) -> None:
         "corpus": step_corpus,
         "tokenizer": step_tokenizer,
         "target": step_target,
+        "target-continue": step_target_continue,
         "shrink": step_shrink,
         "drafter": step_drafter,
         "eagle": step_eagle,
