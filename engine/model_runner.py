@@ -99,7 +99,9 @@ class SeqChunk:
 
     With `tree`, the chunk's last tree.num_nodes tokens are the tree's nodes in index order (its
     root first): they take the normal slots (sequence indices), but RoPE positions by depth
-    (`tree_positions`) and the tree's attention mask (`tree_attention_mask`)."""
+    (`tree_positions`) and the tree's attention mask (`tree_attention_mask`). A chunk shorter
+    than its tree is a partial tree: its tokens are the tree's last nodes, and the earlier nodes'
+    KV is already in the slots before `start` (tree drafting feeds each level's new nodes only)."""
 
     token_ids: list[int]
     start: int
@@ -138,8 +140,8 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device
             tree_masks.append(None)
         else:
             m = c.tree.num_nodes
-            positions.extend(pos[: n - m])
-            positions.extend(tree_positions(c.tree, c.start + n - m))
+            positions.extend(pos[: max(n - m, 0)])
+            positions.extend(tree_positions(c.tree, c.start + n - m)[max(m - n, 0):])
             tree_masks.append(tree_attention_mask(c.tree))
         bids = c.block_ids
         slots.extend(bids[p // block_size] * block_size + p % block_size for p in pos)

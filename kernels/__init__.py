@@ -22,13 +22,18 @@ Its K/V must already be in the cache (``write_kv`` first, then ``attention``).
 GQA: query head h reads kv head ``h // (num_heads // num_kv_heads)``.
 
 Tree speculation: ``build_metadata(..., tree_masks=...)`` takes, per request, None (causal) or a
-bool ``[m, m]`` mask over the request's last m query tokens (a token tree, its root first): token
-i of those m sees the context before them and token j of them iff ``mask[i, j]``. The mask must
-be lower triangular with a True diagonal and a True first column (every node sees the root), so
-no query row is ever fully masked, and m <= MAX_TREE_TOKENS (64: a row is one int64 of bits).
-Earlier query tokens of the request stay causal. Worked
-example: q_len=3, seq_len=10, mask [[1,0],[1,1]] over the last 2 tokens -> tokens at positions 8
-and 9 both see 0..7 and 8; 9 also sees itself; token 7 (causal) sees 0..7.
+bool ``[m, m]`` mask over a token tree at the request's last m positions (``seq_len - m ..``, its
+root first): tree token i sees the context before the tree and tree token j iff ``mask[i, j]``.
+The mask must be lower triangular with a True diagonal and a True first column (every node sees
+the root), so no query row is ever fully masked, and m <= MAX_TREE_TOKENS (64: a row is one int64
+of bits). Usually the whole tree is query tokens (m <= q_len; earlier query tokens of the request
+stay causal). A *partial* tree has m > q_len: its first m - q_len nodes' K/V are already in the
+cache (written by an earlier step at those positions) and the request's q_len query tokens are its
+last nodes, rows m - q_len .. m - 1 of the mask (tree drafting feeds each level's new nodes only).
+Worked example: q_len=3, seq_len=10, mask [[1,0],[1,1]] over the last 2 tokens -> tokens at
+positions 8 and 9 both see 0..7 and 8; 9 also sees itself; token 7 (causal) sees 0..7. Partial:
+q_len=1, seq_len=10, mask [[1,0,0],[1,1,0],[1,0,1]] -> the one query token (position 9, node 2)
+sees 0..7 (node 0 at 7) and itself, not position 8 (node 1, a sibling).
 
 Per step, the engine calls ``backend.build_metadata(...)`` once and shares the result between
 all layers; per layer it calls ``write_kv`` then ``attention``.  ``slot_mapping`` entries of -1
@@ -72,9 +77,9 @@ class AttentionMetadata:
     max_seq_len: int
     extras: dict = field(default_factory=dict)  # backend-specific precomputed tensors
     # Tree masks (None when every request is causal), see ``pack_tree_masks``:
-    tree_lens: torch.Tensor | None = None  # [B] int32, m_b: trailing query tokens under the mask (0: none)
+    tree_lens: torch.Tensor | None = None  # [B] int32, m_b: trailing positions under the mask (0: none)
     tree_mask_offsets: torch.Tensor | None = None  # [B] int32, request b's first row in tree_mask
-    tree_mask: torch.Tensor | None = None  # [sum m_b] int64, bit j of row i: token i sees token j
+    tree_mask: torch.Tensor | None = None  # [sum m_b] int64, bit j of row i: tree token i sees tree token j
 
     @property
     def num_reqs(self) -> int:
@@ -171,7 +176,7 @@ def build_common_metadata(
     ``tree_masks``: see the module docstring; packed by ``pack_tree_masks``.
     """
     validate_step_inputs(query_lens, seq_lens, block_tables, slot_mapping, block_size)
-    packed = pack_tree_masks(query_lens, tree_masks) if tree_masks is not None else None
+    packed = pack_tree_masks(query_lens, tree_masks, seq_lens) if tree_masks is not None else None
     max_s = max(seq_lens)
     width = max(max(len(bt) for bt in block_tables), -(-max_s // block_size), min_blocks, 1)
     padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
@@ -195,11 +200,12 @@ def build_common_metadata(
 
 
 def pack_tree_masks(
-    query_lens: list[int], tree_masks: list[torch.Tensor | None]
+    query_lens: list[int], tree_masks: list[torch.Tensor | None], seq_lens: list[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Validate per-request tree masks and pack them, on the CPU: (tree_lens [B] int32,
     tree_mask_offsets [B] int32, tree_mask [sum m] int64), or None when every entry is None.
     Request b's rows are tree_mask[offsets[b] : offsets[b] + m_b]; bit j of a row is mask[i, j].
+    A partial tree (m_b > query_lens[b], see the module docstring) needs m_b <= seq_lens[b].
     Example: masks [None, [[1,0],[1,1]]] -> lens [0, 2], offsets [0, 0], tree_mask [0b01, 0b11].
     """
     if len(tree_masks) != len(query_lens):
@@ -213,9 +219,11 @@ def pack_tree_masks(
             lens.append(0)
             continue
         n = m.shape[0]
-        if m.dim() != 2 or m.shape[1] != n or not 1 <= n <= min(q, MAX_TREE_TOKENS):
-            raise ValueError(f"request {b}: tree mask must be [m, m] with 1 <= m <= min(query_len={q}, "
-                             f"{MAX_TREE_TOKENS}), got {tuple(m.shape)}")
+        longest = min(MAX_TREE_TOKENS, q if seq_lens is None else seq_lens[b])
+        if m.dim() != 2 or m.shape[1] != n or not 1 <= n <= longest:
+            raise ValueError(f"request {b}: tree mask must be [m, m] with 1 <= m <= {longest} (query_len {q}, "
+                             f"seq_len {None if seq_lens is None else seq_lens[b]}, at most {MAX_TREE_TOKENS}), "
+                             f"got {tuple(m.shape)}")
         m = m.to(device="cpu", dtype=torch.bool)
         if not (m.diagonal().all() and m[:, 0].all() and not m.triu(1).any()):
             raise ValueError(f"request {b}: tree mask must be lower triangular with a True diagonal and first column")

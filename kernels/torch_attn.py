@@ -91,7 +91,8 @@ def slot_tables(query_lens: list[int], seq_lens: list[int], block_tables: torch.
     """(slot tables [T, L] int64 (0-padded), context lengths [T] int64) for the row kernel over a
     cache viewed with one slot per block: row t lists, in position order, the slots token t
     attends to. A causal token at position p: the slots of positions 0..p. Token j of a tree
-    over request b's last m tokens (the root at position r = seq_len - m): positions 0..r-1,
+    over request b's last m positions (the root at position r = seq_len - m; a partial tree's
+    first m - q nodes are not query tokens): positions 0..r-1,
     then r + i for each node i that mask row j sees (its ancestors and itself, in index order,
     so in depth order). Example: block_size 4, block table [3, 5], seq_len 7, a tree with
     parents (-1, 0, 0) over positions 4..6: token 6 (node 2) -> slots of positions 0-4 and 6 =
@@ -242,7 +243,8 @@ class TorchAttentionBackend:
                 tree = None if tree_masks is None else tree_masks[b]
                 if tree is not None and tree.shape[0] > 1:  # (one token: the same as causal)
                     m, q, s = tree.shape[0], query_lens[b], seq_lens[b]
-                    mask[i, 0, q - m : q, s - m : s] = tree.to(device="cpu", dtype=torch.bool)
+                    r = min(m, q)  # the tree's query rows: its last r nodes (a partial tree: r = q < m)
+                    mask[i, 0, q - r : q, s - m : s] = tree[m - r :].to(device="cpu", dtype=torch.bool)
 
         pad_idx = None
         if min(qlens_l) != max_q:

@@ -32,6 +32,8 @@ those m only if bit ``p - (seq_len - m)`` of their row ``tree_mask[tree_mask_off
 (int64, m <= 64) is set; each row is loaded once, before the walk over the context. The mask's
 first column is all True (every node sees the root), so position 0 stays visible. Example:
 seq_len 10, m 3, query token at position 9 (tree row 2), key 8 -> bit 1 of tree_mask[off + 2].
+A partial tree (m > q_len: its first nodes are cached, see :mod:`kernels`) needs nothing else:
+query token i is tree row ``i - (q_len - m) >= m - q_len``, the same formula.
 
 Under the interpreter, 16-bit inputs are upcast to fp32 before ``tl.dot`` (the interpreter's
 16-bit dot is wrong in triton 3.9); compiled GPU runs use native 16-bit dots with fp32 accumulation.

@@ -328,6 +328,9 @@ TREE_CASES: dict[str, tuple] = {
     "verify_mha_bs4": ([5, 3, 12], [5, 40, 18], [5, 3, 12], 4, 4, 16, 4),
     "verify_mqa_bs1": ([8, 1], [19, 7], [8, 0], 4, 1, 32, 1),
     "verify_64_nodes": ([64, 3], [90, 10], [64, 0], 4, 2, 16, 16),  # bit 63 of the Triton rows
+    # partial trees (tree drafting's levels): the last q of m nodes are queries, the rest cached
+    "partial_levels_bs4": ([4, 1, 3, 2], [30, 12, 9, 17], [9, 5, 3, 0], 8, 2, 16, 4),
+    "partial_64_nodes": ([8, 1], [70, 64], [64, 64], 4, 2, 16, 16),
 }
 
 
@@ -354,7 +357,8 @@ def naive_tree_attention(case: Case, tree_masks: list) -> torch.Tensor:  # [num_
         visible = torch.ones(q, s, dtype=torch.bool).tril(ctx)  # [q, s] causal
         if tree is not None:
             m = tree.shape[0]
-            visible[q - m :, s - m :] = tree
+            r = min(m, q)  # query rows under the tree: its last r nodes (the others are cached)
+            visible[q - r :, s - m :] = tree[m - r :]
         qq = case.query[t : t + q].float()
         out = torch.empty(q, h, d)
         for head in range(h):
@@ -399,7 +403,7 @@ def test_torch_tree_attention_random_batches(seed, data):
     num_reqs = data.draw(st.integers(1, 4))
     query_lens = [data.draw(st.integers(1, 9)) for _ in range(num_reqs)]
     seq_lens = [q + data.draw(st.integers(0, 30)) for q in query_lens]
-    sizes = [data.draw(st.integers(0, q)) for q in query_lens]
+    sizes = [data.draw(st.integers(0, min(s, q + 6))) for q, s in zip(query_lens, seq_lens, strict=True)]
     h, hkv = data.draw(st.sampled_from([(4, 4), (4, 2), (6, 3)]))
     case = make_case(query_lens, seq_lens, h, hkv, 8, data.draw(st.sampled_from([1, 4, 16])), seed=seed)
     masks = [tree_attention_mask(random_tree(rng, m)) if m else None for m in sizes]
@@ -414,8 +418,10 @@ def test_tree_mask_validation():
         be.build_metadata(*args, tree_masks=[torch.ones(3, 3, dtype=torch.bool)])
     with pytest.raises(ValueError, match="lower triangular"):  # node 2 does not see the root
         be.build_metadata(*args, tree_masks=[torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)])
-    with pytest.raises(ValueError, match="query_len"):
-        be.build_metadata(*args, tree_masks=[torch.ones(4, 4, dtype=torch.bool).tril()])
+    with pytest.raises(ValueError, match="seq_len 5"):  # a tree longer than the sequence
+        be.build_metadata(*args, tree_masks=[torch.ones(6, 6, dtype=torch.bool).tril()])
+    md = be.build_metadata(*args, tree_masks=[torch.ones(5, 5, dtype=torch.bool).tril()])  # partial: 2 cached
+    assert md.tree_lens.tolist() == [5]
     with pytest.raises(ValueError, match="row_exact"):
         be.build_metadata(*args, row_exact="sdpa", tree_masks=[torch.ones(3, 3, dtype=torch.bool).tril()])
     md = be.build_metadata(*args, tree_masks=[torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)])

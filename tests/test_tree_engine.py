@@ -150,7 +150,7 @@ def test_slot_tables_example():
 def test_row_kernel_tree_attention_matches_masked_torch():
     """The row kernel over slot tables computes the tree-masked attention of the torch path."""
     from kernels import cpu_kernels
-    from kernels.torch_attn import TorchAttentionBackend
+    from kernels.torch_attn import TorchAttentionBackend, slot_tables
 
     if not cpu_kernels.available():
         pytest.skip("needs the CPU row kernels")
@@ -162,10 +162,15 @@ def test_row_kernel_tree_attention_matches_masked_torch():
     slots = [t[p // bs] * bs + p % bs for q, s, t in zip(query_lens, seq_lens, tables, strict=True) for p in range(s - q, s)]
     query = torch.randn(sum(query_lens), 4, 16)
     args = (query_lens, seq_lens, tables, slots, bs, "cpu")
-    ref = be.attention(query, k_cache, v_cache, be.build_metadata(*args, tree_masks=[mask, None, None]), 0.25)
-    out = be.attention(query, k_cache, v_cache,
-                       be.build_metadata(*args, row_exact="kernel", tree_masks=[mask, None, None]), 0.25)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # request 1: a partial tree (4 nodes at positions 2..5, only the last one a query token)
+    partial = tree_attention_mask(DraftTree((1, 2, 3, 4), (-1, 0, 0, 1), (0.0,) * 4))
+    for masks in ([mask, None, None], [mask, partial, None]):
+        ref = be.attention(query, k_cache, v_cache, be.build_metadata(*args, tree_masks=masks), 0.25)
+        out = be.attention(query, k_cache, v_cache, be.build_metadata(*args, row_exact="kernel", tree_masks=masks), 0.25)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # the partial tree's query (node 3, parent 1) sees positions 0..2 (node 0 at 2), 3 and 5, not 4
+    table, lens = slot_tables([1], [6], torch.tensor([[2, 5]], dtype=torch.int32), bs, [partial])
+    assert table[0, : int(lens[0])].tolist() == [8, 9, 10, 11, 21]
 
 
 def test_tree_config_errors(models):
