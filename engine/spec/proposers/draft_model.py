@@ -8,14 +8,11 @@ pass that makes the first draft, then makes k-1 more one token at a time. Draft 
 lands in lookahead slots and is simply overwritten next round. The count advances only once every
 forward of the round has succeeded (a failed round is redone from the same point).
 
-Trees (`propose_trees`, EAGLE-2's dynamic tree): the same catch-up forward gives the root's k
-children (greedy: the top-k; sampled: k draws from q without replacement); then each level feeds
-the root and every node expanded so far as one token tree (its mask, depth positions) into
-scratch slots after the root and takes the children of the newest expanded nodes; the best nodes
-of all levels by cumulative draft probability form a greedy request's tree, the first ones in
-level order a sampled request's. Like a chain's drafts, the tree's KV is scratch: the next
-round's catch-up recomputes the accepted path's KV (it is the committed tokens since the last
-round), so nothing is moved.
+Trees (`propose_trees`, EAGLE-2's dynamic tree, `tree_drafting.grow_trees`): the same catch-up
+forward gives the root's children; each level then runs only its expanded nodes, as a partial
+tree after the root and the nodes expanded before them, in scratch slots. Like a chain's drafts,
+the tree's KV is scratch: the next round's catch-up recomputes the accepted path's KV (it is the
+committed tokens since the last round), so nothing is moved.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from engine.model_runner import (
 from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
 from engine.request import Request
-from engine.sampler import draw_uniforms, inverse_cdf_sample, probs_from_logits
 from engine.spec.proposers.base import (
     Draft,
     DrafterIdentity,
@@ -45,15 +41,8 @@ from engine.spec.proposers.base import (
     weights_digest,
 )
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.tree import (
-    DraftTree,
-    TreeLevel,
-    build_dynamic_trees,
-    build_sampled_trees,
-    expand_level,
-    first_level,
-    select_frontier,
-)
+from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_children
+from engine.spec.tree import DraftTree
 
 
 @dataclass
@@ -134,151 +123,39 @@ class DraftModelProposer(Proposer):
         rows = (ends.unsqueeze(1) - num_last + torch.arange(num_last, device=self.device)).flatten()
         return hidden[rows]  # [B * num_last, H]
 
-    def _children(self, hidden: torch.Tensor, requests: list[Request], generators: list[torch.Generator | None],
-                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """k children of each row of hidden [n, H] (requests[i], generators[i]: row i's):
-        (target token ids [n, k], draft log-probabilities [n, k] float32, the distribution each
-        child was drawn from [n, k, vocab] or None when every row is greedy).
-
-        Greedy rows: the draft's k most probable tokens (temperature 1: a ranking). Sampled rows:
-        k draws without replacement from q, the draft's distribution filtered as the target's
-        (temperature, top-k, top-p): child j from q without children 1..j-1, renormalized (the
-        row given for it); the log-probability is log q of the child; a child drawn after q ran
-        out of tokens gets -inf (it is no candidate).
-        """
-        logits = self.head(hidden)  # [n, V'] float32 over the draft vocabulary
-        k = min(k, logits.shape[-1])
-        lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [n, k]
-        q_rows = None
-        greedy = [r.sampling_params.is_greedy for r in requests]
-        if not all(greedy):
-            params = [r.sampling_params for r in requests]
-            q = probs_from_logits(
-                logits,
-                torch.tensor([max(p.temperature, 1e-5) for p in params], device=self.device),
-                torch.tensor([p.top_k for p in params], device=self.device),
-                torch.tensor([p.top_p for p in params], device=self.device),
-            )  # [n, V']
-            log_q = q.log()
-            drawn_ids, drawn_lp, rows = [], [], []
-            for _ in range(k):
-                mass = q.sum(dim=-1, keepdim=True)  # [n, 1]
-                valid = mass.squeeze(1) > 0
-                q_j = q / mass.clamp_min(1e-30)
-                token = inverse_cdf_sample(q_j, draw_uniforms([1] * len(requests), generators, self.device))
-                drawn_ids.append(token)
-                drawn_lp.append(log_q.gather(1, token.unsqueeze(1)).squeeze(1).masked_fill(~valid, float("-inf")))
-                rows.append(q_j)
-                q = q.scatter(1, token.unsqueeze(1), 0.0)
-            sampled = ~torch.tensor(greedy, device=self.device).unsqueeze(1)  # [n, 1]
-            ids = torch.where(sampled, torch.stack(drawn_ids, dim=1), ids)
-            lp = torch.where(sampled, torch.stack(drawn_lp, dim=1), lp)
-            q_rows = torch.stack(rows, dim=1)  # [n, k, V']
-            if self.head.token_ids is not None:
-                q_rows = q_rows.new_zeros(*q_rows.shape[:2], self.head.vocab_size).index_copy_(
-                    2, self.head.token_ids, q_rows)
-        return (ids if self.head.token_ids is None else self.head.token_ids[ids]), lp.float(), q_rows
-
     @torch.inference_mode()
     def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
                       context: ProposeContext) -> list[Draft]:
-        """Dynamic trees: level 1 is the root's k children (k = tree_width, `_children`) from the
-        catch-up forward; level d + 1 the k children of each of level d's k most probable
-        candidates (by cumulative draft log-probability). Greedy requests keep the num_nodes[r]
-        best candidates of their first max_depths[r] levels (EAGLE-2, `build_dynamic_trees`):
-        top-k drafts are deterministic given the drafter, so they need no q (probs None, one-hot
-        q: exact). Sampled requests draw their children from q and keep their first
-        num_nodes[r] candidates in level order with no reranking (`build_sampled_trees`: a
-        reranking by value would bias the rejection sampler), each node with the q it was
-        drawn from (Draft.probs, node order).
-
-        Level d's forward feeds, per request, the root (sequence index T - 1, T = its tokens)
-        and the nodes expanded at depths 1..d (root, then depth by depth) as one token tree at
-        sequence indices T - 1 .., rewriting their scratch KV; each sees the committed context
-        and its ancestors. Example, k = 2, depth 3: forwards over the catch-up chunk, then
-        [root, 2 depth-1 nodes], then [root, 2 + 2 nodes]. A request drafts no deeper than its
-        blocks hold scratch for.
-        """
+        """Dynamic trees (`tree_drafting.grow_trees`): the catch-up forward gives the root's
+        children; each level runs its expanded nodes only, as a partial tree after the root
+        (sequence index T - 1, T = the request's tokens) and the nodes expanded before them,
+        rewriting scratch KV. Example, width 2, depth 3: forwards over the catch-up chunk, then
+        2 depth-1 nodes (slots T, T + 1), then 2 depth-2 nodes (T + 2, T + 3). A request drafts
+        no deeper than its blocks hold scratch for."""
         width = self.tree_width
         t_start = time.perf_counter()
         generators = context.generators_for(requests)
-        depths = [
-            max(1, min(d, 1 + (len(r.block_ids) * self.block_size - r.num_tokens) // width))
-            for r, d in zip(requests, max_depths, strict=True)
-        ]
+        depths = scratch_depths(requests, max_depths, width, self.block_size)
         chunks, catch_up = [], 0
         for r in requests:
             state = self.states.get(r.request_id)
             start = state.num_computed if state is not None else 0
             chunks.append(SeqChunk([r.token_at(p) for p in range(start, r.num_tokens)], start, r.block_ids))
             catch_up = max(catch_up, r.num_tokens - start)
-        ids, lp, q_rows = self._children(self._forward(chunks), requests, generators, width)
-        levels = [first_level(ids, lp)]
-        level_q = [q_rows]  # per level: [R, C, vocab], or None when every request is greedy
-        # per request: the expanded nodes so far (tokens, parents in that list; 0 = the root) and,
-        # per level, candidate index -> its place in that list
-        expanded = [([r.last_token_id], [-1]) for r in requests]
-        place: list[list[dict[int, int]]] = [[] for _ in requests]
-        for d in range(1, max(depths)):
-            active = [i for i, depth in enumerate(depths) if depth > d]
-            level = levels[-1]
-            frontier = select_frontier(level, width)  # [R, F]
-            f = frontier.shape[1]
-            table = torch.stack([frontier, level.parent_ids.gather(1, frontier),
-                                 level.token_ids.gather(1, frontier)]).tolist()  # [3, R, F]
-            chunks = []
-            for i in active:
-                tokens, parents = expanded[i]
-                here = {}
-                for j in range(f):
-                    parent = table[1][i][j]
-                    here[table[0][i][j]] = len(tokens)
-                    parents.append(0 if parent < 0 else place[i][-1][parent])
-                    tokens.append(table[2][i][j])
-                place[i].append(here)
-                r = requests[i]
-                # (the root's KV is rewritten, the same token at the same position: only the
-                # numerics of this step's path may differ, which moves drafts, never outputs)
-                tree = DraftTree(tuple(tokens), tuple(parents), (0.0,) * len(tokens))
-                chunks.append(SeqChunk(list(tokens), r.num_tokens - 1, r.block_ids, tree))
-            ids, lp, q_rows = self._children(self._forward(chunks, f), [requests[i] for i in active for _ in range(f)],
-                                             [generators[i] for i in active for _ in range(f)], width)  # [A * F, k]
-            k = ids.shape[1]
-            rows = torch.tensor(active, device=self.device)
-            all_ids = torch.zeros(len(requests), f, k, dtype=torch.long, device=self.device)
-            all_lp = torch.full((len(requests), f, k), float("-inf"), device=self.device)  # rows never used
-            all_ids.index_copy_(0, rows, ids.view(len(active), f, k))
-            all_lp.index_copy_(0, rows, lp.view(len(active), f, k))
-            levels.append(expand_level(level, frontier, all_ids, all_lp))
-            if q_rows is not None:
-                vocab = q_rows.shape[-1]
-                all_q = q_rows.new_zeros(len(requests), f * k, vocab)
-                level_q.append(all_q.index_copy_(0, rows, q_rows.view(len(active), f * k, vocab)))
-            else:
-                level_q.append(None)
-        trees: list[DraftTree | None] = [None] * len(requests)
-        sampled = [not r.sampling_params.is_greedy for r in requests]
-        for depth, is_sampled in sorted({(dd, s) for dd, s in zip(depths, sampled, strict=True)}):
-            group = [i for i, (dd, s) in enumerate(zip(depths, sampled, strict=True)) if (dd, s) == (depth, is_sampled)]
-            rows = torch.tensor(group, device=self.device)
-            sliced = [TreeLevel(lv.parent_ids.index_select(0, rows), lv.token_ids.index_select(0, rows),
-                                lv.cum_logprobs.index_select(0, rows)) for lv in levels[:depth]]
-            build = build_sampled_trees if is_sampled else build_dynamic_trees
-            built = build([requests[i].last_token_id for i in group], sliced, [num_nodes[i] for i in group])
-            for i, tree in zip(group, built, strict=True):
-                trees[i] = tree
-        probs: list[torch.Tensor | None] = [None] * len(requests)
-        if any(sampled):
-            # pool rows: level 0's candidates first, as `source_ids` index them
-            pool_q = torch.cat([q for q in level_q if q is not None], dim=1)  # [R, P, vocab]
-            for i, tree in enumerate(trees):
-                if sampled[i] and tree.num_nodes > 1:
-                    probs[i] = pool_q[i].index_select(0, torch.tensor(tree.source_ids[1:], device=self.device))
+        root = tree_children(self.head, self._forward(chunks), requests, generators, width)
+
+        def run_level(active: list[int], trees: list[DraftTree], f: int):
+            chunks = [SeqChunk(list(t.token_ids[-f:]), requests[i].num_tokens - 1 + t.num_nodes - f,
+                               requests[i].block_ids, t) for i, t in zip(active, trees, strict=True)]
+            return tree_children(self.head, self._forward(chunks, f), [requests[i] for i in active for _ in range(f)],
+                                 [generators[i] for i in active for _ in range(f)], width)
+
+        drafts, num_forwards = grow_trees(requests, num_nodes, depths, width, root, run_level)
         # Every forward succeeded: the committed tokens' draft KV is valid now.
         for r in requests:
             self.states[r.request_id] = DraftModelState(r.num_tokens)
-        self.timer.add_round(len(requests), time.perf_counter() - t_start, max(depths), catch_up, max(depths))
-        return [Draft(list(t.token_ids[1:]), q, t) for t, q in zip(trees, probs, strict=True)]
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + 1, catch_up, max(depths))
+        return drafts
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:

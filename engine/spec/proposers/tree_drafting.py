@@ -1,0 +1,182 @@
+"""Growing EAGLE-2 dynamic draft trees, level by level, for any drafter that can run new tree
+nodes through its layers (the draft model, one-layer EAGLE and MTP heads).
+
+`grow_trees` owns the level loop; the drafter gives it the root's children and a callback that
+runs one level's new nodes. Level 1 is the root's `width` children; level d + 1 the `width`
+children of each of level d's `width` most probable candidates (by cumulative draft
+log-probability: `select_frontier`). Those frontier nodes are *expanded*: appended, per request,
+to a tree of the root and every node expanded so far, and only they run through the drafter
+(a partial tree, see `engine.model_runner.SeqChunk`): their KV lands in the slots after the
+earlier ones', each sees the committed context, its ancestors and itself. So a level costs one
+forward over `width` rows per request, whatever the depth.
+
+Greedy requests keep the num_nodes[r] best candidates of their first max_depths[r] levels
+(EAGLE-2's reranking, `build_dynamic_trees`): top-k drafts are deterministic given the drafter,
+so they need no q (one-hot q: exact). Sampled requests draw each node's children from q without
+replacement and keep their first num_nodes[r] candidates in level order with no reranking
+(`build_sampled_trees`: a reranking by value would bias the rejection sampler), each node with
+the q it was drawn from (Draft.probs, node order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.request import Request
+from engine.sampler import draw_uniforms, inverse_cdf_sample, probs_from_logits
+from engine.spec.proposers.base import Draft
+from engine.spec.proposers.draft_vocab import DraftLMHead
+from engine.spec.tree import (
+    DraftTree,
+    TreeLevel,
+    build_dynamic_trees,
+    build_sampled_trees,
+    expand_level,
+    first_level,
+    select_frontier,
+)
+
+# (ids [n, k] target token ids, log-probabilities [n, k] float32, q rows [n, k, vocab] or None)
+Children = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Request],
+                  generators: list[torch.Generator | None], k: int) -> Children:
+    """k children of each row of hidden [n, H] (requests[i], generators[i]: row i's), through
+    `head` (over its draft vocabulary; ids come back as target token ids).
+
+    Greedy rows: the draft's k most probable tokens (temperature 1: a ranking). Sampled rows:
+    k draws without replacement from q, the draft's distribution filtered as the target's
+    (temperature, top-k, top-p): child j from q without children 1..j-1, renormalized (the
+    row given for it); the log-probability is log q of the child; a child drawn after q ran
+    out of tokens gets -inf (it is no candidate).
+    """
+    logits = head(hidden)  # [n, V'] float32 over the draft vocabulary
+    device = logits.device
+    k = min(k, logits.shape[-1])
+    lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [n, k]
+    q_rows = None
+    greedy = [r.sampling_params.is_greedy for r in requests]
+    if not all(greedy):
+        params = [r.sampling_params for r in requests]
+        q = probs_from_logits(
+            logits,
+            torch.tensor([max(p.temperature, 1e-5) for p in params], device=device),
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+        )  # [n, V']
+        log_q = q.log()
+        drawn_ids, drawn_lp, rows = [], [], []
+        for _ in range(k):
+            mass = q.sum(dim=-1, keepdim=True)  # [n, 1]
+            valid = mass.squeeze(1) > 0
+            q_j = q / mass.clamp_min(1e-30)
+            token = inverse_cdf_sample(q_j, draw_uniforms([1] * len(requests), generators, device))
+            drawn_ids.append(token)
+            drawn_lp.append(log_q.gather(1, token.unsqueeze(1)).squeeze(1).masked_fill(~valid, float("-inf")))
+            rows.append(q_j)
+            q = q.scatter(1, token.unsqueeze(1), 0.0)
+        sampled = ~torch.tensor(greedy, device=device).unsqueeze(1)  # [n, 1]
+        ids = torch.where(sampled, torch.stack(drawn_ids, dim=1), ids)
+        lp = torch.where(sampled, torch.stack(drawn_lp, dim=1), lp)
+        q_rows = torch.stack(rows, dim=1)  # [n, k, V']
+        if head.token_ids is not None:
+            q_rows = q_rows.new_zeros(*q_rows.shape[:2], head.vocab_size).index_copy_(2, head.token_ids, q_rows)
+    return (ids if head.token_ids is None else head.token_ids[ids]), lp.float(), q_rows
+
+
+def grow_trees(
+    requests: list[Request],
+    num_nodes: list[int],
+    depths: list[int],
+    width: int,
+    root_children: Children,
+    run_level: Callable[[list[int], list[DraftTree], int], Children],
+) -> tuple[list[Draft], int]:
+    """Draft one tree per request (module docstring); returns the drafts and the forwards run.
+
+    root_children: the root's `width` children for every request ([R, k] rows). run_level(active,
+    trees, f): run the last f nodes of trees[j] (the tree of requests[active[j]]: its root and
+    every node expanded so far, in expansion order) through the drafter and return their children
+    ([len(active) * f, k] rows, request by request). depths[r] >= 1 levels per request; the caller
+    caps them by the scratch slots the request's blocks hold (the root and 1 + width * (depth - 1)
+    expanded nodes' KV after it, at most).
+
+    Example, width 2, depth 3: root_children gives level 1 (2 candidates); run_level runs the 2
+    best of them (tree: root + 2 nodes) -> level 2 (4 candidates); then the 2 best of those
+    (tree: root + 4 nodes, 2 new) -> level 3. The greedy tree keeps the num_nodes best of all 8.
+    """
+    ids, lp, q_rows = root_children
+    device = ids.device
+    levels = [first_level(ids, lp)]
+    level_q = [q_rows]  # per level: [R, C, vocab], or None when every request is greedy
+    # per request: the expanded nodes so far (tokens, parents in that list; 0 = the root) and,
+    # per level, candidate index -> its place in that list
+    expanded = [([r.last_token_id], [-1]) for r in requests]
+    place: list[list[dict[int, int]]] = [[] for _ in requests]
+    num_forwards = 0
+    for d in range(1, max(depths)):
+        active = [i for i, depth in enumerate(depths) if depth > d]
+        level = levels[-1]
+        frontier = select_frontier(level, width)  # [R, F]
+        f = frontier.shape[1]
+        table = torch.stack([frontier, level.parent_ids.gather(1, frontier),
+                             level.token_ids.gather(1, frontier)]).tolist()  # [3, R, F]
+        trees = []
+        for i in active:
+            tokens, parents = expanded[i]
+            here = {}
+            for j in range(f):
+                parent = table[1][i][j]
+                here[table[0][i][j]] = len(tokens)
+                parents.append(0 if parent < 0 else place[i][-1][parent])
+                tokens.append(table[2][i][j])
+            place[i].append(here)
+            trees.append(DraftTree(tuple(tokens), tuple(parents), (0.0,) * len(tokens)))
+        ids, lp, q_rows = run_level(active, trees, f)  # [A * F, k]
+        num_forwards += 1
+        k = ids.shape[1]
+        rows = torch.tensor(active, device=device)
+        all_ids = torch.zeros(len(requests), f, k, dtype=torch.long, device=device)
+        all_lp = torch.full((len(requests), f, k), float("-inf"), device=device)  # rows never used
+        all_ids.index_copy_(0, rows, ids.view(len(active), f, k))
+        all_lp.index_copy_(0, rows, lp.view(len(active), f, k))
+        levels.append(expand_level(level, frontier, all_ids, all_lp))
+        if q_rows is not None:
+            vocab = q_rows.shape[-1]
+            all_q = q_rows.new_zeros(len(requests), f * k, vocab)
+            level_q.append(all_q.index_copy_(0, rows, q_rows.view(len(active), f * k, vocab)))
+        else:
+            level_q.append(None)
+    built: list[DraftTree | None] = [None] * len(requests)
+    sampled = [not r.sampling_params.is_greedy for r in requests]
+    for depth, is_sampled in sorted({(dd, s) for dd, s in zip(depths, sampled, strict=True)}):
+        group = [i for i, (dd, s) in enumerate(zip(depths, sampled, strict=True)) if (dd, s) == (depth, is_sampled)]
+        rows = torch.tensor(group, device=device)
+        sliced = [TreeLevel(lv.parent_ids.index_select(0, rows), lv.token_ids.index_select(0, rows),
+                            lv.cum_logprobs.index_select(0, rows)) for lv in levels[:depth]]
+        build = build_sampled_trees if is_sampled else build_dynamic_trees
+        for i, tree in zip(group, build([requests[i].last_token_id for i in group], sliced,
+                                        [num_nodes[i] for i in group]), strict=True):
+            built[i] = tree
+    probs: list[torch.Tensor | None] = [None] * len(requests)
+    if any(sampled):
+        # pool rows: level 0's candidates first, as `source_ids` index them
+        pool_q = torch.cat([q for q in level_q if q is not None], dim=1)  # [R, P, vocab]
+        for i, tree in enumerate(built):
+            if sampled[i] and tree.num_nodes > 1:
+                probs[i] = pool_q[i].index_select(0, torch.tensor(tree.source_ids[1:], device=device))
+    return [Draft(list(t.token_ids[1:]), q, t) for t, q in zip(built, probs, strict=True)], num_forwards
+
+
+def scratch_depths(requests: list[Request], max_depths: list[int], width: int, block_size: int,
+                   root_offset: int = 1) -> list[int]:
+    """max_depths capped so that the expanded nodes fit in the slots the requests' blocks hold
+    after the root (at sequence index num_tokens - root_offset): 1 + width * (depth - 1) nodes
+    in all, the root included."""
+    return [
+        max(1, min(d, 1 + (len(r.block_ids) * block_size - r.num_tokens + root_offset - 1) // width))
+        for r, d in zip(requests, max_depths, strict=True)
+    ]
