@@ -390,7 +390,7 @@ class ModelRunner:
         its last regular token's and then one per draft (a tree's node order)."""
         logits = self.logits(hidden[torch.tensor(rows, device=self.device)], tile)  # [R, vocab]
         if any(s.spec_tree is not None for s in sampling):
-            return self._verify_trees(sampling, logits)
+            return self._verify_trees(sampling, logits, hidden, rows)
         num_draft = [len(s.spec_token_ids) for s in sampling]
         is_greedy = [s.request.sampling_params.is_greedy for s in sampling]
         draft_ids = [t for s in sampling for t in s.spec_token_ids]
@@ -421,10 +421,12 @@ class ModelRunner:
             logits, temp.repeat_interleave(rep), top_k.repeat_interleave(rep), top_p.repeat_interleave(rep)
         )
 
-    def _verify_trees(self, sampling, logits: torch.Tensor) -> list[list[int]]:
+    def _verify_trees(self, sampling, logits: torch.Tensor, hidden: torch.Tensor, rows: list[int]) -> list[list[int]]:
         """`_sample` for a step with a token tree: every request's drafts as a tree (a chain as
         `chain_tree`, a request without drafts as a lone root), verified by
-        `tree_rejection_sample`; then the KV of each accepted path moves into place.
+        `tree_rejection_sample`; then the KV of each accepted path moves into place, and so do
+        its rows of the step's hidden states (and auxiliary layers' states) for the drafters that
+        read them: after the step, a request's committed rows are its first ones, as for a chain.
 
         Request r's root is its last regular token, at sequence index p0 (its node i sits at
         p0 + i); the accepted nodes a_1..a_L move to p0 + 1..p0 + L (`accepted_kv_moves`).
@@ -444,25 +446,39 @@ class ModelRunner:
             if any(s.spec_token_ids and s.request.request_id in self.draft_probs for s in sampling):
                 # some drafts come with the q they were drawn from: every node needs a row
                 vocab = logits.shape[-1]
-                rows = []
+                q_rows = []
                 for s in sampling:
-                    rows.append(torch.zeros(1, vocab, device=self.device))  # the root's (unused)
+                    q_rows.append(torch.zeros(1, vocab, device=self.device))  # the root's (unused)
                     if s.spec_token_ids:
-                        rows.append(_draft_probs(s, self.draft_probs.get(s.request.request_id), vocab, self.device))
-                draft_probs = torch.cat(rows, dim=0)  # [sum num_nodes, vocab]
+                        q_rows.append(_draft_probs(s, self.draft_probs.get(s.request.request_id), vocab, self.device))
+                draft_probs = torch.cat(q_rows, dim=0)  # [sum num_nodes, vocab]
         generators = [self._generator(s.request) for s in sampling]
         accepted = tree_rejection_sample(num_nodes, parent_ids, node_ids, argmax, target_probs, draft_probs,
                                          is_greedy, generators)
         src: list[int] = []
         dst: list[int] = []
-        for s, acc in zip(sampling, accepted, strict=True):
+        row_src: list[int] = []
+        row_dst: list[int] = []
+        base = 0  # the request's root row in `rows`
+        for s, acc, n in zip(sampling, accepted, num_nodes, strict=True):
             if s.spec_tree is not None:
                 r = s.request
                 p0 = r.num_computed_tokens + s.num_new_tokens - 1
                 moves = accepted_kv_moves(acc.node_ids, p0, r.block_ids, self.block_size)
                 src.extend(moves[0])
                 dst.extend(moves[1])
+                for depth, node in enumerate(acc.node_ids, start=1):
+                    if node != depth:
+                        row_src.append(rows[base + node])
+                        row_dst.append(rows[base + depth])
+            base += n
         move_kv(self.kv_caches, src, dst)  # (the requests' slots are disjoint: one call for all)
+        if row_src:
+            index_src = torch.tensor(row_src, device=self.device)
+            index_dst = torch.tensor(row_dst, device=self.device)
+            for states in (hidden, self.model.aux_hidden_states if self.model.aux_layer_ids else None):
+                if states is not None:
+                    states.index_copy_(0, index_dst, states.index_select(0, index_src))
         return [acc.token_ids for acc in accepted]
 
 

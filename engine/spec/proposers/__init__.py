@@ -19,7 +19,8 @@ def make_proposer(config: SpeculativeConfig, runner):
     if config.method == "eagle":
         from engine.spec.proposers.eagle import EagleProposer
 
-        return EagleProposer(config.model, runner, config.draft_vocab_size, config.num_speculative_tokens)
+        return EagleProposer(config.model, runner, config.draft_vocab_size, config.num_speculative_tokens,
+                             config.tree_width)
     if config.method == "eagle3":
         from engine.spec.proposers.eagle3 import Eagle3Proposer
 
@@ -31,7 +32,8 @@ def make_proposer(config: SpeculativeConfig, runner):
     if config.method == "mtp":
         from engine.spec.proposers.mtp import MTPProposer
 
-        return MTPProposer(config.model, runner, config.draft_vocab_size, config.num_speculative_tokens)
+        return MTPProposer(config.model, runner, config.draft_vocab_size, config.num_speculative_tokens,
+                           config.tree_width)
     raise ValueError(f"unknown speculative method {config.method!r}")
 
 

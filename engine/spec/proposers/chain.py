@@ -47,6 +47,7 @@ from engine.request import Request
 from engine.spec.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, may_draft
 from engine.spec.proposers.draft_vocab import DraftLMHead
 from engine.spec.proposers.features import HiddenRows, append_rows, committed_hidden, import_hidden_rows
+from engine.spec.tree import DraftTree
 
 BUFFER_ROWS = 16  # target rows a request may buffer between steps (k + 1 if larger)
 
@@ -60,8 +61,9 @@ class ChainProposer(Proposer):
     needs_hidden_states = True
     name = ""  # in messages: "EAGLE", "MTP"
 
-    def __init__(self, runner, num_speculative_tokens: int) -> None:
+    def __init__(self, runner, num_speculative_tokens: int, tree_width: int = 4) -> None:
         super().__init__()
+        self.tree_width = tree_width  # children per expanded node, and nodes expanded per level
         self.states: dict[str, HiddenRows] = {}
         self.max_buffered_rows = max(BUFFER_ROWS, num_speculative_tokens + 1)
         self.device, self.dtype = runner.device, runner.dtype
@@ -270,10 +272,13 @@ class ChainProposer(Proposer):
     def _sample(self, m: int, feats: torch.Tensor, requests: list[Request], generators):
         return self.heads[m].sample(self._head_input(m, feats), requests, generators)
 
-    @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
-        t_start = time.perf_counter()
-        num_modules = len(self.layers)
+    @property
+    def supports_tree(self) -> bool:
+        """Trees need one module applied recursively (EAGLE-1, an MTP checkpoint with one layer):
+        a tree node's element pairs its parent's output with its token, at any depth."""
+        return len(self.layers) == 1
+
+    def _check_states(self, requests: list[Request]) -> list[HiddenRows]:
         states = []
         for r in requests:
             n = r.num_tokens
@@ -284,6 +289,56 @@ class ChainProposer(Proposer):
                     f"{n - 2}, it buffers {None if state is None else (state.start, state.end)}"
                 )
             states.append(state)
+        return states
+
+    @torch.inference_mode()
+    def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
+                      context: ProposeContext) -> list[Draft]:
+        """Dynamic trees (`tree_drafting.grow_trees`) of the one module: the catch-up's last
+        output (position n - 2, n = the request's tokens) gives the root's children; a tree
+        node's element pairs its parent's output (the root's: that last output) with its token,
+        at slot n - 2 + its index in the expanded tree and RoPE position by depth. Each level runs
+        its new nodes only, as a partial tree whose root is the committed element at n - 2.
+        Like a chain's, the elements of drafts are scratch: the next round's catch-up runs over
+        the accepted path's target rows (the runner moves them into place)."""
+        from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_children
+
+        t_start = time.perf_counter()
+        width = self.tree_width
+        states = self._check_states(requests)
+        catch_up = max(r.num_tokens - 1 - st.start for r, st in zip(requests, states, strict=True))
+        new, last, num_forwards = self._catch_up(requests, states, [r.num_tokens for r in requests])
+        generators = context.generators_for(requests)
+        depths = scratch_depths(requests, max_depths, width, self.block_size, root_offset=2)
+        outputs = list(last.unsqueeze(1))  # per request: the output of each expanded node (the root's first)
+        root = tree_children(self.head, self._head_input(0, last), requests, generators, width)
+
+        def run_level(active: list[int], trees: list[DraftTree], f: int):
+            chunks, tokens, feats = [], [], []
+            for i, t in zip(active, trees, strict=True):
+                r = requests[i]
+                chunks.append(SeqChunk([0] * f, r.num_tokens - 2 + t.num_nodes - f, r.block_ids, t))
+                tokens.extend(t.token_ids[-f:])
+                feats.append(outputs[i][list(t.parents[-f:])])
+            out = self._forward(0, chunks, tokens, torch.cat(feats))  # [A * f, H]
+            for i, o in zip(active, out.split(f), strict=True):
+                outputs[i] = torch.cat([outputs[i], o])
+            return tree_children(self.head, self._head_input(0, out), [requests[i] for i in active for _ in range(f)],
+                                 [generators[i] for i in active for _ in range(f)], width)
+
+        drafts, level_forwards = grow_trees(requests, num_nodes, depths, width, root, run_level)
+        # Every forward succeeded: the module's KV holds the final elements now.
+        for r, st in zip(requests, new, strict=True):
+            self.states[r.request_id] = st
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + level_forwards,
+                             catch_up, max(depths))
+        return drafts
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        t_start = time.perf_counter()
+        num_modules = len(self.layers)
+        states = self._check_states(requests)
         catch_up = max(
             n - 1 - st.start for n, st in zip([r.num_tokens for r in requests], states, strict=True)
         )

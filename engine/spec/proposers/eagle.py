@@ -44,9 +44,10 @@ class EagleProposer(ChainProposer):
     name = "EAGLE"
 
     def __init__(
-        self, model_dir: str, runner, draft_vocab_size: int | None = None, num_speculative_tokens: int = 1
+        self, model_dir: str, runner, draft_vocab_size: int | None = None, num_speculative_tokens: int = 1,
+        tree_width: int = 4,
     ) -> None:
-        super().__init__(runner, num_speculative_tokens)
+        super().__init__(runner, num_speculative_tokens, tree_width)
         cfg = read_config(model_dir)
         w = load_tensors(model_dir, ("pytorch_model.bin",))
         t = runner.arch

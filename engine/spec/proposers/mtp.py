@@ -102,8 +102,9 @@ class MTPProposer(ChainProposer):
         runner,
         draft_vocab_size: int | None = None,
         num_speculative_tokens: int = 1,
+        tree_width: int = 4,
     ) -> None:
-        super().__init__(runner, num_speculative_tokens)
+        super().__init__(runner, num_speculative_tokens, tree_width)
         target_dir = resolve_mtp_dir(model_dir, runner.model_dir)
         cfg = read_config(target_dir)
         num_modules = cfg.get("num_nextn_predict_layers")

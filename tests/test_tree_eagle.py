@@ -1,0 +1,177 @@
+"""Token trees drafted by EAGLE-1 and by a one-layer native MTP checkpoint (DeepSeek-V3 layout).
+
+Each tree's draft log-probabilities equal a reference forward without a cache (the target's
+features from transformers, the head run along each node's path: training.heads for EAGLE, the
+MTP equations of test_mtp_native), across rounds where accepted paths leave the chain positions
+(so the target's KV and hidden rows of the accepted nodes must have moved into place); greedy
+output equals the target alone in mixed batches and under preemption; sampled output follows the
+target's distribution."""
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+import transformers
+from helpers import assert_no_leaked_blocks, save_tiny_heads, save_tiny_model
+from test_mtp_native import add_mtp_layers, reference_drafts
+from test_speculative import NUM_NEW, NUM_SAMPLES, VOCAB, _chi_square_p_value, _exact_distribution
+from test_tree_engine import GREEDY as GREEDY_20
+from test_tree_engine import MIXED_PARAMS, MIXED_PROMPTS, PLAIN, run_mixed
+
+import engine.model_runner as model_runner
+from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
+from training.heads import load_eagle_head
+
+SMALL_VOCAB = 12  # trees cover much of it: paths off the chain positions are accepted often
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+TREE = dict(adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
+
+
+def _with_vocab(vocab: int, fn):
+    import helpers
+
+    old = helpers.TINY["vocab_size"]
+    helpers.TINY["vocab_size"] = vocab
+    try:
+        return fn()
+    finally:
+        helpers.TINY["vocab_size"] = old
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree_eagle")
+    target = save_tiny_model(str(root / "target"), "llama", vocab_size=SMALL_VOCAB)
+    eagle, _ = _with_vocab(SMALL_VOCAB, lambda: save_tiny_heads(str(root), target, seed=2, scale=2.0))
+    mtp = add_mtp_layers(save_tiny_model(str(root / "mtp"), "llama", vocab_size=SMALL_VOCAB), "deepseek", 1,
+                         own_head=True, seed=1, scale=1.0)
+    prompts = [[(3 * i + j * j) % SMALL_VOCAB for j in range(9 + 2 * i)] for i in range(len(MIXED_PROMPTS))]
+    return {"target": target, "eagle": eagle, "mtp": mtp, "prompts": prompts}
+
+
+def spec_for(setup, method: str, **kw) -> tuple[str, SpeculativeConfig]:
+    """(the target folder, the tree config) of a method; MTP's layers live in its own target."""
+    if method == "eagle":
+        return setup["target"], SpeculativeConfig(method="eagle", model=setup["eagle"], **(TREE | kw))
+    return setup["mtp"], SpeculativeConfig(method="mtp", **(TREE | kw))
+
+
+@functools.cache
+def _eagle_reference(target: str, head: str):
+    return (transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(),
+            load_eagle_head(head))
+
+
+def eagle_path_logprobs(setup, tokens: list[int], path: list[int]) -> list[torch.Tensor]:
+    """The EAGLE head's log-probabilities after the root and after each prefix of `path`, with no
+    cache: element j pairs the target's h_j with token j + 1 (RoPE position j + 1); a drafted
+    token's element pairs the head's previous output with it."""
+    ref, head = _eagle_reference(setup["target"], setup["eagle"])
+    seq, n = list(tokens) + list(path), len(tokens)
+    rows = []
+    with torch.no_grad():
+        feats = ref.model(torch.tensor([tokens])).last_hidden_state[0, : n - 1]
+        for _ in range(len(path) + 1):
+            m = feats.shape[0]
+            out = head(ref.model.embed_tokens(torch.tensor([seq[1 : m + 1]])), feats.unsqueeze(0),
+                       torch.arange(1, m + 1).unsqueeze(0))[0, -1]
+            rows.append(torch.log_softmax(ref.lm_head(out), -1))
+            feats = torch.cat([feats, out.unsqueeze(0)])
+    return rows
+
+
+def mtp_path_logprobs(setup, tokens: list[int], path: list[int]) -> list[torch.Tensor]:
+    _, q = reference_drafts(setup["mtp"], tokens, len(path) + 1, forced=list(path) + [0], temperature=1.0)
+    return list(q.log())
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_tree_drafts_match_reference(setup, method, monkeypatch):
+    """Every drafted tree: each node's cumulative draft log-probability is the reference's along
+    its path, and each node's children are among its reference top-`tree_width`. Over rounds
+    that accepted nodes off the chain positions (their KV and hidden rows moved)."""
+    target, spec = spec_for(setup, method)
+    engine = LLMEngine(target, dtype="float32", device="cpu", speculative=spec)
+    proposer = engine.speculator.proposer
+    recorded = []
+    propose_trees = proposer.propose_trees
+
+    def spy(requests, num_nodes, max_depths, context):
+        drafts = propose_trees(requests, num_nodes, max_depths, context)
+        recorded.extend(([r.token_at(p) for p in range(r.num_tokens)], d.tree) for r, d in zip(requests, drafts, strict=True))
+        return drafts
+
+    monkeypatch.setattr(proposer, "propose_trees", spy)
+    moved = []
+    real_moves = model_runner.accepted_kv_moves
+    monkeypatch.setattr(model_runner, "accepted_kv_moves", lambda *a: moved.append(real_moves(*a)) or moved[-1])
+    run_mixed(engine, setup["prompts"][:2], [GREEDY] * 2, [0, 1])
+    assert any(src for src, _ in moved), "no accepted path left the chain positions: the test checks no moves"
+    reference = eagle_path_logprobs if method == "eagle" else mtp_path_logprobs
+    checked = 0
+    for tokens, tree in recorded:
+        for node in range(1, tree.num_nodes):
+            path = [tree.token_ids[i] for i in tree.path_to(node)]
+            rows = reference(setup, tokens, path)
+            expected = sum(float(rows[j][t]) for j, t in enumerate(path))
+            assert tree.cum_logprobs[node] == pytest.approx(expected, abs=1e-4), (tokens, tree, node)
+            top = set(rows[-2].topk(spec.tree_width).indices.tolist())
+            assert path[-1] in top
+            checked += 1
+    assert checked >= 40
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_greedy_tree_equals_target_mixed_and_preempted(setup, method):
+    """Trees, chains and non-speculative requests in the same steps with a budget that cuts
+    trees; then a small KV cache that preempts."""
+    target, spec = spec_for(setup, method)
+    prompts, arrivals = setup["prompts"], [0, 0, 1, 2, 3, 5, 8]
+    base = LLMEngine(target, dtype="float32", device="cpu")
+    expected, _ = run_mixed(base, prompts, [PLAIN] * len(prompts), arrivals)
+    engine = LLMEngine(target, dtype="float32", device="cpu", speculative=spec, max_num_batched_tokens=24)
+    outs, _ = run_mixed(engine, prompts, MIXED_PARAMS, arrivals)
+    assert outs == expected
+    assert engine.spec_stats.num_accepted_tokens > 0
+    small = LLMEngine(target, dtype="float32", device="cpu", speculative=spec, block_size=4,
+                      kv_cache_memory_bytes=20 * 4 * 2 * 2 * 2 * 16 * 4 * 2, max_model_len=60)
+    outs, _ = run_mixed(small, prompts, [GREEDY_20] * len(prompts), arrivals)
+    assert small.scheduler.num_preemptions > 0
+    assert outs == expected
+
+
+def test_mtp_with_several_layers_drafts_chains_only(setup, tmp_path):
+    target = add_mtp_layers(save_tiny_model(str(tmp_path / "mtp2"), "llama"), "deepseek", 2)
+    with pytest.raises(ValueError, match="chains only"):
+        LLMEngine(target, dtype="float32", device="cpu", speculative=SpeculativeConfig(method="mtp", **TREE))
+
+
+@pytest.fixture(scope="module")
+def vocab3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree_eagle_v3")
+    target = save_tiny_model(str(root / "t"), "llama", vocab_size=VOCAB)
+    eagle, _ = _with_vocab(VOCAB, lambda: save_tiny_heads(str(root), target, seed=3, scale=3.0))
+    return target, eagle
+
+
+def test_sampled_eagle_tree_distribution_matches_target(vocab3):
+    """Chi-square goodness of fit of 3000 samples of (x1..x4) against the target's exact joint
+    distribution; tree children drawn from the head's q without replacement, every other request
+    a chain. Fails when p < 1e-4 (false-failure probability 1e-4; fixed seed, reproducible)."""
+    target, eagle = vocab3
+    prompt = [0, 1, 2, 1, 0, 1, 2, 1, 0]
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)
+    torch.manual_seed(1234)
+    spec = SpeculativeConfig(method="eagle", model=eagle, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
+    llm = LLM(target, dtype="float32", device="cpu", speculative=spec, max_num_seqs=512)
+    chain = dataclasses.replace(params, num_speculative_tokens=2)
+    outs = llm.generate([prompt] * NUM_SAMPLES, [params if i % 2 else chain for i in range(NUM_SAMPLES)])
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert_no_leaked_blocks(llm.engine)
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    p = _chi_square_p_value(counts, _exact_distribution(target, prompt, params), NUM_SAMPLES)
+    assert p > 1e-4, f"EAGLE tree samples do not follow the target distribution (p={p:.2e})"
