@@ -76,8 +76,11 @@ class SpeculativeConfig:
     greedy request: the drafter's top-k, then EAGLE-2's `tree_nodes` most probable candidates by
     cumulative draft probability; a sampled request: draws from the drafter's q without
     replacement, the first `tree_nodes` in level order).
-    Trees need method "draft", "eagle" or "mtp" (with one MTP layer, applied recursively) and
-    adaptive=False (the adaptive policy sizes chains only). See docs/architecture.md, "Tree speculation".
+    Trees need method "draft", "eagle" or "mtp" (with one MTP layer, applied recursively). With
+    `adaptive`, each step chooses trees, chains (their adaptive k) or no drafts by predicted
+    tokens/s (the measured step costs and acceptance; trees are probed every 16 steps while
+    their prediction is within 80% of the chain's); with adaptive=False every decoding request
+    drafts the configured tree every step. See docs/architecture.md, "Tree speculation".
     """
 
     method: str = "draft"
@@ -150,9 +153,4 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"the drafter grows a tree over 1 + (tree_depth - 1) * tree_width = {scratch} query tokens, "
                     f"at most {MAX_TREE_NODES + 1}: lower tree_depth ({self.tree_depth}) or tree_width ({self.tree_width})"
-                )
-            if self.adaptive:
-                raise ValueError(
-                    "tree speculation does not adapt yet (the adaptive policy sizes chains only): "
-                    "set adaptive=False, or tree_nodes=0 for adaptive chains"
                 )

@@ -338,7 +338,8 @@ class LLMEngine:
         for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
             if s.spec_token_ids and tokens:
                 record.accepted[s.request.request_id] = (len(s.spec_token_ids), len(tokens) - 1)
-                self.spec_stats.record(len(s.spec_token_ids), len(tokens) - 1)
+                self.spec_stats.record(len(s.spec_token_ids), len(tokens) - 1,
+                                       None if s.spec_tree is None else max(s.spec_tree.depths))
                 s.request.spec_stats.verify_time_s += verify_s
         if record.num_spec_requests:
             self.spec_stats.verify_time_s += verify_s

@@ -48,6 +48,12 @@ class SpecStats:
     drafted_by_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    # token trees (SpeculativeConfig.tree_nodes): verifications of a tree, their draft nodes and
+    # accepted tokens (also counted above). For a tree, "position" i above is depth i + 1: a tree
+    # of depth d counts once at positions 0..d-1, its accepted path at 0..accepted-1.
+    num_tree_steps: int = 0
+    num_tree_nodes: int = 0
+    num_tree_accepted_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -60,10 +66,17 @@ class SpecStats:
             return 0.0
         return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def record(self, num_draft: int, num_accepted: int, tree_depth: int | None = None) -> None:
+        """One verification of num_draft drafts (a chain, or a tree of that many nodes and
+        `tree_depth` levels) of which num_accepted were accepted."""
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         self.num_verify_steps += 1
+        if tree_depth is not None:
+            self.num_tree_steps += 1
+            self.num_tree_nodes += num_draft
+            self.num_tree_accepted_tokens += num_accepted
+            num_draft = tree_depth
         while len(self.drafted_by_position) < num_draft:
             self.drafted_by_position.append(0)
             self.accepted_by_position.append(0)
@@ -78,6 +91,9 @@ class SpecStats:
         self.num_verify_steps += other.num_verify_steps
         self.draft_time_s += other.draft_time_s
         self.verify_time_s += other.verify_time_s
+        self.num_tree_steps += other.num_tree_steps
+        self.num_tree_nodes += other.num_tree_nodes
+        self.num_tree_accepted_tokens += other.num_tree_accepted_tokens
         for name in ("drafted_by_position", "accepted_by_position"):
             mine, theirs = getattr(self, name), getattr(other, name)
             while len(mine) < len(theirs):
@@ -96,6 +112,9 @@ class SpecStats:
             "drafted_by_position": list(self.drafted_by_position),
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
+            "num_tree_steps": self.num_tree_steps,
+            "num_tree_nodes": self.num_tree_nodes,
+            "num_tree_accepted_tokens": self.num_tree_accepted_tokens,
         }
 
 

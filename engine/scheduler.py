@@ -236,7 +236,8 @@ class Scheduler:
             num_accepted = len(tokens) - 1
             request.num_computed_tokens += sched.num_new_tokens + num_accepted
             if num_spec:
-                request.spec_stats.record(num_spec, num_accepted)
+                request.spec_stats.record(num_spec, num_accepted,
+                                          None if sched.spec_tree is None else max(sched.spec_tree.depths))
             request.spec_token_ids = []
             request.spec_tree = None
             new_tokens: list[int] = []

@@ -174,8 +174,7 @@ def test_row_kernel_tree_attention_matches_masked_torch():
 
 
 def test_tree_config_errors(models):
-    with pytest.raises(ValueError, match="adaptive=False"):
-        SpeculativeConfig(method="draft", model="m", tree_nodes=8)
+    assert SpeculativeConfig(method="draft", model="m", tree_nodes=8).adaptive  # trees adapt too
     with pytest.raises(ValueError, match="needs method"):
         SpeculativeConfig(method="ngram", adaptive=False, tree_nodes=8)
     with pytest.raises(ValueError, match=r"tree_nodes must be an integer in \[0, 63\]"):
@@ -281,3 +280,58 @@ def test_broken_tree_sampler_is_detected(small_vocab, monkeypatch):  # noqa: F81
     counts, _ = _sample_counts(target, drafter, TEMPERATURE_1)
     p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, TEMPERATURE_1), NUM_SAMPLES)
     assert p < 1e-4
+
+
+# --- the adaptive choice between trees and chains -----------------------------------------------
+
+
+def test_adaptive_trees_equal_target_and_are_chosen_when_cheap(models, baseline):
+    """adaptive=True with trees: greedy output still equals the target alone. With a cost model
+    where verifying more tokens costs nothing extra (as at small batch on a GPU), the policy drafts
+    trees; where each verified token costs a whole step, it drafts chains."""
+    from engine.spec.speculator import StepCostModel
+
+    # chains of at most 2 drafts, trees of depth 4; drafting costs next to nothing (stubbed)
+    spec = SpeculativeConfig(model=models["close"], num_speculative_tokens=2, **(TREE | {"adaptive": True}))
+    for slope, expect_trees in ((0.0, True), (1.0, False)):
+        engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec)
+        sp = engine.speculator
+        qs = [1, 2, 3, 5, 9]
+        sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + slope * (q - 1)) for q in qs]] * 2)
+        sp.observe_step_time = lambda sched, seconds: None  # keep the fake model's calibration (1)
+        sp.proposer.step_cost = lambda n, k: 1e-6 * k
+        sp.tree_draft_time = lambda n, depth: 1e-6 * depth
+        outs, _ = run_mixed(engine, MIXED_PROMPTS[:3], [GREEDY] * 3, [0, 0, 1])
+        assert outs == {f"r{i}": baseline[f"r{i}"] for i in range(3)}
+        if expect_trees:
+            assert sp.num_tree_steps > 0 and sp.num_tree_steps >= sp.num_steps_on - 1
+        else:
+            assert sp.num_steps_on > sp.num_tree_steps  # chains (trees at most on rare probes)
+            assert sp.num_tree_steps <= sp.num_steps_on // 8
+
+
+def test_tree_choice_follows_the_predicted_rate(models):
+    """`_trees_pay` compares tokens/s: trees accepting 3 drafts beat chains accepting ~1.6 when
+    verification is flat, lose when it is steep; measured tree acceptance moves the choice."""
+    from engine.request import Request
+    from engine.spec.speculator import StepCostModel
+
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu",
+                       speculative=SpeculativeConfig(model=models["target"], **(TREE | {"adaptive": True})))
+    sp = engine.speculator
+    reqs = []
+    for i in range(2):
+        r = Request(f"q{i}", list(range(1, 30)), GREEDY)
+        r.block_ids = list(range(8 * i, 8 * i + 8))
+        reqs.append(r)
+    qs = [1, 2, 3, 5, 9]
+    sp.proposer.step_cost = lambda n, k: 1e-5 * k
+    sp.cost = StepCostModel([1, 4], qs, [[1e-3] * 5] * 2)  # flat
+    assert sp._trees_pay(reqs, step_index=1)
+    sp.cost = StepCostModel([1, 4], qs, [[1e-3 * q for q in qs]] * 2)  # each token a step
+    assert not sp._trees_pay(reqs, step_index=1)
+    sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + 0.05 * (q - 1)) for q in qs]] * 2)  # mild slope
+    assert sp._trees_pay(reqs, step_index=1)
+    for _ in range(2000):  # trees that accept nothing
+        sp.tree_acceptance.observe(0)
+    assert not sp._trees_pay(reqs, step_index=1)

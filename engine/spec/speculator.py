@@ -39,6 +39,9 @@ REQUEST_PRIOR_TRIALS = 4.0  # weight of the engine-wide rate in a request's own 
 # a smaller predicted gain is a coin flip that costs the variance of speculating.
 MIN_GAIN = 1.03
 GLOBAL_DECAY = 1.0 / 256  # engine-wide counts forget with a horizon of ~256 verifications
+TREE_PROBE_EVERY = 16  # with adaptive trees, a step drafts trees this often even where chains pay more,
+TREE_PROBE_WITHIN = 0.8  # if the trees' predicted tokens/s is at least this fraction of the chain's
+TREE_PRIOR_ACCEPTED = 3.0  # accepted drafts per tree verification assumed before the first one
 
 
 class StepCostModel:
@@ -78,25 +81,30 @@ class StepCostModel:
 
 
 class StepCalibration:
-    """Measured step time / the cost model's prediction, for decode steps with drafts ("on") and
-    without ("off"), as `BucketedMedians` per side. A side with no sample yet borrows the other
-    side's ratio (then only the model's shape decides); with none at all the ratio is 1."""
+    """Measured step time / the cost model's prediction, for decode steps with drafts ("on"),
+    without ("off") and with token trees ("tree": a tree's verification also pays its mask and
+    per-token attention tables), as `BucketedMedians` per side. A side with no sample yet borrows
+    another's ratio (tree: on, then off; on: off; off: on; then only the model's shape decides);
+    with none at all the ratio is 1."""
+
+    FALLBACK = {False: (False, True), True: (True, False), "tree": ("tree", True, False)}
 
     def __init__(self) -> None:
-        self.sides = {False: BucketedMedians(), True: BucketedMedians()}
+        self.sides = {False: BucketedMedians(), True: BucketedMedians(), "tree": BucketedMedians()}
 
-    def add(self, num_requests: int, speculating: bool, ratio: float) -> None:
+    def add(self, num_requests: int, speculating: bool | str, ratio: float) -> None:
         self.sides[speculating].add(num_requests, ratio)
 
-    def ratio(self, num_requests: int, speculating: bool) -> float:
-        for side in (speculating, not speculating):
+    def ratio(self, num_requests: int, speculating: bool | str) -> float:
+        for side in self.FALLBACK[speculating]:
             measured = self.sides[side].median(num_requests)
             if measured is not None:
                 return measured
         return 1.0
 
     def as_dict(self) -> dict:
-        return {f"{'on' if on else 'off'}@{b}": m for on, side in self.sides.items() for b, m in side.as_dict().items()}
+        names = {False: "off", True: "on", "tree": "tree"}
+        return {f"{names[k]}@{b}": m for k, side in self.sides.items() for b, m in side.as_dict().items()}
 
 
 class AcceptanceModel:
@@ -177,6 +185,25 @@ class AcceptanceModel:
         return 1.0 + sum(self.accept_probs(request, k))
 
 
+class TreeAcceptance:
+    """Accepted drafts per tree verification, engine-wide, as counts that decay like
+    `AcceptanceModel`'s (~256 verifications), shrunk toward a prior of TREE_PRIOR_ACCEPTED with
+    PRIOR_TRIALS pseudo-verifications (an optimistic prior: the first trees are tried, then
+    measured)."""
+
+    def __init__(self) -> None:
+        self.accepted = 0.0
+        self.trials = 0.0
+
+    def observe(self, num_accepted: int) -> None:
+        keep = 1.0 - GLOBAL_DECAY
+        self.accepted = keep * self.accepted + num_accepted
+        self.trials = keep * self.trials + 1.0
+
+    def mean(self) -> float:
+        return (self.accepted + PRIOR_TRIALS * TREE_PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
+
+
 class Speculator:
     """The speculation policy and the proposer it drives. Per request it keeps nothing but the
     proposer's states (the acceptance counts are plain data on the `Request`)."""
@@ -196,8 +223,11 @@ class Speculator:
         self.cost: StepCostModel | None = None
         self.calibration = StepCalibration()
         self.acceptance = AcceptanceModel(config.acceptance_ema_alpha)
+        self.tree_acceptance = TreeAcceptance()
+        self.tree_rounds = BucketedMedians()  # seconds of a tree drafting round, by batch size
         self.num_steps_off = 0
         self.num_steps_on = 0
+        self.num_tree_steps = 0  # steps whose drafts were trees (also counted in num_steps_on)
 
     # --- delegation -------------------------------------------------------------------------
     @property
@@ -286,6 +316,8 @@ class Speculator:
         predicted = self.cost(len(sched.scheduled), sched.num_batched_tokens)
         if predicted > 0:
             speculating = any(s.spec_token_ids for s in sched.scheduled)
+            if any(s.spec_tree is not None for s in sched.scheduled):
+                speculating = "tree"
             self.calibration.add(len(sched.scheduled), speculating, seconds / predicted)
 
     # --- per-request k ----------------------------------------------------------------------
@@ -328,6 +360,9 @@ class Speculator:
         return (verify + draft) / base
 
     def best_cap(self, num_decoding: int, requests: list[Request], ks: list[int]) -> int:
+        return self.best_chain(num_decoding, requests, ks)[0]
+
+    def best_chain(self, num_decoding: int, requests: list[Request], ks: list[int]) -> tuple[int, float]:
         """The uniform cap c on k (0 = no drafts this step) that maximizes expected tokens/s.
 
         Rate(c) = (non-speculating tokens + sum_i E[tokens of request i | min(k_i, c) drafts]) /
@@ -336,7 +371,7 @@ class Speculator:
         a c > 0 must beat c = 0 by MIN_GAIN.
         """
         if self.cost is None:
-            return max(ks)
+            return max(ks), 0.0
         off = self.calibration.ratio(num_decoding, False)
         on = self.calibration.ratio(num_decoding, True)
         best_c, best_rate = 0, MIN_GAIN * num_decoding / (off * self.cost(num_decoding, num_decoding))
@@ -347,7 +382,7 @@ class Speculator:
             tokens = num_decoding + sum(sum(p[:k]) for p, k in zip(probs, capped, strict=True))
             if tokens / time_s > best_rate:
                 best_c, best_rate = c, tokens / time_s
-        return best_c
+        return best_c, best_rate
 
     # --- the per-step entry point -----------------------------------------------------------
     def propose_for_step(
@@ -364,12 +399,15 @@ class Speculator:
         self.proposer.observe_step(sched, runner_out)
         for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
             if s.spec_token_ids and tokens:
-                self.update_acceptance(s.request, len(s.spec_token_ids), len(tokens) - 1)
+                if s.spec_tree is not None:
+                    self.tree_acceptance.observe(len(tokens) - 1)
+                else:
+                    self.update_acceptance(s.request, len(s.spec_token_ids), len(tokens) - 1)
         scheduled_ids = {s.request.request_id for s in sched.scheduled}
         decoding = [r for r in running if r.request_id in scheduled_ids and r.is_decoding]
         if not decoding:
             return {}
-        if self.config.uses_tree:
+        if self.config.uses_tree and (not self.config.adaptive or self._trees_pay(decoding, step_index)):
             return self._propose_trees(running, decoding, scheduled_ids, context)
         ks = [self.choose_k(r, step_index) for r in decoding]
         candidates = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
@@ -413,14 +451,63 @@ class Speculator:
             drafts = [drafts[i] for i in keep]
         return {r.request_id: d for r, d in zip(requests, drafts, strict=True) if d.token_ids}
 
+    def _tree_plan(self, r: Request) -> tuple[int, int]:
+        """(nodes, levels) of the tree request r would draft (before the step's token budget)."""
+        depth = self.max_k(r, self.config.tree_depth)
+        nodes = min(self.config.tree_nodes, self.max_model_len - r.num_tokens - 1)
+        return nodes, min(depth, nodes)
+
+    def _trees_pay(self, decoding: list[Request], step_index: int) -> bool:
+        """The adaptive choice between trees and chains (`SpeculativeConfig.tree_nodes` with
+        `adaptive`): trees for this step's decoding requests iff their predicted tokens/s beat the
+        best chain cap's (`best_chain`, which also covers no drafts), or every TREE_PROBE_EVERY
+        steps while their predicted rate is within TREE_PROBE_WITHIN of the chain's (a probe keeps
+        the tree's acceptance and costs measured; a hopeless tree, e.g. at a large batch, is not
+        probed).
+
+        Trees: tokens = sum over requests of 1 + E[accepted] (`TreeAcceptance`, scaled by how
+        much easier the request's text is than average, at most its depth); time = the target
+        step over every request's root and nodes (the cost model times the tree side's measured
+        calibration) + the tree drafting rounds' measured time at this batch size. A request that
+        sets its own num_speculative_tokens drafts a chain either way."""
+        if self.cost is None:
+            return True
+        trees = [r for r in decoding if r.sampling_params.num_speculative_tokens is None]
+        plans = [self._tree_plan(r) for r in trees]
+        plans = [(r, n, d) for r, (n, d) in zip(trees, plans, strict=True) if n > 0 and d > 0]
+        if not plans:
+            return False
+        b = len(decoding)
+        engine_rate = max(self.acceptance.engine_rate(), 1e-6)
+        tokens = b + sum(min(d, self.tree_acceptance.mean() * self.acceptance.request_rate(r) / engine_rate)
+                         for r, _, d in plans)
+        time_s = (self.calibration.ratio(b, "tree") * self.cost(b, b + sum(n for _, n, _ in plans))
+                  + self.tree_draft_time(len(plans), max(d for _, _, d in plans)))
+        ks = [self.choose_k(r, step_index) for r in decoding]
+        chain_ks = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
+        if chain_ks:
+            _, chain_rate = self.best_chain(b, [r for r, _ in chain_ks], [k for _, k in chain_ks])
+        else:
+            chain_rate = b / (self.calibration.ratio(b, False) * self.cost(b, b))
+        tree_rate = tokens / time_s
+        probe = step_index % TREE_PROBE_EVERY == 0 and tree_rate > TREE_PROBE_WITHIN * chain_rate
+        return tree_rate > chain_rate or probe
+
+    def tree_draft_time(self, num_requests: int, depth: int) -> float:
+        """Seconds of a tree drafting round: measured per batch size (the median of the rounds
+        timed so far), else the proposer's chain estimate for `depth` forwards."""
+        measured = self.tree_rounds.median(num_requests)
+        return measured if measured is not None else self.proposer.step_cost(num_requests, depth)
+
     def _propose_trees(self, running: list[Request], decoding: list[Request], scheduled_ids: set[str],
                        context: ProposeContext) -> dict[str, Draft]:
         """Tree speculation (`SpeculativeConfig.tree_nodes`): every decoding request that may
         speculate drafts a tree of up to tree_nodes nodes and tree_depth levels (levels capped
         like a chain's k by `max_k`), except a request that sets its own
         `num_speculative_tokens`, which drafts a chain of that many. Drafts are cut to the
-        model length and to the step's token budget in scheduling order, as chains are. Not
-        adaptive yet: no per-request sizing, no switching speculation off for large batches."""
+        model length and to the step's token budget in scheduling order, as chains are. With
+        `adaptive`, `_trees_pay` decided that trees beat chains (and no drafts) this step; the
+        tree's size is the configured one (no per-request sizing)."""
         cfg = self.config
         room = None
         if self.max_num_batched_tokens is not None:
@@ -450,7 +537,10 @@ class Speculator:
             made = self.proposer.propose([r for r, _ in chains], [k for _, k in chains], context)
             drafts.update((r.request_id, d) for (r, _), d in zip(chains, made, strict=True))
         if trees:
+            t0 = time.perf_counter()
             made = self.proposer.propose_trees([r for r, _, _ in trees], [n for _, n, _ in trees],
                                                [d for _, _, d in trees], context)
+            self.tree_rounds.add(len(trees), time.perf_counter() - t0)
+            self.num_tree_steps += 1
             drafts.update((r.request_id, d) for (r, _, _), d in zip(trees, made, strict=True))
         return {rid: d for rid, d in drafts.items() if d.token_ids}
