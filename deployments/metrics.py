@@ -83,8 +83,13 @@ METRICS: tuple[MetricDef, ...] = (
     _c("specdecode_spec_draft_tokens_total", "Draft tokens verified by the target."),
     _c("specdecode_spec_accepted_tokens_total", "Draft tokens accepted."),
     _c("specdecode_spec_verify_steps_total", "Verifications (one per speculating request per step)."),
-    _c("specdecode_spec_drafted_by_position_total", "Draft tokens verified at each draft position.", "position"),
-    _c("specdecode_spec_accepted_by_position_total", "Draft tokens accepted at each draft position.", "position"),
+    _c("specdecode_spec_drafted_by_position_total",
+       "Draft tokens verified at each draft position (a tree: once per depth it reaches).", "position"),
+    _c("specdecode_spec_accepted_by_position_total",
+       "Draft tokens accepted at each draft position (a tree: its accepted path's depths).", "position"),
+    _c("specdecode_spec_tree_verify_steps_total", "Verifications of a token tree (also in verify_steps_total)."),
+    _c("specdecode_spec_tree_nodes_total", "Draft nodes of verified token trees (also in draft_tokens_total)."),
+    _c("specdecode_spec_tree_accepted_tokens_total", "Tree nodes accepted: the accepted paths' lengths."),
     _g("specdecode_spec_acceptance_rate", "Accepted / drafted tokens over the last flush interval with drafts."),
     _g("specdecode_spec_mean_accepted_length",
        "Tokens per verification (accepted + 1) over the last flush interval with drafts."),
@@ -127,6 +132,9 @@ class _Totals:
     num_verify_steps: int = 0
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    num_tree_steps: int = 0
+    num_tree_nodes: int = 0
+    num_tree_accepted: int = 0
     # (speculation "on"/"off", ttft_s, tpot_s or None, e2e_s, finish_reason, prompt tokens, output tokens)
     finished: list[tuple[str, float | None, float | None, float | None, str, int, int]] = field(default_factory=list)
     handoffs: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
@@ -190,10 +198,15 @@ class ReplicaMetrics:
             t.phase_s["other"] += other
             if record.num_spec_requests:
                 t.num_spec_steps += 1
-            for drafted, accepted in record.accepted.values():
+            for rid, (drafted, accepted) in record.accepted.items():
                 t.num_draft_tokens += drafted
                 t.num_accepted_tokens += accepted
                 t.num_verify_steps += 1
+                if rid in record.trees:  # positions are depths
+                    t.num_tree_steps += 1
+                    t.num_tree_nodes += drafted
+                    t.num_tree_accepted += accepted
+                    drafted = record.trees[rid]
                 while len(t.drafted_by_position) < drafted:
                     t.drafted_by_position.append(0)
                     t.accepted_by_position.append(0)
@@ -249,6 +262,9 @@ class ReplicaMetrics:
         _inc(m["specdecode_spec_draft_tokens_total"], t.num_draft_tokens)
         _inc(m["specdecode_spec_accepted_tokens_total"], t.num_accepted_tokens)
         _inc(m["specdecode_spec_verify_steps_total"], t.num_verify_steps)
+        _inc(m["specdecode_spec_tree_verify_steps_total"], t.num_tree_steps)
+        _inc(m["specdecode_spec_tree_nodes_total"], t.num_tree_nodes)
+        _inc(m["specdecode_spec_tree_accepted_tokens_total"], t.num_tree_accepted)
         for i, n in enumerate(t.drafted_by_position):
             _inc(m["specdecode_spec_drafted_by_position_total"], n, {"position": str(i)})
         for i, n in enumerate(t.accepted_by_position):

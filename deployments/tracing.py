@@ -110,6 +110,8 @@ ATTR_NUM_SCHEDULED_TOKENS = "specdecode.step.num_scheduled_tokens"
 ATTR_SHARE = "specdecode.step.share"  # its scheduled tokens / the step's batched tokens
 ATTR_NUM_DRAFTED = "specdecode.step.num_drafted"  # draft tokens verified for it in this step
 ATTR_NUM_ACCEPTED = "specdecode.step.num_accepted"  # of which accepted
+ATTR_TREE_DEPTH = "specdecode.step.tree_depth"  # its drafts were a token tree of this depth (0: a chain)
+ATTR_STEP_NUM_TREE_DRAFTS = "engine.step.num_tree_drafts"  # requests whose drafting (draft_s) made trees
 
 
 @dataclass(frozen=True)
@@ -477,6 +479,7 @@ class RequestTracer:
             ATTR_VERIFY_S: record.verify_time_s,
             ATTR_SAMPLE_S: record.sample_time_s,
             ATTR_OTHER_S: other_s,
+            ATTR_STEP_NUM_TREE_DRAFTS: record.num_tree_drafts,
         }
         shares = {}
         for rid, _ in traced:
@@ -488,6 +491,7 @@ class RequestTracer:
                 ATTR_SHARE: n / record.num_batched_tokens if record.num_batched_tokens else 0.0,
                 ATTR_NUM_DRAFTED: drafted,
                 ATTR_NUM_ACCEPTED: accepted,
+                ATTR_TREE_DEPTH: record.trees.get(rid, 0),
             }
         links = [Link(t.span.get_span_context(), shares[rid]) for rid, t in traced]
         step = self.tracer.start_span(STEP_SPAN, context=self._root, links=links, start_time=start_ns,

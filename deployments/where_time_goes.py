@@ -27,9 +27,11 @@ from typing import Any
 
 from deployments import tracing as t
 
-CATEGORIES = ("queue", "prefill", "handoff", "draft", "verify", "sample", "engine_other", "overhead")
+CATEGORIES = ("queue", "prefill", "handoff", "draft", "tree_draft", "verify", "tree_verify", "sample", "engine_other",
+              "overhead")
 COLORS = {
     "queue": "#9e9e9e", "prefill": "#6a3d9a", "handoff": "#fb9a99", "draft": "#33a02c", "verify": "#1f78b4",
+    "tree_draft": "#b2df8a", "tree_verify": "#a6cee3",
     "sample": "#ff7f00", "engine_other": "#b15928", "overhead": "#e31a1c",
 }
 
@@ -68,6 +70,8 @@ class StepShare:
     num_accepted: int
     num_requests: int
     share: float
+    tree_depth: int = 0  # this step verified a token tree of this depth for the request (0: none or a chain)
+    tree_drafts: bool = False  # the step's drafting (draft_s) made token trees
 
 
 @dataclass
@@ -225,6 +229,7 @@ def _add_request(req: SpanRecord, origin_ns: int, children: dict[str, list[SpanR
                 sample_s=float(a.get(t.ATTR_SAMPLE_S, 0.0)), other_s=float(a.get(t.ATTR_OTHER_S, 0.0)),
                 num_drafted=int(a.get(t.ATTR_NUM_DRAFTED, 0)), num_accepted=int(a.get(t.ATTR_NUM_ACCEPTED, 0)),
                 num_requests=int(a.get(t.ATTR_STEP_NUM_REQUESTS, 1)), share=float(a.get(t.ATTR_SHARE, 1.0)),
+                tree_depth=int(a.get(t.ATTR_TREE_DEPTH, 0)), tree_drafts=int(a.get(t.ATTR_STEP_NUM_TREE_DRAFTS, 0)) > 0,
             )
             steps.append(step)
             if step.kind == "prefill":
@@ -234,8 +239,8 @@ def _add_request(req: SpanRecord, origin_ns: int, children: dict[str, list[SpanR
                 # duration so rounding never leaves a sliver unaccounted.
                 phases = step.draft_s + step.verify_s + step.sample_s + step.other_s
                 scale = step.duration_s / phases if phases > 0 else 0.0
-                parts["draft"] += step.draft_s * scale
-                parts["verify"] += step.verify_s * scale
+                parts["tree_draft" if step.tree_drafts else "draft"] += step.draft_s * scale
+                parts["tree_verify" if step.tree_depth else "verify"] += step.verify_s * scale
                 parts["sample"] += step.sample_s * scale
                 parts["engine_other"] += step.other_s * scale
 
@@ -349,8 +354,8 @@ def plot(bds: list[RequestBreakdown], out_path: str | os.PathLike, request_id: s
         else:
             phases = s.draft_s + s.verify_s + s.sample_s + s.other_s
             scale = s.duration_s / phases if phases > 0 else 0.0
-            segments = [("engine_other", s.other_s * scale), ("verify", s.verify_s * scale),
-                        ("sample", s.sample_s * scale), ("draft", s.draft_s * scale)]
+            segments = [("engine_other", s.other_s * scale), ("tree_verify" if s.tree_depth else "verify", s.verify_s * scale),
+                        ("sample", s.sample_s * scale), ("tree_draft" if s.tree_drafts else "draft", s.draft_s * scale)]
         for name, width in segments:
             timeline.broken_barh([(start, width * 1e3)], (y, height), color=COLORS[name])
             start += width * 1e3

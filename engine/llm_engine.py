@@ -104,6 +104,8 @@ class StepRecord:
     accepted: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (drafted, accepted)
     prefill_request_ids: list[str] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # id -> tokens incl. drafts
+    trees: dict[str, int] = field(default_factory=dict)  # id -> depth, of the `accepted` that were token trees
+    num_tree_drafts: int = 0  # requests whose drafts for the next step (draft_time_s) are trees
 
 
 class LLMEngine:
@@ -338,8 +340,10 @@ class LLMEngine:
         for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
             if s.spec_token_ids and tokens:
                 record.accepted[s.request.request_id] = (len(s.spec_token_ids), len(tokens) - 1)
-                self.spec_stats.record(len(s.spec_token_ids), len(tokens) - 1,
-                                       None if s.spec_tree is None else max(s.spec_tree.depths))
+                depth = None if s.spec_tree is None else max(s.spec_tree.depths)
+                if depth is not None:
+                    record.trees[s.request.request_id] = depth
+                self.spec_stats.record(len(s.spec_token_ids), len(tokens) - 1, depth)
                 s.request.spec_stats.verify_time_s += verify_s
         if record.num_spec_requests:
             self.spec_stats.verify_time_s += verify_s
@@ -378,6 +382,7 @@ class LLMEngine:
             except Exception:
                 logger.exception("drafting failed at step %d; the next step verifies no new drafts", self.step_index)
                 drafts = {}
+            record.num_tree_drafts = sum(1 for d in drafts.values() if d.tree is not None)
             for request_id, draft in drafts.items():
                 self.scheduler.requests[request_id].spec_token_ids = list(draft.token_ids)
                 self.scheduler.requests[request_id].spec_tree = draft.tree

@@ -173,6 +173,23 @@ def test_steps_become_speculation_counters_and_window_gauges(fake) -> None:
         {"draft": 0.003, "verify": 0.018, "sample": 0.003, "other": 0.006})
 
 
+def test_tree_verifications_count_nodes_and_positions_by_depth(fake) -> None:
+    """A tree of 6 nodes and depth 3 with 2 accepted: 6 draft tokens, positions 0..2 drafted once
+    (its depths), 0..1 accepted; the tree counters next to a chain's."""
+    metrics, made = fake
+    record = step(1, {"t": (6, 2), "c": (2, 1)})
+    record.trees = {"t": 3}
+    metrics.on_step(record)
+    metrics.flush(stats())
+    assert made["specdecode_spec_draft_tokens_total"].total() == 8
+    assert made["specdecode_spec_tree_verify_steps_total"].total() == 1
+    assert made["specdecode_spec_tree_nodes_total"].total() == 6
+    assert made["specdecode_spec_tree_accepted_tokens_total"].total() == 2
+    drafted, accepted = made["specdecode_spec_drafted_by_position_total"], made["specdecode_spec_accepted_by_position_total"]
+    assert [drafted.total(position=str(i)) for i in range(3)] == [2, 2, 1]
+    assert [accepted.total(position=str(i)) for i in range(2)] == [2, 1]
+
+
 def test_an_idle_flush_keeps_window_gauges_and_never_counts_zero(fake) -> None:
     metrics, made = fake
     metrics.on_step(step(0, {"a": (4, 2)}))

@@ -407,6 +407,27 @@ def test_file_exporter_feeds_where_time_goes(tmp_path, llm: AsyncLLM, capsys) ->
     assert wtg.main([str(tmp_path / "missing.jsonl")]) == 2
 
 
+def test_tree_steps_are_their_own_phases_in_where_time_goes(tmp_path, model: str) -> None:
+    """An engine drafting token trees (the target as its own draft model): its steps carry the
+    tree depth and tree-drafting count, and where_time_goes books them as tree_draft and
+    tree_verify instead of draft and verify."""
+    from deployments import where_time_goes as wtg
+
+    spec = SpeculativeConfig(method="draft", model=model, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
+    tree_llm = AsyncLLM(model, device="cpu", dtype="float32", num_threads=1, speculative=spec)
+    path = tmp_path / "spans.jsonl"
+    tracer = tr.setup_tracing(TracingArgs(exporter="file", file=str(path)), tree_llm, environ={})
+    try:
+        asyncio.run(_consume(tracer, tree_llm, "tree-a"))
+    finally:
+        tracer.shutdown()
+        tree_llm.shutdown()
+    (b,) = wtg.breakdowns(wtg.load_spans([path]))
+    assert b.parts["tree_verify"] > 0 and b.parts["tree_draft"] > 0
+    assert b.parts["verify"] == 0 and b.accounted_s == pytest.approx(b.wall_s, rel=1e-6)
+    assert any(s.tree_depth > 0 for s in b.steps)
+
+
 # --- end to end through Ray Serve's gRPC proxy -------------------------------------------------
 @pytest.mark.slow
 def test_client_traceparent_reaches_replica_spans_through_serve(tmp_path, model: str) -> None:
