@@ -1,8 +1,9 @@
-"""Token trees drafted by EAGLE-1 and by a one-layer native MTP checkpoint (DeepSeek-V3 layout).
+"""Token trees drafted by EAGLE-1, EAGLE-3 (published layout) and a one-layer native MTP
+checkpoint (DeepSeek-V3 layout).
 
 Each tree's draft log-probabilities equal a reference forward without a cache (the target's
 features from transformers, the head run along each node's path: training.heads for EAGLE, the
-MTP equations of test_mtp_native), across rounds where accepted paths leave the chain positions
+equations of test_eagle3 and test_mtp_native for EAGLE-3 and MTP), across rounds where accepted paths leave the chain positions
 (so the target's KV and hidden rows of the accepted nodes must have moved into place); greedy
 output equals the target alone in mixed batches and under preemption; sampled output follows the
 target's distribution."""
@@ -14,6 +15,9 @@ import pytest
 import torch
 import transformers
 from helpers import assert_no_leaked_blocks, save_tiny_heads, save_tiny_model
+from test_eagle3 import NUM_LAYERS as EAGLE3_LAYERS
+from test_eagle3 import reference_drafts as eagle3_reference_drafts
+from test_eagle3 import save_eagle3
 from test_mtp_native import add_mtp_layers, reference_drafts
 from test_speculative import NUM_NEW, NUM_SAMPLES, VOCAB, _chi_square_p_value, _exact_distribution
 from test_tree_engine import GREEDY as GREEDY_20
@@ -47,13 +51,19 @@ def setup(tmp_path_factory):
     mtp = add_mtp_layers(save_tiny_model(str(root / "mtp"), "llama", vocab_size=SMALL_VOCAB), "deepseek", 1,
                          own_head=True, seed=1, scale=1.0)
     prompts = [[(3 * i + j * j) % SMALL_VOCAB for j in range(9 + 2 * i)] for i in range(len(MIXED_PROMPTS))]
-    return {"target": target, "eagle": eagle, "mtp": mtp, "prompts": prompts}
+    # EAGLE-3: its own target (aux layers need depth), a draft vocabulary of 10 of the 12 tokens
+    e3_target = save_tiny_model(str(root / "e3_target"), "llama", vocab_size=SMALL_VOCAB, num_hidden_layers=EAGLE3_LAYERS)
+    eagle3 = save_eagle3(str(root / "e3"), SMALL_VOCAB, list(range(10)), seed=5, scale=2.0)
+    return {"target": target, "eagle": eagle, "mtp": mtp, "prompts": prompts, "e3_target": e3_target,
+            "eagle3": eagle3}
 
 
 def spec_for(setup, method: str, **kw) -> tuple[str, SpeculativeConfig]:
     """(the target folder, the tree config) of a method; MTP's layers live in its own target."""
     if method == "eagle":
         return setup["target"], SpeculativeConfig(method="eagle", model=setup["eagle"], **(TREE | kw))
+    if method == "eagle3":
+        return setup["e3_target"], SpeculativeConfig(method="eagle3", model=setup["eagle3"], **(TREE | kw))
     return setup["mtp"], SpeculativeConfig(method="mtp", **(TREE | kw))
 
 
@@ -81,18 +91,27 @@ def eagle_path_logprobs(setup, tokens: list[int], path: list[int]) -> list[torch
     return rows
 
 
+def eagle3_path_logprobs(setup, tokens: list[int], path: list[int]) -> list[torch.Tensor]:
+    ref = {"target": setup["e3_target"], "heads": {"h": setup["eagle3"]}, "boundaries": {"h": (2, 3, 4)}}
+    _, q = eagle3_reference_drafts(ref, "h", tokens, len(path) + 1, forced=list(path) + [0], temperature=1.0)
+    return list(q.log())
+
+
 def mtp_path_logprobs(setup, tokens: list[int], path: list[int]) -> list[torch.Tensor]:
     _, q = reference_drafts(setup["mtp"], tokens, len(path) + 1, forced=list(path) + [0], temperature=1.0)
     return list(q.log())
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_tree_drafts_match_reference(setup, method, monkeypatch):
     """Every drafted tree: each node's cumulative draft log-probability is the reference's along
     its path, and each node's children are among its reference top-`tree_width`. Over rounds
     that accepted nodes off the chain positions (their KV and hidden rows moved)."""
     target, spec = spec_for(setup, method)
     engine = LLMEngine(target, dtype="float32", device="cpu", speculative=spec)
+    # the references load the target per call: once is enough (read-only, eval mode)
+    auto = transformers.AutoModelForCausalLM
+    monkeypatch.setattr(auto, "from_pretrained", functools.cache(auto.from_pretrained))
     proposer = engine.speculator.proposer
     recorded = []
     propose_trees = proposer.propose_trees
@@ -108,7 +127,7 @@ def test_tree_drafts_match_reference(setup, method, monkeypatch):
     monkeypatch.setattr(model_runner, "accepted_kv_moves", lambda *a: moved.append(real_moves(*a)) or moved[-1])
     run_mixed(engine, setup["prompts"][:2], [GREEDY] * 2, [0, 1])
     assert any(src for src, _ in moved), "no accepted path left the chain positions: the test checks no moves"
-    reference = eagle_path_logprobs if method == "eagle" else mtp_path_logprobs
+    reference = {"eagle": eagle_path_logprobs, "eagle3": eagle3_path_logprobs, "mtp": mtp_path_logprobs}[method]
     checked = 0
     for tokens, tree in recorded:
         for node in range(1, tree.num_nodes):
@@ -122,7 +141,7 @@ def test_tree_drafts_match_reference(setup, method, monkeypatch):
     assert checked >= 40
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_greedy_tree_equals_target_mixed_and_preempted(setup, method):
     """Trees, chains and non-speculative requests in the same steps with a budget that cuts
     trees; then a small KV cache that preempts."""
@@ -134,8 +153,10 @@ def test_greedy_tree_equals_target_mixed_and_preempted(setup, method):
     outs, _ = run_mixed(engine, prompts, MIXED_PARAMS, arrivals)
     assert outs == expected
     assert engine.spec_stats.num_accepted_tokens > 0
+    blocks = 40 if method == "eagle3" else 20  # (its target has 7 layers, not 2: the same KV bytes hold fewer tokens)
     small = LLMEngine(target, dtype="float32", device="cpu", speculative=spec, block_size=4,
-                      kv_cache_memory_bytes=20 * 4 * 2 * 2 * 2 * 16 * 4 * 2, max_model_len=60)
+                      kv_cache_memory_bytes=blocks * 4 * 2 * 2 * 2 * 16 * 4 * 2, max_model_len=60)
+    assert small.max_model_len == 60  # a smaller pool would cap it and cut the outputs
     outs, _ = run_mixed(small, prompts, [GREEDY_20] * len(prompts), arrivals)
     assert small.scheduler.num_preemptions > 0
     assert outs == expected

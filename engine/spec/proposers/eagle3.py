@@ -200,9 +200,11 @@ def read_eagle3_config(model_dir: str) -> dict:
 
 class Eagle3Proposer(Proposer):
     method = "eagle3"
+    supports_tree = True
 
-    def __init__(self, model_dir: str, runner, num_speculative_tokens: int = 1) -> None:
+    def __init__(self, model_dir: str, runner, num_speculative_tokens: int = 1, tree_width: int = 4) -> None:
         super().__init__()
+        self.tree_width = tree_width  # children per expanded node, and nodes expanded per level
         self.states: dict[str, HiddenRows] = {}
         self.max_buffered_rows = max(EAGLE3_BUFFER_ROWS, num_speculative_tokens + 1)
         cfg = read_eagle3_config(model_dir)
@@ -413,15 +415,18 @@ class Eagle3Proposer(Proposer):
         if over:
             raise AssertionError(f"EAGLE-3 buffers more than {self.max_buffered_rows} feature rows: {over}")
 
-    def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor) -> torch.Tensor:
+    def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor,
+                 num_last: int = 1) -> torch.Tensor:
         """Run the midlayer on elements (features[i], token_ids[i]) at the cache positions of
-        `chunks` (RoPE position = cache position); returns each chunk's last output feature [B, H]."""
+        `chunks` (RoPE position = cache position, by depth in a tree); returns each chunk's last
+        `num_last` output features [B * num_last, H], chunk after chunk."""
         fused = self.row_kernel and len(token_ids) <= EXACT_ROWS
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
                                     row_exact="kernel" if fused else None)
         embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
         k_cache, v_cache = self.kv_caches[0]
-        last = torch.tensor(batch.cu_query_lens[1:], device=self.device) - 1
+        ends = torch.tensor(batch.cu_query_lens[1:], device=self.device)
+        last = (ends.unsqueeze(1) - num_last + torch.arange(num_last, device=self.device)).flatten()
         if fused:  # float32 activations through the midlayer, one kernel call
             cos, sin = self.rope_f32[0][batch.positions], self.rope_f32[1][batch.positions]
             out = self.layer.forward_rows(embeds, features, cos, sin, k_cache, v_cache, batch.attn_metadata)
@@ -430,15 +435,14 @@ class Eagle3Proposer(Proposer):
         out = self.layer(embeds, features.to(embeds.dtype), cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
         return out[last]
 
-    def _sample(self, feats: torch.Tensor, requests: list[Request], generators) -> tuple[list[int], torch.Tensor | None]:
-        normed = F.rms_norm(feats, (self.arch.hidden_size,), self.norm, self.arch.rms_norm_eps)
-        return self.head.sample(normed, requests, generators)
+    def _normed(self, feats: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(feats, (self.arch.hidden_size,), self.norm, self.arch.rms_norm_eps)
 
-    @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
-        t_start = time.perf_counter()
-        tokens: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+    def _sample(self, feats: torch.Tensor, requests: list[Request], generators) -> tuple[list[int], torch.Tensor | None]:
+        return self.head.sample(self._normed(feats), requests, generators)
+
+    def _catch_up_chunks(self, requests: list[Request]) -> tuple[list[SeqChunk], list[int], torch.Tensor]:
+        """The elements (g_j, token j + 1) of every request's buffered positions j in [start, n - 1)."""
         feats_in: list[torch.Tensor] = []
         chunks, elem_tokens = [], []
         for r in requests:
@@ -449,13 +453,58 @@ class Eagle3Proposer(Proposer):
                     f"EAGLE-3: request {r.request_id!r} cannot draft: it needs the features up to position "
                     f"{n - 2}, it buffers {None if state is None else (state.start, state.end)}"
                 )
-            # elements (g_j, token j+1) for the buffered positions j in [start, n-1)
             chunks.append(SeqChunk([0] * state.rows.shape[0], state.start, r.block_ids))
             elem_tokens.extend(r.token_at(j + 1) for j in range(state.start, n - 1))
             feats_in.append(state.rows)
+        return chunks, elem_tokens, torch.cat(feats_in)
+
+    @torch.inference_mode()
+    def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
+                      context: ProposeContext) -> list[Draft]:
+        """Dynamic trees (`tree_drafting.grow_trees`) of the midlayer, as `ChainProposer`'s: the
+        catch-up's last output (position n - 2) gives the root's children; a node's element pairs
+        its parent's output feature with its token, at slot n - 2 + its index in the expanded
+        tree and RoPE position by depth; each level runs its new nodes only (a partial tree)."""
+        from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_children
+
+        t_start = time.perf_counter()
+        width = self.tree_width
+        chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
+        last = self._forward(chunks, elem_tokens, feats_in)  # [R, H]
+        generators = context.generators_for(requests)
+        depths = scratch_depths(requests, max_depths, width, self.block_size, root_offset=2)
+        outputs = list(last.unsqueeze(1))  # per request: the output of each expanded node (the root's first)
+        root = tree_children(self.head, self._normed(last), requests, generators, width)
+
+        def run_level(active: list[int], trees: list, f: int):
+            level_chunks, tokens, feats = [], [], []
+            for i, t in zip(active, trees, strict=True):
+                r = requests[i]
+                level_chunks.append(SeqChunk([0] * f, r.num_tokens - 2 + t.num_nodes - f, r.block_ids, t))
+                tokens.extend(t.token_ids[-f:])
+                feats.append(outputs[i][list(t.parents[-f:])])
+            out = self._forward(level_chunks, tokens, torch.cat(feats), num_last=f)  # [A * f, H]
+            for i, o in zip(active, out.split(f), strict=True):
+                outputs[i] = torch.cat([outputs[i], o])
+            return tree_children(self.head, self._normed(out), [requests[i] for i in active for _ in range(f)],
+                                 [generators[i] for i in active for _ in range(f)], width)
+
+        drafts, num_forwards = grow_trees(requests, num_nodes, depths, width, root, run_level)
+        for r in requests:  # every forward succeeded: the buffered elements are in the midlayer's KV
+            self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
+        catch_up = max(len(c.token_ids) for c in chunks)
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + 1, catch_up, max(depths))
+        return drafts
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        t_start = time.perf_counter()
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
         first_chunks = chunks
         generators = context.generators_for(requests)
-        feats = self._forward(chunks, elem_tokens, torch.cat(feats_in))
+        feats = self._forward(chunks, elem_tokens, feats_in)
         active = list(range(len(requests)))
         step = 0
         while True:
