@@ -89,7 +89,7 @@ def plot(rows: list[dict], path) -> None:
             ax.invert_yaxis()
             ax.set_title(f"{w}, {load}", fontsize=10)
             ax.set_xlabel("tokens/s")
-            ax.tick_params(axis="y", labelsize=7 if j == 0 else 0)
+            ax.tick_params(axis="y", labelsize=7, labelleft=j == 0)
     fig.suptitle("Chains (blue) vs trees (green), shipped target + drafters, bf16, 1 thread")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -105,7 +105,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--loads", default=",".join(LOADS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--name", default="spec_tree")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from results/<name>.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        import json
+
+        out = json.loads((RESULTS / f"{args.name}.json").read_text())
+        plot(out["rows"], RESULTS / f"{args.name}.png")
+        return out
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
