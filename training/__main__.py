@@ -230,6 +230,35 @@ def step_target_continue(args: argparse.Namespace) -> None:
     save_lm("target-continue", model, held, out, cfg, n_params, args, folder=Path(args.out))
 
 
+def step_mtp(args: argparse.Namespace) -> None:
+    """A native MTP module (DeepSeek-V3 layout, training/mtp.py) trained post hoc on the frozen
+    target (`--init-from`, default models/target), saved with a copy of it in `--out`
+    (default runs/target-mtp): copy model.safetensors and config.json over the target's to ship."""
+    from transformers import LlamaForCausalLM
+
+    from training.mtp import MTPModule, mtp_loss_fn, save_mtp
+
+    cfg = replace(train_config(args, "mtp"), dtype=args.dtype)
+    train, _ = load_streams(cfg.seq_len)
+    src = Path(args.init_from) if args.init_from else MODELS / "target"
+    target = LlamaForCausalLM.from_pretrained(str(src), dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
+    target.eval().requires_grad_(False)
+    torch.manual_seed(cfg.seed)
+    module = MTPModule(target.config)
+    n_params = sum(p.numel() for p in module.parameters())
+    log(f"mtp: {n_params / 1e6:.2f}M params, unroll {args.ttt_steps}, target {src}, config {asdict(cfg)}")
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 6)
+    loss_fn = mtp_loss_fn(module, target, unroll=args.ttt_steps)
+    if args.measure_steps:
+        measure(cfg, module, loss_fn, sampler, args.measure_steps)
+        return
+    out = train_loop(cfg, module, loss_fn, sampler, CKPTS / "mtp.pt", resume=args.resume, log=log,
+                     max_threads=args.threads)
+    folder = save_mtp(module.float(), src, Path(args.out))
+    out.update(params=n_params, target=str(src), folder=str(folder), config=asdict(cfg))
+    write_stats("mtp", out)
+
+
 def step_shrink(args: argparse.Namespace) -> None:
     """models/target = the --teacher model without --drop-layers, healed by KL(teacher || student).
 
@@ -584,6 +613,7 @@ def step_cards(args: argparse.Namespace) -> None:
 STEP_DEFAULTS: dict[str, dict] = {
     "target": {"lr": 1e-3, "planned_tokens": 16_000_000, "max_minutes": 70.0, "warmup_steps": 100},
     "target-continue": {"lr": 4e-4, "planned_tokens": 4_000_000, "max_minutes": 150.0, "warmup_steps": 30},
+    "mtp": {"lr": 1e-3, "planned_tokens": 1_200_000, "max_minutes": 60.0, "warmup_steps": 20},
     "shrink": {"lr": 3e-4, "planned_tokens": 1_000_000, "max_minutes": 10.0, "warmup_steps": 10},
     "drafter": {"lr": 2e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
     "eagle": {"lr": 1e-3, "planned_tokens": 4_000_000, "max_minutes": 15.0, "warmup_steps": 50},
@@ -598,19 +628,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "step",
         choices=[
-            "corpus", "tokenizer", "target", "target-continue", "shrink", "drafter", "eagle", "medusa", "eagle3", "draft-all", "draft-vocab",
+            "corpus", "tokenizer", "target", "target-continue", "mtp", "shrink", "drafter", "eagle", "medusa", "eagle3", "draft-all", "draft-vocab",
             "cards",
         ],
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="eagle3: training dtype (float32 where the CPU only emulates bf16 products)")
-    parser.add_argument("--ttt-steps", type=int, default=5, help="eagle3: training-time-test unroll depth")
+                        help="eagle3 / mtp / target-continue: training dtype (float32 where the CPU only emulates bf16)")
+    parser.add_argument("--ttt-steps", type=int, default=5,
+                        help="eagle3: training-time-test unroll depth; mtp: recursive unroll steps")
     parser.add_argument("--aux-layers", default="",
                         help="eagle3: comma-separated layer boundaries feeding fc (default: 2, L/2, L-3)")
     parser.add_argument("--init-from", default=None,
                         help="eagle3: start from this head folder's weights; target-continue: the target to continue")
-    parser.add_argument("--out", default="runs/target-continued", help="target-continue: output folder")
+    parser.add_argument("--out", default=None,
+                        help="target-continue / mtp: output folder (default runs/target-continued, runs/target-mtp)")
     parser.add_argument("--head-intermediate-size", type=int, default=None,
                         help="eagle3: the midlayer's MLP width (default: the target's)")
     parser.add_argument("--vocab-size", type=int, default=8192)
@@ -647,6 +679,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.models_dir:
         global MODELS
         MODELS = Path(args.models_dir)
+    if args.out is None:
+        args.out = {"mtp": "runs/target-mtp"}.get(args.step, "runs/target-continued")
     for key, value in STEP_DEFAULTS.get(args.step, {}).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -657,6 +691,7 @@ def main(argv: list[str] | None = None) -> None:
         "tokenizer": step_tokenizer,
         "target": step_target,
         "target-continue": step_target_continue,
+        "mtp": step_mtp,
         "shrink": step_shrink,
         "drafter": step_drafter,
         "eagle": step_eagle,
