@@ -193,7 +193,21 @@ def test_scheduler_cuts_a_tree_to_a_prefix():
     assert tree.truncated(9) is tree
 
 
-def test_sampled_trees_keep_level_order_and_skip_undrawn():
+def test_sampled_trees_keep_the_first_draws_chain_first():
+    """Deviation order: with 3 nodes out of first-drawn chain a -> c -> e and their siblings, the
+    chain is kept (level order would keep a, b, c), whatever the values."""
+    level0 = TreeLevel(torch.tensor([[-1, -1]]), torch.tensor([[10, 11]]), torch.tensor([[-3.0, -0.1]]))
+    level1 = TreeLevel(torch.tensor([[0, 0, 1, 1]]), torch.tensor([[12, 13, 14, 15]]),
+                       torch.tensor([[-6.0, -3.1, -0.2, -0.3]]))
+    level2 = TreeLevel(torch.tensor([[0, 0, 2, 2]]), torch.tensor([[16, 17, 18, 19]]),
+                       torch.tensor([[-9.0, -6.1, -0.4, -0.5]]))
+    tree, = build_sampled_trees([5], [level0, level1, level2], [3])
+    assert (tree.token_ids, tree.parents) == ((5, 10, 12, 16), (-1, 0, 1, 2))
+    tree, = build_sampled_trees([5], [level0, level1, level2], [5])  # then one deviation, shallow first
+    assert (tree.token_ids, tree.parents) == ((5, 10, 11, 12, 13, 16), (-1, 0, 0, 1, 1, 3))
+
+
+def test_sampled_trees_skip_undrawn():
     """The docstring example of `build_sampled_trees`: no reranking by value, and a child drawn
     after its parent's q ran out (-inf) is no node."""
     level0 = TreeLevel(torch.tensor([[-1, -1]]), torch.tensor([[7, 8]]), torch.tensor([[-0.1, -2.0]]))

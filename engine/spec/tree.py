@@ -259,35 +259,53 @@ def build_dynamic_trees(root_token_ids: list[int], levels: list[TreeLevel], num_
 
 def build_sampled_trees(root_token_ids: list[int], levels: list[TreeLevel], num_nodes: list[int]) -> list[DraftTree]:
     """Trees of sampled candidates: per request, its first num_nodes[r] candidates with a finite
-    cumulative log-probability, in pool order (level 0 first, then by index), with no reranking.
+    cumulative log-probability in *deviation order* (fewest non-first draws on the path from the
+    root, then the shallower, then pool order), with no reranking by value; nodes are then
+    numbered in pool order (level by level, so every parent comes first).
 
     For drafts drawn from the drafter's q, a candidate may not be kept or dropped by its own
-    value (the rejection sampler needs each child distributed as the q given for it): the pool
-    order keeps every node's children as a prefix of its draws, and whether a candidate is kept
-    depends only on the candidates before it. A candidate with cum log-prob -inf was not drawn
-    (its parent's q ran out of tokens, or its parent was not drawn); the kept set is closed under
-    parents (parents come first in the pool). `source_ids` as in `build_dynamic_trees`.
+    value (the rejection sampler needs each child distributed as the q given for it): the order
+    depends only on where a candidate sits (its depth and the draw index of each node on its
+    path), it keeps every node's children as a prefix of its draws (child j has one deviation
+    more than child j - 1 when j = 1, as many when j > 1, and comes after it in pool order), and
+    whether a candidate is kept depends only on the candidates before it. The first-drawn child
+    of each node forms the leading chain, so a tree of N nodes is as deep as a chain of its depth
+    (level order would make it wide and shallow). A candidate with cum log-prob -inf was not
+    drawn (its parent's q ran out of tokens, or its parent was not drawn); the kept set is closed
+    under parents (a parent has no more deviations, is shallower, and comes first).
+    `source_ids` as in `build_dynamic_trees`.
     Example: level 0 tokens [7, 8] (cum -0.1, -2.0), level 1 = children of candidate 1, tokens
-    [9, 4] (cum -2.5, -inf), num_nodes 3 -> nodes (root, 7, 8, 9), parents (-1, 0, 0, 2).
+    [9, 4] (cum -2.5, -inf), num_nodes 3 -> deviation order 7 (0), then 8 and 9 (1 each; 8 is
+    shallower) -> nodes (root, 7, 8, 9), parents (-1, 0, 0, 2).
     """
     if not levels:
         return [DraftTree((t,), (-1,), (0.0,)) for t in root_token_ids]
     pool_parent, pool_tokens, pool_cum = _candidate_pool(levels)
     parents_l, tokens_l, cum_l = torch.stack([pool_parent.double(), pool_tokens.double(), pool_cum.double()]).tolist()
+    depth_of = [d for d, lv in enumerate(levels) for _ in range(lv.token_ids.shape[1])]
     trees = []
     for r, root in enumerate(root_token_ids):
-        node_of = {-1: 0}  # pool index -> node index
-        tokens, parents, cums, sources = [root], [-1], [0.0], [-1]
-        for j, cum in enumerate(cum_l[r]):
-            if len(tokens) > num_nodes[r]:
+        parents = [int(p) for p in parents_l[r]]
+        deviations, seen = [], {}
+        for parent in parents:
+            sibling = seen.get(parent, 0)  # this candidate's draw index among its parent's children
+            seen[parent] = sibling + 1
+            deviations.append((deviations[parent] if parent >= 0 else 0) + (sibling > 0))
+        order = sorted(range(len(parents)), key=lambda j: (deviations[j], depth_of[j], j))
+        kept: set[int] = set()
+        for j in order:
+            if len(kept) >= num_nodes[r]:
                 break
-            parent = int(parents_l[r][j])
-            if cum == float("-inf") or parent not in node_of:
+            if cum_l[r][j] == float("-inf") or (parents[j] >= 0 and parents[j] not in kept):
                 continue
+            kept.add(j)
+        node_of = {-1: 0}  # pool index -> node index
+        tokens, tree_parents, cums, sources = [root], [-1], [0.0], [-1]
+        for j in sorted(kept):
             node_of[j] = len(tokens)
             tokens.append(int(tokens_l[r][j]))
-            parents.append(node_of[parent])
-            cums.append(cum)
+            tree_parents.append(node_of[parents[j]])
+            cums.append(cum_l[r][j])
             sources.append(j)
-        trees.append(DraftTree(tuple(tokens), tuple(parents), tuple(cums), tuple(sources)))
+        trees.append(DraftTree(tuple(tokens), tuple(tree_parents), tuple(cums), tuple(sources)))
     return trees

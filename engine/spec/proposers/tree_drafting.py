@@ -13,7 +13,8 @@ forward over `width` rows per request, whatever the depth.
 Greedy requests keep the num_nodes[r] best candidates of their first max_depths[r] levels
 (EAGLE-2's reranking, `build_dynamic_trees`): top-k drafts are deterministic given the drafter,
 so they need no q (one-hot q: exact). Sampled requests draw each node's children from q without
-replacement and keep their first num_nodes[r] candidates in level order with no reranking
+replacement and keep their first num_nodes[r] candidates in deviation order (the first-drawn
+children's chain first, then paths with one later draw, ...) with no reranking by value
 (`build_sampled_trees`: a reranking by value would bias the rejection sampler), each node with
 the q it was drawn from (Draft.probs, node order).
 """
