@@ -142,9 +142,9 @@ def test_tree_drafts_match_reference(setup, method, monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-def test_greedy_tree_equals_target_mixed_and_preempted(setup, method):
+def test_greedy_tree_equals_target_mixed_preempted_cached(setup, method):
     """Trees, chains and non-speculative requests in the same steps with a budget that cuts
-    trees; then a small KV cache that preempts."""
+    trees; then a small KV cache that preempts; then prefix-cache hits."""
     target, spec = spec_for(setup, method)
     prompts, arrivals = setup["prompts"], [0, 0, 1, 2, 3, 5, 8]
     base = LLMEngine(target, dtype="float32", device="cpu")
@@ -160,6 +160,11 @@ def test_greedy_tree_equals_target_mixed_and_preempted(setup, method):
     outs, _ = run_mixed(small, prompts, [GREEDY_20] * len(prompts), arrivals)
     assert small.scheduler.num_preemptions > 0
     assert outs == expected
+    # the same prompts again, all at once: their blocks are prefix-cache hits
+    cached = LLMEngine(target, dtype="float32", device="cpu", speculative=spec, block_size=4)
+    run_mixed(cached, prompts, [GREEDY_20] * len(prompts), arrivals)
+    again, num_cached = run_mixed(cached, prompts, [GREEDY_20] * len(prompts), [0] * len(prompts))
+    assert num_cached > 0 and again == expected
 
 
 def test_mtp_with_several_layers_drafts_chains_only(setup, tmp_path):
