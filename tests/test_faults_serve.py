@@ -207,7 +207,8 @@ def test_reused_request_id_after_cancel_gets_only_its_own_tokens(served: Served)
 # --- prompt size -----------------------------------------------------------------------------
 def test_huge_text_prompt_is_refused_without_stalling_other_streams(served: Served) -> None:
     """An 8 MB text prompt is refused before tokenization; an 8-token request sent meanwhile gets
-    its first token within 0.5 s (before the fix: 6-7 s, the replica's event loop tokenizing)."""
+    its first token within 2 s (before the fix: 6-7 s, the replica's event loop tokenizing; the
+    8 MB message itself crosses the proxy on the same 2 cores: 0.2-0.6 s measured)."""
     huge = "x" * (8 << 20)
     errors: list[grpc.RpcError] = []
 
@@ -229,7 +230,7 @@ def test_huge_text_prompt_is_refused_without_stalling_other_streams(served: Serv
         t.join(60)
     assert errors and errors[0].code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "characters" in errors[0].details()
-    assert ttft < 0.5, f"first token after {ttft:.2f} s next to an 8 MB prompt"
+    assert ttft < 2.0, f"first token after {ttft:.2f} s next to an 8 MB prompt"
 
 
 # --- malformed and extreme requests ----------------------------------------------------------
