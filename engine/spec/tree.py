@@ -178,11 +178,22 @@ def first_level(topk_token_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> Tr
     return TreeLevel(torch.full_like(topk_token_ids, -1), topk_token_ids, topk_logprobs.float().clamp_max(0.0))
 
 
-def select_frontier(level: TreeLevel, width: int) -> torch.Tensor:
+def select_frontier(level: TreeLevel, width: int, deviations: torch.Tensor | None = None,
+                    by_deviation: torch.Tensor | None = None) -> torch.Tensor:
     """[R, min(width, C)] int64: the level's candidates with the highest cumulative
-    log-probability (the nodes to expand next), ties broken by index, in index order."""
+    log-probability (the nodes to expand next), ties broken by index, in index order. Rows with
+    `by_deviation` [R] bool rank by fewest `deviations` [R, C] (non-first draws on the path)
+    first, then by cumulative log-probability (sampled trees: the first draws' chain is always
+    expanded)."""
     width = min(width, level.cum_logprobs.shape[1])
-    order = torch.sort(-level.cum_logprobs, dim=1, stable=True).indices[:, :width]
+    score = level.cum_logprobs
+    if by_deviation is not None and deviations is not None and bool(by_deviation.any()):
+        # cum log-probs are in (-inf, 0]: one deviation outweighs any finite difference of them
+        # (a clamp keeps -inf candidates last within their deviation count)
+        ranked = score.clamp_min(-1e4) - 2e4 * deviations.to(score.dtype) + torch.where(
+            torch.isinf(score), -1e3, 0.0)
+        score = torch.where(by_deviation.unsqueeze(1), ranked, score)
+    order = torch.sort(-score, dim=1, stable=True).indices[:, :width]
     return order.sort(dim=1).values
 
 

@@ -4,7 +4,8 @@ nodes through its layers (the draft model, one-layer EAGLE and MTP heads).
 `grow_trees` owns the level loop; the drafter gives it the root's children and a callback that
 runs one level's new nodes. Level 1 is the root's `width` children; level d + 1 the `width`
 children of each of level d's `width` most probable candidates (by cumulative draft
-log-probability: `select_frontier`). Those frontier nodes are *expanded*: appended, per request,
+log-probability: `select_frontier`; for a sampled request, fewest non-first draws first, so
+the first draws' chain is always expanded). Those frontier nodes are *expanded*: appended, per request,
 to a tree of the root and every node expanded so far, and only they run through the drafter
 (a partial tree, see `engine.model_runner.SeqChunk`): their KV lands in the slots after the
 earlier ones', each sees the committed context, its ancestors and itself. So a level costs one
@@ -112,6 +113,9 @@ def grow_trees(
     ids, lp, q_rows = root_children
     device = ids.device
     levels = [first_level(ids, lp)]
+    sampled_rows = torch.tensor([not r.sampling_params.is_greedy for r in requests], device=device)
+    # per candidate: non-first draws on its path (sampled trees expand and keep by it)
+    deviations = (torch.arange(ids.shape[1], device=device) > 0).long().expand(len(requests), -1)
     level_q = [q_rows]  # per level: [R, C, vocab], or None when every request is greedy
     # per request: the expanded nodes so far (tokens, parents in that list; 0 = the root) and,
     # per level, candidate index -> its place in that list
@@ -121,7 +125,7 @@ def grow_trees(
     for d in range(1, max(depths)):
         active = [i for i, depth in enumerate(depths) if depth > d]
         level = levels[-1]
-        frontier = select_frontier(level, width)  # [R, F]
+        frontier = select_frontier(level, width, deviations, sampled_rows)  # [R, F]
         f = frontier.shape[1]
         table = torch.stack([frontier, level.parent_ids.gather(1, frontier),
                              level.token_ids.gather(1, frontier)]).tolist()  # [3, R, F]
@@ -145,6 +149,8 @@ def grow_trees(
         all_ids.index_copy_(0, rows, ids.view(len(active), f, k))
         all_lp.index_copy_(0, rows, lp.view(len(active), f, k))
         levels.append(expand_level(level, frontier, all_ids, all_lp))
+        deviations = (deviations.gather(1, frontier).unsqueeze(2)
+                      + (torch.arange(k, device=device) > 0).long()).reshape(len(requests), f * k)
         if q_rows is not None:
             vocab = q_rows.shape[-1]
             all_q = q_rows.new_zeros(len(requests), f * k, vocab)
