@@ -176,13 +176,16 @@ def test_free_proposer_looks_up_before_deciding():
     n_min=st.integers(1, 2),
     extra=st.integers(0, 3),
     k=st.integers(1, 6),
+    count=st.integers(1, 3),
 )
-def test_ngram_index_equals_the_scan(tokens, cuts, n_min, extra, k):
+def test_ngram_index_equals_the_scan(tokens, cuts, n_min, extra, k, count):
     """The incremental n-gram index proposes exactly what the reference scan proposes, at every
-    length a request grows through (small alphabet: many matches, overlaps and ties)."""
-    from engine.spec.proposers.ngram import NgramIndex, ngram_lookup
+    length a request grows through (small alphabet: many matches, overlaps and ties): the latest
+    match's continuation, and (trees) the `count` latest ones."""
+    from engine.spec.proposers.ngram import NgramIndex, ngram_lookup, ngram_lookup_many
 
-    index = NgramIndex(n_min, n_min + extra)
+    index = NgramIndex(n_min, n_min + extra, keep=count)
     for cut in sorted({min(c, len(tokens)) for c in cuts} | {len(tokens)}):
         prefix = tokens[:cut]
         assert index.lookup(prefix, k) == ngram_lookup(prefix, n_min, n_min + extra, k)
+        assert index.lookup_many(prefix, k, count) == ngram_lookup_many(prefix, n_min, n_min + extra, k, count)

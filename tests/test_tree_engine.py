@@ -176,7 +176,7 @@ def test_row_kernel_tree_attention_matches_masked_torch():
 def test_tree_config_errors(models):
     assert SpeculativeConfig(method="draft", model="m", tree_nodes=8).adaptive  # trees adapt too
     with pytest.raises(ValueError, match="needs method"):
-        SpeculativeConfig(method="ngram", adaptive=False, tree_nodes=8)
+        SpeculativeConfig(method="medusa", model="m", adaptive=False, tree_nodes=8)
     with pytest.raises(ValueError, match=r"tree_nodes must be an integer in \[0, 63\]"):
         SpeculativeConfig(method="draft", model="m", adaptive=False, tree_nodes=64)
     with pytest.raises(ValueError, match="tree_width"):
@@ -349,3 +349,43 @@ def test_tree_choice_follows_the_predicted_rate(models):
     for _ in range(2000):  # trees that accept nothing
         sp.tree_acceptance.observe(0)
     assert not sp._trees_pay(reqs, step_index=1)
+
+
+# --- n-gram trees -------------------------------------------------------------------------------
+
+
+def test_ngram_tree_is_a_trie_of_the_latest_continuations():
+    """The propose_trees docstring example: the continuations of the suffix [1, 2] after its two
+    earlier matches, the most recent first, cut at 4 nodes; then two that share a first token."""
+    from engine.request import Request
+    from engine.spec.proposers.base import ProposeContext
+    from engine.spec.proposers.ngram import NgramProposer
+
+    r = Request("n", [1, 2, 3, 1, 2, 4, 1, 2], GREEDY)
+    draft, = NgramProposer(1, 2, tree_width=2).propose_trees([r], [4], [3], ProposeContext({}))
+    assert (draft.tree.token_ids, draft.tree.parents) == ((2, 4, 1, 2, 3), (-1, 0, 1, 2, 0))
+    assert draft.token_ids == [4, 1, 2, 3] and draft.probs is None
+    shared, = NgramProposer(1, 2, tree_width=2).propose_trees([Request("m", [5, 1, 2, 3, 5, 1, 2, 3, 7, 1, 2], GREEDY)],
+                                                              [6], [2], ProposeContext({}))
+    assert (shared.tree.token_ids, shared.tree.parents) == ((2, 3, 7, 5), (-1, 0, 1, 1))  # [3, 7], [3, 5]
+
+
+def test_ngram_trees_equal_target_and_keep_the_distribution(models, baseline, small_vocab):  # noqa: F811
+    """Greedy: n-gram trees mixed with chains and plain requests equal the target alone. Sampled:
+    deterministic distinct children (q one-hot) through the tree sampler keep the target's
+    distribution (chi-square as above; false-failure probability 1e-4)."""
+    spec = SpeculativeConfig(method="ngram", adaptive=False, tree_nodes=6, tree_width=3, tree_depth=3)
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec, max_num_batched_tokens=24)
+    outs, _ = run_mixed(engine, MIXED_PROMPTS, MIXED_PARAMS, ARRIVALS)
+    assert outs == baseline and engine.spec_stats.num_tree_steps > 0
+    target, _ = small_vocab
+    torch.manual_seed(1234)
+    llm = LLM(target, dtype="float32", device="cpu", speculative=spec, max_num_seqs=512)
+    outs = llm.generate([PROMPT] * NUM_SAMPLES, [TEMPERATURE_1] * NUM_SAMPLES)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    stats = llm.engine.spec_stats
+    assert stats.num_tree_steps > 500 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, TEMPERATURE_1), NUM_SAMPLES)
+    assert p > 1e-4, f"n-gram tree samples do not follow the target distribution (p={p:.2e})"

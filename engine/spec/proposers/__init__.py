@@ -11,7 +11,7 @@ def make_proposer(config: SpeculativeConfig, runner):
     if config.method == "ngram":
         from engine.spec.proposers.ngram import NgramProposer
 
-        return NgramProposer(config.ngram_min, config.ngram_max)
+        return NgramProposer(config.ngram_min, config.ngram_max, config.tree_width if config.uses_tree else 1)
     if config.method == "draft":
         from engine.spec.proposers.draft_model import DraftModelProposer
 
