@@ -35,6 +35,9 @@ METHODS = {
     "eagle": str(MODELS / "eagle-head"),
     "medusa": str(MODELS / "medusa-heads"),
     "eagle3": str(MODELS / "eagle3-head"),  # python -m training eagle3 (not shipped yet)
+    # the target with an MTP module in its checkpoint (python -m training mtp; not shipped yet):
+    # it is the engine's target, with no drafter folder
+    "mtp": str(MODELS.parent / "runs" / "target-mtp"),
 }
 
 
@@ -97,13 +100,18 @@ def run_hf(target_dir: str, prompts, workload: str, new_tokens: int, assistant_d
 def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int, draft_vocab_size: int | None = None) -> LLM:
     """draft_vocab_size None: each drafter's shipped draft_vocab.json default; 0: whole vocabulary."""
     spec = None
-    if method is not None:
+    target = str(MODELS / "target")
+    if method == "mtp":
+        target = METHODS["mtp"]
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=k, adaptive=adaptive,
+                                 draft_vocab_size=draft_vocab_size)
+    elif method is not None:
         spec = SpeculativeConfig(method=method, model=METHODS[method], num_speculative_tokens=k, adaptive=adaptive,
                                  draft_vocab_size=draft_vocab_size if method != "ngram" else None)
     # No prefix caching: the sweep runs the same prompts once per k, and cached prompts would skip
     # the prefill in every run after the first (flattering them against the baseline). A fixed
     # 256 MiB KV pool (about 10k tokens) so that every configuration fits in memory at once.
-    return LLM(str(MODELS / "target"), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=max_num_seqs,
+    return LLM(target, dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=max_num_seqs,
                enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20)
 
 
