@@ -72,11 +72,19 @@ class MTPModule(nn.Module):
         self.out_norm = nn.Parameter(torch.ones(h))  # DeepSeek: before its LM head; MiMo: after the block
         self.block = DecoderLayer(arch)
 
-    def inputs(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        # embeds, feats [T, H] -> the block's input [T, H]
-        e = F.rms_norm(embeds, embeds.shape[-1:], self.token_norm, self.eps)
-        h = F.rms_norm(feats.to(embeds.dtype), embeds.shape[-1:], self.hidden_norm, self.eps)
-        return self.proj(torch.cat([h, e] if self.layout == MIMO else [e, h], dim=-1))
+    def inputs(self, embeds: torch.Tensor, feats: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        """embeds, feats [T, H] -> the block's input [T, H]; `packed`: float32, the projection
+        through the CPU row kernel's packed weight (`packed_proj`, set by the proposer)."""
+        if packed:
+            from kernels import cpu_kernels
+
+            embeds, feats = embeds.float(), feats.float()
+        e = F.rms_norm(embeds, embeds.shape[-1:], self.token_norm.to(embeds.dtype), self.eps)
+        h = F.rms_norm(feats.to(embeds.dtype), embeds.shape[-1:], self.hidden_norm.to(embeds.dtype), self.eps)
+        x = torch.cat([h, e] if self.layout == MIMO else [e, h], dim=-1)
+        if packed:
+            return cpu_kernels.packed_linear(x, self.packed_proj, self.proj.out_features, None)
+        return self.proj(x)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, x.shape[-1:], self.out_norm, self.eps)
@@ -168,6 +176,10 @@ class MTPProposer(ChainProposer):
         self.rope_offset = 0
         self.rope_cos, self.rope_sin = runner.model.rope_cos, runner.model.rope_sin
         if self.row_kernel:
+            from kernels import cpu_kernels
+
+            for module in self.mtp_modules:
+                module.packed_proj = cpu_kernels.pack_rows(module.proj.weight.to(self.device, self.dtype))
             self.rope_f32 = runner.model.rope_f32
             target_head.use_row_kernel(runner.model.packed_lm_head())
         named = [
@@ -205,8 +217,9 @@ class MTPProposer(ChainProposer):
         return [*self.mtp_modules] + ([self.embed_tokens] if self._own_embedding else [])
 
     def _inputs(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, fused: bool) -> torch.Tensor:
-        x = self.mtp_modules[m].inputs(embeds, feats)
-        return x.float() if fused else x
+        if fused:  # (torch emulates bf16 products on CPUs without AMX: the packed projection)
+            return self.mtp_modules[m].inputs(embeds, feats, packed=True)
+        return self.mtp_modules[m].inputs(embeds, feats)
 
     def _output(self, m: int, out: torch.Tensor) -> torch.Tensor:
         return self.mtp_modules[m].norm(out) if self.layout == MIMO else out
