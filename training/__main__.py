@@ -228,7 +228,7 @@ def step_target_continue(args: argparse.Namespace) -> None:
         max_threads=args.threads,
     )
     out.update(init_from=str(src), heldout_nll_before=nll_before)
-    save_lm("target-continue", model, held, out, cfg, n_params, args, folder=Path(args.out))
+    save_lm("target-continue", model, held, out, cfg, n_params, args, folder=Path(args.out), tokenizer_from=src)
 
 
 def step_mtp(args: argparse.Namespace) -> None:
@@ -316,14 +316,15 @@ def save_lm(
     args: argparse.Namespace,
     stats_name: str | None = None,
     folder: Path | None = None,
+    tokenizer_from: Path | None = None,
 ) -> None:
-    """Held-out NLL, then the bf16 checkpoint + tokenizer in ``folder`` (default models/<name>/) and
-    runs/<name>_stats.json."""
+    """Held-out NLL, then the bf16 checkpoint + tokenizer (from ``tokenizer_from``, default the
+    trained tokenizer in runs/) in ``folder`` (default models/<name>/) and runs/<name>_stats.json."""
     model.eval()
     nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
     folder = folder or MODELS / name
     model.to(torch.bfloat16).save_pretrained(str(folder))
-    data.copy_tokenizer(TOKENIZER_DIR, folder)
+    data.copy_tokenizer(tokenizer_from or TOKENIZER_DIR, folder)
     out.update(
         params=n_params, heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), config=asdict(cfg)
     )
