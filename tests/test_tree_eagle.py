@@ -8,23 +8,30 @@ equations of test_eagle3 and test_mtp_native for EAGLE-3 and MTP), across rounds
 output equals the target alone in mixed batches and under preemption; sampled output follows the
 target's distribution."""
 
-import dataclasses
 import functools
 
 import pytest
 import torch
 import transformers
-from helpers import assert_no_leaked_blocks, save_tiny_heads, save_tiny_model
+from helpers import save_tiny_heads, save_tiny_model
 from test_eagle3 import NUM_LAYERS as EAGLE3_LAYERS
 from test_eagle3 import reference_drafts as eagle3_reference_drafts
 from test_eagle3 import save_eagle3
 from test_mtp_native import add_mtp_layers, reference_drafts
-from test_speculative import NUM_NEW, NUM_SAMPLES, VOCAB, _chi_square_p_value, _exact_distribution
+from test_speculative import NUM_SAMPLES, VOCAB, _chi_square_p_value, _exact_distribution
 from test_tree_engine import GREEDY as GREEDY_20
-from test_tree_engine import MIXED_PARAMS, MIXED_PROMPTS, PLAIN, run_mixed
+from test_tree_engine import (
+    MIXED_PARAMS,
+    MIXED_PROMPTS,
+    PLAIN,
+    PROMPT,
+    TEMPERATURE_1,
+    _sample_counts,
+    run_mixed,
+)
 
 import engine.model_runner as model_runner
-from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
+from engine import LLMEngine, SamplingParams, SpeculativeConfig
 from training.heads import load_eagle_head
 
 SMALL_VOCAB = 12  # trees cover much of it: paths off the chain positions are accepted often
@@ -186,18 +193,8 @@ def test_sampled_eagle_tree_distribution_matches_target(vocab3):
     distribution; tree children drawn from the head's q without replacement, every other request
     a chain. Fails when p < 1e-4 (false-failure probability 1e-4; fixed seed, reproducible)."""
     target, eagle = vocab3
-    prompt = [0, 1, 2, 1, 0, 1, 2, 1, 0]
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)
-    torch.manual_seed(1234)
-    spec = SpeculativeConfig(method="eagle", model=eagle, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
-    llm = LLM(target, dtype="float32", device="cpu", speculative=spec, max_num_seqs=512)
-    chain = dataclasses.replace(params, num_speculative_tokens=2)
-    outs = llm.generate([prompt] * NUM_SAMPLES, [params if i % 2 else chain for i in range(NUM_SAMPLES)])
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    assert_no_leaked_blocks(llm.engine)
+    counts, llm = _sample_counts(target, eagle, TEMPERATURE_1, method="eagle")
     stats = llm.engine.spec_stats
     assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    p = _chi_square_p_value(counts, _exact_distribution(target, prompt, params), NUM_SAMPLES)
+    p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, TEMPERATURE_1), NUM_SAMPLES)
     assert p > 1e-4, f"EAGLE tree samples do not follow the target distribution (p={p:.2e})"

@@ -237,12 +237,12 @@ PROMPT = [0, 1, 2, 1, 0, 1, 2, 1, 0]
 TEMPERATURE_1 = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)
 
 
-def _sample_counts(target: str, drafter: str, params: SamplingParams) -> tuple[dict, LLM]:
+def _sample_counts(target: str, drafter: str, params: SamplingParams, method: str = "draft") -> tuple[dict, LLM]:
     """NUM_SAMPLES continuations of NUM_NEW tokens from a tree-speculating engine: every other
     request drafts a chain instead of a tree, so steps verify both kinds together, each draft
     with the q it was drawn from."""
     torch.manual_seed(1234)
-    spec = SpeculativeConfig(method="draft", model=drafter, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
+    spec = SpeculativeConfig(method=method, model=drafter, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
     llm = LLM(target, dtype="float32", device="cpu", speculative=spec, max_num_seqs=512)
     chain = dataclasses.replace(params, num_speculative_tokens=2)
     outs = llm.generate([PROMPT] * NUM_SAMPLES, [params if i % 2 else chain for i in range(NUM_SAMPLES)])
