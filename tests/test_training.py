@@ -105,6 +105,28 @@ def test_corpus_split_is_deterministic_and_excludes_tests():
         assert data.read_file_list(shipped) == held
 
 
+def test_extended_corpus_leaves_out_copies_of_heldout_code(tmp_path):
+    """The installed packages vendor stdlib modules (setuptools carries distutils): a package file
+    that copies a held-out file, even edited, is left out; other code is kept."""
+    std = data.stdlib_root()
+    held = [data.read_text(std, f) for f in data.split_files(data.list_corpus_files())[1]]
+    clean = data.Decontaminator(held)
+    victim = max(held, key=len)
+    lines = victim.splitlines()
+    edited = "\n".join(line.replace("self", "this") if i % 3 else line for i, line in enumerate(lines))
+    assert clean.contaminated(victim) and clean.contaminated(edited)
+    own = "\n".join(f"def handler_{i}(request_payload, *, retries={i}):\n    return request_payload" for i in range(50))
+    assert not clean.contaminated(own)
+    # a short quote (a shared license header, a common idiom) is not a copy
+    assert not clean.contaminated(own + "\n" + "\n".join(lines[:2]))
+    root = tmp_path / "site"
+    for rel, text in {"pkg/a.py": own, "pkg/tests/test_a.py": own, "pkg-1.0.dist-info/x.py": own,
+                      "pkg/big.py": "x = 1\n" * 100_000, "pkg/empty.py": ""}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    assert data.list_package_files(root) == ["pkg/a.py"]
+
+
 def test_tokenizer_roundtrip_and_bos(tiny_tokenizer, tmp_path):
     from transformers import AutoTokenizer
 

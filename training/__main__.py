@@ -4,6 +4,8 @@ Steps (run in this order)::
 
     corpus     split the stdlib sources into train / held-out files (models/heldout_files.txt)
     tokenizer  train the byte-level BPE, check round-trip, cache token streams under runs/data
+    corpus-extra  tokenize the installed packages' Python sources (decontaminated against the
+               held-out files) into runs/data/extra_tokens.pt: the --corpus extended data
     target     pre-train models/target (LlamaForCausalLM) from scratch
     shrink     drop decoder layers of a pre-trained target and heal it by distillation from the
                full model (fits the 100 MB weight budget; --teacher, --drop-layers)
@@ -103,10 +105,49 @@ def step_tokenizer(args: argparse.Namespace) -> None:
     log(f"tokenizer: {stats}")
 
 
-def load_streams(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def load_streams(seq_len: int, corpus: str = "stdlib") -> tuple[torch.Tensor, torch.Tensor]:
+    """Training and held-out sequences. ``corpus="extended"`` adds the installed packages' sources
+    (``corpus-extra``) to the stdlib training files; the held-out set is the same either way."""
     train = data.chunk_stream(torch.load(DATA / "train_tokens.pt"), seq_len)
+    if corpus == "extended":
+        if not (DATA / "extra_tokens.pt").exists():
+            raise SystemExit("--corpus extended needs runs/data/extra_tokens.pt: run `python -m training corpus-extra`")
+        train = torch.cat([train, data.chunk_stream(torch.load(DATA / "extra_tokens.pt"), seq_len)])
     held = data.chunk_stream(torch.load(DATA / "heldout_tokens.pt"), seq_len)
     return train, held
+
+
+def step_corpus_extra(args: argparse.Namespace) -> None:
+    """Python sources of the installed packages, in a fixed shuffled order, up to --extra-tokens,
+    without any file that copies held-out stdlib code (`data.Decontaminator`)."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    src = Path(args.init_from) if args.init_from else MODELS / "target"
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    root, std = data.packages_root(), data.stdlib_root()
+    held = [data.read_text(std, f) for f in data.read_file_list(DATA / "heldout_files.txt")]
+    clean = data.Decontaminator(held)
+    files = data.list_package_files(root)
+    random.Random(0).shuffle(files)
+    kept, dropped, chunks, n_tokens = [], [], [], 0
+    for i in range(0, len(files), 256):
+        batch = [(f, data.read_text(root, f)) for f in files[i : i + 256]]
+        good = [(f, t) for f, t in batch if not clean.contaminated(t)]
+        dropped += [f for f, t in batch if clean.contaminated(t)]
+        stream = data.encode_documents(tok, [t for _, t in good])
+        kept += [f for f, _ in good]
+        chunks.append(stream)
+        n_tokens += stream.numel()
+        if n_tokens >= args.extra_tokens:
+            break
+    torch.save(torch.cat(chunks), DATA / "extra_tokens.pt")
+    (DATA / "extra_files.txt").write_text("\n".join(kept) + "\n")
+    stats = {"root": str(root), "candidates": len(files), "files": len(kept), "tokens": n_tokens,
+             "decontaminated": dropped}
+    (RUNS / "corpus_extra_stats.json").write_text(json.dumps(stats, indent=2))
+    log(f"corpus-extra: {len(kept)} files, {n_tokens} tokens, {len(dropped)} dropped as copies of held-out code: {dropped[:20]}")
 
 
 def build_llama(spec: LlamaSpec, seed: int):
@@ -177,7 +218,7 @@ def measure(cfg: TrainConfig, model, loss_fn, sampler, steps: int) -> None:
 
 def step_target(args: argparse.Namespace) -> None:
     cfg = train_config(args, "target")
-    train, held = load_streams(cfg.seq_len)
+    train, held = load_streams(cfg.seq_len, args.corpus)
     model = build_llama(TARGET_SPEC, cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(
@@ -210,7 +251,7 @@ def step_target_continue(args: argparse.Namespace) -> None:
     from transformers import LlamaForCausalLM
 
     cfg = replace(train_config(args, "target-continue"), dtype=args.dtype)
-    train, held = load_streams(cfg.seq_len)
+    train, held = load_streams(cfg.seq_len, args.corpus)
     src = Path(args.init_from) if args.init_from else MODELS / "target"
     model = LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float32, attn_implementation="sdpa")
     n_params = sum(p.numel() for p in model.parameters())
@@ -240,7 +281,7 @@ def step_mtp(args: argparse.Namespace) -> None:
     from training.mtp import MTPModule, mtp_loss_fn, save_mtp
 
     cfg = replace(train_config(args, "mtp"), dtype=args.dtype)
-    train, _ = load_streams(cfg.seq_len)
+    train, _ = load_streams(cfg.seq_len, args.corpus)
     src = Path(args.init_from) if args.init_from else MODELS / "target"
     target = LlamaForCausalLM.from_pretrained(str(src), dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
     target.eval().requires_grad_(False)
@@ -275,7 +316,7 @@ def step_shrink(args: argparse.Namespace) -> None:
     from transformers import LlamaForCausalLM
 
     cfg = train_config(args, "shrink")
-    train, held = load_streams(cfg.seq_len)
+    train, held = load_streams(cfg.seq_len, args.corpus)
     teacher = load_target(Path(args.teacher))
     student = LlamaForCausalLM.from_pretrained(args.teacher, dtype=torch.float32, attn_implementation="sdpa")
     drop = sorted({int(i) for i in args.drop_layers.split(",") if i.strip()})
@@ -333,7 +374,7 @@ def save_lm(
 
 def step_drafter(args: argparse.Namespace) -> None:
     cfg = train_config(args, "drafter")
-    train, held = load_streams(cfg.seq_len)
+    train, held = load_streams(cfg.seq_len, args.corpus)
     target = load_target()
     model = build_llama(DRAFTER_SPEC, cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -372,7 +413,7 @@ def eagle_config_from_target(target) -> EagleConfig:
 
 def step_eagle(args: argparse.Namespace) -> None:
     cfg = train_config(args, "eagle")
-    train, _ = load_streams(cfg.seq_len)
+    train, _ = load_streams(cfg.seq_len, args.corpus)
     target = load_target()
     torch.manual_seed(cfg.seed)
     ecfg = eagle_config_from_target(target)
@@ -396,7 +437,7 @@ def step_eagle(args: argparse.Namespace) -> None:
 
 def step_medusa(args: argparse.Namespace) -> None:
     cfg = train_config(args, "medusa")
-    train, _ = load_streams(cfg.seq_len)
+    train, _ = load_streams(cfg.seq_len, args.corpus)
     target = load_target()
     torch.manual_seed(cfg.seed)
     mcfg = MedusaConfig(
@@ -423,7 +464,7 @@ def step_medusa(args: argparse.Namespace) -> None:
 def step_eagle3(args: argparse.Namespace) -> None:
     """Train models/eagle3-head on the frozen shipped target (`python -m training eagle3`)."""
     cfg = replace(train_config(args, "eagle3"), dtype=args.dtype)
-    train, _ = load_streams(cfg.seq_len)
+    train, _ = load_streams(cfg.seq_len, args.corpus)
     target = load_target().to(getattr(torch, args.dtype))
     t = target.config
     ranked = json.loads((MODELS / "drafter" / "draft_vocab.json").read_text())["ranked_token_ids"]
@@ -480,7 +521,7 @@ def step_draft_all(args: argparse.Namespace) -> None:
     parts = [p for p in DRAFT_PARTS if p in args.parts.split(",")]
     tag = "draft-" + "-".join(parts)
     cfg = train_config(args, tag)
-    train, held = load_streams(cfg.seq_len)
+    train, held = load_streams(cfg.seq_len, args.corpus)
     target = load_target()
     outputs = TargetOutputs(target)
     modules: dict[str, torch.nn.Module] = {}
@@ -636,7 +677,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "step",
         choices=[
-            "corpus", "tokenizer", "target", "target-continue", "mtp", "shrink", "drafter", "eagle", "medusa", "eagle3", "draft-all", "draft-vocab",
+            "corpus", "tokenizer", "corpus-extra", "target", "target-continue", "mtp", "shrink", "drafter", "eagle", "medusa", "eagle3", "draft-all", "draft-vocab",
             "cards",
         ],
     )
@@ -654,6 +695,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-intermediate-size", type=int, default=None,
                         help="eagle3: the midlayer's MLP width (default: the target's)")
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--corpus", default="stdlib", choices=["stdlib", "extended"],
+                        help="training data: the stdlib files, or those plus the installed packages' (corpus-extra)")
+    parser.add_argument("--extra-tokens", type=int, default=12_000_000, help="corpus-extra: tokens to keep")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--grad-accum", type=int, default=1)
@@ -697,6 +741,7 @@ def main(argv: list[str] | None = None) -> None:
     {
         "corpus": step_corpus,
         "tokenizer": step_tokenizer,
+        "corpus-extra": step_corpus_extra,
         "target": step_target,
         "target-continue": step_target_continue,
         "mtp": step_mtp,

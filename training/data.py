@@ -71,6 +71,50 @@ def write_corpus(out_dir: Path, heldout_list: Path, root: Path | None = None) ->
     return {"files": len(files), "train": len(train), "heldout": len(held)}
 
 
+def packages_root() -> Path:
+    """Directory of the installed third-party packages (the environment's ``purelib``)."""
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def list_package_files(root: Path | None = None, max_bytes: int = 256_000) -> list[str]:
+    """Sorted relative paths of the ``*.py`` files of the installed packages (the extended corpus).
+
+    Same exclusions as the stdlib corpus (test suites, caches); files over ``max_bytes`` are left
+    out (generated tables and vendored bundles, not code a person writes)."""
+    root = root or packages_root()
+    out = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if any(part in EXCLUDED_DIRS or part.endswith((".dist-info", ".egg-info")) for part in rel.parts[:-1]):
+            continue
+        if path.is_file() and 0 < path.stat().st_size <= max_bytes:
+            out.append(rel.as_posix())
+    return sorted(out)
+
+
+def _long_lines(text: str, min_chars: int) -> list[str]:
+    return [line.strip() for line in text.splitlines() if len(line.strip()) >= min_chars]
+
+
+class Decontaminator:
+    """Drops documents that copy held-out code: the installed packages vendor parts of the stdlib
+    (setuptools carries distutils, backports carry enum, pprint, ...), and the held-out stdlib files
+    are what the perplexity and the speculation benchmarks measure on.
+
+    A document is contaminated when at least ``max_shared`` of its long lines (``min_chars`` or
+    more after stripping), and at least ``min_lines`` of them, occur verbatim in a held-out file."""
+
+    def __init__(self, heldout_texts: Sequence[str], min_chars: int = 32, max_shared: float = 0.1,
+                 min_lines: int = 3) -> None:
+        self.min_chars, self.max_shared, self.min_lines = min_chars, max_shared, min_lines
+        self.lines = {line for text in heldout_texts for line in _long_lines(text, min_chars)}
+
+    def contaminated(self, text: str) -> bool:
+        lines = _long_lines(text, self.min_chars)
+        shared = sum(line in self.lines for line in lines)
+        return shared >= self.min_lines and shared >= self.max_shared * len(lines)
+
+
 def read_file_list(path: Path) -> list[str]:
     """Read a list of relative paths, one per line."""
     return [line for line in path.read_text().splitlines() if line.strip()]
