@@ -16,9 +16,37 @@ def tiny_llama(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), "llama")
 
 
+@pytest.fixture(scope="session")
+def serve_instance():
+    """One Ray (2 CPUs) and one Serve with gRPC and HTTP proxies for every module that deploys
+    applications (each deletes its own through `SharedServe.apps`): starting and stopping Ray and
+    Serve per module cost ~10 s each time. Spans are exported within 0.1 s (replicas inherit the
+    environment of `ray.init`)."""
+    import ray
+    from helpers import SERVICER, SharedServe, free_port
+    from ray import serve
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        shared = SharedServe(free_port(), free_port())
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": shared.http_port},
+            grpc_options={"port": shared.grpc_port, "grpc_servicer_functions": [SERVICER]},
+        )
+        yield shared
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    # the tests on the shared Serve run last, together: its Ray stays up from the first to the
+    # last of them, and would otherwise idle next to the CPU-bound tests in between
+    items.sort(key=lambda item: "serve_instance" in getattr(item, "fixturenames", ()))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -168,3 +168,40 @@ def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
     scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(m, heads * d)
+
+
+# --- one Ray + Serve for every test module that deploys applications ---------------------------
+SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SharedServe:
+    """The session's Serve instance (conftest's `serve_instance`): its gRPC and HTTP proxy ports.
+
+    Modules deploy their applications inside `apps(...)`, which deletes them when the module is
+    done, so the next module starts on an empty Serve with all of Ray's CPUs free."""
+
+    def __init__(self, grpc_port: int, http_port: int) -> None:
+        self.grpc_port, self.http_port = grpc_port, http_port
+
+    def apps(self, *names: str):
+        import contextlib
+
+        from ray import serve
+
+        @contextlib.contextmanager
+        def scope():
+            try:
+                yield self
+            finally:
+                for name in names:
+                    serve.delete(name)
+
+        return scope()

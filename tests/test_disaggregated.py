@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from test_serve_grpc import SERVICER, collect, free_port, save_char_tokenizer
+from helpers import SERVICER, free_port
+from test_serve_grpc import collect, save_char_tokenizer
 
 from deployments.client import SpecDecodeClient, make_request
 from deployments.handoff_transport import nixl_available

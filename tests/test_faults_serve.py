@@ -27,10 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serve_grpc import (
     GREEDY,
-    SERVICER,
     app_args,
     collect,
-    free_port,
     is_idle,
     rpc_error,
     save_char_tokenizer,
@@ -136,8 +134,7 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[Served]:
-    import ray
+def served(tmp_path_factory, serve_instance) -> Iterator[Served]:
     from helpers import save_tiny_model
     from ray import serve
 
@@ -147,13 +144,9 @@ def served(tmp_path_factory) -> Iterator[Served]:
 
     model = save_tiny_model(str(tmp_path_factory.mktemp("faults_model")), "llama", max_position_embeddings=4096)
     save_char_tokenizer(model)
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(
-            http_options={"host": "127.0.0.1", "port": free_port()},
-            grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]},
-        )
+    port = serve_instance.grpc_port
+    mark_serve_logs()
+    with serve_instance.apps(APP, SLOW_APP):
         serve.run(build_app(app_args(model, None)), name=APP, route_prefix=f"/{APP}")
         slow = AppConfig.from_dict({**app_args(model, None), "replica_wait_timeout_s": WAIT_S, "num_cpus": 1,
                                     "max_queued_requests": 16})
@@ -167,9 +160,6 @@ def served(tmp_path_factory) -> Iterator[Served]:
             for _ in range(4):  # the ingress's router learns both replicas
                 collect(client.generate([1], max_tokens=1))
         yield Served(port, model, LLM(model, device="cpu", dtype="float32"))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def reference(served: Served, prompt, **params) -> list[int]:
@@ -178,14 +168,28 @@ def reference(served: Served, prompt, **params) -> list[int]:
     return served.llm.generate(prompt, SamplingParams(**params))[0].token_ids
 
 
-def serve_logs() -> str:
+_LOGS_FROM: dict[str, int] = {}  # where this module's part of each Serve log file starts
+
+
+def _serve_log_files() -> list[str]:
     import ray
 
     session = ray._private.worker._global_node.get_session_dir_path()
+    return glob.glob(os.path.join(session, "logs", "serve", "*.log"))
+
+
+def mark_serve_logs() -> None:
+    _LOGS_FROM.clear()
+    _LOGS_FROM.update({path: os.path.getsize(path) for path in _serve_log_files()})
+
+
+def serve_logs() -> str:
+    """What Serve logged since this module deployed its apps (the Ray session is shared)."""
     text = []
-    for path in glob.glob(os.path.join(session, "logs", "serve", "*.log")):
-        with open(path, errors="replace") as f:
-            text.append(f.read())
+    for path in _serve_log_files():
+        with open(path, "rb") as f:
+            f.seek(_LOGS_FROM.get(path, 0))
+            text.append(f.read().decode(errors="replace"))
     return "\n".join(text)
 
 

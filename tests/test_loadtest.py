@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import random
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,7 +31,6 @@ from loadtest.workloads import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
 APP = "loadtest-smoke"
 
 
@@ -120,38 +118,23 @@ def test_heldout_code_prompts_when_the_target_is_trained() -> None:
 
 
 # --- the smoke run ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def served_ports(tiny_llama: str) -> Iterator[tuple[int, int]]:
+def served_ports(tiny_llama: str, serve_instance) -> Iterator[tuple[int, int]]:
     """(gRPC port, HTTP port) of one Serve app."""
-    import ray
     from ray import serve
 
     from deployments.app import build_app
     from deployments.client import SpecDecodeClient
 
-    port, http_port = free_port(), free_port()
+    port, http_port = serve_instance.grpc_port, serve_instance.http_port
     args = {"model": tiny_llama, "speculative": None, "device": "cpu", "dtype": "float32", "max_num_seqs": 8,
             "max_queued_requests": 32, "max_prompt_tokens": 64, "max_tokens": 64, "default_max_tokens": 16,
             "num_cpus": 1}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(
-            http_options={"host": "127.0.0.1", "port": http_port},
-            grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]},
-        )
+    with serve_instance.apps(APP):
         serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
             client.wait_ready(60)
         yield port, http_port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import free_port
 
 from deployments.client import SpecDecodeClient
 from protos.specdecode.v1 import specdecode_pb2 as pb
@@ -29,7 +29,6 @@ from protos.specdecode.v1 import specdecode_pb2 as pb
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
 APP = "specdecode-test"
 NGRAM_APP = "specdecode-ngram"
 MAX_NUM_SEQS = 4
@@ -40,12 +39,6 @@ LONG = 4000
 ABORT_WAIT_S = 3.0
 PROMPTS = [[5, 17, 33, 8], [40, 41, 42, 43, 44, 45], [90, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 77], [1, 60]]
 GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_char_tokenizer(path: str) -> None:
@@ -151,8 +144,7 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[Served]:
-    import ray
+def served(tmp_path_factory, serve_instance) -> Iterator[Served]:
     from helpers import save_tiny_model
     from ray import serve
 
@@ -161,21 +153,13 @@ def served(tmp_path_factory) -> Iterator[Served]:
 
     model = save_tiny_model(str(tmp_path_factory.mktemp("served_model")), "llama", max_position_embeddings=4096)
     save_char_tokenizer(model)
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(
-            http_options={"host": "127.0.0.1", "port": free_port()},
-            grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]},
-        )
+    port = serve_instance.grpc_port
+    with serve_instance.apps(APP, NGRAM_APP):
         serve.run(build_app(app_args(model, None)), name=APP, route_prefix=f"/{APP}")
         llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=MAX_NUM_SEQS)
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
             replica_id = client.wait_ready(60).replica_id
         yield Served(port, model, replica_id, llm)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -56,11 +56,10 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[Served]:
-    import ray
+def served(tmp_path_factory, serve_instance) -> Iterator[Served]:
     from helpers import save_tiny_model
     from ray import serve
-    from test_serve_grpc import SERVICER, free_port, save_char_tokenizer
+    from test_serve_grpc import save_char_tokenizer
     from transformers import AutoTokenizer
 
     from deployments.app import build_app
@@ -77,21 +76,13 @@ def served(tmp_path_factory) -> Iterator[Served]:
         "speculative": {"method": "ngram", "model": None, "num_speculative_tokens": 4, "adaptive": False},
         "tracing": {"exporter": "file", "file": str(spans_file)},
     }
-    grpc_port, http_port = free_port(), free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # spans exported within 0.1 s (replicas inherit it)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                    grpc_options={"port": grpc_port, "grpc_servicer_functions": [SERVICER]})
+    grpc_port, http_port = serve_instance.grpc_port, serve_instance.http_port
+    with serve_instance.apps(APP):  # the shared Serve exports spans within 0.1 s (conftest)
         serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
         served = Served(f"http://127.0.0.1:{http_port}/{APP}", f"127.0.0.1:{grpc_port}", model, spans_file)
         with served.grpc() as client:
             client.wait_ready(60)
         yield served
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def grpc_greedy(served: Served, prompt, max_tokens: int = 24, **kwargs) -> tuple[list[int], str, pb.GenerateResponse]:

@@ -12,7 +12,6 @@ CPU each so two fit. Short look-back, delays, windows and cooldown keep it to ab
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,6 @@ from deployments.router import ROUTER_PATH
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(170)]
 
-SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
 APP = "slo-test"
 TPOT_SLO_MS = 110.0
 STEP_BASE_S = 0.004
@@ -35,12 +33,6 @@ STEP_PER_SEQ_S = 0.012  # 12 streams on one replica: >= 148 ms a step; 6 on each
 NUM_STREAMS = 12
 MAX_TOKENS = 32
 PROMPT = [5, 17, 33, 8, 40, 41]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def padded_server_class(step_base_s: float, step_per_seq_s: float) -> type:
@@ -146,14 +138,13 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def served_port(tiny_llama: str) -> Iterator[int]:
-    import ray
+def served_port(tiny_llama: str, serve_instance) -> Iterator[int]:
     from ray import serve
 
     from deployments.app import bind_app
     from deployments.config import AppConfig
 
-    port = free_port()
+    port = serve_instance.grpc_port
     config = AppConfig(
         model=tiny_llama, speculative=None, device="cpu", dtype="float32", max_num_seqs=16,
         max_queued_requests=64, max_tokens=MAX_TOKENS, default_max_tokens=MAX_TOKENS, num_cpus=1,
@@ -176,20 +167,12 @@ def served_port(tiny_llama: str) -> Iterator[int]:
             "request_routing_stats_timeout_s": 5.0,
         },
     }
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(
-            http_options={"host": "127.0.0.1", "port": free_port()},
-            grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]},
-        )
+    with serve_instance.apps(APP):
         server = padded_server_class(STEP_BASE_S, STEP_PER_SEQ_S)
         serve.run(bind_app(config, overrides, engine_cls=server), name=APP, route_prefix=f"/{APP}")
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
             client.wait_ready(60)
         yield port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def test_tpot_violation_scales_out_recovers_and_scales_back_in(served_port: int) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +34,6 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
 SPEC_TOTALS = ("num_draft_tokens", "num_accepted_tokens", "num_verify_steps")
-SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
 
 
 # --- a real OTLP receiver --------------------------------------------------------------------
@@ -430,8 +428,7 @@ def test_tree_steps_are_their_own_phases_in_where_time_goes(tmp_path, model: str
 
 # --- end to end through Ray Serve's gRPC proxy -------------------------------------------------
 @pytest.mark.slow
-def test_client_traceparent_reaches_replica_spans_through_serve(tmp_path, model: str) -> None:
-    import ray
+def test_client_traceparent_reaches_replica_spans_through_serve(tmp_path, model: str, serve_instance) -> None:
     from ray import serve
 
     from deployments.app import build_app
@@ -443,13 +440,8 @@ def test_client_traceparent_reaches_replica_spans_through_serve(tmp_path, model:
         "speculative": {"method": "ngram", "model": None, "num_speculative_tokens": 4, "adaptive": False},
         "tracing": {"exporter": "file", "file": str(spans_file)},
     }
-    port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s (the replica inherits it)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
-                    grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]})
+    port = serve_instance.grpc_port
+    with serve_instance.apps("traced"):  # the shared Serve exports spans within 0.1 s (conftest)
         serve.run(build_app(args), name="traced", route_prefix="/traced")
         with SpecDecodeClient(f"127.0.0.1:{port}", application="traced", timeout=60) as client:
             client.wait_ready(60)
@@ -459,21 +451,12 @@ def test_client_traceparent_reaches_replica_spans_through_serve(tmp_path, model:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and f'"{tr.REQUEST_SPAN}"' not in _read(spans_file):
             time.sleep(0.2)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     lines = [json.loads(line) for line in _read(spans_file).splitlines()]
     (req,) = [s for s in lines if s["name"] == tr.REQUEST_SPAN]
     assert (req["trace_id"], req["parent_span_id"], req["kind"]) == (TRACE_ID, PARENT_SPAN_ID, "SERVER")
     assert req["attributes"]["rpc.method"] == "Generate" and req["attributes"][tr.ATTR_CLIENT_REQUEST_ID] == "e2e-1"
     mine = [s for s in lines if s["trace_id"] == TRACE_ID]
     assert {s["name"] for s in mine} == {tr.REQUEST_SPAN, tr.QUEUE_SPAN, tr.PREFILL_SPAN, tr.DECODE_SPAN}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _read(path) -> str:
