@@ -51,6 +51,12 @@ DATA = RUNS / "data"
 TOKENIZER_DIR = RUNS / "tokenizer"
 
 
+def tokenizer_dir() -> Path:
+    """The trained tokenizer (runs/tokenizer, written by the `tokenizer` step), else the shipped
+    target's copy of it (a checkout that has not re-run that step)."""
+    return TOKENIZER_DIR if (TOKENIZER_DIR / "tokenizer.json").exists() else MODELS / "target"
+
+
 def log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
@@ -209,11 +215,20 @@ def write_stats(name: str, stats: dict) -> None:
     log(f"{name}: {stats}")
 
 
-def measure(cfg: TrainConfig, model, loss_fn, sampler, steps: int) -> None:
-    tcfg = replace(cfg, planned_tokens=cfg.tokens_per_step * steps, warmup_steps=1, max_minutes=60)
-    out = train_loop(tcfg, model, loss_fn, sampler, None, log=log, progress=False)
-    # exclude the first step (allocation warm-up) from the estimate is not possible here; report all
-    log(f"measure: {steps} steps, {out['tokens_per_s']:.0f} tok/s, {out['elapsed_s'] / steps:.2f} s/step")
+def fit(args: argparse.Namespace, cfg: TrainConfig, model, loss_fn, train: torch.Tensor, seed_offset: int,
+        checkpoint: str, **train_kw) -> dict | None:
+    """Train ``model`` on batches of ``train`` drawn in the order of seed ``cfg.seed + seed_offset``
+    (resumable from checkpoints/<checkpoint>); with ``--measure-steps`` only time that many steps
+    (the first included: allocation warm-up) and return None."""
+    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + seed_offset)
+    if args.measure_steps:
+        steps = args.measure_steps
+        tcfg = replace(cfg, planned_tokens=cfg.tokens_per_step * steps, warmup_steps=1, max_minutes=60)
+        out = train_loop(tcfg, model, loss_fn, sampler, None, log=log, progress=False, **train_kw)
+        log(f"measure: {steps} steps, {out['tokens_per_s']:.0f} tok/s, {out['elapsed_s'] / steps:.2f} s/step")
+        return None
+    return train_loop(cfg, model, loss_fn, sampler, CKPTS / checkpoint, resume=args.resume, log=log,
+                      max_threads=args.threads, **train_kw)
 
 
 def step_target(args: argparse.Namespace) -> None:
@@ -224,20 +239,9 @@ def step_target(args: argparse.Namespace) -> None:
     log(
         f"target: {n_params / 1e6:.2f}M params, {train.shape[0]} train seqs of {cfg.seq_len}, config {asdict(cfg)}"
     )
-    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed)
-    if args.measure_steps:
-        measure(cfg, model, lm_loss_fn(model), sampler, args.measure_steps)
+    out = fit(args, cfg, model, lm_loss_fn(model), train, 0, "target.pt")
+    if out is None:
         return
-    out = train_loop(
-        cfg,
-        model,
-        lm_loss_fn(model),
-        sampler,
-        CKPTS / "target.pt",
-        resume=args.resume,
-        log=log,
-        max_threads=args.threads,
-    )
     save_lm("target", model, held, out, cfg, n_params, args)
 
 
@@ -256,18 +260,14 @@ def step_target_continue(args: argparse.Namespace) -> None:
     model = LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float32, attn_implementation="sdpa")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"target-continue: from {src}, {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
-    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 5)
     loss_fn = lm_loss_fn(model)
-    if args.measure_steps:
-        measure(cfg, model, loss_fn, sampler, args.measure_steps)
-        return
     model.eval()
-    nll_before = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
-    log(f"target-continue: held-out NLL before {nll_before:.4f}")
-    out = train_loop(
-        cfg, model, loss_fn, sampler, CKPTS / "target-continue.pt", resume=args.resume, log=log,
-        max_threads=args.threads,
-    )
+    if not args.measure_steps:
+        nll_before = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
+        log(f"target-continue: held-out NLL before {nll_before:.4f}")
+    out = fit(args, cfg, model, loss_fn, train, 5, "target-continue.pt")
+    if out is None:
+        return
     out.update(init_from=str(src), heldout_nll_before=nll_before)
     save_lm("target-continue", model, held, out, cfg, n_params, args, folder=Path(args.out), tokenizer_from=src)
 
@@ -289,13 +289,10 @@ def step_mtp(args: argparse.Namespace) -> None:
     module = MTPModule(target.config)
     n_params = sum(p.numel() for p in module.parameters())
     log(f"mtp: {n_params / 1e6:.2f}M params, unroll {args.ttt_steps}, target {src}, config {asdict(cfg)}")
-    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 6)
     loss_fn = mtp_loss_fn(module, target, unroll=args.ttt_steps)
-    if args.measure_steps:
-        measure(cfg, module, loss_fn, sampler, args.measure_steps)
+    out = fit(args, cfg, module, loss_fn, train, 6, "mtp.pt")
+    if out is None:
         return
-    out = train_loop(cfg, module, loss_fn, sampler, CKPTS / "mtp.pt", resume=args.resume, log=log,
-                     max_threads=args.threads)
     folder = save_mtp(module.float(), src, Path(args.out))
     # the drafters' frequency-ranked draft vocabulary (`draft-vocab`), which the MTP proposer
     # reads from its target's folder: the module's LM head then costs a quarter at 2048 of 8192
@@ -332,17 +329,10 @@ def step_shrink(args: argparse.Namespace) -> None:
         student.config.layer_types = [student.config.layer_types[i] for i in keep]
     n_params = sum(p.numel() for p in student.parameters())
     log(f"shrink: {n_layers} -> {len(keep)} layers (dropped {drop}), {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
-    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 3)
-    out = train_loop(
-        cfg,
-        student,
-        distill_loss_fn(student, teacher),
-        sampler,
-        CKPTS / "shrink.pt",
-        resume=args.resume,
-        log=log,
-        max_threads=args.threads,
-    )
+    loss_fn = distill_loss_fn(student, teacher)
+    out = fit(args, cfg, student, loss_fn, train, 3, "shrink.pt")
+    if out is None:
+        return
     out.update(dropped_layers=drop, teacher=args.teacher, teacher_layers=n_layers)
     save_lm("target", student, held, out, cfg, n_params, args, stats_name="shrink")
 
@@ -365,7 +355,7 @@ def save_lm(
     nll = heldout_nll(lambda b: model(input_ids=b).logits, held, max_seqs=args.eval_seqs)
     folder = folder or MODELS / name
     model.to(torch.bfloat16).save_pretrained(str(folder))
-    data.copy_tokenizer(tokenizer_from or TOKENIZER_DIR, folder)
+    data.copy_tokenizer(tokenizer_from or tokenizer_dir(), folder)
     out.update(
         params=n_params, heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), config=asdict(cfg)
     )
@@ -379,21 +369,10 @@ def step_drafter(args: argparse.Namespace) -> None:
     model = build_llama(DRAFTER_SPEC, cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"drafter: {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
-    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 1)
     loss_fn = distill_loss_fn(model, target)
-    if args.measure_steps:
-        measure(cfg, model, loss_fn, sampler, args.measure_steps)
+    out = fit(args, cfg, model, loss_fn, train, 1, "drafter.pt")
+    if out is None:
         return
-    out = train_loop(
-        cfg,
-        model,
-        loss_fn,
-        sampler,
-        CKPTS / "drafter.pt",
-        resume=args.resume,
-        log=log,
-        max_threads=args.threads,
-    )
     save_lm("drafter", model, held, out, cfg, n_params, args)
 
 
@@ -420,17 +399,13 @@ def step_eagle(args: argparse.Namespace) -> None:
     head = EagleHead(ecfg)
     n_params = sum(p.numel() for p in head.parameters())
     log(f"eagle: {n_params / 1e6:.2f}M params, rollout_weight {args.rollout_weight}, config {asdict(cfg)}")
-    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 2)
     loss_fn = eagle_loss_fn(head, target, rollout_weight=args.rollout_weight)
-    if args.measure_steps:
-        measure(cfg, head, loss_fn, sampler, args.measure_steps)
+    out = fit(args, cfg, head, loss_fn, train, 2, "eagle.pt")
+    if out is None:
         return
-    out = train_loop(
-        cfg, head, loss_fn, sampler, CKPTS / "eagle.pt", resume=args.resume, log=log, max_threads=args.threads
-    )
     folder = MODELS / "eagle-head"
     save_head(head, ecfg.to_json_dict(), folder)
-    data.copy_tokenizer(TOKENIZER_DIR, folder)
+    data.copy_tokenizer(tokenizer_dir(), folder)
     out.update(params=n_params, rollout_weight=args.rollout_weight, config=asdict(cfg))
     write_stats("eagle", out)
 
@@ -446,17 +421,13 @@ def step_medusa(args: argparse.Namespace) -> None:
     heads = MedusaHeads(mcfg)
     n_params = sum(p.numel() for p in heads.parameters())
     log(f"medusa: {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
-    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 3)
     loss_fn = medusa_loss_fn(heads, target)
-    if args.measure_steps:
-        measure(cfg, heads, loss_fn, sampler, args.measure_steps)
+    out = fit(args, cfg, heads, loss_fn, train, 3, "medusa.pt")
+    if out is None:
         return
-    out = train_loop(
-        cfg, heads, loss_fn, sampler, CKPTS / "medusa.pt", resume=args.resume, log=log, max_threads=args.threads
-    )
     folder = MODELS / "medusa-heads"
     save_head(heads, mcfg.to_json_dict(), folder)
-    data.copy_tokenizer(TOKENIZER_DIR, folder)
+    data.copy_tokenizer(tokenizer_dir(), folder)
     out.update(params=n_params, config=asdict(cfg))
     write_stats("medusa", out)
 
@@ -492,16 +463,10 @@ def step_eagle3(args: argparse.Namespace) -> None:
         log(f"eagle3: initialized from {args.init_from}")
     n_params = sum(p.numel() for p in head.parameters())
     log(f"eagle3: {n_params / 1e6:.2f}M params, ttt_steps {args.ttt_steps}, {c}, config {asdict(cfg)}")
-    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 5)
     loss_fn = eagle3_loss_fn(head, target, token_ids, args.ttt_steps)
-    if args.measure_steps:
-        tcfg = replace(cfg, planned_tokens=cfg.tokens_per_step * args.measure_steps, warmup_steps=1)
-        out = train_loop(tcfg, head, loss_fn, sampler, None, log=log, progress=False, max_threads=args.threads)
-        log(f"measure: {out['tokens_per_s']:.0f} tok/s, {out['elapsed_s'] / args.measure_steps:.2f} s/step")
+    out = fit(args, cfg, head, loss_fn, train, 5, "eagle3.pt")
+    if out is None:
         return
-    out = train_loop(
-        cfg, head, loss_fn, sampler, CKPTS / "eagle3.pt", resume=args.resume, log=log, max_threads=args.threads
-    )
     folder = MODELS / "eagle3-head"
     save_eagle3(head, token_ids, folder)  # no tokenizer copy: the head reads the target's token ids
     out.update(params=n_params, ttt_steps=args.ttt_steps, head=asdict(c), config=asdict(cfg))
@@ -547,24 +512,10 @@ def step_draft_all(args: argparse.Namespace) -> None:
     loss_fn = joint_loss_fn(losses)
     sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in modules.items()}
     log(f"{tag}: params {sizes}, config {asdict(cfg)}")
-    sampler = data.SequenceSampler(train, cfg.batch_size, cfg.seed + 1)
     comps = {f"{n}.": (args.drafter_lr_scale if n == "drafter" else 1.0) for n in parts}
-    if args.measure_steps:
-        tcfg = replace(cfg, planned_tokens=cfg.tokens_per_step * args.measure_steps, warmup_steps=1)
-        out = train_loop(tcfg, joint, loss_fn, sampler, None, log=log, progress=False, components=comps)
-        log(f"measure: {out['tokens_per_s']:.0f} tok/s, {out['elapsed_s'] / args.measure_steps:.2f} s/step")
+    out = fit(args, cfg, joint, loss_fn, train, 1, f"{tag}.pt", components=comps)
+    if out is None:
         return
-    out = train_loop(
-        cfg,
-        joint,
-        loss_fn,
-        sampler,
-        CKPTS / f"{tag}.pt",
-        resume=args.resume,
-        log=log,
-        max_threads=args.threads,
-        components=comps,
-    )
     shared = {k: v for k, v in out.items() if k not in ("first_metrics", "final_metrics_ema", "history")}
     for name in parts:
         stats = dict(shared, params=sizes[name], config=asdict(cfg), joint=True, parts=parts)
@@ -575,17 +526,17 @@ def step_draft_all(args: argparse.Namespace) -> None:
             drafter = modules["drafter"].eval()
             nll = heldout_nll(lambda b, m=drafter: m(input_ids=b).logits, held, max_seqs=args.eval_seqs)
             drafter.to(torch.bfloat16).save_pretrained(str(MODELS / "drafter"))
-            data.copy_tokenizer(TOKENIZER_DIR, MODELS / "drafter")
+            data.copy_tokenizer(tokenizer_dir(), MODELS / "drafter")
             stats.update(
                 heldout_nll=nll, heldout_ppl=float(torch.tensor(nll).exp()), lr_scale=args.drafter_lr_scale
             )
         if name == "eagle":
             save_head(modules["eagle"], ecfg.to_json_dict(), MODELS / "eagle-head")
-            data.copy_tokenizer(TOKENIZER_DIR, MODELS / "eagle-head")
+            data.copy_tokenizer(tokenizer_dir(), MODELS / "eagle-head")
             stats["rollout_weight"] = args.rollout_weight
         if name == "medusa":
             save_head(modules["medusa"], mcfg.to_json_dict(), MODELS / "medusa-heads")
-            data.copy_tokenizer(TOKENIZER_DIR, MODELS / "medusa-heads")
+            data.copy_tokenizer(tokenizer_dir(), MODELS / "medusa-heads")
             stats["position_stride"] = args.medusa_stride
         write_stats(name, stats)
 
