@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args(argv)
     if not os.path.isdir(args.model):
-        print(f"no model at {args.model}; train the shipped models with `python -m training all`", file=sys.stderr)
+        print(f"no model at {args.model}; the shipped models are in git (models/); their training commands are in models/*/README.md", file=sys.stderr)
         return 1
     drafter = DRAFTERS[args.method]
     spec = SpeculativeConfig(method=args.method, model=drafter and os.path.join(ROOT, drafter), num_speculative_tokens=args.k)

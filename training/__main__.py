@@ -9,10 +9,15 @@ Steps (run in this order)::
     target     pre-train models/target (LlamaForCausalLM) from scratch
     shrink     drop decoder layers of a pre-trained target and heal it by distillation from the
                full model (fits the 100 MB weight budget; --teacher, --drop-layers)
+    target-continue  continue pre-training models/target (--corpus extended: with the installed
+               packages' sources) into runs/target-continued; resumable
+    compare-targets  held-out NLL and greedy completions of models/target and runs/target-continued
     drafter    distil models/drafter from the frozen target (KL(target || drafter))
     eagle      train models/eagle-head (EAGLE-1) on the frozen target's features
     eagle3     train models/eagle3-head (EAGLE-3, training-time test) on the frozen target's features
     medusa     train models/medusa-heads (Medusa-1 heads) on the frozen target's features
+    mtp        train a native MTP module (DeepSeek-V3 layout) on the frozen target, stored with a
+               copy of it (runs/target-mtp)
     draft-all  drafter + eagle + medusa in one loop on shared batches (one target forward per batch)
     draft-vocab  rank tokens by training-set frequency into each drafter's draft_vocab.json
     cards      write the README.md model cards from runs/*_stats.json and bench/results
@@ -270,6 +275,37 @@ def step_target_continue(args: argparse.Namespace) -> None:
         return
     out.update(init_from=str(src), heldout_nll_before=nll_before)
     save_lm("target-continue", model, held, out, cfg, n_params, args, folder=Path(args.out), tokenizer_from=src)
+
+
+COMPARE_PROMPTS = (
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',  # `make demo`'s prompt
+    "import os\n\n\ndef find_files(root, suffix):\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+)
+
+
+def step_compare_targets(args: argparse.Namespace) -> None:
+    """Held-out NLL (the same 64 x 512 tokens as every card) and greedy completions of a few prompts,
+    for models/target and `--init-from` (default runs/target-continued), as markdown for the card."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    _, held = load_streams(args.seq_len)
+    folders = [MODELS / "target", Path(args.init_from or "runs/target-continued")]
+    tok = AutoTokenizer.from_pretrained(str(folders[0]))
+    lines = ["| model | held-out NLL (nats/token) | perplexity |", "|---|---|---|"]
+    samples = []
+    for folder in folders:
+        model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        nll = heldout_nll(lambda b, m=model: m(input_ids=b).logits, held, max_seqs=args.eval_seqs)
+        lines.append(f"| {folder} | {nll:.4f} | {float(torch.tensor(nll).exp()):.2f} |")
+        for prompt in COMPARE_PROMPTS:
+            ids = tok(prompt, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=data.EOS_ID)
+            samples.append(f"**{folder}**, greedy, 64 tokens:\n\n```python\n{prompt}{tok.decode(out[0, ids.shape[1]:])}\n```\n")
+    text = "\n".join(lines) + "\n\n" + "\n".join(samples)
+    (RUNS / "compare_targets.md").write_text(text)
+    print(text)
 
 
 def step_mtp(args: argparse.Namespace) -> None:
@@ -695,6 +731,7 @@ def main(argv: list[str] | None = None) -> None:
         "corpus-extra": step_corpus_extra,
         "target": step_target,
         "target-continue": step_target_continue,
+        "compare-targets": step_compare_targets,
         "mtp": step_mtp,
         "shrink": step_shrink,
         "drafter": step_drafter,
