@@ -351,6 +351,34 @@ def test_tree_choice_follows_the_predicted_rate(models):
     assert not sp._trees_pay(reqs, step_index=1)
 
 
+def test_adaptive_trees_are_sized_per_request(models):
+    """With `adaptive`, a request whose drafts are mostly accepted gets the configured tree (all
+    tree_depth levels, tree_nodes nodes), one whose drafts are mostly rejected a one-level tree of
+    tree_width nodes; without `adaptive` both get the configured tree."""
+    from engine.request import Request
+    from engine.spec.speculator import StepCostModel
+
+    qs = [1, 2, 3, 5, 9]
+    plans = {}
+    for adaptive in (True, False):
+        engine = LLMEngine(models["target"], dtype="float32", device="cpu",
+                           speculative=SpeculativeConfig(model=models["target"], **(TREE | {"adaptive": adaptive})))
+        sp = engine.speculator
+        sp.proposer.step_cost = lambda n, k: 1e-5 * k
+        sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + 0.1 * (q - 1)) for q in qs]] * 2)  # a level: ~0.2
+        easy, hard = Request("easy", list(range(1, 30)), GREEDY), Request("hard", list(range(1, 30)), GREEDY)
+        for i, r in enumerate((easy, hard)):
+            r.block_ids = list(range(8 * i, 8 * i + 8))
+        for _ in range(300):  # drafts of 4: `easy` accepts all, `hard` none
+            sp.update_acceptance(easy, 4, 4)
+            sp.update_acceptance(hard, 4, 0)
+        plans[adaptive] = (sp._tree_plan(easy), sp._tree_plan(hard))
+    cfg = TREE
+    assert plans[False] == ((cfg["tree_nodes"], cfg["tree_depth"]),) * 2
+    assert plans[True][0] == (cfg["tree_nodes"], cfg["tree_depth"])
+    assert plans[True][1] == (cfg["tree_width"], 1)
+
+
 # --- n-gram trees -------------------------------------------------------------------------------
 
 

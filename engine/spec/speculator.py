@@ -452,10 +452,28 @@ class Speculator:
         return {r.request_id: d for r, d in zip(requests, drafts, strict=True) if d.token_ids}
 
     def _tree_plan(self, r: Request) -> tuple[int, int]:
-        """(nodes, levels) of the tree request r would draft (before the step's token budget)."""
+        """(nodes, levels) of the tree request r would draft (before the step's token budget).
+
+        Without `adaptive`: the configured tree_nodes and tree_depth (levels capped like a chain's
+        k by `max_k`). With it, sized per request: as many levels as the request's own acceptance
+        model (`AcceptanceModel.accept_probs`, the chance its top-1 chain reaches that depth, a
+        lower bound for a tree's) pays for, each level costing its tree_width verified tokens and
+        one drafting forward (`_level_cost`); at least one level (`_trees_pay` already chose trees
+        for the step); and at most tree_width nodes per level."""
         depth = self.max_k(r, self.config.tree_depth)
         nodes = min(self.config.tree_nodes, self.max_model_len - r.num_tokens - 1)
+        if self.config.adaptive and self.cost is not None and depth > 1:
+            level_cost = self._level_cost()
+            depth = max(1, sum(p > level_cost for p in self.acceptance.accept_probs(r, depth)))
+            nodes = min(nodes, self.config.tree_width * depth)
         return nodes, min(depth, nodes)
+
+    def _level_cost(self) -> float:
+        """Cost of one more tree level (tree_width more verified tokens and one drafting forward),
+        as a fraction of a one-token target step."""
+        base = self.cost(1, 1)
+        verify = (self.cost(1, 9) - base) / 8
+        return (self.config.tree_width * verify + self.proposer.step_cost(1, 1)) / base
 
     def _trees_pay(self, decoding: list[Request], step_index: int) -> bool:
         """The adaptive choice between trees and chains (`SpeculativeConfig.tree_nodes` with
@@ -506,9 +524,8 @@ class Speculator:
         like a chain's k by `max_k`), except a request that sets its own
         `num_speculative_tokens`, which drafts a chain of that many. Drafts are cut to the
         model length and to the step's token budget in scheduling order, as chains are. With
-        `adaptive`, `_trees_pay` decided that trees beat chains (and no drafts) this step; the
-        tree's size is the configured one (no per-request sizing)."""
-        cfg = self.config
+        `adaptive`, `_trees_pay` decided that trees beat chains (and no drafts) this step, and
+        each request's tree is sized by its own acceptance (`_tree_plan`)."""
         room = None
         if self.max_num_batched_tokens is not None:
             pending = sum(len(r.spec_token_ids) for r in running if r.request_id not in scheduled_ids)
@@ -517,8 +534,11 @@ class Speculator:
         chains: list[tuple[Request, int]] = []  # (request, k)
         for r in decoding:
             is_chain = r.sampling_params.num_speculative_tokens is not None
-            depth = self.max_k(r) if is_chain else self.max_k(r, cfg.tree_depth)
-            nodes = min(depth if is_chain else cfg.tree_nodes, self.max_model_len - r.num_tokens - 1)
+            if is_chain:
+                depth = self.max_k(r)
+                nodes = min(depth, self.max_model_len - r.num_tokens - 1)
+            else:
+                nodes, depth = self._tree_plan(r)
             if room is not None:
                 nodes = min(nodes, room)
             if depth <= 0 or nodes <= 0:
