@@ -205,3 +205,20 @@ class SharedServe:
                     serve.delete(name)
 
         return scope()
+
+
+def torch_threads(n: int):
+    """Run a block on `n` torch threads, restoring the count after (tiny models run fastest, and
+    least disruptively next to other CPU load, on one)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    return scope()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import TINY, ref_attention, ref_rms, ref_rope, save_tiny_model
+from helpers import TINY, ref_attention, ref_rms, ref_rope, save_tiny_model, torch_threads
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
@@ -36,11 +36,9 @@ def perturbed(module: torch.nn.Module, scale: float) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny matrices: one thread (two threads spin against any other CPU load), restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    """Tiny matrices: one thread (two threads spin against any other CPU load)."""
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

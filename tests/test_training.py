@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import torch_threads
 
 from training import data
 from training.config import LlamaSpec, TrainConfig
@@ -33,11 +34,8 @@ SNIPPETS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def single_thread():
-    """Tiny models run fastest (and least disruptively) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
