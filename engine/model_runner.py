@@ -55,11 +55,12 @@ logger = logging.getLogger(__name__)
 #           query at a time: a request's output never depends on what else is batched or how its
 #           prompt was chunked. Costly; for reproducibility.
 #   "off":  one product per step (fastest; speculation may flip near-ties).
-# A step that verifies a token tree is row-exact where the CPU kernels run: each tree token
-# reads its context and ancestors in position order (kernels.torch_attn.slot_tables), as the
-# one-token step of its accepted path does. Elsewhere ("sdpa" has no tree mask) it keeps the
-# mode's matmul tiles but runs the backend's masked attention over the whole step, and may flip
-# near-ties in reduced precision, as "off" does.
+# A step that verifies a token tree is row-exact too on the torch backend: each tree token reads
+# its context and ancestors in position order (kernels.torch_attn.slot_tables; the CPU kernels,
+# or one SDPA call per token in the layout of a one-token step), as the one-token step of its
+# accepted path does. Backends without row-exact attention (Triton) keep the mode's matmul tiles
+# and run their masked attention over the whole step, which may flip near-ties in reduced
+# precision, as "off" does.
 EXACT_ROWS = 16
 PAD_COST_LIMIT = 1.3
 
@@ -356,8 +357,7 @@ class ModelRunner:
         with the row invariance of `self.exact` (`tile_rows`)."""
         tile = self.tile_rows(chunks)
         row_exact = None
-        has_tree = any(c.tree is not None for c in chunks)
-        if tile != 0 and getattr(self.backend, "supports_row_exact", False) and (self.row_kernel or not has_tree):
+        if tile != 0 and getattr(self.backend, "supports_row_exact", False):
             row_exact = "kernel" if self.row_kernel else "sdpa"
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device, row_exact=row_exact)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,

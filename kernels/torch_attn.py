@@ -26,7 +26,9 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
     or None when all q_len are equal (pure decode / uniform verification: padding is a reshape).
   Tree masks (``build_metadata(..., tree_masks=...)``, see :mod:`kernels`): request b's block
   ``attn_mask[b, 0, q_b - m_b : q_b, seq_b - m_b : seq_b]`` is its tree mask instead of causal.
-  With ``row_exact="kernel"`` the row kernel gets per-token slot tables instead (``slot_tables``).
+  With ``row_exact="kernel"`` the row kernel gets per-token slot tables instead (``slot_tables``);
+  with ``row_exact="sdpa"`` a tree token's group has ``slot_idx`` (its slots, gathered like a
+  one-token step's blocks) instead of ``gather_idx``.
   (B, S and max_query_len are the group's.) For the whole step: ``extras["write_idx"]`` /
   ``extras["write_slots"]``: tokens whose slot is not -1 and their slots (``write_idx`` is None
   when no slot is -1).
@@ -152,17 +154,16 @@ class TorchAttentionBackend:
         group of its own, attending to exactly its own keys with no mask (the very SDPA call a
         one-token decode step of that request makes at that position; one call per token);
         "kernel" runs kernels.cpu_kernels.rows_attention over all tokens at once (CPU only).
-        `tree_masks`: see :mod:`kernels`; not with row_exact="sdpa" (a tree token's keys are not
-        a prefix of the context). With "kernel", a step with a tree gives the kernel one row of
-        slots per token (`slot_tables`) over the cache viewed with one slot per block
-        (`rows_kernel_inputs`), so a tree token reads its context and ancestors in position order,
-        exactly as the one-token step of its accepted path does."""
+        `tree_masks`: see :mod:`kernels`. With "kernel", a step with a tree gives the kernel one
+        row of slots per token (`slot_tables`) over the cache viewed with one slot per block
+        (`rows_kernel_inputs`); with "sdpa", a tree token's group gathers the K/V rows of those
+        slots (its context and ancestors in position order) into the layout a one-token step's
+        block gather has, and runs the same unmasked SDPA call. Either way a tree token's output
+        is exactly the one-token step's of its accepted path (once that path's KV is in place)."""
         md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, "cpu",
                                    tree_masks=tree_masks)
         if md.tree_lens is None:
             tree_masks = None
-        elif row_exact == "sdpa":
-            raise ValueError(f"row_exact={row_exact!r} does not support tree masks; use 'kernel' or None")
         device = torch.device(device)
         starts = md.query_start_loc.tolist()
         rows_kernel = None
@@ -181,6 +182,18 @@ class TorchAttentionBackend:
             row_tables = md.block_tables[owner]
             groups = [self._group([t], rows, row_seq, list(range(len(owner))), row_tables, block_size, device,
                                   whole=len(owner) == 1) for t in range(len(owner))]
+            if tree_masks is not None:  # a tree token: its own slots (context, ancestors, itself)
+                slots, lens = slot_tables(query_lens, seq_lens, md.block_tables, block_size, tree_masks)
+                in_tree = [i >= q - (0 if tree_masks[b] is None else tree_masks[b].shape[0])
+                           for b, q in enumerate(query_lens) for i in range(q)]
+                for t, tree_token in enumerate(in_tree):
+                    if tree_token:
+                        n = int(lens[t])
+                        padded = -(-n // block_size) * block_size  # the one-token step's gathered length
+                        gather = torch.zeros(padded, dtype=torch.int64)  # (padding: slot 0, sliced off)
+                        gather[:n] = slots[t, :n]
+                        groups[t].update(max_seq_len=n, gathered_len=padded, gather_idx=None,
+                                         slot_idx=gather.to(device))
         else:
             member_lists = group_requests(query_lens)
             groups = [
@@ -230,8 +243,11 @@ class TorchAttentionBackend:
         # Mask: query row i of request b sits at position seq_b - q_b + i; padded rows (i >= q_b)
         # are clamped to the last real row (position seq_b - 1) so they never see zero keys.
         # Key p is visible iff p <= that position (this also excludes p >= seq_b padding).
-        if max_q == 1 and min(seqs_l) == max_s:
-            mask = None  # each query is the last position and all S gathered keys are real
+        trees = [] if tree_masks is None else [tree_masks[b] for b in members]
+        if max_q == 1 and min(seqs_l) == max_s and not any(t is not None and t.shape[0] > 1 for t in trees):
+            # each query is the last position and all S gathered keys are real (a one-token query
+            # of a partial tree is masked: it sees its ancestors, not the nodes cached before it)
+            mask = None
         else:
             seq = torch.tensor(seqs_l, dtype=torch.int64)  # [B]
             qlens = torch.tensor(qlens_l, dtype=torch.int64)  # [B]
@@ -319,6 +335,8 @@ def _group_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     gq = h // hkv
     b, lq, s = g["num_reqs"], g["max_query_len"], g["max_seq_len"]
     gidx, s_pad = g["gather_idx"], g["gathered_len"]
+    if gidx is None:  # a tree token's own slots (row_exact "sdpa"), in the block gather's layout
+        k_cache, v_cache, gidx = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), g["slot_idx"]
     k = k_cache.index_select(0, gidx).view(b, s_pad, hkv, d)[:, :s].transpose(1, 2)  # [B, Hkv, S, D]
     v = v_cache.index_select(0, gidx).view(b, s_pad, hkv, d)[:, :s].transpose(1, 2)  # [B, Hkv, S, D]
 

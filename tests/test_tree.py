@@ -343,6 +343,8 @@ TREE_CASES: dict[str, tuple] = {
     # partial trees (tree drafting's levels): the last q of m nodes are queries, the rest cached
     "partial_levels_bs4": ([4, 1, 3, 2], [30, 12, 9, 17], [9, 5, 3, 0], 8, 2, 16, 4),
     "partial_64_nodes": ([8, 1], [70, 64], [64, 64], 4, 2, 16, 16),
+    # one new node per request at equal lengths (a tree level of width 1): not a plain decode
+    "partial_one_query": ([1, 1], [12, 12], [4, 3], 4, 2, 16, 4),
 }
 
 
@@ -423,6 +425,46 @@ def test_torch_tree_attention_random_batches(seed, data):
                                atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.parametrize("name", ["verify_gqa_bs16", "verify_mha_bs4", "partial_levels_bs4"])
+def test_sdpa_row_exact_tree_token_equals_its_one_token_step(name):
+    """row_exact="sdpa" (the torch backend's exact modes without the CPU kernels): in bfloat16,
+    each tree token's attention output is bit for bit the one-token decode step's at the end of
+    its path (its context, then its ancestors and itself in depth order, moved into consecutive
+    positions as after acceptance), so trees keep greedy text exact there too."""
+    case, masks = tree_case(name, seed=3, dtype=torch.bfloat16)
+    be = get_attention_backend("cpu", "torch")
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    md = be.build_metadata(case.query_lens, case.seq_lens, case.block_tables, case.slot_mapping, case.block_size,
+                           torch.device("cpu"), row_exact="sdpa", tree_masks=masks)
+    be.write_kv(case.key, case.value, kc, vc, md)
+    out = be.attention(case.query, kc, vc, md, case.scale)
+    bs, (hkv, d) = case.block_size, kc.shape[2:]
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    t, checked = 0, 0
+    for q, s, table, tree in zip(case.query_lens, case.seq_lens, case.block_tables, masks, strict=True):
+        slots = [table[p // bs] * bs + p % bs for p in range(s)]
+        m = 0 if tree is None else tree.shape[0]
+        for i in range(q):
+            j = i - (q - m)
+            if j < 0:
+                continue
+            path = slots[: s - m] + [slots[s - m + a] for a in tree[j].nonzero().flatten().tolist()]
+            nblk = -(-len(path) // bs)
+            ref_k = torch.zeros(nblk * bs, hkv, d, dtype=kc.dtype)  # the path in consecutive slots
+            ref_v = torch.zeros_like(ref_k)
+            ref_k[: len(path)], ref_v[: len(path)] = flat_k[path], flat_v[path]
+            one = be.build_metadata([1], [len(path)], [list(range(nblk))], [len(path) - 1], bs,
+                                    torch.device("cpu"), row_exact="sdpa")
+            ref = be.attention(case.query[t + i : t + i + 1], ref_k.view(nblk, bs, hkv, d),
+                               ref_v.view(nblk, bs, hkv, d), one, case.scale)
+            assert torch.equal(out[t + i : t + i + 1], ref), (name, t + i)
+            checked += 1
+        t += q
+    assert checked >= 3
+    # and the tree tokens still see what the dense reference says (not merely their own slots)
+    torch.testing.assert_close(out.float(), naive_tree_attention(case, masks), atol=2e-2, rtol=2e-2)
+
+
 def test_tree_mask_validation():
     be = get_attention_backend("cpu", "torch")
     args = ([3], [5], [[0, 1]], [2, 3, 4], 4, "cpu")
@@ -434,8 +476,6 @@ def test_tree_mask_validation():
         be.build_metadata(*args, tree_masks=[torch.ones(6, 6, dtype=torch.bool).tril()])
     md = be.build_metadata(*args, tree_masks=[torch.ones(5, 5, dtype=torch.bool).tril()])  # partial: 2 cached
     assert md.tree_lens.tolist() == [5]
-    with pytest.raises(ValueError, match="row_exact"):
-        be.build_metadata(*args, row_exact="sdpa", tree_masks=[torch.ones(3, 3, dtype=torch.bool).tril()])
     md = be.build_metadata(*args, tree_masks=[torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)])
     assert md.tree_lens.tolist() == [2] and md.tree_mask_offsets.tolist() == [0]
     assert md.tree_mask.tolist() == [0b01, 0b11]

@@ -137,6 +137,23 @@ def test_bf16_tree_equals_target_at_batch_1(models):
     assert engine.spec_stats.mean_accepted_length > 3.0
 
 
+def test_bf16_tree_equals_target_without_the_cpu_kernels(models):
+    """exact="pad" on the torch backend without the CPU row kernels (a GPU running the torch
+    backend, a CPU without the compiled kernels): a tree token's attention is one SDPA call over
+    its context and ancestors, laid out as a one-token step's, next to 16-row matmul tiles, so in
+    bfloat16 too the output equals the target alone. (The bits themselves are test_tree.py's
+    `test_sdpa_row_exact_tree_token_equals_its_one_token_step`; on this tiny model the whole-step
+    masked attention, used before, happened to keep these texts too.)"""
+    base = LLMEngine(models["target"], dtype="bfloat16", device="cpu", exact="pad")
+    engine = LLMEngine(models["target"], dtype="bfloat16", device="cpu", exact="pad",
+                       speculative=SpeculativeConfig(model=models["target"], **TREE))
+    for e in (base, engine):
+        e.runner.row_kernel = False
+    for prompt in PROMPTS:
+        assert run_mixed(engine, [prompt], [GREEDY], [0])[0] == run_mixed(base, [prompt], [PLAIN], [0])[0]
+    assert engine.spec_stats.mean_accepted_length > 3.0 and engine.speculator.num_tree_steps > 0
+
+
 def test_slot_tables_example():
     from kernels.torch_attn import slot_tables
 
