@@ -664,7 +664,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "step",
         choices=[
-            "corpus", "tokenizer", "corpus-extra", "target", "target-continue", "mtp", "shrink", "drafter", "eagle", "medusa", "eagle3", "draft-all", "draft-vocab",
+            "corpus", "tokenizer", "corpus-extra", "target", "target-continue", "compare-targets", "mtp", "shrink", "drafter", "eagle", "medusa", "eagle3", "draft-all", "draft-vocab",
             "cards",
         ],
     )
