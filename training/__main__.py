@@ -170,11 +170,12 @@ def build_llama(spec: LlamaSpec, seed: int):
     return LlamaForCausalLM(cfg)
 
 
-def load_target(folder: Path | None = None):
+def load_target(folder: Path | None = None, dtype: str = "bfloat16"):
+    """The frozen target (models/target) in `dtype` (--dtype: float32 where the CPU only emulates bf16)."""
     from transformers import LlamaForCausalLM
 
     folder = folder or MODELS / "target"
-    model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = LlamaForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype), attn_implementation="sdpa")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -209,6 +210,7 @@ def train_config(args: argparse.Namespace, name: str) -> TrainConfig:
         max_minutes=args.max_minutes,
         checkpoint_minutes=args.checkpoint_minutes,
         seed=args.seed,
+        dtype=args.dtype,
     )
 
 
@@ -259,7 +261,7 @@ def step_target_continue(args: argparse.Namespace) -> None:
     ``--max-minutes`` is the total budget over all resumptions (raise it to continue a finished run)."""
     from transformers import LlamaForCausalLM
 
-    cfg = replace(train_config(args, "target-continue"), dtype=args.dtype)
+    cfg = train_config(args, "target-continue")
     train, held = load_streams(cfg.seq_len, args.corpus)
     src = Path(args.init_from) if args.init_from else MODELS / "target"
     model = LlamaForCausalLM.from_pretrained(str(src), dtype=torch.float32, attn_implementation="sdpa")
@@ -316,7 +318,7 @@ def step_mtp(args: argparse.Namespace) -> None:
 
     from training.mtp import MTPModule, mtp_loss_fn, save_mtp
 
-    cfg = replace(train_config(args, "mtp"), dtype=args.dtype)
+    cfg = train_config(args, "mtp")
     train, _ = load_streams(cfg.seq_len, args.corpus)
     src = Path(args.init_from) if args.init_from else MODELS / "target"
     target = LlamaForCausalLM.from_pretrained(str(src), dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
@@ -350,7 +352,7 @@ def step_shrink(args: argparse.Namespace) -> None:
 
     cfg = train_config(args, "shrink")
     train, held = load_streams(cfg.seq_len, args.corpus)
-    teacher = load_target(Path(args.teacher))
+    teacher = load_target(Path(args.teacher), args.dtype)
     student = LlamaForCausalLM.from_pretrained(args.teacher, dtype=torch.float32, attn_implementation="sdpa")
     drop = sorted({int(i) for i in args.drop_layers.split(",") if i.strip()})
     n_layers = student.config.num_hidden_layers
@@ -401,7 +403,7 @@ def save_lm(
 def step_drafter(args: argparse.Namespace) -> None:
     cfg = train_config(args, "drafter")
     train, held = load_streams(cfg.seq_len, args.corpus)
-    target = load_target()
+    target = load_target(dtype=args.dtype)
     model = build_llama(DRAFTER_SPEC, cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"drafter: {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
@@ -429,7 +431,7 @@ def eagle_config_from_target(target) -> EagleConfig:
 def step_eagle(args: argparse.Namespace) -> None:
     cfg = train_config(args, "eagle")
     train, _ = load_streams(cfg.seq_len, args.corpus)
-    target = load_target()
+    target = load_target(dtype=args.dtype)
     torch.manual_seed(cfg.seed)
     ecfg = eagle_config_from_target(target)
     head = EagleHead(ecfg)
@@ -449,7 +451,7 @@ def step_eagle(args: argparse.Namespace) -> None:
 def step_medusa(args: argparse.Namespace) -> None:
     cfg = train_config(args, "medusa")
     train, _ = load_streams(cfg.seq_len, args.corpus)
-    target = load_target()
+    target = load_target(dtype=args.dtype)
     torch.manual_seed(cfg.seed)
     mcfg = MedusaConfig(
         num_heads=args.num_heads, hidden_size=target.config.hidden_size, vocab_size=target.config.vocab_size
@@ -470,9 +472,9 @@ def step_medusa(args: argparse.Namespace) -> None:
 
 def step_eagle3(args: argparse.Namespace) -> None:
     """Train models/eagle3-head on the frozen shipped target (`python -m training eagle3`)."""
-    cfg = replace(train_config(args, "eagle3"), dtype=args.dtype)
+    cfg = train_config(args, "eagle3")
     train, _ = load_streams(cfg.seq_len, args.corpus)
-    target = load_target().to(getattr(torch, args.dtype))
+    target = load_target(dtype=args.dtype)
     t = target.config
     ranked = json.loads((MODELS / "drafter" / "draft_vocab.json").read_text())["ranked_token_ids"]
     token_ids = draft_vocabulary(ranked, args.draft_vocab_size)
@@ -523,7 +525,7 @@ def step_draft_all(args: argparse.Namespace) -> None:
     tag = "draft-" + "-".join(parts)
     cfg = train_config(args, tag)
     train, held = load_streams(cfg.seq_len, args.corpus)
-    target = load_target()
+    target = load_target(dtype=args.dtype)
     outputs = TargetOutputs(target)
     modules: dict[str, torch.nn.Module] = {}
     losses = {}
@@ -670,7 +672,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="eagle3 / mtp / target-continue: training dtype (float32 where the CPU only emulates bf16)")
+                        help="training dtype of every step (and of the frozen target): float32 where the CPU only emulates bf16 (no AMX / AVX512-BF16)")
     parser.add_argument("--ttt-steps", type=int, default=5,
                         help="eagle3: training-time-test unroll depth; mtp: recursive unroll steps")
     parser.add_argument("--aux-layers", default="",
