@@ -145,8 +145,9 @@ def step_corpus_extra(args: argparse.Namespace) -> None:
     kept, dropped, chunks, n_tokens = [], [], [], 0
     for i in range(0, len(files), 256):
         batch = [(f, data.read_text(root, f)) for f in files[i : i + 256]]
-        good = [(f, t) for f, t in batch if not clean.contaminated(t)]
-        dropped += [f for f, t in batch if clean.contaminated(t)]
+        copied = [clean.contaminated(t) for _, t in batch]
+        good = [(f, t) for (f, t), bad in zip(batch, copied, strict=True) if not bad]
+        dropped += [f for (f, _), bad in zip(batch, copied, strict=True) if bad]
         stream = data.encode_documents(tok, [t for _, t in good])
         kept += [f for f, _ in good]
         chunks.append(stream)
