@@ -589,18 +589,15 @@ def markdown(results: dict) -> str:
     )
     if "drafter" in ppl:
         lines.append(f"| drafter | {ppl['drafter']:.2f} | {agr['drafter']:.3f} |")
-    if "drafter@dv" in agr:
-        lines.append(f"| drafter, draft vocabulary | - | {agr['drafter@dv']:.3f} |")
-    if "eagle" in agr:
-        lines.append(f"| eagle-head (teacher-forced, depth 1) | - | {agr['eagle']:.3f} |")
-    if "eagle@dv" in agr:
-        lines.append(f"| eagle-head, draft vocabulary | - | {agr['eagle@dv']:.3f} |")
-    if "eagle3" in agr:
-        lines.append(f"| eagle3-head (teacher-forced, depth 1, own draft vocabulary) | - | {agr['eagle3']:.3f} |")
-    if "mtp" in agr:
-        lines.append(f"| mtp module (teacher-forced, depth 1) | - | {agr['mtp']:.3f} |")
-    if "mtp@dv" in agr:
-        lines.append(f"| mtp module, draft vocabulary | - | {agr['mtp@dv']:.3f} |")
+    labels = {
+        "drafter@dv": "drafter, draft vocabulary",
+        "eagle": "eagle-head (teacher-forced, depth 1)",
+        "eagle@dv": "eagle-head, draft vocabulary",
+        "eagle3": "eagle3-head (teacher-forced, depth 1, own draft vocabulary)",
+        "mtp": "mtp module (teacher-forced, depth 1)",
+        "mtp@dv": "mtp module, draft vocabulary",
+    }
+    lines += [f"| {label} | - | {agr[key]:.3f} |" for key, label in labels.items() if key in agr]
     medusa = [
         f"{agr[k]:.3f}"
         for k in sorted(agr, key=lambda s: int(s[len("medusa_head"):]) if s.startswith("medusa_head") else -1)
