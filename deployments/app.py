@@ -80,10 +80,15 @@ def _num_cached_tokens(engine: Any, prompt: list[int]) -> int:
 
 
 def _fewer_tokens(params: Any, n: int) -> Any:
-    """`params` with `max_tokens` lowered by the `n` tokens already produced elsewhere."""
+    """`params` with `max_tokens` lowered by the `n` tokens already produced elsewhere; once some
+    were, the first-token constraint of token healing is met and its prefix already cut."""
     import dataclasses
 
-    return dataclasses.replace(params, max_tokens=max(1, params.max_tokens - n))
+    if n == 0:
+        return params
+    return dataclasses.replace(
+        params, max_tokens=max(1, params.max_tokens - n), first_token_ids=None, healed_prefix=""
+    )
 
 
 @dataclass(frozen=True)
@@ -432,7 +437,8 @@ class SpecDecodeServer:
     ) -> tuple[list[int], Any]:
         """Prompt token ids and SamplingParams for a request (its prompt, or chat `messages`);
         ClientError if it is bad. Every field is checked before the prompt is tokenized, and the
-        prompt's length before that."""
+        prompt's length before that. A text prompt with `token_healing` comes back healed (the
+        params then carry the first-token constraint); token ids and chat messages are not."""
         from engine import InvalidRequestError, SamplingParams
 
         invalid = grpc.StatusCode.INVALID_ARGUMENT
@@ -455,6 +461,7 @@ class SpecDecodeServer:
                 _, ids = await self.llm.encode_async(request.prompt, self.max_prompt_tokens)
             except InvalidRequestError as e:
                 raise ClientError(invalid, f"prompt: {e}") from None
+            ids, params = await self.llm.heal_async(request.prompt, ids, params)  # with token_healing
         else:
             ids = list(request.prompt_token_ids.ids)
             if not ids:
@@ -552,6 +559,7 @@ class SpecDecodeServer:
             "stop_token_ids": stop_ids,
             "ignore_eos": request.ignore_eos,
             "speculative": mode != pb.SPECULATION_MODE_OFF,
+            "token_healing": request.token_healing,
         }
         for name in ("temperature", "top_p", "top_k", "seed"):
             if request.HasField(name):

@@ -11,11 +11,11 @@ same. Out come JSON or server-sent events (`data: {...}` chunks, then `data: [DO
 
 What we accept beyond the OpenAI fields sits under one field, `specdecode` (`SpecDecodeOptions`:
 speculation on/off/default, a k cap, top_k, ignore_eos, stop_token_ids, request_id,
-return_token_ids); what we return beyond them sits under `specdecode` in the response or in the
-stream's finishing chunk (speculation stats and server-side timing). Fields that change what is
-generated and that we do not implement (n > 1, logprobs, penalties, logit_bias, tools, echo,
-suffix, JSON response formats) are refused with a 400 naming them; unknown fields are ignored, as
-OpenAI's newer fields are by other servers.
+return_token_ids, token_healing); what we return beyond them sits under `specdecode` in the
+response or in the stream's finishing chunk (speculation stats and server-side timing). Fields
+that change what is generated and that we do not implement (n > 1, logprobs, penalties,
+logit_bias, tools, echo, suffix, JSON response formats) are refused with a 400 naming them;
+unknown fields are ignored, as OpenAI's newer fields are by other servers.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class SpecDecodeOptions(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     request_id: str = ""  # a label for logs and traces (default: the X-Request-Id header, else random)
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
+    token_healing: bool = False  # heal a text prompt's last token (GenerateRequest.token_healing)
 
 
 class StreamOptions(BaseModel):
@@ -195,7 +196,8 @@ def generate_request(req: _GenerationRequest, prompt: str | list[int] | None) ->
         _in_range("specdecode.stop_token_ids", t, 0, INT32_MAX)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     out = pb.GenerateRequest(stop=stop, stop_token_ids=ext.stop_token_ids, ignore_eos=ext.ignore_eos,
-                             speculation=SPECULATION[ext.speculation], request_id=ext.request_id)
+                             speculation=SPECULATION[ext.speculation], request_id=ext.request_id,
+                             token_healing=ext.token_healing)
     if isinstance(prompt, str):
         out.prompt = prompt
     elif prompt is not None:

@@ -28,6 +28,7 @@ from engine.llm import LLM
 from engine.llm_engine import EngineOutput
 from engine.outputs import RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
+from engine.token_healing import wants_healing
 
 logger = logging.getLogger("engine")
 
@@ -101,11 +102,15 @@ class AsyncLLM:
         (an `engine.handoff.Handoff` for this prompt), the request continues from it: its first
         tokens (and `num_emitted_chars` characters of their text) were already delivered, so the
         stream yields what follows. An import waits for free KV blocks like a new request;
-        `with_drafter_state=False` (an ablation) exports, or imports, the target's KV only."""
+        `with_drafter_state=False` (an ablation) exports, or imports, the target's KV only.
+        `SamplingParams.token_healing` heals a text prompt (the same ids on both sides of a
+        handoff); a prompt given as token ids runs as it is, with the params' first-token
+        constraint and healed prefix if a caller healed it (`heal_async`)."""
         if self._stopped:
             raise EngineDeadError("the engine loop has stopped")
         params = sampling_params or SamplingParams()
         text, ids = await self.encode_async(prompt)
+        ids, params = await self.heal_async(text, ids, params)
         self.engine.validate_request(ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
@@ -155,13 +160,24 @@ class AsyncLLM:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.llm.encode, prompt)
         return self.llm.encode(prompt)
 
+    async def heal_async(
+        self, text: str | None, ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        """`LLM.heal` (token healing), in the tokenizer thread when there is healing to do (its
+        first use decodes the whole vocabulary once)."""
+        if not wants_healing(text, params):
+            return ids, params
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, self.llm.heal, text, ids, params
+        )
+
     def max_prompt_chars(self, max_prompt_tokens: int) -> int:
         if self._longest_token is None:
             self._longest_token = max_prompt_chars(self.tokenizer, 1)
         return self._longest_token * max_prompt_tokens
 
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt, as `generate` will see it."""
+        """(text, token ids) of a prompt, as `generate` will see it before token healing (`heal_async`)."""
         return self.llm.encode(prompt)
 
     def abort(self, request_id: str) -> None:

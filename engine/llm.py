@@ -10,6 +10,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
+from engine.token_healing import apply_token_healing
 
 
 def load_tokenizer(model_dir: str):
@@ -66,6 +67,14 @@ class LLM:
             return None, list(prompt)
         raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def heal(
+        self, text: str | None, ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        """The prompt ids and params a request runs with: with `params.token_healing` and a text
+        prompt, healed on a copy of the params (`engine.token_healing.apply_token_healing`; the
+        same ids for the same text, so both sides of a handoff agree); else as given."""
+        return apply_token_healing(self.tokenizer, text, ids, params)
+
     def generate(
         self,
         prompts: Sequence[str] | Sequence[list[int]] | str,
@@ -73,7 +82,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One output per prompt, in the prompts' order. All prompts are validated before any runs.
         If a step raises, the requests still running are aborted (their blocks freed) before the
-        exception propagates, so the engine stays usable."""
+        exception propagates, so the engine stays usable. `SamplingParams.token_healing` heals
+        text prompts; prompts given as token ids run as they are."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -81,14 +91,17 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self.encode(p) for p in prompts]
-        for (_, ids), sp in zip(encoded, params, strict=True):
+        encoded = []
+        for prompt, sp in zip(prompts, params, strict=True):
+            text, ids = self.encode(prompt)
+            encoded.append((text, *self.heal(text, ids, sp)))
+        for _, ids, sp in encoded:
             self.engine.validate_request(ids, sp)
         states: dict[str, RequestState] = {}
         order: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
-            for (text, ids), sp in zip(encoded, params, strict=True):
+            for text, ids, sp in encoded:
                 rid = f"llm-{next(self._ids)}"
                 states[rid] = RequestState(rid, text, ids, sp, self.tokenizer)
                 order.append(rid)

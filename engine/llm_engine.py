@@ -261,6 +261,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size - 1}]"
             )
+        bad = [t for t in params.first_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"first_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size - 1}]"
+            )
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,

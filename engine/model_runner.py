@@ -389,6 +389,7 @@ class ModelRunner:
         """Sample, or verify the drafts of, each request of `sampling`: rows are, per request,
         its last regular token's and then one per draft (a tree's node order)."""
         logits = self.logits(hidden[torch.tensor(rows, device=self.device)], tile)  # [R, vocab]
+        constrain_first_tokens(sampling, logits)
         if any(s.spec_tree is not None for s in sampling):
             return self._verify_trees(sampling, logits, hidden, rows)
         num_draft = [len(s.spec_token_ids) for s in sampling]
@@ -480,6 +481,33 @@ class ModelRunner:
                 if states is not None:
                     states.index_copy_(0, index_dst, states.index_select(0, index_src))
         return [acc.token_ids for acc in accepted]
+
+
+def constrain_first_tokens(sampling, logits: torch.Tensor) -> None:
+    """Mask, in place, the logits of each request's first output token to the tokens its params
+    allow (`SamplingParams.first_token_ids`: token healing): -inf elsewhere, before the argmax
+    and the filtered distributions, so that greedy and sampled requests pick only among them (a
+    draft there is verified against the masked distribution: rejection sampling stays exact).
+    logits [R, vocab]: request i's rows are its last regular token's, then one per draft
+    (len(spec_token_ids) + 1). Example: drafts [2, 0, 1], request 1 constrained and without
+    output yet -> row 3 is masked. Nothing is built when no request of the step needs it."""
+    rows: list[int] = []
+    allowed: list[list[int]] = []
+    row = 0
+    for s in sampling:
+        ids = s.request.sampling_params.first_token_ids
+        if ids is not None and s.request.num_output_tokens == 0:
+            rows.append(row)
+            allowed.append(ids)
+        row += len(s.spec_token_ids) + 1
+    if not rows:
+        return
+    device = logits.device
+    keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=device)  # [M, vocab]
+    which = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(a) for a in allowed]))
+    keep[which.to(device), torch.tensor([t for a in allowed for t in a], device=device)] = True
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
 
 
 def _draft_probs(s, probs: torch.Tensor | None, vocab: int, device) -> torch.Tensor:

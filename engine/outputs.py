@@ -6,6 +6,7 @@ strings (which need text) and builds `RequestOutput`s for `LLM` and `AsyncLLM`.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 from engine.llm_engine import EngineOutput
 from engine.request import SpecStats
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine")
 
 
 @dataclass
@@ -66,7 +69,11 @@ class IncrementalDetokenizer:
 
 
 class RequestState:
-    """Per-request state at the edge: cumulative text and the stop-string check."""
+    """Per-request state at the edge: cumulative text and the stop-string check.
+
+    A healed prompt (`SamplingParams.healed_prefix`, engine/token_healing.py) lost its last token,
+    whose text the first output token(s) start with: that text is the prompt's, so it is cut from
+    the start of the output text before stop strings are searched."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer) -> None:
@@ -75,6 +82,7 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.unstripped_prefix = params.healed_prefix  # what of it the output text has not passed yet
         self.token_ids: list[int] = []
         self.full_text = ""
         self.num_emitted = 0
@@ -82,11 +90,33 @@ class RequestState:
         self.first_token_time: float | None = None
         self.finished = False
 
+    def _new_text(self, new_ids: list[int]) -> str:
+        """The text `new_ids` add to the output, less what is left of the healed prefix."""
+        if self.detokenizer is None:
+            return ""
+        text = self.detokenizer.push(new_ids)
+        if self.unstripped_prefix and text:
+            n = min(len(text), len(self.unstripped_prefix))
+            if text[:n] != self.unstripped_prefix[:n]:
+                # Only a tokenizer whose decoding of a token depends on its neighbours gets here
+                # (the model runner allows no other first token): keep the text as it decodes.
+                logger.warning(
+                    "request %r: output %r does not start with the healed prompt's %r; not cut",
+                    self.request_id,
+                    text[:n],
+                    self.unstripped_prefix[:n],
+                )
+                self.unstripped_prefix = ""
+                return text
+            self.unstripped_prefix = self.unstripped_prefix[n:]
+            text = text[n:]
+        return text
+
     def skip(self, token_ids: list[int], num_emitted_chars: int) -> None:
         """Take `token_ids` as already delivered by another engine (prefill/decode handoff): the
         text advances over them and the first `num_emitted_chars` characters count as sent."""
         self.token_ids.extend(token_ids)
-        self.full_text += self.detokenizer.push(token_ids) if self.detokenizer else ""
+        self.full_text += self._new_text(token_ids)
         self.num_emitted = min(num_emitted_chars, len(self.full_text))
         if self.first_token_time is None and token_ids:
             self.first_token_time = time.monotonic()
@@ -99,7 +129,7 @@ class RequestState:
             self.first_token_time = now
         self.token_ids.extend(out.new_token_ids)
         before = len(self.full_text)
-        self.full_text += self.detokenizer.push(out.new_token_ids) if self.detokenizer else ""
+        self.full_text += self._new_text(out.new_token_ids)
         finish_reason = out.finish_reason
         stop_hit = False
         stops = self.params.stop_strings

@@ -24,6 +24,17 @@ class SamplingParams:
     caps k for this request (None: the engine's default; 0: no speculation either); on an engine
     that drafts token trees (`SpeculativeConfig.tree_nodes`), a request that sets it drafts a
     chain of at most that many tokens instead of a tree.
+
+    `token_healing` (text prompts only; token-id prompts are sent as they are): when the prompt's
+    last token is a prefix of longer tokens (code ending with "\n", which the tokenizer would
+    merge with the next line's indentation), the edge drops it and the first generated token
+    must start with its text (`engine.token_healing`). The output's `text` follows the prompt
+    as written (it does not repeat the dropped token's text; stop strings are not searched in
+    it); its `token_ids` are the generated tokens, the first of which repeats that text, and its
+    `prompt_token_ids` are the healed prompt's. The edge sets the engine-level fields on a copy
+    of the params: `first_token_ids`, the tokens a request's first output token may be (the
+    model runner masks the others out, greedy or sampled), and `healed_prefix`, the text the
+    edge strips from the start of the output.
     """
 
     max_tokens: int = 16
@@ -36,6 +47,9 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative: bool = True
     num_speculative_tokens: int | None = None
+    token_healing: bool = False
+    first_token_ids: list[int] | None = field(default=None, repr=False)
+    healed_prefix: str = ""
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -55,6 +69,18 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"num_speculative_tokens must be an integer >= 0 or None, got {self.num_speculative_tokens!r}"
             )
+        if not isinstance(self.token_healing, bool):
+            raise InvalidRequestError(f"token_healing must be true or false, got {self.token_healing!r}")
+        if self.first_token_ids is not None:
+            self.first_token_ids = list(self.first_token_ids)
+            bad = [t for t in self.first_token_ids if not isinstance(t, int) or t < 0]
+            if bad or not self.first_token_ids:
+                raise InvalidRequestError(
+                    f"first_token_ids must be None or a non-empty list of token ids >= 0, got "
+                    f"{len(self.first_token_ids)} ids of which {bad[:5]!r} are not"
+                )
+        if not isinstance(self.healed_prefix, str):
+            raise InvalidRequestError(f"healed_prefix must be a string, got {self.healed_prefix!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
