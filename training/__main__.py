@@ -289,23 +289,32 @@ COMPARE_PROMPTS = (
 
 def step_compare_targets(args: argparse.Namespace) -> None:
     """Held-out NLL (the same 64 x 512 tokens as every card) and greedy completions of a few prompts,
-    for models/target and `--init-from` (default runs/target-continued), as markdown for the card."""
+    for `--before` (default models/target) and `--init-from` (default runs/target-continued), as
+    markdown for the card: transformers' `generate` on the prompt as tokenized, and our engine with
+    token healing (the prompt's last token dropped, the first generated one constrained to start
+    with its text: a prompt ending in a newline otherwise ends with a lone newline token)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from engine import LLM, SamplingParams
+
     _, held = load_streams(args.seq_len)
-    folders = [MODELS / "target", Path(args.init_from or "runs/target-continued")]
+    folders = [Path(args.before or MODELS / "target"), Path(args.init_from or "runs/target-continued")]
     tok = AutoTokenizer.from_pretrained(str(folders[0]))
     lines = ["| model | held-out NLL (nats/token) | perplexity |", "|---|---|---|"]
     samples = []
+    healed = SamplingParams(max_tokens=64, temperature=0.0, token_healing=True)
     for folder in folders:
         model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
         nll = heldout_nll(lambda b, m=model: m(input_ids=b).logits, held, max_seqs=args.eval_seqs)
         lines.append(f"| {folder} | {nll:.4f} | {float(torch.tensor(nll).exp()):.2f} |")
+        llm = LLM(str(folder), dtype="float32", device="cpu")
         for prompt in COMPARE_PROMPTS:
             ids = tok(prompt, return_tensors="pt")["input_ids"]
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=data.EOS_ID)
             samples.append(f"**{folder}**, greedy, 64 tokens:\n\n```python\n{prompt}{tok.decode(out[0, ids.shape[1]:])}\n```\n")
+            text = llm.generate([prompt], healed)[0].text
+            samples.append(f"**{folder}**, greedy, 64 tokens, token healing (our engine):\n\n```python\n{prompt}{text}\n```\n")
     text = "\n".join(lines) + "\n\n" + "\n".join(samples)
     (RUNS / "compare_targets.md").write_text(text)
     print(text)
@@ -326,6 +335,12 @@ def step_mtp(args: argparse.Namespace) -> None:
     target.eval().requires_grad_(False)
     torch.manual_seed(cfg.seed)
     module = MTPModule(target.config)
+    if args.warm_start:  # an MTP stored with an earlier target (DeepSeek-V3 names)
+        from safetensors.torch import load_file
+
+        layer = json.loads((Path(args.warm_start) / "config.json").read_text())["num_hidden_layers"]
+        module.load_published(load_file(str(Path(args.warm_start) / "model.safetensors")), layer)
+        log(f"mtp: initialized from {args.warm_start}")
     n_params = sum(p.numel() for p in module.parameters())
     log(f"mtp: {n_params / 1e6:.2f}M params, unroll {args.ttt_steps}, target {src}, config {asdict(cfg)}")
     loss_fn = mtp_loss_fn(module, target, unroll=args.ttt_steps)
@@ -406,6 +421,14 @@ def step_drafter(args: argparse.Namespace) -> None:
     train, held = load_streams(cfg.seq_len, args.corpus)
     target = load_target(dtype=args.dtype)
     model = build_llama(DRAFTER_SPEC, cfg.seed)
+    if args.warm_start:  # a drafter distilled from an earlier target
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(args.warm_start) / "model.safetensors"))
+        result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:  # tied: no lm_head
+            raise SystemExit(f"--warm-start {args.warm_start}: not a drafter checkpoint ({result})")
+        log(f"drafter: initialized from {args.warm_start}")
     n_params = sum(p.numel() for p in model.parameters())
     log(f"drafter: {n_params / 1e6:.2f}M params, config {asdict(cfg)}")
     loss_fn = distill_loss_fn(model, target)
@@ -547,6 +570,16 @@ def step_draft_all(args: argparse.Namespace) -> None:
         )
         modules["medusa"] = MedusaHeads(mcfg)
         losses["medusa"] = medusa_loss_fn(modules["medusa"], outputs, stride=args.medusa_stride)
+    if args.warm_start:  # a models folder holding these parts trained for an earlier target
+        from safetensors.torch import load_file
+
+        for name, module in modules.items():
+            path = Path(args.warm_start) / {"drafter": "drafter", "eagle": "eagle-head", "medusa": "medusa-heads"}[name]
+            state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+            result = module.load_state_dict(state, strict=name != "drafter")
+            if name == "drafter" and (result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}):
+                raise SystemExit(f"--warm-start {path}: not a drafter checkpoint ({result})")
+            log(f"{tag}: {name} initialized from {path}")
     joint = torch.nn.ModuleDict(modules)
     loss_fn = joint_loss_fn(losses)
     sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in modules.items()}
@@ -620,7 +653,12 @@ def strip_models_dir(argv: str) -> str:
 
 
 def step_cards(args: argparse.Namespace) -> None:
-    from .cards import write_cards
+    from .cards import update_cards, write_cards
+
+    if not (RUNS / "target_stats.json").exists():  # the pre-training's stats live on another machine
+        for path in update_cards(MODELS):
+            log(f"cards: updated {path}")
+        return
 
     def stats(name: str) -> dict:
         path = RUNS / f"{name}_stats.json"
@@ -680,6 +718,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="eagle3: comma-separated layer boundaries feeding fc (default: 2, L/2, L-3)")
     parser.add_argument("--init-from", default=None,
                         help="eagle3: start from this head folder's weights; target-continue: the target to continue")
+    parser.add_argument("--warm-start", default=None,
+                        help="drafter / mtp: start from the weights in this folder (a drafter, or a target with its MTP layer); "
+                        "draft-all: a models folder holding the parts")
+    parser.add_argument("--before", default=None, help="compare-targets: the first model (default models/target)")
     parser.add_argument("--out", default=None,
                         help="target-continue / mtp: output folder (default runs/target-continued, runs/target-mtp)")
     parser.add_argument("--head-intermediate-size", type=int, default=None,

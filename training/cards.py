@@ -167,10 +167,12 @@ Training time: {_fmt_minutes(st)} on a 2-core CPU (AMX bf16), niced, with an ada
 Loss: first step {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}.
 Held-out NLL at save time (first 64 x 512 held-out tokens): {st.get("heldout_nll", float("nan")):.4f} nats/token (perplexity {st.get("heldout_ppl", float("nan")):.2f}).
 {_shrink_section(sh)}
+{continued_section(_load(RUNS / "target-continue_stats.json"))}
+{mtp_section(_load(RUNS / "mtp_stats.json"))}
 {_eval_section()}
 ## Reproduce
 
-{REPRODUCE.format(**{"shrink": "", **args})}
+{_recipe(args)}
 {_notes("target")}
 The time-aware learning-rate schedule makes wall-clock budgets (and so the exact weights) depend on machine load.
 """
@@ -198,12 +200,20 @@ Training time: {_fmt_minutes(st)}.
 Loss (KL, nats): first step {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}.
 Held-out NLL on the true tokens (first 64 x 512 held-out tokens): {st.get("heldout_nll", float("nan")):.4f} (perplexity {st.get("heldout_ppl", float("nan")):.2f}).
 
+{drafter_retrain_section(_load(RUNS / "drafter_stats.json")) if _load(RUNS / "target-continue_stats.json") else ""}
 {_draft_vocab(folder)}
 {_eval_section()}
 ## Reproduce
 
-{REPRODUCE.format(**{"shrink": "", **args})}
+{_recipe(args)}
 {_notes("drafts")}"""
+
+
+def _recipe(args: dict[str, str]) -> str:
+    """The commands that made the shipped models: with the continued target, its longer recipe."""
+    if _load(RUNS / "target-continue_stats.json"):
+        return reproduce_continued()
+    return REPRODUCE.format(**{"shrink": "", **args})
 
 
 def eagle_card(tok: dict, st: dict, tst: dict, args: dict, folder: Path) -> str:
@@ -311,11 +321,227 @@ def write_cards(args: dict[str, str], models_dir: Path = MODELS) -> list[Path]:
         ("drafter", "drafter", drafter_card),
         ("eagle-head", "eagle", eagle_card),
         ("medusa-heads", "medusa", medusa_card),
+        ("eagle3-head", "eagle3", None),
     ):
         if not (models_dir / folder / "model.safetensors").exists():
             continue
         st = _load(RUNS / f"{name}_stats.json")
-        text = target_card(tok, target, args, models_dir / folder) if fn is None else fn(tok, st, target, args, models_dir / folder)
+        if folder == "eagle3-head":
+            text = eagle3_card(st, models_dir / folder)
+        elif fn is None:
+            text = target_card(tok, target, args, models_dir / folder)
+        else:
+            text = fn(tok, st, target, args, models_dir / folder)
         (models_dir / folder / "README.md").write_text(text)
         written.append(models_dir / folder / "README.md")
+    return written
+
+
+# --- the continued target and the drafters trained on it (stop 24) -----------------------------
+# The pre-training, shrink and first-drafter sections above need runs/{tokenizer,target,shrink}_stats.json;
+# where those are gone (another machine), `update_cards` keeps a card's text up to its evaluation
+# and rewrites the sections below, the evaluation and the recipe.
+
+COMPARE_MD = Path("bench/results/compare_targets.md")
+SHIP_DIR = "runs/ship"  # a models/ layout holding the continued target, where the drafters were trained
+
+REPRODUCE_CONTINUED = """```bash
+python -m training corpus      # models/heldout_files.txt (+ runs/data/*_files.txt)
+python -m training tokenizer   # runs/tokenizer (copied into every model folder), token caches
+nohup nice -n 10 python -m training target --max-minutes 75 --lr 1.5e-3 --warmup-steps 60 --planned-tokens 3500000 > runs/target.log 2>&1 &   # add --resume to continue
+mv models/target runs/target-full
+python -m training shrink --drop-layers 3,6,9,12 --max-minutes 10
+nohup nice -n 19 python -m training draft-all --parts drafter,eagle,medusa --threads 2 --batch-size 8 --max-minutes 25 --planned-tokens 1300000 --lr 2e-3 --drafter-lr-scale 1 --warmup-steps 30 > runs/draft-drafter-eagle-medusa.log 2>&1 &
+python -m training draft-vocab # draft_vocab.json (token frequency ranking) in each drafter folder
+# the first EAGLE-3 and MTP, on the shrunk target (warm starts for the final ones):
+python -m training eagle3 {eagle3_run1}   # -> models/eagle3-head, moved to runs/eagle3-head-run1
+python -m training eagle3 {eagle3_run2}   # -> models/eagle3-head, moved to runs/eagle3-head-run2
+python -m training mtp {mtp_run1}          # -> runs/target-mtp
+# continued pre-training (float32: this CPU has no bf16 units), then the shipped drafters on it
+python -m training corpus-extra
+python -m training {continue_part1}   # stopped at step 238 (0.97M tokens)
+python -m training {continue_part2}
+mkdir -p {ship} && cp -r runs/target-continued {ship}/target && cp -r models/drafter {ship}/drafter
+python -m training {mtp}
+python -m training {eagle3}
+python -m training {drafter}
+cp {ship}/target-mtp/* models/target/ && cp {ship}/drafter/*.safetensors models/drafter/ && cp -r {ship}/eagle3-head models/
+python bench/eval_models.py --prompts 8 --gen-len 64 --ppl-seqs 24 --agree-seqs 8
+python -m training cards       # these README.md files
+```"""
+
+
+def _argv(name: str, fallback: str = "") -> str:
+    return _load(RUNS / f"{name}_stats.json").get("argv", fallback)
+
+
+def reproduce_continued() -> str:
+    run1 = _load(RUNS / "eagle3_run1_stats.json").get("argv", "")
+    return REPRODUCE_CONTINUED.format(
+        eagle3_run1=run1.removeprefix("eagle3 "),
+        eagle3_run2=_argv("eagle3_run2", "eagle3").removeprefix("eagle3 "),
+        mtp_run1=_argv("mtp_run1", "mtp").removeprefix("mtp "),
+        continue_part1=_load(RUNS / "target-continue_notes.json").get("part1_argv", "target-continue --corpus extended ..."),
+        continue_part2=_argv("target-continue", "target-continue --corpus stdlib --resume"),
+        ship=SHIP_DIR, mtp=_argv("mtp", "mtp"), eagle3=_argv("eagle3", "eagle3"), drafter=_argv("drafter", "drafter"),
+    )
+
+
+def continued_section(cs: dict) -> str:
+    """The continued pre-training of the shipped target (runs/target-continue_stats.json; the
+    narrative of the run, which the stats cannot tell, from runs/target-continue_notes.json)."""
+    if not cs:
+        return ""
+    notes = _load(RUNS / "target-continue_notes.json")
+    before, after = cs["heldout_nll_before"], cs["heldout_nll"]
+    compare = COMPARE_MD.read_text().strip() if COMPARE_MD.exists() else "(`python -m training compare-targets` not run)"
+    return f"""<!-- cards:continued -->
+### Continued pre-training (the shipped weights)
+
+The shrunk model above was trained on for {cs["tokens"] / 1e6:.2f}M more tokens in {cs["elapsed_s"] / 60:.0f} min
+(`python -m training target-continue`, float32: this host's CPU has no bf16 units, 2 threads).
+{notes.get("story", "")}
+{_train_line(cs).replace("bf16 weights/activations with fp32 master weights for AdamW.", "float32 throughout.")}
+Held-out NLL (the same first 64 x 512 held-out tokens): **{before:.4f} -> {after:.4f}** (perplexity
+{float(2.718281828459045 ** before):.1f} -> {float(2.718281828459045 ** after):.1f}).
+
+Greedy completions before (the shrunk model) and after (`python -m training compare-targets`, 64 tokens):
+
+{compare}
+
+Both models loop on `#` lines after the docstring prompt, and the cause is mostly the prompt, not
+the weights: this tokenizer merges a newline with the next line's indentation (`"\\n   "` is one
+token), so a prompt ending in `"\\n"` ends with a lone newline token, which the training data
+follows with column-0 text. With token healing (`SamplingParams(token_healing=True)`, on in
+`make demo`: the prompt's last token is dropped and the first generated token must start with its
+text) the same weights continue with an indented body.
+<!-- /cards:continued -->
+"""
+
+
+def mtp_section(ms: dict) -> str:
+    """The MTP layer stored in the target's checkpoint (runs/mtp_stats.json)."""
+    if not ms:
+        return ""
+    fm = ms.get("final_metrics_ema", {})
+    accs = " / ".join(f"{fm[k]:.3f}" for k in sorted(fm) if k.startswith("acc"))
+    first = _load(RUNS / "mtp_run1_stats.json")
+    warm = (f" It was warm-started from an MTP layer trained the same way on the shrunk target before its continued "
+            f"pre-training ({first['tokens'] / 1e6:.2f}M tokens, {first['elapsed_s'] / 60:.0f} min), so it has seen "
+            f"{(first['tokens'] + ms['tokens']) / 1e6:.2f}M tokens in all." if first else "")
+    return f"""<!-- cards:mtp -->
+## MTP layer (DeepSeek-V3 layout, in this checkpoint)
+
+`config.json` has `num_nextn_predict_layers: 1`; the layer's tensors sit at `model.layers.{{L}}.*`, L =
+`num_hidden_layers` (DeepSeek-V3's names): `enorm.weight`, `hnorm.weight`, `eh_proj.weight` [H, 2H],
+`shared_head.norm.weight`, and one decoder block with the target's own layer shapes
+(`self_attn.{{q,k,v,o}}_proj`, `mlp.{{gate,up,down}}_proj`, `input_layernorm`, `post_attention_layernorm`).
+The embedding and the LM head are the target's. transformers' `LlamaForCausalLM` ignores the extra
+layer; our engine's `method="mtp"` (no `model`) drafts with it, applying it recursively for k > 1.
+
+```
+x_j    = eh_proj(cat(enorm(embed(token_(j+1))), hnorm(h_j)))   # h_j: the target's final hidden state
+f_j    = DecoderLayer(x_j)  (RoPE position j)                  # causal over the module's own elements
+logits = lm_head(shared_head.norm(f_j))                        # predicts token_(j+2); f_j feeds depth 2
+```
+
+Parameters: {ms.get("params", 0):,} (bf16). Trained **post hoc on the frozen target** (joint training with the
+target did not fit this CPU's time budget): `python -m training mtp`, the module unrolled
+{(ms.get("argv", "").split("--ttt-steps ")[1].split()[0] if "--ttt-steps" in ms.get("argv", "") else "3")} steps on its own output features (the recursive use at inference), loss
+`sum_s 0.8^s CE(logits_s, token_(j+s+2))`. {_train_line(ms).replace("bf16 weights/activations with fp32 master weights for AdamW.", "float32 throughout.")}
+Training time: {_fmt_minutes(ms)}.{warm} Loss: first {ms.get("first_loss", float("nan")):.3f}, final (EMA) {ms.get("final_loss_ema", float("nan")):.3f};
+teacher-forced top-1 accuracy against the true next tokens per unroll step (EMA, training batches): {accs}.
+<!-- /cards:mtp -->
+"""
+
+
+def drafter_retrain_section(ds: dict) -> str:
+    if not ds:
+        return ""
+    return f"""<!-- cards:drafter-continued -->
+### Re-distilled for the continued target (the shipped weights)
+
+When the target was trained on (see its card), this drafter was distilled again from the new
+target, starting from the weights above (`--warm-start`): `python -m training {ds.get("argv", "drafter")}`.
+{_train_line(ds).replace("bf16 weights/activations with fp32 master weights for AdamW.", "float32 throughout.")}
+Training time: {_fmt_minutes(ds)}. KL: first step {ds.get("first_loss", float("nan")):.3f}, final (EMA) {ds.get("final_loss_ema", float("nan")):.3f}.
+Held-out NLL on the true tokens: {ds.get("heldout_nll", float("nan")):.4f} (perplexity {ds.get("heldout_ppl", float("nan")):.2f}).
+<!-- /cards:drafter-continued -->
+"""
+
+
+def eagle3_card(st: dict, folder: Path) -> str:
+    c = _load(folder / "config.json")
+    runs = [r for r in (_load(RUNS / "eagle3_run1_stats.json"), _load(RUNS / "eagle3_run2_stats.json"), st) if r]
+    total_tokens = sum(r["tokens"] for r in runs)
+    total_min = sum(r["elapsed_s"] for r in runs) / 60
+    fm = st.get("final_metrics_ema", {})
+    accs = " / ".join(f"{fm[k]:.3f}" for k in sorted(fm) if k.startswith("acc"))
+    aux = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return f"""# eagle3-head: EAGLE-3 draft head for `target`
+
+An EAGLE-3 head (Li et al. 2025, training-time test) for `models/target`, in the layout SpecForge and
+the EAGLE repo publish and vLLM / SGLang load; our engine loads it with
+`SpeculativeConfig(method="eagle3", model="models/eagle3-head")`. It replaced the EAGLE-1 head
+(`eagle-head`, no longer shipped: EAGLE-3 accepts more per step, see the evaluation, and the 100 MiB
+budget holds one of them next to the target with its MTP layer and the drafter).
+
+## Layout
+
+`config.json`: `architectures: ["LlamaForCausalLMEagle3"]`, hidden {c.get("hidden_size")} (= `target_hidden_size`),
+{c.get("num_attention_heads")} heads, {c.get("num_key_value_heads")} KV heads, head_dim {c.get("head_dim")}, intermediate {c.get("intermediate_size")},
+`vocab_size` {c.get("vocab_size")}, `draft_vocab_size` {c.get("draft_vocab_size")},
+`eagle_config.eagle_aux_hidden_state_layer_ids` = {aux} (layer boundaries: the input of decoder layers
+2 and 6 and the output of the last layer, before the final norm).
+`model.safetensors` (bf16): `fc.weight` [H, 3H], `midlayer.{{input_layernorm,hidden_norm,post_attention_layernorm}}.weight`,
+`midlayer.self_attn.{{q,k,v,o}}_proj.weight` (q/k/v read 2H: the normed token embedding and the normed fused
+feature), `midlayer.mlp.{{gate,up,down}}_proj.weight`, `norm.weight`, `lm_head.weight` [draft vocab, H],
+`d2t` (draft id -> target id offset) and `t2d` (membership mask). No embedding: the target's is used.
+Reference forward and training: `training/eagle3.py`. Parameters: {st.get("params", 0):,}.
+
+The draft vocabulary is the {c.get("draft_vocab_size")} most frequent training tokens (the drafter's `draft_vocab.json`
+ranking), so the head's LM head is a quarter of the target's.
+
+## Training
+
+Post hoc on the frozen target (bf16 weights read in float32; features recomputed per batch),
+training-time test unrolled {st.get("ttt_steps", "?")} steps, loss `sum_s 0.8^s CE(p_target|draft vocab, p_head)`
+(see `training/eagle3.py`). Three runs, each warm-started from the previous one:
+{chr(10).join(f"- `python -m training {r.get('argv', '?')}`: {_fmt_minutes(r)}" for r in runs)}
+
+The first two ran on the shrunk target before its continued pre-training, the last on the shipped
+target; {total_tokens / 1e6:.2f}M tokens and {total_min:.0f} minutes in all. Last run: {_train_line(st).replace("bf16 weights/activations with fp32 master weights for AdamW.", "float32 throughout.")}
+Loss: first {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}; agreement with
+the target's argmax per training-time-test step (EMA, training batches): {accs}.
+
+{_eval_section()}
+## Reproduce
+
+{reproduce_continued()}
+"""
+
+
+def update_cards(models_dir: Path = MODELS) -> list[Path]:
+    """Rewrite the shipped cards' newer parts in place (see the comment above): the target's
+    continued-pre-training and MTP sections, the drafter's re-distillation, the EAGLE-3 card whole,
+    and every card's evaluation and recipe."""
+    import re
+
+    written = []
+    sections = {
+        "target": continued_section(_load(RUNS / "target-continue_stats.json")) + "\n" + mtp_section(_load(RUNS / "mtp_stats.json")),
+        "drafter": drafter_retrain_section(_load(RUNS / "drafter_stats.json")),
+    }
+    for folder, extra in sections.items():
+        path = models_dir / folder / "README.md"
+        if not path.exists():
+            continue
+        text = re.sub(r"<!-- cards:[\w-]+ -->.*?<!-- /cards:[\w-]+ -->\n*", "", path.read_text(), flags=re.S)
+        head = text.split("\n## Evaluation", 1)[0].rstrip() + "\n\n"
+        path.write_text(head + extra.strip() + "\n\n" + _eval_section() + "\n## Reproduce\n\n" + reproduce_continued() + "\n")
+        written.append(path)
+    e3 = models_dir / "eagle3-head"
+    if (e3 / "model.safetensors").exists():
+        (e3 / "README.md").write_text(eagle3_card(_load(RUNS / "eagle3_stats.json"), e3))
+        written.append(e3 / "README.md")
     return written

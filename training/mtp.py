@@ -79,6 +79,18 @@ class MTPModule(nn.Module):
         out |= {p + k: v for k, v in self.block.state_dict().items()}
         return {k: v.detach().contiguous() for k, v in out.items()}
 
+    def load_published(self, weights: dict[str, torch.Tensor], layer_index: int) -> None:
+        """The inverse of `published_state_dict`: this module's tensors from a checkpoint's
+        DeepSeek-V3 names (a warm start from an MTP trained on an earlier target)."""
+        p = f"model.layers.{layer_index}."
+        names = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+                 "eh_proj.weight": "eh_proj.weight", "shared_head_norm.weight": "shared_head.norm.weight"}
+        names |= {"block." + k: k for k in self.block.state_dict()}
+        missing = [p + theirs for theirs in names.values() if p + theirs not in weights]
+        if missing:
+            raise KeyError(f"no MTP layer {layer_index} in the checkpoint: missing {missing[:3]}")
+        self.load_state_dict({mine: weights[p + theirs].float() for mine, theirs in names.items()})
+
 
 def mtp_loss_fn(module: MTPModule, target: nn.Module | TargetOutputs, unroll: int = 3, decay: float = 0.8) -> LossFn:
     """The module docstring's loss over `unroll` steps; metrics: per step CE and top-1 agreement
