@@ -1,7 +1,7 @@
 """What exact speculation costs, and what it buys: the engine's `exact` modes side by side.
 
     python -m bench.bench_exact [--prompts 4] [--max-tokens 64] [--reps 2] [--dtype auto]
-        [--methods eagle,draft] [--modes off,rows,pad,batch_invariant] [--concurrent 16]
+        [--methods eagle3,draft] [--modes off,rows,pad,batch_invariant] [--concurrent 16]
         [--out bench/results/exact.json]
 
 Shipped target and drafters, one torch thread, held-out code prompts, greedy. For each mode
@@ -25,7 +25,7 @@ import torch
 
 from bench.common import MODELS, RESULTS, code_prompts, machine_info, median
 
-DRAFTERS = {"draft": "drafter", "eagle": "eagle-head", "medusa": "medusa-heads", "ngram": None}
+DRAFTERS = {"draft": "drafter", "eagle3": "eagle3-head", "mtp": None, "ngram": None}
 MODES = ("off", "rows", "pad", "batch_invariant")
 
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--methods", default="eagle,draft")
+    p.add_argument("--methods", default="eagle3,draft")
     p.add_argument("--modes", default=",".join(MODES), help="exact modes to compare (off first)")
     p.add_argument("--concurrent", type=int, default=16)
     p.add_argument("--out", default=str(RESULTS / "exact.json"))

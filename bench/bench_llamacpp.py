@@ -339,7 +339,7 @@ def make_ours(models_dir: Path, method: str | None, dtype: str, threads: int, wa
 
     spec = None
     if method is not None:
-        spec = SpeculativeConfig(method=method, model=str(models_dir / {"draft": "drafter", "eagle": "eagle-head"}[method]),
+        spec = SpeculativeConfig(method=method, model=str(models_dir / {"draft": "drafter", "eagle3": "eagle3-head"}[method]),
                                  num_speculative_tokens=NUM_DRAFT_TOKENS, adaptive=True)
     llm = LLM(str(models_dir / "target"), device="cpu", dtype=dtype, num_threads=threads, speculative=spec,
               max_num_seqs=1, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
@@ -353,7 +353,7 @@ SYSTEMS = {
     f"llama.cpp + drafter (draft-simple, k={NUM_DRAFT_TOKENS})": ("llamacpp", "draft"),
     "ours target": ("ours", None),
     f"ours + drafter (adaptive, k<={NUM_DRAFT_TOKENS})": ("ours", "draft"),
-    f"ours + eagle (adaptive, k<={NUM_DRAFT_TOKENS})": ("ours", "eagle"),
+    f"ours + eagle3 (adaptive, k<={NUM_DRAFT_TOKENS})": ("ours", "eagle3"),
 }
 
 

@@ -3,7 +3,7 @@
 Workloads: held-out code completion, greedy (predictable), and the same prompts sampled at
 temperature 1.0 (unpredictable). Peers on the same weights and prompts: our engine without
 speculation, transformers `generate`, transformers assisted generation
-(`generate(assistant_model=drafter)`), and our engine with each drafter (draft, ngram, eagle, medusa).
+(`generate(assistant_model=drafter)`), and our engine with each drafter (draft, ngram, eagle3, mtp).
 Part 1: adaptive speculation, each model drafter over its shipped draft vocabulary, plus (batch
 1, code) the same drafter over the whole vocabulary, under three loads: batch 1 (one request at a
 time), 16 at once (16 requests submitted together; the run ends with its slowest request), and 16
@@ -32,12 +32,13 @@ from engine import LLM, SamplingParams, SpeculativeConfig
 METHODS = {
     "draft": str(MODELS / "drafter"),
     "ngram": None,
+    "eagle3": str(MODELS / "eagle3-head"),
+    # the shipped target carries its MTP layer in its own checkpoint: no drafter folder
+    "mtp": str(MODELS / "target"),
+    # not shipped (EAGLE-3 and MTP replaced them): measured when `python -m training eagle` /
+    # `medusa` has written the folder
     "eagle": str(MODELS / "eagle-head"),
     "medusa": str(MODELS / "medusa-heads"),
-    "eagle3": str(MODELS / "eagle3-head"),  # python -m training eagle3 (not shipped yet)
-    # the target with an MTP module in its checkpoint (python -m training mtp; not shipped yet):
-    # it is the engine's target, with no drafter folder
-    "mtp": str(MODELS.parent / "runs" / "target-mtp"),
 }
 
 
@@ -135,7 +136,8 @@ def part1(prompts, batch_prompts, sustained_prompts, new_tokens: int, k: int, me
           ablate_draft_vocab: bool, repeats: int) -> list[dict]:
     configs = [(m, None) for m in [None, *methods]]
     if ablate_draft_vocab:
-        configs += [(m, 0) for m in methods if m != "ngram"]
+        # (n-gram lookup has no LM head; an EAGLE-3 checkpoint's d2t fixes its draft vocabulary)
+        configs += [(m, 0) for m in methods if m not in ("ngram", "eagle3")]
     llms, names, step_ms = {}, {}, {}
     for method, dv in configs:
         llm = make_llm(method, k, adaptive=True, max_num_seqs=len(batch_prompts), draft_vocab_size=dv)
@@ -263,7 +265,7 @@ def main(argv=None) -> dict:
                     help="requests of the sustained load, run through --concurrency slots")
     ap.add_argument("--repeats", type=int, default=3, help="repetitions of part 1 (medians reported)")
     ap.add_argument("-k", type=int, default=6, help="k cap for the adaptive runs of part 1")
-    ap.add_argument("--methods", default="draft,ngram,eagle,medusa")
+    ap.add_argument("--methods", default="draft,ngram,eagle3,mtp")
     ap.add_argument("--sweep", action="store_true", help="also run the k = 1..8 sweep (part 2)")
     ap.add_argument("--sweep-ks", default="1,2,3,4,5,6,7,8", help="the sweep's k values")
     ap.add_argument("--sweep-batch1-only", action="store_true", help="the sweep without its 16-concurrent runs")

@@ -28,10 +28,10 @@ SLO_POLICY_PATH = "deployments.autoscaling:SLOAutoscalingPolicy"  # its policy_k
 SERVICER_FUNCTION = "deployments.servicer.add_SpecDecodeServicer_to_server"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-METHODS_WITH_MODEL = ("draft", "eagle", "eagle3", "medusa")  # eagle3: no shipped head, `model` required
+METHODS_WITH_MODEL = ("draft", "eagle", "eagle3", "medusa")  # eagle, medusa: no shipped head, `model` required
 # mtp: `model` null (the MTP layers stored in the target's own checkpoint) or the target's directory
 # Where `make serve` finds each drafter kind's shipped checkpoint when the config names none.
-DEFAULT_DRAFTER_MODELS = {"draft": "models/drafter", "eagle": "models/eagle-head", "medusa": "models/medusa-heads"}
+DEFAULT_DRAFTER_MODELS = {"draft": "models/drafter", "eagle3": "models/eagle3-head"}
 
 
 class ConfigError(ValueError):

@@ -39,8 +39,7 @@ from deployments.config import (
 TRAIN_HINT = {
     "models/target": "python -m training corpus && python -m training tokenizer && python -m training target",
     "models/drafter": "python -m training drafter",
-    "models/eagle-head": "python -m training eagle",
-    "models/medusa-heads": "python -m training medusa",
+    "models/eagle3-head": "python -m training eagle3",
 }
 
 

@@ -1,6 +1,10 @@
 """`make demo`: complete a Python prompt with the shipped target, with and without speculation.
 
-    python -m engine.demo ["def fib(n):"] [--method eagle] [-k 4] [--max-tokens 96]
+    python -m engine.demo ["def fib(n):"] [--method mtp] [-k 4] [--max-tokens 96] [--no-token-healing]
+
+Token healing is on: a prompt ending in a newline would otherwise end with a lone newline token
+(the tokenizer merges a newline with the next line's indentation), which the model continues at
+column 0.
 """
 
 from __future__ import annotations
@@ -14,24 +18,25 @@ from engine import LLM, SamplingParams, SpeculativeConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # method -> shipped checkpoint (None: no model, or, for mtp, the MTP layers in the target's own checkpoint)
-DRAFTERS = {"draft": "models/drafter", "eagle": "models/eagle-head", "medusa": "models/medusa-heads", "mtp": None,
-            "ngram": None}
+DRAFTERS = {"draft": "models/drafter", "eagle3": "models/eagle3-head", "mtp": None, "ngram": None}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prompt", nargs="?", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     ap.add_argument("--model", default=os.path.join(ROOT, "models/target"))
-    ap.add_argument("--method", default="eagle", choices=sorted(DRAFTERS))
+    ap.add_argument("--method", default="mtp", choices=sorted(DRAFTERS))
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--no-token-healing", dest="token_healing", action="store_false",
+                    help="complete the prompt as tokenized (no healing of its last token)")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.model):
         print(f"no model at {args.model}; the shipped models are in git (models/); their training commands are in models/*/README.md", file=sys.stderr)
         return 1
     drafter = DRAFTERS[args.method]
     spec = SpeculativeConfig(method=args.method, model=drafter and os.path.join(ROOT, drafter), num_speculative_tokens=args.k)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, token_healing=args.token_healing)
     for name, kwargs in (("no speculation", {}), (f"speculative ({args.method}, k<={args.k})", {"speculative": spec})):
         llm = LLM(args.model, **kwargs)
         llm.generate([args.prompt], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up

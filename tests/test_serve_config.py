@@ -39,7 +39,7 @@ def test_shipped_config_passes_our_validator() -> None:
     assert config.model == "models/target"
     assert config.speculative is not None
     assert (config.speculative.method, config.speculative.model, config.speculative.num_speculative_tokens) == (
-        "eagle", "models/eagle-head", 4,
+        "mtp", None, 4,
     )
 
 
@@ -85,8 +85,10 @@ def test_defaults_round_trip() -> None:
     assert AppConfig.from_dict({"speculative": None}).speculative is None
     ngram = AppConfig.from_dict({"speculative": {"method": "ngram"}}).speculative
     assert ngram is not None and ngram.model is None
-    eagle = AppConfig.from_dict({"speculative": {"method": "eagle"}}).speculative
-    assert eagle is not None and eagle.model == "models/eagle-head"
+    eagle3 = AppConfig.from_dict({"speculative": {"method": "eagle3"}}).speculative
+    assert eagle3 is not None and eagle3.model == "models/eagle3-head"
+    with pytest.raises(ConfigError, match="method 'eagle' needs a checkpoint directory"):
+        AppConfig.from_dict({"speculative": {"method": "eagle"}})  # no EAGLE-1 head is shipped
 
 
 def with_args(**changes) -> dict:
@@ -108,8 +110,10 @@ def with_args(**changes) -> dict:
          "applications[0].args.speculative.num_speculative_tokens: must be in [1, 16], got 0"),
         ({"speculative__num_speculative_tokens": 17}, "applications[0].args.speculative.num_speculative_tokens"),
         ({"speculative__method": "lookahead"}, "applications[0].args.speculative.method: must be one of"),
-        ({"speculative__method": "ngram"}, "applications[0].args.speculative.model: must be null for method 'ngram'"),
-        ({"speculative__model": None}, "applications[0].args.speculative.model: method 'eagle' needs"),
+        ({"speculative__method": "ngram", "speculative__model": "models/drafter"},
+         "applications[0].args.speculative.model: must be null for method 'ngram'"),
+        ({"speculative__method": "eagle", "speculative__model": None},
+         "applications[0].args.speculative.model: method 'eagle' needs"),
         ({"speculative__method": "eagle3", "speculative__model": None},
          "applications[0].args.speculative.model: method 'eagle3' needs a checkpoint directory"),
         ({"speculative__method": "eagle3", "speculative__draft_vocab_size": 1024},

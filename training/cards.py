@@ -113,6 +113,13 @@ def _eval_section() -> str:
         f"python bench/eval_models.py --prompts {c.get('prompts')} --gen-len {c.get('gen_len')} "
         f"--ppl-seqs {c.get('ppl_seqs')} --agree-seqs {c.get('agree_seqs')}"
     )
+    models_dir = Path(c.get("models_dir", "models"))
+    side = ""
+    if models_dir.name != "models":  # a folder laid out like models/, with drafters not shipped
+        cmd += f" --models-dir {models_dir}"
+        side = (f"\n`{models_dir}` holds the shipped models and, for the side-by-side rows, an EAGLE-1 head and "
+                "Medusa heads retrained on the shipped target, which are not shipped (EAGLE-3 and the MTP "
+                "layer replaced them; see the drafter table in the project README).\n")
     return f"""## Evaluation (`{cmd}`, held-out files)
 
 Perplexity over {c.get("ppl_seqs", "?")} x 512 held-out tokens; agreement = teacher-forced top-1 match with the
@@ -122,7 +129,7 @@ step = accepted drafts + the bonus token. `greedy` is an exact replay of greedy 
 is the *expected* value `1 + sum_i prod_(l<=i) sum_x min(p_l(x), q_l(x))` along a fixed-seed T=0.7 sample of
 the target (speculative-sampling acceptance probabilities, not a sampled run), averaged over every
 {c.get("temp_start_stride", 1)}-th start position.
-
+{side}
 {EVAL_MD.read_text().strip()}
 """
 
