@@ -368,12 +368,17 @@ python -m training mtp {mtp_run1}          # -> runs/target-mtp
 python -m training corpus-extra
 python -m training {continue_part1}   # stopped at step 238 (0.97M tokens)
 python -m training {continue_part2}
+cp -r models runs/old-models   # the earlier models: warm starts, and the "before" of compare-targets
 mkdir -p {ship} && cp -r runs/target-continued {ship}/target && cp -r models/drafter {ship}/drafter
 python -m training {mtp}
 python -m training {eagle3}
 python -m training {drafter}
 cp {ship}/target-mtp/* models/target/ && cp {ship}/drafter/*.safetensors models/drafter/ && cp -r {ship}/eagle3-head models/
-python bench/eval_models.py --prompts 8 --gen-len 64 --ppl-seqs 24 --agree-seqs 8
+# side by side only (not shipped): EAGLE-1 and Medusa heads retrained on the shipped target
+python -m training {eagle_medusa}
+mkdir runs/ship-all && ln -s ../../models/{{target,drafter,eagle3-head}} ../ship/{{eagle-head,medusa-heads}} runs/ship-all/ && cp models/heldout_files.txt runs/ship-all/
+python bench/eval_models.py --models-dir runs/ship-all --prompts 8 --gen-len 64 --ppl-seqs 24 --agree-seqs 8
+python -m training compare-targets --before runs/old-models/target --init-from models/target
 python -m training cards       # these README.md files
 ```"""
 
@@ -390,6 +395,7 @@ def reproduce_continued() -> str:
         mtp_run1=_argv("mtp_run1", "mtp").removeprefix("mtp "),
         continue_part1=_load(RUNS / "target-continue_notes.json").get("part1_argv", "target-continue --corpus extended ..."),
         continue_part2=_argv("target-continue", "target-continue --corpus stdlib --resume"),
+        eagle_medusa=_argv("eagle", "draft-all --parts eagle,medusa"),
         ship=SHIP_DIR, mtp=_argv("mtp", "mtp"), eagle3=_argv("eagle3", "eagle3"), drafter=_argv("drafter", "drafter"),
     )
 
@@ -454,10 +460,10 @@ logits = lm_head(shared_head.norm(f_j))                        # predicts token_
 
 Parameters: {ms.get("params", 0):,} (bf16). Trained **post hoc on the frozen target** (joint training with the
 target did not fit this CPU's time budget): `python -m training mtp`, the module unrolled
-{(ms.get("argv", "").split("--ttt-steps ")[1].split()[0] if "--ttt-steps" in ms.get("argv", "") else "3")} steps on its own output features (the recursive use at inference), loss
-`sum_s 0.8^s CE(logits_s, token_(j+s+2))`. {_train_line(ms).replace("bf16 weights/activations with fp32 master weights for AdamW.", "float32 throughout.")}
+{(ms.get("argv", "").split("--ttt-steps ")[1].split()[0] if "--ttt-steps" in ms.get("argv", "") else "3")} steps on its own output features (the recursive use at inference), distilled from the
+target: loss `sum_s 0.8^s CE(p_target(token_(j+s+2)), softmax(logits_s))`. {_train_line(ms).replace("bf16 weights/activations with fp32 master weights for AdamW.", "float32 throughout.")}
 Training time: {_fmt_minutes(ms)}.{warm} Loss: first {ms.get("first_loss", float("nan")):.3f}, final (EMA) {ms.get("final_loss_ema", float("nan")):.3f};
-teacher-forced top-1 accuracy against the true next tokens per unroll step (EMA, training batches): {accs}.
+top-1 agreement with the target's argmax per unroll step (EMA, training batches): {accs}.
 <!-- /cards:mtp -->
 """
 
@@ -475,6 +481,12 @@ Training time: {_fmt_minutes(ds)}. KL: first step {ds.get("first_loss", float("n
 Held-out NLL on the true tokens: {ds.get("heldout_nll", float("nan")):.4f} (perplexity {ds.get("heldout_ppl", float("nan")):.2f}).
 <!-- /cards:drafter-continued -->
 """
+
+
+def _step_argv(step: str, stats: dict) -> str:
+    """A run's recorded arguments with its step name (the earliest runs recorded only the options)."""
+    argv = stats.get("argv", "")
+    return argv if argv.split(" ", 1)[0] == step else f"{step} {argv}".strip()
 
 
 def eagle3_card(st: dict, folder: Path) -> str:
@@ -514,7 +526,7 @@ ranking), so the head's LM head is a quarter of the target's.
 Post hoc on the frozen target (bf16 weights read in float32; features recomputed per batch),
 training-time test unrolled {st.get("ttt_steps", "?")} steps, loss `sum_s 0.8^s CE(p_target|draft vocab, p_head)`
 (see `training/eagle3.py`). Three runs, each warm-started from the previous one:
-{chr(10).join(f"- `python -m training {r.get('argv', '?')}`: {_fmt_minutes(r)}" for r in runs)}
+{chr(10).join(f"- `python -m training {_step_argv('eagle3', r)}`: {_fmt_minutes(r)}" for r in runs)}
 
 The first two ran on the shrunk target before its continued pre-training, the last on the shipped
 target; {total_tokens / 1e6:.2f}M tokens and {total_min:.0f} minutes in all. Last run: {_train_line(st).replace("bf16 weights/activations with fp32 master weights for AdamW.", "float32 throughout.")}
