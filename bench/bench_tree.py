@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--methods", default="draft,eagle")
+    ap.add_argument("--methods", default="draft,eagle3,mtp")
     ap.add_argument("--loads", default=",".join(LOADS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--name", default="spec_tree")
