@@ -67,6 +67,38 @@ def test_request_rate_follows_a_request_that_is_consistently_easier():
     assert model.expected_tokens(easy, 4) > 2 * model.expected_tokens(hard, 4)
 
 
+def test_one_early_rejection_at_a_deep_position_does_not_stop_the_policy_drafting_deeper():
+    """Position 2 is measured only on steps that draft 2 tokens, which the policy chooses. Drafts
+    are accepted 90% of the time at every position, but the one step that drafted 2 saw its second
+    draft rejected: on the posterior mean (0.6 for position 2) drafting 2 does not pay, so it would
+    never be measured again. Read optimistically (mean + one standard error), it drafts 2, and
+    once position 2 is measured its true rate decides: 90% keeps it at 2 or more, 10% brings it
+    back to 1."""
+    # A target step costs 1.0 for 1-2 tokens, 1.2 for 3 and 0.1 more per token after; a draft
+    # token 0.15 of a step: a second draft pays iff its acceptance (given the first's) > 0.64.
+    spec = speculator_with([1.0, 1.0, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8], draft_s=0.15)
+    r = request()
+    rng = random.Random(1)
+    spec.acceptance.observe(r, 2, 1)
+    for _ in range(300):
+        spec.acceptance.observe(r, 1, int(rng.random() < 0.9))
+    assert spec.acceptance.position_rates(2)[1] < 0.7  # the mean after the one rejection
+    assert spec.best_cap(1, [r], [4]) >= 2
+
+    def run(rate: float) -> int:
+        for _ in range(300):  # the policy's own choices decide which positions get measured
+            cap = spec.best_cap(1, [r], [4])
+            accepted = 0
+            while accepted < cap and rng.random() < rate:
+                accepted += 1
+            spec.acceptance.observe(r, cap, accepted)
+        return spec.best_cap(1, [r], [4])
+
+    assert run(0.9) >= 2
+    assert spec.acceptance.position_rates(2)[1] == pytest.approx(0.9, abs=0.08)
+    assert run(0.1) <= 1  # the deep positions turn bad: measured, and no longer drafted
+
+
 def test_calibration_medians_borrowing_and_buckets():
     cal = StepCalibration()
     assert cal.ratio(16, True) == 1.0  # nothing measured

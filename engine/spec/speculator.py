@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 
 import torch
@@ -42,6 +43,12 @@ GLOBAL_DECAY = 1.0 / 256  # engine-wide counts forget with a horizon of ~256 ver
 TREE_PROBE_EVERY = 16  # with adaptive trees, a step drafts trees this often even where chains pay more,
 TREE_PROBE_WITHIN = 0.8  # if the trees' predicted tokens/s is at least this fraction of the chain's
 TREE_PRIOR_ACCEPTED = 3.0  # accepted drafts per tree verification assumed before the first one
+# Decisions read each deeper position's rate (2, 3, ...) as its mean plus this many standard errors.
+# Position j is verified only on steps that drafted at least j tokens, which the policy itself
+# chooses: on its posterior mean alone, one early rejection at position 2 (its rate then 0.54
+# where 0.9 was true, measured) stopped every later step from drafting 2, so the estimate was
+# never corrected and the policy verified one draft per step for the rest of the run.
+POSITION_CONFIDENCE_Z = 1.0
 
 
 class StepCostModel:
@@ -118,7 +125,13 @@ class AcceptanceModel:
 
     P(draft j accepted) = prod_{l <= j} min(1, rho * g_l), where g_l is the engine-wide rate at
     position l and rho = the request's rate / the engine-wide per-token rate (how much easier this
-    request's text is than average). Shrinkage matters: a raw per-request EMA of a few Bernoulli
+    request's text is than average). The rates decisions read (`accept_probs`) are optimistic for
+    positions 2 and deeper: g_l plus POSITION_CONFIDENCE_Z standard errors of its (decayed,
+    shrunk) count, but no more than g_{l-1} (its prior: a deeper position is assumed as good as
+    the one before until measured otherwise), so that a position drafted too rarely to be known
+    gets drafted and measured, while one measured often enough is taken at its mean. Position 1
+    is measured by every speculating step and is read at its mean (it alone decides whether a
+    step speculates at all). Shrinkage matters: a raw per-request EMA of a few Bernoulli
     trials, used to pick who speculates, overestimates acceptance (measured: Medusa at batch 16 on
     random text predicted 0.46, realized 0.27), and a fixed prior for new requests is wrong for
     text the drafter rarely guesses.
@@ -128,7 +141,8 @@ class AcceptanceModel:
         self.request_decay = request_decay
         self.success = [0.0] * max_positions
         self.trials = [0.0] * max_positions
-        self._engine_wide: tuple[list[float], float] | None = None  # (g_1..g_max, rate) until observe
+        # (g_1..g_max, their optimistic values, per-token rate), recomputed after each observe
+        self._engine_wide: tuple[list[float], list[float], float] | None = None
 
     def observe(self, request: Request, num_draft: int, num_accepted: int) -> None:
         self._engine_wide = None
@@ -145,16 +159,19 @@ class AcceptanceModel:
         keep = 1.0 - self.request_decay
         request.acceptance_counts = (keep * s + num_accepted, keep * t + num_accepted + failures)
 
-    def _engine(self) -> tuple[list[float], float]:
-        """Every position's rate and the per-token rate, computed once per change (each step asks
-        for them once per decoding request)."""
+    def _engine(self) -> tuple[list[float], list[float], float]:
+        """Every position's rate, its optimistic value and the per-token rate, computed once per
+        change (each step asks for them once per decoding request)."""
         if self._engine_wide is None:
-            rates, prev = [], PRIOR_ACCEPTANCE
-            for s, t in zip(self.success, self.trials, strict=True):
-                prev = (s + PRIOR_TRIALS * prev) / (t + PRIOR_TRIALS)
-                rates.append(prev)
+            rates, upper, prev = [], [], PRIOR_ACCEPTANCE
+            for j, (s, t) in enumerate(zip(self.success, self.trials, strict=True)):
+                g = (s + PRIOR_TRIALS * prev) / (t + PRIOR_TRIALS)
+                bonus = POSITION_CONFIDENCE_Z * math.sqrt(g * (1.0 - g) / (t + PRIOR_TRIALS))
+                upper.append(max(g, min(g + bonus, prev)) if j else g)
+                rates.append(g)
+                prev = g
             rate = (sum(self.success) + PRIOR_TRIALS * PRIOR_ACCEPTANCE) / (sum(self.trials) + PRIOR_TRIALS)
-            self._engine_wide = (rates, rate)
+            self._engine_wide = (rates, upper, rate)
         return self._engine_wide
 
     def position_rates(self, k: int) -> list[float]:
@@ -163,19 +180,25 @@ class AcceptanceModel:
         rates = self._engine()[0]
         return rates[:k] + rates[-1:] * max(0, k - len(rates))
 
+    def optimistic_rates(self, k: int) -> list[float]:
+        """`position_rates`, positions 2.. raised by up to POSITION_CONFIDENCE_Z standard errors
+        (at most to the previous position's rate)."""
+        upper = self._engine()[1]
+        return upper[:k] + upper[-1:] * max(0, k - len(upper))
+
     def engine_rate(self) -> float:
         """Engine-wide per-token acceptance (successes over trials, all positions)."""
-        return self._engine()[1]
+        return self._engine()[2]
 
     def request_rate(self, request: Request) -> float:
         s, t = request.acceptance_counts
         return (s + REQUEST_PRIOR_TRIALS * self.engine_rate()) / (t + REQUEST_PRIOR_TRIALS)
 
     def accept_probs(self, request: Request, k: int) -> list[float]:
-        """P(draft j accepted) for j = 1..k."""
+        """P(draft j accepted) for j = 1..k, as decisions read it (`optimistic_rates`)."""
         rho = self.request_rate(request) / max(self.engine_rate(), 1e-6)
         out, p = [], 1.0
-        for g in self.position_rates(k):
+        for g in self.optimistic_rates(k):
             p *= min(1.0, rho * g)
             out.append(p)
         return out

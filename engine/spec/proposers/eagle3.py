@@ -40,7 +40,7 @@ from engine.model_runner import (
     SeqChunk,
     build_forward_batch,
 )
-from engine.models.llama import ArchConfig, apply_rope, rope_cos_sin
+from engine.models.llama import ArchConfig, apply_rope, linear, rope_cos_sin
 from engine.models.loader import load_safetensors
 from engine.request import Request
 from engine.spec.proposers.base import (
@@ -125,23 +125,34 @@ class Eagle3Layer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        # Every matmul of `forward` through the packed weights (`use_packed_matmuls`)
+        self.packed_matmuls = False
+
+    def use_packed_matmuls(self) -> None:
+        """Run `forward`'s matmuls (a catch-up over a prompt's rows) through the packed CPU kernel
+        too: for bfloat16 weights on a CPU without native bfloat16 products, where torch emulates
+        them (`DecoderLayer.use_packed_matmuls`)."""
+        self.row_weights()
+        self.packed_matmuls = True
 
     def forward(self, embeds, feats, cos, sin, k_cache, v_cache, attn_metadata, backend) -> torch.Tensor:
         # embeds, feats [T, H]; cos/sin [T, 1, head_dim] -> output features [T, H] (pre-norm)
         cfg = self.cfg
+        pw = self._row_weights if self.packed_matmuls else None
         eps = cfg.rms_norm_eps
         normed = F.rms_norm(feats, (cfg.hidden_size,), self.hidden_norm, eps)
         residual = normed if self.norm_before_residual else feats
         x = torch.cat([F.rms_norm(embeds, (cfg.hidden_size,), self.input_layernorm, eps), normed], dim=-1)
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(self.qkv_proj, x, 0, pw and pw["w_qkv"]).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         backend.write_kv(k, v.view(n, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache, attn_metadata)
         o = backend.attention(q, k_cache, v_cache, attn_metadata, cfg.head_dim**-0.5)
-        residual = residual + self.o_proj(o.reshape(n, self.q_size))
-        gate, up = self.gate_up_proj(F.rms_norm(residual, (cfg.hidden_size,), self.post_attention_layernorm, eps)).chunk(2, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        residual = residual + linear(self.o_proj, o.reshape(n, self.q_size), 0, pw and pw["w_o"])
+        h = F.rms_norm(residual, (cfg.hidden_size,), self.post_attention_layernorm, eps)
+        gate, up = linear(self.gate_up_proj, h, 0, pw and pw["w_gate_up"]).chunk(2, dim=-1)
+        return residual + linear(self.down_proj, F.silu(gate) * up, 0, pw and pw["w_down"])
 
     def row_weights(self) -> dict:
         """The midlayer's tensors as `cpu_kernels.rows_layer` takes them (matrices packed once:
@@ -304,9 +315,12 @@ class Eagle3Proposer(Proposer):
             self.rope_f32 = rope_cos_sin(hf, runner.model.rope_cos.shape[0] + 1, torch.float32, self.device)
             self.layer.row_weights()
             self.head.use_row_kernel()
-            # fc over each step's committed rows: through the packed kernel where torch emulates bf16
-            self.packed_fc = cpu_kernels.pack_rows(self.fc.weight) if (
-                self.dtype == torch.bfloat16 and cpu_kernels.emulated_bf16()) else None
+            # fc over each step's committed rows, and the midlayer's catch-up over a prompt's rows:
+            # through the packed kernel where torch emulates bf16
+            emulated = self.dtype == torch.bfloat16 and cpu_kernels.emulated_bf16()
+            self.packed_fc = cpu_kernels.pack_rows(self.fc.weight) if emulated else None
+            if emulated:
+                self.layer.use_packed_matmuls()
         self.backend = runner.backend
         self.block_size = 0
         self.timer = StepTimer(5e-4)  # one autoregressive step of the head
