@@ -201,9 +201,9 @@ def test_handoffs_travel_by_ray_direct_transport(served: Served) -> None:
     assert direct_transport_objects_held() == 0
 
 
-def test_object_store_transport_gives_the_same_tokens(served: Served, colocated) -> None:
+def test_object_store_transport_gives_the_same_tokens(served: Served, colocated, variants) -> None:
     """transport object_store: the handoff goes through Ray's object stores (node to node)."""
-    _, _, counts = run_variant(served, colocated, "pd-objects", 13, pinned=True, transport="object_store")
+    _, _, counts = run_variant(served, colocated, "pd-objects")
     assert counts.get("via_object_store", 0) == counts.get("remote", 0) == 1, counts
 
 
@@ -312,33 +312,57 @@ def test_cancel_storm_leaves_no_blocks_on_either_pool(served: Served) -> None:
     assert counts.get("remote", 0) > 0
 
 
-def run_variant(served: Served, colocated, app: str, seed: int, prefill_cls: type | None = None,
-                pinned: bool = False, **disaggregation) -> tuple[list[int], object, dict]:
-    """Deploy another pd application on the same cluster (its own prefill class or transport),
-    send one greedy request long enough for the prefill pool, check its tokens against the
-    co-located engine, delete the app: (token ids, last message, decode replica's prefill counts)."""
+VARIANTS = {  # app -> (seed of its prompt, what it deploys differently)
+    "pd-objects": (13, "object_store"),
+    "pd-dying": (11, "dying_prefill"),
+    "pd-mismatch": (12, "mismatched_prefill"),
+}
+
+
+@pytest.fixture(scope="module")
+def variants(served: Served) -> Iterator[None]:
+    """Three more pd applications on the same cluster, deployed at once (`serve.run_many`: their
+    replicas start side by side instead of one application after another): Ray's object stores as
+    the transport (pools pinned to their nodes), a prefill replica that dies before its handoff
+    arrives, and one whose handoffs the decode engine refuses."""
     from ray import serve
 
     from deployments.app import bind_app
 
-    config = app_config(served.target, served.drafter, **disaggregation)
-    decode = {"ray_actor_options": {"num_cpus": 0, **({"resources": {"decode": 1}} if pinned else {})}}
-    prefill = {"ray_actor_options": {"num_cpus": 0, **({"resources": {"prefill": 1}} if pinned else {})}}
-    serve.run(bind_app(config, decode, prefill_overrides=prefill, prefill_cls=prefill_cls),
-              name=app, route_prefix=f"/{app}")
-    rng = random.Random(seed)
+    targets = []
+    for app, (_, kind) in VARIANTS.items():
+        pinned = kind == "object_store"
+        config = app_config(served.target, served.drafter, **({"transport": "object_store"} if pinned else {}))
+        decode = {"ray_actor_options": {"num_cpus": 0, **({"resources": {"decode": 1}} if pinned else {})}}
+        prefill = {"ray_actor_options": {"num_cpus": 0, **({"resources": {"prefill": 1}} if pinned else {})}}
+        prefill_cls = {"dying_prefill": dying_prefill_class, "mismatched_prefill": mismatched_prefill_class}.get(kind)
+        targets.append(serve.RunTarget(
+            bind_app(config, decode, prefill_overrides=prefill, prefill_cls=prefill_cls and prefill_cls()),
+            name=app, route_prefix=f"/{app}"))
+    try:
+        serve.run_many(targets)
+        yield
+    finally:
+        for app in VARIANTS:
+            serve.delete(app, _blocking=False)
+
+
+def run_variant(served: Served, colocated, app: str) -> tuple[list[int], object, dict]:
+    """Send one greedy request long enough for the prefill pool to the `variants` application
+    `app`, check its tokens against the co-located engine: (token ids, last message, decode
+    replica's prefill counts)."""
+    from ray import serve
+
+    rng = random.Random(VARIANTS[app][0])
     prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
     params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
-    try:
-        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
-            client.wait_ready(120)
-            ids, _, last = collect(client.generate(prompt, **params))
-        assert ids == reference(colocated, prompt, **params)
-        assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
-        counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
-        return ids, last, counts
-    finally:
-        serve.delete(app)
+    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
+        client.wait_ready(120)
+        ids, _, last = collect(client.generate(prompt, **params))
+    assert ids == reference(colocated, prompt, **params)
+    assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
+    counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
+    return ids, last, counts
 
 
 def dying_prefill_class() -> type:
@@ -358,11 +382,11 @@ def dying_prefill_class() -> type:
     return DyingPrefill
 
 
-def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colocated) -> None:
+def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colocated, variants) -> None:
     """The prefill replica dies after the client got the first token and before the decode side
     has the handoff: the decode replica prefills locally (after the tokens already sent), the
     client sees the co-located tokens and no error, and the fallback is counted."""
-    _, _, counts = run_variant(served, colocated, "pd-dying", 11, prefill_cls=dying_prefill_class())
+    _, _, counts = run_variant(served, colocated, "pd-dying")
     assert counts.get("fallback", 0) == 1, counts
 
 
@@ -382,9 +406,9 @@ def mismatched_prefill_class() -> type:
     return MismatchedPrefill
 
 
-def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated) -> None:
+def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated, variants) -> None:
     """A handoff the decode engine cannot import (HandoffMismatchError) is not the client's
     problem: the decode replica prefills locally after the first token, the client gets the
     co-located tokens and no error, and the fallback (not a remote prefill) is counted."""
-    _, _, counts = run_variant(served, colocated, "pd-mismatch", 12, prefill_cls=mismatched_prefill_class())
+    _, _, counts = run_variant(served, colocated, "pd-mismatch")
     assert counts.get("fallback", 0) == 1 and counts.get("remote", 0) == 0, counts

@@ -229,6 +229,35 @@ def test_greedy_output_equals_target_bfloat16(setup):
     assert spec_engine.spec_stats.num_draft_tokens > 0
 
 
+def test_packed_catch_up_matches_the_torch_midlayer_bfloat16(setup):
+    """Where torch emulates bfloat16 products (no AVX512-BF16/AMX), the midlayer's catch-up over
+    more rows than the fused row path takes (a prompt's) runs its matmuls through the packed CPU
+    kernel: the same features as torch's bfloat16 forward, to bfloat16 rounding."""
+    from kernels import cpu_kernels
+
+    from engine.model_runner import EXACT_ROWS, SeqChunk
+
+    if not (cpu_kernels.available() and cpu_kernels.emulated_bf16()):
+        pytest.skip("the packed catch-up is used only where torch emulates bfloat16 products")
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["explicit"], num_speculative_tokens=4, adaptive=False)
+    engine = LLMEngine(setup["target"], dtype="bfloat16", device="cpu", speculative=spec)
+    proposer = engine.speculator.proposer
+    assert proposer.layer.packed_matmuls
+    prompt = [(7 * i) % 90 + 3 for i in range(EXACT_ROWS + 12)]
+    engine.add_request("r", prompt, GREEDY)
+    engine.step()  # prefill: the request's blocks exist
+    r = engine.scheduler.requests["r"]
+    n = len(prompt) - 2
+    feats = torch.randn(n, proposer.arch.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    chunk = [SeqChunk([0] * n, 0, r.block_ids)]
+    packed = proposer._forward(chunk, prompt[1 : n + 1], feats, num_last=n)
+    proposer.layer.packed_matmuls = False
+    plain = proposer._forward(chunk, prompt[1 : n + 1], feats, num_last=n)
+    proposer.layer.packed_matmuls = True
+    torch.testing.assert_close(packed.float(), plain.float(), rtol=3e-2, atol=3e-2)
+    assert not torch.equal(packed, torch.zeros_like(packed))
+
+
 def test_missing_or_misshaped_key_is_refused(setup, tmp_path):
     runner = ModelRunner(setup["target"], torch.device("cpu"), torch.float32, 128)
     src = setup["heads"]["default"]
