@@ -280,6 +280,36 @@ def test_greedy_output_equals_target(targets, name, k):
     assert_no_leaked_blocks(engine)
 
 
+@pytest.mark.parametrize("name", ["deepseek1", "mimo"])
+def test_packed_catch_up_matches_the_torch_module_bfloat16(targets, name):
+    """Where torch emulates bfloat16 products (no AVX512-BF16/AMX), a module's catch-up over more
+    rows than the fused row path takes (a prompt's) runs its projection and block through the
+    packed CPU kernel: the same features as torch's bfloat16 forward, to bfloat16 rounding."""
+    from kernels import cpu_kernels
+
+    from engine.model_runner import EXACT_ROWS, SeqChunk
+
+    if not (cpu_kernels.available() and cpu_kernels.emulated_bf16()):
+        pytest.skip("the packed catch-up is used only where torch emulates bfloat16 products")
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=4, adaptive=False)
+    engine = LLMEngine(targets[name], dtype="bfloat16", device="cpu", speculative=spec)
+    proposer = engine.speculator.proposer
+    assert proposer.layers[0].packed_matmuls
+    prompt = [(7 * i) % 90 + 3 for i in range(EXACT_ROWS + 12)]
+    engine.add_request("r", prompt, GREEDY)
+    engine.step()  # prefill: the request's blocks exist
+    r = engine.scheduler.requests["r"]
+    n = len(prompt) - 2
+    feats = torch.randn(n, proposer.feature_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    chunk = [SeqChunk([0] * n, 0, r.block_ids)]
+    packed = proposer._forward(0, chunk, prompt[1 : n + 1], feats)
+    proposer.layers[0].packed_matmuls = False
+    plain = proposer._forward(0, chunk, prompt[1 : n + 1], feats)
+    proposer.layers[0].packed_matmuls = True
+    torch.testing.assert_close(packed.float(), plain.float(), rtol=3e-2, atol=3e-2)
+    assert not torch.equal(packed, torch.zeros_like(packed))
+
+
 def test_modules_catch_up_while_not_drafting(targets, monkeypatch):
     """A 40-token prompt prefilled 16 tokens a step, then 20 steps with speculation off (forced):
     the modules catch up over the buffered rows instead of holding more than the bound; turned

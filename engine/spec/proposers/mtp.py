@@ -219,6 +219,8 @@ class MTPProposer(ChainProposer):
     def _inputs(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, fused: bool) -> torch.Tensor:
         if fused:  # (torch emulates bf16 products on CPUs without AMX: the packed projection)
             return self.mtp_modules[m].inputs(embeds, feats, packed=True)
+        if self.layers[m].packed_matmuls:  # a catch-up over many rows where torch emulates bf16
+            return self.mtp_modules[m].inputs(embeds, feats, packed=True).to(self.dtype)
         return self.mtp_modules[m].inputs(embeds, feats)
 
     def _output(self, m: int, out: torch.Tensor) -> torch.Tensor:
