@@ -373,6 +373,11 @@ mkdir -p {ship} && cp -r runs/target-continued {ship}/target && cp -r models/dra
 python -m training {mtp}
 python -m training {eagle3}
 python -m training {drafter}
+# stop 25: two more EAGLE-3 runs, each warm-started from the last (runs/eagle3_run4_stats.json, runs/eagle3_stats.json)
+cp -r {ship}/eagle3-head runs/eagle3-head-run3
+python -m training {eagle3_run4}
+cp -r {ship}/eagle3-head runs/eagle3-run4-head
+python -m training {eagle3_run5}
 cp {ship}/target-mtp/* models/target/ && cp {ship}/drafter/*.safetensors models/drafter/ && cp -r {ship}/eagle3-head models/
 # side by side only (not shipped): EAGLE-1 and Medusa heads retrained on the shipped target
 python -m training {eagle_medusa}
@@ -396,7 +401,8 @@ def reproduce_continued() -> str:
         continue_part1=_load(RUNS / "target-continue_notes.json").get("part1_argv", "target-continue --corpus extended ..."),
         continue_part2=_argv("target-continue", "target-continue --corpus stdlib --resume"),
         eagle_medusa=_argv("eagle", "draft-all --parts eagle,medusa"),
-        ship=SHIP_DIR, mtp=_argv("mtp", "mtp"), eagle3=_argv("eagle3", "eagle3"), drafter=_argv("drafter", "drafter"),
+        ship=SHIP_DIR, mtp=_argv("mtp", "mtp"), eagle3=_argv("eagle3_run3", "eagle3"), drafter=_argv("drafter", "drafter"),
+        eagle3_run4=_argv("eagle3_run4", "eagle3"), eagle3_run5=_argv("eagle3", "eagle3"),
     )
 
 
@@ -491,7 +497,7 @@ def _step_argv(step: str, stats: dict) -> str:
 
 def eagle3_card(st: dict, folder: Path) -> str:
     c = _load(folder / "config.json")
-    runs = [r for r in (_load(RUNS / "eagle3_run1_stats.json"), _load(RUNS / "eagle3_run2_stats.json"), st) if r]
+    runs = [r for r in (*(_load(RUNS / f"eagle3_run{i}_stats.json") for i in range(1, 5)), st) if r]
     total_tokens = sum(r["tokens"] for r in runs)
     total_min = sum(r["elapsed_s"] for r in runs) / 60
     fm = st.get("final_metrics_ema", {})
@@ -525,10 +531,10 @@ ranking), so the head's LM head is a quarter of the target's.
 
 Post hoc on the frozen target (bf16 weights read in float32; features recomputed per batch),
 training-time test unrolled {st.get("ttt_steps", "?")} steps, loss `sum_s 0.8^s CE(p_target|draft vocab, p_head)`
-(see `training/eagle3.py`). Three runs, each warm-started from the previous one:
+(see `training/eagle3.py`). {len(runs)} runs, each warm-started from the previous one:
 {chr(10).join(f"- `python -m training {_step_argv('eagle3', r)}`: {_fmt_minutes(r)}" for r in runs)}
 
-The first two ran on the shrunk target before its continued pre-training, the last on the shipped
+The first two ran on the shrunk target before its continued pre-training, the others on the shipped
 target; {total_tokens / 1e6:.2f}M tokens and {total_min:.0f} minutes in all. Last run: {_train_line(st).replace("bf16 weights/activations with fp32 master weights for AdamW.", "float32 throughout.")}
 Loss: first {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}; agreement with
 the target's argmax per training-time-test step (EMA, training batches): {accs}.
