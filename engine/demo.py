@@ -1,6 +1,6 @@
 """`make demo`: complete a Python prompt with the shipped target, with and without speculation.
 
-    python -m engine.demo ["def fib(n):"] [--method draft] [-k 4] [--max-tokens 96] [--no-token-healing]
+    python -m engine.demo ["def fib(n):"] [--method eagle3] [-k 4] [--max-tokens 96] [--no-token-healing]
 
 Token healing is on: a prompt ending in a newline would otherwise end with a lone newline token
 (the tokenizer merges a newline with the next line's indentation), which the model continues at
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prompt", nargs="?", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     ap.add_argument("--model", default=os.path.join(ROOT, "models/target"))
-    ap.add_argument("--method", default="draft", choices=sorted(DRAFTERS))
+    ap.add_argument("--method", default="eagle3", choices=sorted(DRAFTERS))
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--no-token-healing", dest="token_healing", action="store_false",

@@ -39,7 +39,7 @@ def test_shipped_config_passes_our_validator() -> None:
     assert config.model == "models/target"
     assert config.speculative is not None
     assert (config.speculative.method, config.speculative.model, config.speculative.num_speculative_tokens) == (
-        "draft", "models/drafter", 4,
+        "eagle3", "models/eagle3-head", 4,
     )
 
 
