@@ -374,9 +374,9 @@ python -m training {mtp}
 python -m training {eagle3}
 python -m training {drafter}
 # stop 25: two more EAGLE-3 runs, each warm-started from the last (runs/eagle3_run4_stats.json, runs/eagle3_stats.json)
-cp -r {ship}/eagle3-head runs/eagle3-head-run3
+cp -r {ship}/eagle3-head runs/eagle3-head-run3 && cp runs/eagle3_stats.json runs/eagle3_run3_stats.json
 python -m training {eagle3_run4}
-cp -r {ship}/eagle3-head runs/eagle3-run4-head
+cp -r {ship}/eagle3-head runs/eagle3-run4-head && cp runs/eagle3_stats.json runs/eagle3_run4_stats.json
 python -m training {eagle3_run5}
 cp {ship}/target-mtp/* models/target/ && cp {ship}/drafter/*.safetensors models/drafter/ && cp -r {ship}/eagle3-head models/
 # side by side only (not shipped): EAGLE-1 and Medusa heads retrained on the shipped target
