@@ -80,8 +80,9 @@ class SpeculativeConfig:
     "ngram" (the continuations after the `tree_width` latest matches, merged into a trie). With
     `adaptive`, each step chooses trees, chains (their adaptive k) or no drafts by predicted
     tokens/s (the measured step costs and acceptance; trees are probed every 16 steps while
-    their prediction is within 80% of the chain's); with adaptive=False every decoding request
-    drafts the configured tree every step. See docs/architecture.md, "Tree speculation".
+    their prediction is within 80% of the chain's) and sizes each request's tree (its width up
+    to `tree_width`, its levels, its nodes) by its own acceptance; with adaptive=False every
+    decoding request drafts the configured tree every step. See docs/architecture.md, "Tree speculation".
     """
 
     method: str = "draft"

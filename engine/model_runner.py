@@ -118,6 +118,13 @@ class ForwardBatch:
     cu_query_lens: list[int]  # [B+1] offsets of each chunk's tokens in the flat batch
 
 
+def last_rows(cu_query_lens: list[int], num_last: int | list[int]) -> list[int]:
+    """Flat batch indices of each chunk's last num_last (or num_last[b]) tokens, chunk after
+    chunk. Example: cu_query_lens [0, 3, 5], num_last [2, 1] -> [1, 2, 4]."""
+    counts = [num_last] * (len(cu_query_lens) - 1) if isinstance(num_last, int) else num_last
+    return [i for end, n in zip(cu_query_lens[1:], counts, strict=True) for i in range(end - n, end)]
+
+
 def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device: torch.device,
                         row_exact: str | None = None) -> ForwardBatch:
     """Flatten chunks into one varlen batch. Example: block_size 4, a chunk of 3 tokens from

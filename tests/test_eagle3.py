@@ -233,9 +233,8 @@ def test_packed_catch_up_matches_the_torch_midlayer_bfloat16(setup):
     """Where torch emulates bfloat16 products (no AVX512-BF16/AMX), the midlayer's catch-up over
     more rows than the fused row path takes (a prompt's) runs its matmuls through the packed CPU
     kernel: the same features as torch's bfloat16 forward, to bfloat16 rounding."""
-    from kernels import cpu_kernels
-
     from engine.model_runner import EXACT_ROWS, SeqChunk
+    from kernels import cpu_kernels
 
     if not (cpu_kernels.available() and cpu_kernels.emulated_bf16()):
         pytest.skip("the packed catch-up is used only where torch emulates bfloat16 products")

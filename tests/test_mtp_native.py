@@ -285,9 +285,8 @@ def test_packed_catch_up_matches_the_torch_module_bfloat16(targets, name):
     """Where torch emulates bfloat16 products (no AVX512-BF16/AMX), a module's catch-up over more
     rows than the fused row path takes (a prompt's) runs its projection and block through the
     packed CPU kernel: the same features as torch's bfloat16 forward, to bfloat16 rounding."""
-    from kernels import cpu_kernels
-
     from engine.model_runner import EXACT_ROWS, SeqChunk
+    from kernels import cpu_kernels
 
     if not (cpu_kernels.available() and cpu_kernels.emulated_bf16()):
         pytest.skip("the packed catch-up is used only where torch emulates bfloat16 products")

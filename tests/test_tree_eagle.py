@@ -123,8 +123,8 @@ def test_tree_drafts_match_reference(setup, method, monkeypatch):
     recorded = []
     propose_trees = proposer.propose_trees
 
-    def spy(requests, num_nodes, max_depths, context):
-        drafts = propose_trees(requests, num_nodes, max_depths, context)
+    def spy(requests, num_nodes, max_depths, context, widths=None):
+        drafts = propose_trees(requests, num_nodes, max_depths, context, widths)
         recorded.extend(([r.token_at(p) for p in range(r.num_tokens)], d.tree) for r, d in zip(requests, drafts, strict=True))
         return drafts
 
@@ -172,6 +172,22 @@ def test_greedy_tree_equals_target_mixed_preempted_cached(setup, method):
     run_mixed(cached, prompts, [GREEDY_20] * len(prompts), arrivals)
     again, num_cached = run_mixed(cached, prompts, [GREEDY_20] * len(prompts), [0] * len(prompts))
     assert num_cached > 0 and again == expected
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_greedy_trees_of_mixed_widths_equal_target(setup, method):
+    """Trees of widths 1, 2 and 3 in the same steps (forced per request, test_tree_width): greedy
+    output equals the target alone and each tree keeps its request's width."""
+    from test_tree_width import force_widths
+
+    target, spec = spec_for(setup, method, tree_nodes=8, tree_width=3, tree_depth=3)
+    prompts, arrivals = setup["prompts"], [0, 0, 1, 2, 3, 5, 8]
+    expected, _ = run_mixed(LLMEngine(target, dtype="float32", device="cpu"), prompts, [PLAIN] * len(prompts), arrivals)
+    engine = LLMEngine(target, dtype="float32", device="cpu", speculative=spec)
+    seen = force_widths(engine)
+    outs, _ = run_mixed(engine, prompts, [GREEDY_20] * len(prompts), arrivals)
+    assert outs == expected
+    assert {w for w, _ in seen} == {1, 2, 3} and all(most <= w for w, most in seen)
 
 
 def test_mtp_with_several_layers_drafts_chains_only(setup, tmp_path):

@@ -369,9 +369,11 @@ def test_tree_choice_follows_the_predicted_rate(models):
 
 
 def test_adaptive_trees_are_sized_per_request(models):
-    """With `adaptive`, a request whose drafts are mostly accepted gets the configured tree (all
-    tree_depth levels, tree_nodes nodes), one whose drafts are mostly rejected a one-level tree of
-    tree_width nodes; without `adaptive` both get the configured tree."""
+    """With `adaptive`, a request whose drafts are all accepted gets every level (tree_depth) at
+    width 1 (its drafter's top token is always right: siblings would be wasted; a chain), one
+    whose drafts are all rejected a one-level tree of tree_width nodes (at the prior sibling
+    rate, siblings pay); without `adaptive` both get the configured tree. (test_tree_width
+    covers the width rule.)"""
     from engine.request import Request
     from engine.spec.speculator import StepCostModel
 
@@ -391,9 +393,9 @@ def test_adaptive_trees_are_sized_per_request(models):
             sp.update_acceptance(hard, 4, 0)
         plans[adaptive] = (sp._tree_plan(easy), sp._tree_plan(hard))
     cfg = TREE
-    assert plans[False] == ((cfg["tree_nodes"], cfg["tree_depth"]),) * 2
-    assert plans[True][0] == (cfg["tree_nodes"], cfg["tree_depth"])
-    assert plans[True][1] == (cfg["tree_width"], 1)
+    assert plans[False] == ((cfg["tree_nodes"], cfg["tree_depth"], cfg["tree_width"]),) * 2
+    assert plans[True][0] == (cfg["tree_depth"], cfg["tree_depth"], 1)
+    assert plans[True][1] == (cfg["tree_width"], 1, cfg["tree_width"])
 
 
 # --- n-gram trees -------------------------------------------------------------------------------

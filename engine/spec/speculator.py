@@ -43,6 +43,10 @@ GLOBAL_DECAY = 1.0 / 256  # engine-wide counts forget with a horizon of ~256 ver
 TREE_PROBE_EVERY = 16  # with adaptive trees, a step drafts trees this often even where chains pay more,
 TREE_PROBE_WITHIN = 0.8  # if the trees' predicted tokens/s is at least this fraction of the chain's
 TREE_PRIOR_ACCEPTED = 3.0  # accepted drafts per tree verification assumed before the first one
+# P(a node's j-th drafted child is accepted | its earlier children were not), j >= 2, assumed
+# before the first tree verification measures it (weight PRIOR_TRIALS): optimistic enough that
+# the first trees are drafted wide and measured, as TREE_PRIOR_ACCEPTED is for their depth.
+SIBLING_PRIOR = 0.3
 # Decisions read each deeper position's rate (2, 3, ...) as its mean plus this many standard errors.
 # Position j is verified only on steps that drafted at least j tokens, which the policy itself
 # chooses: on its posterior mean alone, one early rejection at position 2 (its rate then 0.54 for
@@ -228,6 +232,50 @@ class TreeAcceptance:
         return (self.accepted + PRIOR_TRIALS * TREE_PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
 
 
+class SiblingAcceptance:
+    """How often a tree node's later children save a step, engine-wide: for rank j >= 1 (the
+    node's (j+1)-th drafted child: the drafter's (j+1)-th most probable token for a greedy request,
+    its (j+1)-th draw for a sampled one), the rate at which it is accepted when the node was
+    reached and its children of rank < j were not, as counts that decay like `AcceptanceModel`'s,
+    shrunk toward SIBLING_PRIOR with PRIOR_TRIALS pseudo-trials. Measured from every tree
+    verification along the accepted path (`observe`), so at every reached node, not only the root.
+
+    Example: a root with children (5, 6, 7) and the target's tokens [7, ...]: rank 1 (6) was tried
+    and rejected, rank 2 (7) tried and accepted; then the walk goes on from 7's children."""
+
+    MAX_RANK = 8
+
+    def __init__(self) -> None:
+        self.hits = [0.0] * self.MAX_RANK
+        self.trials = [0.0] * self.MAX_RANK
+
+    def observe(self, tree, tokens: list[int]) -> None:
+        """A verified tree (`DraftTree`) and the tokens the verification produced (accepted drafts,
+        then the bonus/correction token)."""
+        keep = 1.0 - GLOBAL_DECAY
+        self.hits = [keep * h for h in self.hits]
+        self.trials = [keep * t for t in self.trials]
+        node = 0
+        for token in tokens:
+            kids = tree.children[node]
+            if not kids:
+                return
+            ranks = [c for c in kids if tree.token_ids[c] == token]
+            rank = kids.index(ranks[0]) if ranks else None
+            for j in range(1, min(len(kids), self.MAX_RANK)):
+                if rank is not None and j > rank:
+                    break
+                self.trials[j] += 1.0
+                self.hits[j] += rank == j
+            if rank is None:
+                return
+            node = ranks[0]
+
+    def rate(self, rank: int) -> float:
+        """P(the child of this rank is accepted | its node reached, the lower ranks not), rank >= 1."""
+        return (self.hits[rank] + PRIOR_TRIALS * SIBLING_PRIOR) / (self.trials[rank] + PRIOR_TRIALS)
+
+
 class Speculator:
     """The speculation policy and the proposer it drives. Per request it keeps nothing but the
     proposer's states (the acceptance counts are plain data on the `Request`)."""
@@ -248,6 +296,7 @@ class Speculator:
         self.calibration = StepCalibration()
         self.acceptance = AcceptanceModel(config.acceptance_ema_alpha)
         self.tree_acceptance = TreeAcceptance()
+        self.sibling_acceptance = SiblingAcceptance()
         self.tree_rounds = BucketedMedians()  # seconds of a tree drafting round, by batch size
         self.num_steps_off = 0
         self.num_steps_on = 0
@@ -425,6 +474,7 @@ class Speculator:
             if s.spec_token_ids and tokens:
                 if s.spec_tree is not None:
                     self.tree_acceptance.observe(len(tokens) - 1)
+                    self.sibling_acceptance.observe(s.spec_tree, tokens)
                 else:
                     self.update_acceptance(s.request, len(s.spec_token_ids), len(tokens) - 1)
         scheduled_ids = {s.request.request_id for s in sched.scheduled}
@@ -475,29 +525,53 @@ class Speculator:
             drafts = [drafts[i] for i in keep]
         return {r.request_id: d for r, d in zip(requests, drafts, strict=True) if d.token_ids}
 
-    def _tree_plan(self, r: Request) -> tuple[int, int]:
-        """(nodes, levels) of the tree request r would draft (before the step's token budget).
+    def _tree_plan(self, r: Request) -> tuple[int, int, int]:
+        """(nodes, levels, width) of the tree request r would draft (before the step's token
+        budget).
 
-        Without `adaptive`: the configured tree_nodes and tree_depth (levels capped like a chain's
-        k by `max_k`). With it, sized per request: as many levels as the request's own acceptance
-        model (`AcceptanceModel.accept_probs`, the chance its top-1 chain reaches that depth, a
-        lower bound for a tree's) pays for, each level costing its tree_width verified tokens and
-        one drafting forward (`_level_cost`); at least one level (`_trees_pay` already chose trees
-        for the step); and at most tree_width nodes per level."""
+        Without `adaptive`: the configured tree_nodes, tree_depth (levels capped like a chain's k
+        by `max_k`) and tree_width. With it, sized per request from its own acceptance model
+        (`AcceptanceModel.accept_probs`: a_1, the chance its drafter's top token is accepted, and
+        the chance its top-1 chain reaches each depth, a lower bound for a tree's):
+        - width: ranks j = 1.. of each expanded node's children are drafted while the chance the
+          rank-j child is the one accepted at a reached node, (1 - a_1) * prod_{0<i<j}(1 - s_i) * s_j
+          with s_i the engine-wide sibling rates (`SiblingAcceptance`), times the mean chance of
+          reaching the tree's levels, beats the cost of verifying one more token (as a fraction
+          of a one-token step): a request whose top drafts are nearly always right drafts a
+          narrow tree (width 1: a chain), one whose top drafts often miss a wide one;
+        - levels: as many as pay for themselves at that width, each costing its width's verified
+          tokens and one drafting forward (`_level_cost`); at least one (`_trees_pay` already
+          chose trees for the step);
+        - nodes: at most width per level and tree_nodes in all."""
+        width = self.config.tree_width
         depth = self.max_k(r, self.config.tree_depth)
         nodes = min(self.config.tree_nodes, self.max_model_len - r.num_tokens - 1)
         if self.config.adaptive and self.cost is not None and depth > 1:
-            level_cost = self._level_cost()
-            depth = max(1, sum(p > level_cost for p in self.acceptance.accept_probs(r, depth)))
-            nodes = min(nodes, self.config.tree_width * depth)
-        return nodes, min(depth, nodes)
+            reach = self.acceptance.accept_probs(r, depth)
+            levels = max(1, sum(p > self._level_cost(width) for p in reach))
+            mean_reach = sum([1.0, *reach[: levels - 1]]) / levels
+            token_cost = self._verify_token_cost()
+            miss = 1.0 - reach[0]  # the top child rejected
+            width = 1
+            for j in range(1, self.config.tree_width):
+                s_j = self.sibling_acceptance.rate(j)
+                if mean_reach * miss * s_j <= token_cost:
+                    break
+                width += 1
+                miss *= 1.0 - s_j
+            depth = max(1, sum(p > self._level_cost(width) for p in reach))
+            nodes = min(nodes, width * depth)
+        return nodes, min(depth, nodes), width
 
-    def _level_cost(self) -> float:
-        """Cost of one more tree level (tree_width more verified tokens and one drafting forward),
-        as a fraction of a one-token target step."""
+    def _verify_token_cost(self) -> float:
+        """One more verified token at batch 1, as a fraction of a one-token target step."""
         base = self.cost(1, 1)
-        verify = (self.cost(1, 9) - base) / 8
-        return (self.config.tree_width * verify + self.proposer.step_cost(1, 1)) / base
+        return (self.cost(1, 9) - base) / 8 / base
+
+    def _level_cost(self, width: int) -> float:
+        """Cost of one more tree level (`width` more verified tokens and one drafting forward),
+        as a fraction of a one-token target step."""
+        return width * self._verify_token_cost() + self.proposer.step_cost(1, 1) / self.cost(1, 1)
 
     def _trees_pay(self, decoding: list[Request], step_index: int) -> bool:
         """The adaptive choice between trees and chains (`SpeculativeConfig.tree_nodes` with
@@ -511,20 +585,25 @@ class Speculator:
         much easier the request's text is than average, at most its depth); time = the target
         step over every request's root and nodes (the cost model times the tree side's measured
         calibration) + the tree drafting rounds' measured time at this batch size. A request that
-        sets its own num_speculative_tokens drafts a chain either way."""
+        sets its own num_speculative_tokens drafts a chain either way, and so does one whose plan
+        has width 1 (a tree of one child per node is a chain: it is predicted as one, from its
+        chain acceptance); with no request wider than 1, chains decide."""
         if self.cost is None:
             return True
         trees = [r for r in decoding if r.sampling_params.num_speculative_tokens is None]
-        plans = [self._tree_plan(r) for r in trees]
-        plans = [(r, n, d) for r, (n, d) in zip(trees, plans, strict=True) if n > 0 and d > 0]
-        if not plans:
+        plans = [(r, *self._tree_plan(r)) for r in trees]
+        plans = [(r, n, d, w) for r, n, d, w in plans if n > 0 and d > 0]
+        wide = [(r, n, d) for r, n, d, w in plans if w > 1]
+        narrow = [(r, n) for r, n, _, w in plans if w == 1]
+        if not wide:
             return False
         b = len(decoding)
         engine_rate = max(self.acceptance.engine_rate(), 1e-6)
         tokens = b + sum(min(d, self.tree_acceptance.mean() * self.acceptance.request_rate(r) / engine_rate)
-                         for r, _, d in plans)
-        time_s = (self.calibration.ratio(b, "tree") * self.cost(b, b + sum(n for _, n, _ in plans))
-                  + self.tree_draft_time(len(plans), max(d for _, _, d in plans)))
+                         for r, _, d in wide) + sum(sum(self.acceptance.accept_probs(r, n)) for r, n in narrow)
+        time_s = (self.calibration.ratio(b, "tree") * self.cost(b, b + sum(n for _, n, _, _ in plans))
+                  + self.tree_draft_time(len(wide), max(d for _, _, d in wide))
+                  + (self.proposer.step_cost(len(narrow), max(n for _, n in narrow)) if narrow else 0.0))
         ks = [self.choose_k(r, step_index) for r in decoding]
         chain_ks = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         if chain_ks:
@@ -549,20 +628,24 @@ class Speculator:
         `num_speculative_tokens`, which drafts a chain of that many. Drafts are cut to the
         model length and to the step's token budget in scheduling order, as chains are. With
         `adaptive`, `_trees_pay` decided that trees beat chains (and no drafts) this step, and
-        each request's tree is sized by its own acceptance (`_tree_plan`)."""
+        each request's tree is sized by its own acceptance (`_tree_plan`); a request planned at
+        width 1 drafts that plan as a chain."""
         room = None
         if self.max_num_batched_tokens is not None:
             pending = sum(len(r.spec_token_ids) for r in running if r.request_id not in scheduled_ids)
             room = self.max_num_batched_tokens - len(running) - pending
-        trees: list[tuple[Request, int, int]] = []  # (request, nodes, levels)
+        trees: list[tuple[Request, int, int, int]] = []  # (request, nodes, levels, width)
         chains: list[tuple[Request, int]] = []  # (request, k)
         for r in decoding:
             is_chain = r.sampling_params.num_speculative_tokens is not None
+            width = 1
             if is_chain:
                 depth = self.max_k(r)
                 nodes = min(depth, self.max_model_len - r.num_tokens - 1)
             else:
-                nodes, depth = self._tree_plan(r)
+                nodes, depth, width = self._tree_plan(r)
+                # the policy's width-1 tree is a chain: drafted as one (`_trees_pay` predicted it so)
+                is_chain = self.config.adaptive and width == 1
             if room is not None:
                 nodes = min(nodes, room)
             if depth <= 0 or nodes <= 0:
@@ -572,7 +655,7 @@ class Speculator:
             if is_chain:
                 chains.append((r, nodes))
             else:
-                trees.append((r, nodes, min(depth, nodes)))
+                trees.append((r, nodes, min(depth, nodes), width))
         if not trees and not chains:
             return {}
         self.num_steps_on += 1
@@ -582,9 +665,9 @@ class Speculator:
             drafts.update((r.request_id, d) for (r, _), d in zip(chains, made, strict=True))
         if trees:
             t0 = time.perf_counter()
-            made = self.proposer.propose_trees([r for r, _, _ in trees], [n for _, n, _ in trees],
-                                               [d for _, _, d in trees], context)
+            made = self.proposer.propose_trees([r for r, _, _, _ in trees], [n for _, n, _, _ in trees],
+                                               [d for _, _, d, _ in trees], context, [w for *_, w in trees])
             self.tree_rounds.add(len(trees), time.perf_counter() - t0)
             self.num_tree_steps += 1
-            drafts.update((r.request_id, d) for (r, _, _), d in zip(trees, made, strict=True))
+            drafts.update((r.request_id, d) for (r, *_), d in zip(trees, made, strict=True))
         return {rid: d for rid, d in drafts.items() if d.token_ids}

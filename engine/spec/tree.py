@@ -29,6 +29,7 @@ __all__ = [
     "first_level",
     "move_kv",
     "select_frontier",
+    "select_frontiers",
     "tree_attention_mask",
     "tree_positions",
 ]
@@ -186,6 +187,17 @@ def select_frontier(level: TreeLevel, width: int, deviations: torch.Tensor | Non
     first, then by cumulative log-probability (sampled trees: the first draws' chain is always
     expanded)."""
     width = min(width, level.cum_logprobs.shape[1])
+    return select_frontiers(level, torch.full((level.cum_logprobs.shape[0],), width), deviations, by_deviation)[0]
+
+
+def select_frontiers(level: TreeLevel, widths: torch.Tensor, deviations: torch.Tensor | None = None,
+                     by_deviation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_frontier` with a width per request, widths [R] int64: (frontier [R, F], run [R, F]
+    bool), F = min(max(widths), C). Row r's frontier is its F best candidates in index order; run
+    marks its widths[r] best of them that were drafted (finite cumulative log-probability): the
+    nodes to expand. Example: cum log-probs [[-0.1, -2.0, -0.5]], widths [1] with F = 2 from
+    another row -> frontier [[0, 2]], run [[True, False]]."""
+    width = min(int(widths.max()), level.cum_logprobs.shape[1])
     score = level.cum_logprobs
     if by_deviation is not None and deviations is not None and bool(by_deviation.any()):
         # cum log-probs are in (-inf, 0]: one deviation outweighs any finite difference of them
@@ -193,8 +205,11 @@ def select_frontier(level: TreeLevel, width: int, deviations: torch.Tensor | Non
         ranked = score.clamp_min(-1e4) - 2e4 * deviations.to(score.dtype) + torch.where(
             torch.isinf(score), -1e3, 0.0)
         score = torch.where(by_deviation.unsqueeze(1), ranked, score)
-    order = torch.sort(-score, dim=1, stable=True).indices[:, :width]
-    return order.sort(dim=1).values
+    order = torch.sort(-score, dim=1, stable=True).indices[:, :width]  # [R, F], best first
+    run = (torch.arange(width, device=order.device) < widths.to(order.device).unsqueeze(1)) & torch.isfinite(
+        level.cum_logprobs.gather(1, order))
+    frontier, by_index = order.sort(dim=1)
+    return frontier, run.gather(1, by_index)
 
 
 def expand_level(level: TreeLevel, frontier: torch.Tensor, topk_token_ids: torch.Tensor,
@@ -228,7 +243,8 @@ def _candidate_pool(levels: list[TreeLevel]) -> tuple[torch.Tensor, torch.Tensor
 def build_dynamic_trees(root_token_ids: list[int], levels: list[TreeLevel], num_nodes: list[int]) -> list[DraftTree]:
     """EAGLE-2 reranking: per request, the num_nodes[r] candidates of all levels with the highest
     cumulative draft log-probability (ties: the earlier level, then the lower index), as a tree
-    of num_nodes[r] + 1 nodes (fewer when the levels hold fewer candidates).
+    of num_nodes[r] + 1 nodes (fewer when the levels hold fewer drafted candidates: one with
+    cum log-prob -inf was not drafted, e.g. a child past its request's tree width).
 
     The kept set is closed under parents (a child's cum log-prob is at most its parent's and the
     parent comes first on ties), so it is a valid tree; nodes are ordered by level then index.
@@ -256,7 +272,8 @@ def build_dynamic_trees(root_token_ids: list[int], levels: list[TreeLevel], num_
         # keep the request's best num_nodes[r]: those of rank < num_nodes[r] in cum order. The
         # W columns are in pool order, so drop the lowest-ranked ones: re-rank on the host.
         n = min(num_nodes[r], width)
-        rank = sorted(range(width), key=lambda j: (-cum_l[r][j], kept_l[r][j]))[:n]
+        drafted = [j for j in range(width) if cum_l[r][j] != float("-inf")]  # not the undrawn
+        rank = sorted(drafted, key=lambda j: (-cum_l[r][j], kept_l[r][j]))[:n]
         cols = sorted(rank)
         remap = {0: 0} | {j + 1: i + 1 for i, j in enumerate(cols)}
         trees.append(DraftTree(

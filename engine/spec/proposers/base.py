@@ -147,9 +147,10 @@ class Proposer:
         raise NotImplementedError
 
     def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
-                      context: ProposeContext) -> list[Draft]:
+                      context: ProposeContext, widths: list[int] | None = None) -> list[Draft]:
         """A token tree per request (`Draft.tree`), of at most num_nodes[r] draft nodes and
-        max_depths[r] levels (max_depths[r] >= 1). Only where `supports_tree`."""
+        max_depths[r] levels (max_depths[r] >= 1), at most widths[r] children per node (capped
+        by the proposer's tree_width; None: tree_width for all). Only where `supports_tree`."""
         raise NotImplementedError(f"{self.method} proposer drafts chains only")
 
     def step_cost(self, num_requests: int, k: int) -> float:

@@ -293,7 +293,7 @@ class ChainProposer(Proposer):
 
     @torch.inference_mode()
     def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
-                      context: ProposeContext) -> list[Draft]:
+                      context: ProposeContext, widths: list[int] | None = None) -> list[Draft]:
         """Dynamic trees (`tree_drafting.grow_trees`) of the one module: the catch-up's last
         output (position n - 2, n = the request's tokens) gives the root's children; a tree
         node's element pairs its parent's output (the root's: that last output) with its token,
@@ -301,32 +301,30 @@ class ChainProposer(Proposer):
         its new nodes only, as a partial tree whose root is the committed element at n - 2.
         Like a chain's, the elements of drafts are scratch: the next round's catch-up runs over
         the accepted path's target rows (the runner moves them into place)."""
-        from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_children
+        from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
 
         t_start = time.perf_counter()
-        width = self.tree_width
+        widths = tree_widths(widths, len(requests), self.tree_width)
         states = self._check_states(requests)
         catch_up = max(r.num_tokens - 1 - st.start for r, st in zip(requests, states, strict=True))
         new, last, num_forwards = self._catch_up(requests, states, [r.num_tokens for r in requests])
-        generators = context.generators_for(requests)
-        depths = scratch_depths(requests, max_depths, width, self.block_size, root_offset=2)
+        depths = scratch_depths(requests, max_depths, widths, self.block_size, root_offset=2)
         outputs = list(last.unsqueeze(1))  # per request: the output of each expanded node (the root's first)
-        root = tree_children(self.head, self._head_input(0, last), requests, generators, width)
 
-        def run_level(active: list[int], trees: list[DraftTree], f: int):
+        def run_level(active: list[int], trees: list[DraftTree], counts: list[int]) -> torch.Tensor:
             chunks, tokens, feats = [], [], []
-            for i, t in zip(active, trees, strict=True):
+            for i, t, f in zip(active, trees, counts, strict=True):
                 r = requests[i]
                 chunks.append(SeqChunk([0] * f, r.num_tokens - 2 + t.num_nodes - f, r.block_ids, t))
                 tokens.extend(t.token_ids[-f:])
                 feats.append(outputs[i][list(t.parents[-f:])])
-            out = self._forward(0, chunks, tokens, torch.cat(feats))  # [A * f, H]
-            for i, o in zip(active, out.split(f), strict=True):
+            out = self._forward(0, chunks, tokens, torch.cat(feats))  # [sum(counts), H]
+            for i, o in zip(active, out.split(counts), strict=True):
                 outputs[i] = torch.cat([outputs[i], o])
-            return tree_children(self.head, self._head_input(0, out), [requests[i] for i in active for _ in range(f)],
-                                 [generators[i] for i in active for _ in range(f)], width)
+            return self._head_input(0, out)
 
-        drafts, level_forwards = grow_trees(requests, num_nodes, depths, width, root, run_level)
+        drafts, level_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._head_input(0, last),
+                                            context.generators_for(requests), run_level)
         # Every forward succeeded: the module's KV holds the final elements now.
         for r, st in zip(requests, new, strict=True):
             self.states[r.request_id] = st

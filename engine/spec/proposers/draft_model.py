@@ -27,6 +27,7 @@ from engine.model_runner import (
     EXACT_ROWS,
     SeqChunk,
     build_forward_batch,
+    last_rows,
 )
 from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
@@ -41,7 +42,7 @@ from engine.spec.proposers.base import (
     weights_digest,
 )
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_children
+from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
 from engine.spec.tree import DraftTree
 
 
@@ -111,46 +112,42 @@ class DraftModelProposer(Proposer):
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.seconds(num_requests) * k
 
-    def _forward(self, chunks: list[SeqChunk], num_last: int = 1) -> torch.Tensor:
-        """Final hidden states of each chunk's last `num_last` tokens [B * num_last, H], chunk
-        after chunk."""
+    def _forward(self, chunks: list[SeqChunk], num_last: int | list[int] = 1) -> torch.Tensor:
+        """Final hidden states of each chunk's last `num_last` (or num_last[b]) tokens [sum, H],
+        chunk after chunk."""
         fused = self.row_kernel and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
                                     row_exact="kernel" if fused else None)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,
                             tile_rows=ROW_KERNEL if fused else 0)
-        ends = torch.tensor(batch.cu_query_lens[1:], device=self.device)  # [B]
-        rows = (ends.unsqueeze(1) - num_last + torch.arange(num_last, device=self.device)).flatten()
-        return hidden[rows]  # [B * num_last, H]
+        return hidden[torch.tensor(last_rows(batch.cu_query_lens, num_last), device=self.device)]
 
     @torch.inference_mode()
     def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
-                      context: ProposeContext) -> list[Draft]:
+                      context: ProposeContext, widths: list[int] | None = None) -> list[Draft]:
         """Dynamic trees (`tree_drafting.grow_trees`): the catch-up forward gives the root's
         children; each level runs its expanded nodes only, as a partial tree after the root
         (sequence index T - 1, T = the request's tokens) and the nodes expanded before them,
         rewriting scratch KV. Example, width 2, depth 3: forwards over the catch-up chunk, then
         2 depth-1 nodes (slots T, T + 1), then 2 depth-2 nodes (T + 2, T + 3). A request drafts
         no deeper than its blocks hold scratch for."""
-        width = self.tree_width
         t_start = time.perf_counter()
-        generators = context.generators_for(requests)
-        depths = scratch_depths(requests, max_depths, width, self.block_size)
+        widths = tree_widths(widths, len(requests), self.tree_width)
+        depths = scratch_depths(requests, max_depths, widths, self.block_size)
         chunks, catch_up = [], 0
         for r in requests:
             state = self.states.get(r.request_id)
             start = state.num_computed if state is not None else 0
             chunks.append(SeqChunk([r.token_at(p) for p in range(start, r.num_tokens)], start, r.block_ids))
             catch_up = max(catch_up, r.num_tokens - start)
-        root = tree_children(self.head, self._forward(chunks), requests, generators, width)
 
-        def run_level(active: list[int], trees: list[DraftTree], f: int):
-            chunks = [SeqChunk(list(t.token_ids[-f:]), requests[i].num_tokens - 1 + t.num_nodes - f,
-                               requests[i].block_ids, t) for i, t in zip(active, trees, strict=True)]
-            return tree_children(self.head, self._forward(chunks, f), [requests[i] for i in active for _ in range(f)],
-                                 [generators[i] for i in active for _ in range(f)], width)
+        def run_level(active: list[int], trees: list[DraftTree], counts: list[int]) -> torch.Tensor:
+            return self._forward([SeqChunk(list(t.token_ids[-f:]), requests[i].num_tokens - 1 + t.num_nodes - f,
+                                           requests[i].block_ids, t)
+                                  for i, t, f in zip(active, trees, counts, strict=True)], counts)
 
-        drafts, num_forwards = grow_trees(requests, num_nodes, depths, width, root, run_level)
+        drafts, num_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._forward(chunks),
+                                          context.generators_for(requests), run_level)
         # Every forward succeeded: the committed tokens' draft KV is valid now.
         for r in requests:
             self.states[r.request_id] = DraftModelState(r.num_tokens)

@@ -39,6 +39,7 @@ from engine.model_runner import (
     EXACT_ROWS,
     SeqChunk,
     build_forward_batch,
+    last_rows,
 )
 from engine.models.llama import ArchConfig, apply_rope, linear, rope_cos_sin
 from engine.models.loader import load_safetensors
@@ -430,17 +431,16 @@ class Eagle3Proposer(Proposer):
             raise AssertionError(f"EAGLE-3 buffers more than {self.max_buffered_rows} feature rows: {over}")
 
     def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor,
-                 num_last: int = 1) -> torch.Tensor:
+                 num_last: int | list[int] = 1) -> torch.Tensor:
         """Run the midlayer on elements (features[i], token_ids[i]) at the cache positions of
         `chunks` (RoPE position = cache position, by depth in a tree); returns each chunk's last
-        `num_last` output features [B * num_last, H], chunk after chunk."""
+        `num_last` (or num_last[b]) output features [sum, H], chunk after chunk."""
         fused = self.row_kernel and len(token_ids) <= EXACT_ROWS
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
                                     row_exact="kernel" if fused else None)
         embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
         k_cache, v_cache = self.kv_caches[0]
-        ends = torch.tensor(batch.cu_query_lens[1:], device=self.device)
-        last = (ends.unsqueeze(1) - num_last + torch.arange(num_last, device=self.device)).flatten()
+        last = torch.tensor(last_rows(batch.cu_query_lens, num_last), device=self.device)
         if fused:  # float32 activations through the midlayer, one kernel call
             cos, sin = self.rope_f32[0][batch.positions], self.rope_f32[1][batch.positions]
             out = self.layer.forward_rows(embeds, features, cos, sin, k_cache, v_cache, batch.attn_metadata)
@@ -474,36 +474,34 @@ class Eagle3Proposer(Proposer):
 
     @torch.inference_mode()
     def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
-                      context: ProposeContext) -> list[Draft]:
+                      context: ProposeContext, widths: list[int] | None = None) -> list[Draft]:
         """Dynamic trees (`tree_drafting.grow_trees`) of the midlayer, as `ChainProposer`'s: the
         catch-up's last output (position n - 2) gives the root's children; a node's element pairs
         its parent's output feature with its token, at slot n - 2 + its index in the expanded
         tree and RoPE position by depth; each level runs its new nodes only (a partial tree)."""
-        from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_children
+        from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
 
         t_start = time.perf_counter()
-        width = self.tree_width
+        widths = tree_widths(widths, len(requests), self.tree_width)
         chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
         last = self._forward(chunks, elem_tokens, feats_in)  # [R, H]
-        generators = context.generators_for(requests)
-        depths = scratch_depths(requests, max_depths, width, self.block_size, root_offset=2)
+        depths = scratch_depths(requests, max_depths, widths, self.block_size, root_offset=2)
         outputs = list(last.unsqueeze(1))  # per request: the output of each expanded node (the root's first)
-        root = tree_children(self.head, self._normed(last), requests, generators, width)
 
-        def run_level(active: list[int], trees: list, f: int):
+        def run_level(active: list[int], trees: list, counts: list[int]) -> torch.Tensor:
             level_chunks, tokens, feats = [], [], []
-            for i, t in zip(active, trees, strict=True):
+            for i, t, f in zip(active, trees, counts, strict=True):
                 r = requests[i]
                 level_chunks.append(SeqChunk([0] * f, r.num_tokens - 2 + t.num_nodes - f, r.block_ids, t))
                 tokens.extend(t.token_ids[-f:])
                 feats.append(outputs[i][list(t.parents[-f:])])
-            out = self._forward(level_chunks, tokens, torch.cat(feats), num_last=f)  # [A * f, H]
-            for i, o in zip(active, out.split(f), strict=True):
+            out = self._forward(level_chunks, tokens, torch.cat(feats), num_last=counts)  # [sum(counts), H]
+            for i, o in zip(active, out.split(counts), strict=True):
                 outputs[i] = torch.cat([outputs[i], o])
-            return tree_children(self.head, self._normed(out), [requests[i] for i in active for _ in range(f)],
-                                 [generators[i] for i in active for _ in range(f)], width)
+            return self._normed(out)
 
-        drafts, num_forwards = grow_trees(requests, num_nodes, depths, width, root, run_level)
+        drafts, num_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._normed(last),
+                                          context.generators_for(requests), run_level)
         for r in requests:  # every forward succeeded: the buffered elements are in the midlayer's KV
             self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
         catch_up = max(len(c.token_ids) for c in chunks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from engine.request import Request
 from engine.spec.proposers.base import Draft, ProposeContext, Proposer
+from engine.spec.proposers.tree_drafting import tree_widths
 from engine.spec.tree import DraftTree
 
 
@@ -102,16 +103,18 @@ class NgramProposer(Proposer):
         return index
 
     def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
-                      context: ProposeContext) -> list[Draft]:
+                      context: ProposeContext, widths: list[int] | None = None) -> list[Draft]:
         """A trie of the request's continuations (module docstring): paths inserted most recent
         first, each up to max_depths[r] tokens, until num_nodes[r] nodes; no match: no drafts.
+        widths[r]: the request's tree width, here the continuations it merges (at most tree_width).
         Example: continuations [4, 1, 2] and [3, 1, 2], 4 nodes -> tokens (root, 4, 1, 2, 3),
         parents (-1, 0, 1, 2, 0)."""
         drafts = []
-        for r, n, d in zip(requests, num_nodes, max_depths, strict=True):
+        for r, n, d, w in zip(requests, num_nodes, max_depths, tree_widths(widths, len(requests), self.tree_width),
+                              strict=True):
             tokens, parents = [r.last_token_id], [-1]
             child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-            for path in self._index(r).lookup_many(r.all_token_ids, d, self.tree_width):
+            for path in self._index(r).lookup_many(r.all_token_ids, d, w):
                 node = 0
                 for t in path:
                     if (node, t) not in child:

@@ -1,15 +1,16 @@
 """Growing EAGLE-2 dynamic draft trees, level by level, for any drafter that can run new tree
 nodes through its layers (the draft model, one-layer EAGLE and MTP heads).
 
-`grow_trees` owns the level loop; the drafter gives it the root's children and a callback that
-runs one level's new nodes. Level 1 is the root's `width` children; level d + 1 the `width`
-children of each of level d's `width` most probable candidates (by cumulative draft
-log-probability: `select_frontier`; for a sampled request, fewest non-first draws first, so
-the first draws' chain is always expanded). Those frontier nodes are *expanded*: appended, per request,
-to a tree of the root and every node expanded so far, and only they run through the drafter
-(a partial tree, see `engine.model_runner.SeqChunk`): their KV lands in the slots after the
-earlier ones', each sees the committed context, its ancestors and itself. So a level costs one
-forward over `width` rows per request, whatever the depth.
+`grow_trees` owns the level loop; the drafter gives it what its head reads after the root and
+a callback that runs one level's new nodes. Each request has its own width w (the adaptive
+policy's, at most the configured tree_width; 1 makes a chain): level 1 is the root's w
+children; level d + 1 the w children of each of level d's w most probable candidates (by
+cumulative draft log-probability: `select_frontiers`; for a sampled request, fewest non-first
+draws first, so the first draws' chain is always expanded). Those frontier nodes are
+*expanded*: appended, per request, to a tree of the root and every node expanded so far, and
+only they run through the drafter (a partial tree, see `engine.model_runner.SeqChunk`): their
+KV lands in the slots after the earlier ones', each sees the committed context, its ancestors
+and itself. So a level costs one forward over w rows per request, whatever the depth.
 
 Greedy requests keep the num_nodes[r] best candidates of their first max_depths[r] levels
 (EAGLE-2's reranking, `build_dynamic_trees`): top-k drafts are deterministic given the drafter,
@@ -37,7 +38,7 @@ from engine.spec.tree import (
     build_sampled_trees,
     expand_level,
     first_level,
-    select_frontier,
+    select_frontiers,
 )
 
 # (ids [n, k] target token ids, log-probabilities [n, k] float32, q rows [n, k, vocab] or None)
@@ -45,9 +46,10 @@ Children = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Request],
-                  generators: list[torch.Generator | None], k: int) -> Children:
+                  generators: list[torch.Generator | None], k: int, widths: list[int] | None = None) -> Children:
     """k children of each row of hidden [n, H] (requests[i], generators[i]: row i's), through
-    `head` (over its draft vocabulary; ids come back as target token ids).
+    `head` (over its draft vocabulary; ids come back as target token ids). widths[i] < k: row
+    i's children past its first widths[i] get log-probability -inf (not drafted: no candidates).
 
     Greedy rows: the draft's k most probable tokens (temperature 1: a ranking). Sampled rows:
     k draws without replacement from q, the draft's distribution filtered as the target's
@@ -71,11 +73,18 @@ def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Reques
         )  # [n, V']
         log_q = q.log()
         drawn_ids, drawn_lp, rows = [], [], []
-        for _ in range(k):
+        row_widths = widths or [k] * len(requests)
+        for j in range(k):
             mass = q.sum(dim=-1, keepdim=True)  # [n, 1]
             valid = mass.squeeze(1) > 0
             q_j = q / mass.clamp_min(1e-30)
-            token = inverse_cdf_sample(q_j, draw_uniforms([1] * len(requests), generators, device))
+            # a row draws its children up to its width only (a seeded row's draws do not depend on
+            # the other rows' widths); past it, any token (masked to -inf below)
+            counts = [int(j < w) for w in row_widths]
+            u = torch.zeros(len(requests), device=device)
+            if any(counts):
+                u[torch.tensor(counts, device=device, dtype=torch.bool)] = draw_uniforms(counts, generators, device)
+            token = inverse_cdf_sample(q_j, u)
             drawn_ids.append(token)
             drawn_lp.append(log_q.gather(1, token.unsqueeze(1)).squeeze(1).masked_fill(~valid, float("-inf")))
             rows.append(q_j)
@@ -86,36 +95,47 @@ def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Reques
         q_rows = torch.stack(rows, dim=1)  # [n, k, V']
         if head.token_ids is not None:
             q_rows = q_rows.new_zeros(*q_rows.shape[:2], head.vocab_size).index_copy_(2, head.token_ids, q_rows)
-    return (ids if head.token_ids is None else head.token_ids[ids]), lp.float(), q_rows
+    lp = lp.float()
+    if widths is not None and min(widths) < k:
+        past = torch.arange(k, device=device) >= torch.tensor(widths, device=device).unsqueeze(1)
+        lp = lp.masked_fill(past, float("-inf"))
+    return (ids if head.token_ids is None else head.token_ids[ids]), lp, q_rows
 
 
 def grow_trees(
     requests: list[Request],
     num_nodes: list[int],
     depths: list[int],
-    width: int,
-    root_children: Children,
-    run_level: Callable[[list[int], list[DraftTree], int], Children],
+    widths: list[int],
+    head: DraftLMHead,
+    root_hidden: torch.Tensor,
+    generators: list[torch.Generator | None],
+    run_level: Callable[[list[int], list[DraftTree], list[int]], torch.Tensor],
 ) -> tuple[list[Draft], int]:
     """Draft one tree per request (module docstring); returns the drafts and the forwards run.
 
-    root_children: the root's `width` children for every request ([R, k] rows). run_level(active,
-    trees, f): run the last f nodes of trees[j] (the tree of requests[active[j]]: its root and
-    every node expanded so far, in expansion order) through the drafter and return their children
-    ([len(active) * f, k] rows, request by request). depths[r] >= 1 levels per request; the caller
-    caps them by the scratch slots the request's blocks hold (the root and 1 + width * (depth - 1)
-    expanded nodes' KV after it, at most).
+    widths[r]: request r's children per expanded node and nodes expanded per level (the adaptive
+    policy's, `Speculator._tree_plan`; at most the proposer's tree_width). root_hidden [R, H]:
+    what `head` reads after each root (its children come from `tree_children`). run_level(active,
+    trees, counts): run the last counts[j] nodes of trees[j] (the tree of requests[active[j]]:
+    its root and every node expanded so far, in expansion order) through the drafter and return
+    what `head` reads after each of them ([sum(counts), H], request by request). depths[r] >= 1
+    levels per request; the caller caps them by the scratch slots the request's blocks hold (the
+    root and 1 + widths[r] * (depth - 1) expanded nodes' KV after it, at most: `scratch_depths`).
 
-    Example, width 2, depth 3: root_children gives level 1 (2 candidates); run_level runs the 2
-    best of them (tree: root + 2 nodes) -> level 2 (4 candidates); then the 2 best of those
+    Example, width 2, depth 3: the root's children are level 1 (2 candidates); run_level runs the
+    2 best of them (tree: root + 2 nodes) -> level 2 (4 candidates); then the 2 best of those
     (tree: root + 4 nodes, 2 new) -> level 3. The greedy tree keeps the num_nodes best of all 8.
+    A request of width 1 in the same batch drafts a chain: 1 candidate per level, 1 node run.
     """
-    ids, lp, q_rows = root_children
+    num_reqs, k = len(requests), max(widths)
+    ids, lp, q_rows = tree_children(head, root_hidden, requests, generators, k, widths)
     device = ids.device
+    width_t = torch.tensor(widths, device=device)
     levels = [first_level(ids, lp)]
     sampled_rows = torch.tensor([not r.sampling_params.is_greedy for r in requests], device=device)
     # per candidate: non-first draws on its path (sampled trees expand and keep by it)
-    deviations = (torch.arange(ids.shape[1], device=device) > 0).long().expand(len(requests), -1)
+    deviations = (torch.arange(k, device=device) > 0).long().expand(num_reqs, -1)
     level_q = [q_rows]  # per level: [R, C, vocab], or None when every request is greedy
     # per request: the expanded nodes so far (tokens, parents in that list; 0 = the root) and,
     # per level, candidate index -> its place in that list
@@ -123,67 +143,89 @@ def grow_trees(
     place: list[list[dict[int, int]]] = [[] for _ in requests]
     num_forwards = 0
     for d in range(1, max(depths)):
-        active = [i for i, depth in enumerate(depths) if depth > d]
         level = levels[-1]
-        frontier = select_frontier(level, width, deviations, sampled_rows)  # [R, F]
+        deep = torch.tensor([depth > d for depth in depths], device=device)
+        frontier, run = select_frontiers(level, torch.where(deep, width_t, 0), deviations, sampled_rows)  # [R, F]
         f = frontier.shape[1]
         table = torch.stack([frontier, level.parent_ids.gather(1, frontier),
-                             level.token_ids.gather(1, frontier)]).tolist()  # [3, R, F]
-        trees = []
-        for i in active:
+                             level.token_ids.gather(1, frontier), run.long()]).tolist()  # [4, R, F]
+        active, trees, counts, slots = [], [], [], []  # slots: flat index r * F + j of each run node
+        for i in range(num_reqs):
             tokens, parents = expanded[i]
             here = {}
             for j in range(f):
+                if not table[3][i][j]:
+                    continue
                 parent = table[1][i][j]
                 here[table[0][i][j]] = len(tokens)
                 parents.append(0 if parent < 0 else place[i][-1][parent])
                 tokens.append(table[2][i][j])
+                slots.append(i * f + j)
             place[i].append(here)
-            trees.append(DraftTree(tuple(tokens), tuple(parents), (0.0,) * len(tokens)))
-        ids, lp, q_rows = run_level(active, trees, f)  # [A * F, k]
-        num_forwards += 1
-        k = ids.shape[1]
-        rows = torch.tensor(active, device=device)
-        all_ids = torch.zeros(len(requests), f, k, dtype=torch.long, device=device)
-        all_lp = torch.full((len(requests), f, k), float("-inf"), device=device)  # rows never used
-        all_ids.index_copy_(0, rows, ids.view(len(active), f, k))
-        all_lp.index_copy_(0, rows, lp.view(len(active), f, k))
-        levels.append(expand_level(level, frontier, all_ids, all_lp))
+            if here:
+                active.append(i)
+                counts.append(len(here))
+                trees.append(DraftTree(tuple(tokens), tuple(parents), (0.0,) * len(tokens)))
+        all_ids = torch.zeros(num_reqs * f, k, dtype=torch.long, device=device)
+        all_lp = torch.full((num_reqs * f, k), float("-inf"), device=device)  # nodes not run: no children
+        all_q = None
+        if active:
+            hidden = run_level(active, trees, counts)
+            num_forwards += 1
+            rows = [i for i, c in zip(active, counts, strict=True) for _ in range(c)]
+            ids, lp, q_rows = tree_children(head, hidden, [requests[i] for i in rows], [generators[i] for i in rows],
+                                            k, [widths[i] for i in rows])
+            at = torch.tensor(slots, device=device)
+            all_ids.index_copy_(0, at, ids)
+            all_lp.index_copy_(0, at, lp)
+            if q_rows is not None:
+                all_q = q_rows.new_zeros(num_reqs * f, k, q_rows.shape[-1]).index_copy_(0, at, q_rows)
+        levels.append(expand_level(level, frontier, all_ids.view(num_reqs, f, k), all_lp.view(num_reqs, f, k)))
         deviations = (deviations.gather(1, frontier).unsqueeze(2)
-                      + (torch.arange(k, device=device) > 0).long()).reshape(len(requests), f * k)
-        if q_rows is not None:
-            vocab = q_rows.shape[-1]
-            all_q = q_rows.new_zeros(len(requests), f * k, vocab)
-            level_q.append(all_q.index_copy_(0, rows, q_rows.view(len(active), f * k, vocab)))
+                      + (torch.arange(k, device=device) > 0).long()).reshape(num_reqs, f * k)
+        if level_q[0] is not None:
+            vocab = level_q[0].shape[-1]
+            level_q.append(all_q.view(num_reqs, f * k, vocab) if all_q is not None
+                           else level_q[0].new_zeros(num_reqs, f * k, vocab))
         else:
             level_q.append(None)
-    built: list[DraftTree | None] = [None] * len(requests)
+    built: list[DraftTree | None] = [None] * num_reqs
     sampled = [not r.sampling_params.is_greedy for r in requests]
     for depth, is_sampled in sorted({(dd, s) for dd, s in zip(depths, sampled, strict=True)}):
         group = [i for i, (dd, s) in enumerate(zip(depths, sampled, strict=True)) if (dd, s) == (depth, is_sampled)]
-        rows = torch.tensor(group, device=device)
-        sliced = [TreeLevel(lv.parent_ids.index_select(0, rows), lv.token_ids.index_select(0, rows),
-                            lv.cum_logprobs.index_select(0, rows)) for lv in levels[:depth]]
+        rows_t = torch.tensor(group, device=device)
+        sliced = [TreeLevel(lv.parent_ids.index_select(0, rows_t), lv.token_ids.index_select(0, rows_t),
+                            lv.cum_logprobs.index_select(0, rows_t)) for lv in levels[:depth]]
         build = build_sampled_trees if is_sampled else build_dynamic_trees
         for i, tree in zip(group, build([requests[i].last_token_id for i in group], sliced,
                                         [num_nodes[i] for i in group]), strict=True):
             built[i] = tree
-    probs: list[torch.Tensor | None] = [None] * len(requests)
+    probs: list[torch.Tensor | None] = [None] * num_reqs
     if any(sampled):
         # pool rows: level 0's candidates first, as `source_ids` index them
-        pool_q = torch.cat([q for q in level_q if q is not None], dim=1)  # [R, P, vocab]
+        pool_q = torch.cat(level_q, dim=1)  # [R, P, vocab]
         for i, tree in enumerate(built):
             if sampled[i] and tree.num_nodes > 1:
                 probs[i] = pool_q[i].index_select(0, torch.tensor(tree.source_ids[1:], device=device))
     return [Draft(list(t.token_ids[1:]), q, t) for t, q in zip(built, probs, strict=True)], num_forwards
 
 
-def scratch_depths(requests: list[Request], max_depths: list[int], width: int, block_size: int,
+def scratch_depths(requests: list[Request], max_depths: list[int], widths: list[int], block_size: int,
                    root_offset: int = 1) -> list[int]:
     """max_depths capped so that the expanded nodes fit in the slots the requests' blocks hold
-    after the root (at sequence index num_tokens - root_offset): 1 + width * (depth - 1) nodes
-    in all, the root included."""
+    after the root (at sequence index num_tokens - root_offset): 1 + widths[r] * (depth - 1)
+    nodes in all, the root included."""
     return [
-        max(1, min(d, 1 + (len(r.block_ids) * block_size - r.num_tokens + root_offset - 1) // width))
-        for r, d in zip(requests, max_depths, strict=True)
+        max(1, min(d, 1 + (len(r.block_ids) * block_size - r.num_tokens + root_offset - 1) // w))
+        for r, d, w in zip(requests, max_depths, widths, strict=True)
     ]
+
+
+def tree_widths(widths: list[int] | None, num_requests: int, tree_width: int) -> list[int]:
+    """Each request's tree width: the policy's (`Speculator._tree_plan`) capped by the drafter's
+    configured tree_width, or tree_width for all when the caller gives none."""
+    if widths is None:
+        return [tree_width] * num_requests
+    if len(widths) != num_requests or min(widths, default=1) < 1:
+        raise ValueError(f"tree widths must be >= 1, one per request ({num_requests}), got {widths}")
+    return [min(w, tree_width) for w in widths]
