@@ -10,8 +10,9 @@ max_tokens=1) finishes there and is not handed off.
 
 Import: `LLMEngine.import_handoff(request_id, handoff)` checks `compat`, allocates blocks (prompt
 blocks the importer's prefix cache already holds are shared, not copied), writes the KV, restores
-the drafter's state, the pending drafts and their distributions and the generator, and puts the
-request in the running set: its next step verifies the exporter's drafts. Not enough blocks or
+the drafter's state, the pending drafts (a chain, or a token tree: `spec_tree`) and their
+distributions and the generator, and puts the request in the running set: its next step
+verifies the exporter's drafts. Not enough blocks or
 sequence slots: `EngineOverloadedError`, nothing changed. Outputs equal a single engine's, token for
 token (greedy; a seeded sampled request too, when both engines compute bitwise alike).
 
@@ -33,6 +34,7 @@ import torch
 from engine.errors import HandoffMismatchError
 from engine.request import SpecStats
 from engine.sampling_params import SamplingParams
+from engine.spec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class Handoff:
     proposer_state: object = None  # the proposer's per-request state, tensors on the CPU
     draft_probs: torch.Tensor | None = None  # [>= len(spec_token_ids), vocab] float32, sampled drafts
     generator_state: torch.Tensor | None = None  # torch.Generator.get_state() of a seeded request
+    # the drafts as a token tree (nodes 1.. are spec_token_ids, node 0 the last output token); None: a chain
+    spec_tree: DraftTree | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ from engine.request import Request, RequestStatus, SpecStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec.proposers.base import ProposeContext, model_name, weights_digest
+from engine.spec.tree import DraftTree
 
 logger = logging.getLogger("engine")
 
@@ -443,8 +444,7 @@ class LLMEngine:
                 n = min(len(request.block_ids), cdiv(request.num_tokens, bs))
                 drafter_kv = gather_kv_blocks(self.speculator.kv_caches, request.block_ids[:n], on_device)
         draft_probs, generator_state = self.runner.export_request(rid)
-        # A handoff carries chains only: a tree's drafts stay behind (the importer drafts anew).
-        spec = () if request.spec_tree is not None else tuple(request.spec_token_ids)
+        spec = tuple(request.spec_token_ids)
         handoff = Handoff(
             request_id=rid,
             prompt_token_ids=tuple(request.prompt_token_ids),
@@ -461,6 +461,7 @@ class LLMEngine:
             proposer_state=proposer_state,
             draft_probs=draft_probs if spec else None,
             generator_state=generator_state,
+            spec_tree=request.spec_tree if spec else None,
         )
         self.scheduler.finish_request(rid, RequestStatus.FINISHED_HANDOFF)
         self._free_request(rid)
@@ -517,6 +518,8 @@ class LLMEngine:
         request.num_computed_tokens = handoff.num_computed_tokens
         request.num_cached_tokens = handoff.num_cached_tokens
         request.spec_token_ids = spec
+        # a tree cut like the scheduler cuts one to a step's budget: its first len(spec) nodes
+        request.spec_tree = handoff.spec_tree.truncated(len(spec)) if spec and handoff.spec_tree else None
         request.acceptance_counts = tuple(handoff.acceptance_counts)
         request.spec_stats = copy.deepcopy(handoff.spec_stats)
         num_kv = handoff.num_kv_blocks
@@ -572,6 +575,15 @@ class LLMEngine:
                 )
         elif self.speculator is not None and self.speculator.kv_caches and h.proposer_state is not None:
             raise InvalidRequestError("handoff has a drafter state but no drafter_kv")
+        tree = h.spec_tree
+        if tree is not None and (
+            not isinstance(tree, DraftTree) or tree.token_ids[1:] != tuple(h.spec_token_ids)
+            or tree.token_ids[0] != h.output_token_ids[-1]
+        ):
+            raise InvalidRequestError(
+                "handoff spec_tree must be a DraftTree whose root is the last output token and whose other nodes "
+                f"are spec_token_ids in order; got {tree!r}"
+            )
         if h.spec_token_ids and h.draft_probs is not None and (
             h.draft_probs.dim() != 2 or h.draft_probs.shape[0] < len(h.spec_token_ids)
             or h.draft_probs.shape[1] != self.vocab_size

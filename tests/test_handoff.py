@@ -139,6 +139,66 @@ def test_handoff_equals_colocated(models, method, params):
         assert_no_leaked_blocks(engine)
 
 
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_token_tree_drafts_travel(models, method, params):
+    """On tree engines the prefill side's first drafts are a token tree: the handoff carries it
+    (and, sampled, each node's q), the decode side's first step verifies that tree, and tokens
+    and every verification's (drafted, accepted) equal one engine's. A chain engine importing it
+    verifies the tree cut to its lookahead (its first 2 nodes), still exactly."""
+    tree = dict(method=method, model=models[method], adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
+
+    def engine(**kw):
+        return LLMEngine(models["target"], dtype="float32", device="cpu", speculative=SpeculativeConfig(**(tree | kw)))
+
+    one = engine()
+    expected_log = listen(one, {"c"})
+    one.add_request("c", PROMPT, params)
+    outs: dict[str, list[int]] = {}
+    run_to_end(one, outs)
+    h, _ = prefill(engine(), params)
+    assert h.spec_tree is not None and h.spec_tree.token_ids[1:] == h.spec_token_ids
+    assert h.spec_tree.num_nodes - 1 == 6 and max(h.spec_tree.depths) > 1  # a tree, not a chain
+    assert (h.draft_probs is not None) == (not params.is_greedy)
+    b = engine()
+    verified = []
+    execute = b.runner.execute
+    b.runner.execute = lambda sched: verified.extend(s.spec_tree for s in sched.scheduled) or execute(sched)
+    tokens, log = decode(b, h)
+    assert tokens == outs["c"] and log == expected_log
+    assert verified[0] == h.spec_tree
+    chain = LLMEngine(models["target"], dtype="float32", device="cpu",
+                      speculative=SpeculativeConfig(method=method, model=models[method], num_speculative_tokens=2,
+                                                    adaptive=False))
+    verified.clear()
+    execute_chain = chain.runner.execute
+    chain.runner.execute = lambda sched: verified.extend(s.spec_tree for s in sched.scheduled) or execute_chain(sched)
+    tokens, _ = decode(chain, h, rid="d2")
+    if params.is_greedy:
+        assert tokens == outs["c"]
+    assert verified[0] == h.spec_tree.truncated(2)
+    for e in (b, chain):
+        assert not e.has_unfinished_requests()
+        assert_no_leaked_blocks(e)
+
+
+def test_handoff_with_a_wrong_tree_is_refused(models):
+    """A tree whose nodes are not the handoff's drafts, or whose root is not its last token."""
+    spec = SpeculativeConfig(method="draft", model=models["draft"], adaptive=False, tree_nodes=6, tree_width=2,
+                             tree_depth=3)
+    h, _ = prefill(LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec), GREEDY)
+    t = h.spec_tree
+    b = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec)
+    v = b.vocab_size
+    wrong_node = dataclasses.replace(t, token_ids=(t.token_ids[0], (t.token_ids[1] + 1) % v, *t.token_ids[2:]))
+    wrong_root = dataclasses.replace(t, token_ids=((t.token_ids[0] + 1) % v, *t.token_ids[1:]))
+    for bad in (wrong_node, wrong_root, "tree"):
+        with pytest.raises(InvalidRequestError, match="spec_tree"):
+            b.import_handoff("x", dataclasses.replace(h, spec_tree=bad))
+        assert_no_leaked_blocks(b)
+    assert not b.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("method", ["draft", "eagle"])
 def test_chunked_prefill_and_no_speculation_request(models, method):
     """A prefilled in chunks of 16 tokens gives a handoff B continues to one engine's tokens; a
