@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle", "eagle3", "medusa", "mtp")
-TREE_METHODS = ("draft", "eagle", "eagle3", "mtp", "ngram")  # drafters that can propose token trees (MTP: a one-layer checkpoint)
+TREE_METHODS = ("draft", "eagle", "eagle3", "mtp", "ngram")  # drafters that can propose token trees
 MAX_TREE_NODES = 63  # draft nodes of one tree: with its root, kernels.MAX_TREE_TOKENS query tokens
 # How a step keeps each token's logits independent of how many tokens it computes
 # (engine/model_runner.py explains each).
@@ -76,8 +76,8 @@ class SpeculativeConfig:
     greedy request: the drafter's top-k, then EAGLE-2's `tree_nodes` most probable candidates by
     cumulative draft probability; a sampled request: draws from the drafter's q without
     replacement, the first `tree_nodes` in level order).
-    Trees need method "draft", "eagle", "eagle3", "mtp" (with one MTP layer, applied recursively) or
-    "ngram" (the continuations after the `tree_width` latest matches, merged into a trie). With
+    Trees need method "draft", "eagle", "eagle3", "mtp" (each path drafted as that chain would
+    be: module d at depth d, the last applied recursively) or "ngram" (the continuations after the `tree_width` latest matches, merged into a trie). With
     `adaptive`, each step chooses trees, chains (their adaptive k) or no drafts by predicted
     tokens/s (the measured step costs and acceptance; trees are probed every 16 steps while
     their prediction is within 80% of the chain's) and sizes each request's tree (its width up

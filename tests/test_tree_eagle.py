@@ -57,11 +57,14 @@ def setup(tmp_path_factory):
     eagle, _ = _with_vocab(SMALL_VOCAB, lambda: save_tiny_heads(str(root), target, seed=2, scale=2.0))
     mtp = add_mtp_layers(save_tiny_model(str(root / "mtp"), "llama", vocab_size=SMALL_VOCAB), "deepseek", 1,
                          own_head=True, seed=1, scale=1.0)
+    # several MTP modules: one per depth, the last applied recursively (MiMo layout, 3 modules)
+    mtp3 = add_mtp_layers(save_tiny_model(str(root / "mtp3"), "qwen2", vocab_size=SMALL_VOCAB), "mimo", 3,
+                          seed=3, scale=3.0)
     prompts = [[(3 * i + j * j) % SMALL_VOCAB for j in range(9 + 2 * i)] for i in range(len(MIXED_PROMPTS))]
     # EAGLE-3: its own target (aux layers need depth), a draft vocabulary of 10 of the 12 tokens
     e3_target = save_tiny_model(str(root / "e3_target"), "llama", vocab_size=SMALL_VOCAB, num_hidden_layers=EAGLE3_LAYERS)
     eagle3 = save_eagle3(str(root / "e3"), SMALL_VOCAB, list(range(10)), seed=5, scale=2.0)
-    return {"target": target, "eagle": eagle, "mtp": mtp, "prompts": prompts, "e3_target": e3_target,
+    return {"target": target, "eagle": eagle, "mtp": mtp, "mtp3": mtp3, "prompts": prompts, "e3_target": e3_target,
             "eagle3": eagle3}
 
 
@@ -71,7 +74,9 @@ def spec_for(setup, method: str, **kw) -> tuple[str, SpeculativeConfig]:
         return setup["target"], SpeculativeConfig(method="eagle", model=setup["eagle"], **(TREE | kw))
     if method == "eagle3":
         return setup["e3_target"], SpeculativeConfig(method="eagle3", model=setup["eagle3"], **(TREE | kw))
-    return setup["mtp"], SpeculativeConfig(method="mtp", **(TREE | kw))
+    if method == "mtp3":  # deeper than its 3 modules, so the last one is also applied recursively
+        return setup[method], SpeculativeConfig(method="mtp", **(TREE | {"tree_nodes": 10, "tree_depth": 5} | kw))
+    return setup[method], SpeculativeConfig(method="mtp", **(TREE | kw))
 
 
 @functools.cache
@@ -104,12 +109,14 @@ def eagle3_path_logprobs(setup, tokens: list[int], path: list[int]) -> list[torc
     return list(q.log())
 
 
-def mtp_path_logprobs(setup, tokens: list[int], path: list[int]) -> list[torch.Tensor]:
-    _, q = reference_drafts(setup["mtp"], tokens, len(path) + 1, forced=list(path) + [0], temperature=1.0)
+def mtp_path_logprobs(setup, tokens: list[int], path: list[int], target: str = "mtp") -> list[torch.Tensor]:
+    """A tree path drafted as a chain of those tokens: module d at depth d, then the last one
+    recursively (test_mtp_native's reference)."""
+    _, q = reference_drafts(setup[target], tokens, len(path) + 1, forced=list(path) + [0], temperature=1.0)
     return list(q.log())
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mtp3"])
 def test_tree_drafts_match_reference(setup, method, monkeypatch):
     """Every drafted tree: each node's cumulative draft log-probability is the reference's along
     its path, and each node's children are among its reference top-`tree_width`. Over rounds
@@ -134,7 +141,8 @@ def test_tree_drafts_match_reference(setup, method, monkeypatch):
     monkeypatch.setattr(model_runner, "accepted_kv_moves", lambda *a: moved.append(real_moves(*a)) or moved[-1])
     run_mixed(engine, setup["prompts"][:2], [GREEDY] * 2, [0, 1])
     assert any(src for src, _ in moved), "no accepted path left the chain positions: the test checks no moves"
-    reference = {"eagle": eagle_path_logprobs, "eagle3": eagle3_path_logprobs, "mtp": mtp_path_logprobs}[method]
+    reference = {"eagle": eagle_path_logprobs, "eagle3": eagle3_path_logprobs, "mtp": mtp_path_logprobs,
+                 "mtp3": functools.partial(mtp_path_logprobs, target="mtp3")}[method]
     checked = 0
     for tokens, tree in recorded:
         for node in range(1, tree.num_nodes):
@@ -146,9 +154,11 @@ def test_tree_drafts_match_reference(setup, method, monkeypatch):
             assert path[-1] in top
             checked += 1
     assert checked >= 40
+    if method == "mtp3":  # paths deeper than the modules: the last module applied recursively
+        assert max(max(t.depths) for _, t in recorded) > 3
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mtp3"])
 def test_greedy_tree_equals_target_mixed_preempted_cached(setup, method):
     """Trees, chains and non-speculative requests in the same steps with a budget that cuts
     trees; then a small KV cache that preempts; then prefix-cache hits."""
@@ -160,7 +170,8 @@ def test_greedy_tree_equals_target_mixed_preempted_cached(setup, method):
     outs, _ = run_mixed(engine, prompts, MIXED_PARAMS, arrivals)
     assert outs == expected
     assert engine.spec_stats.num_accepted_tokens > 0
-    blocks = 40 if method == "eagle3" else 20  # (its target has 7 layers, not 2: the same KV bytes hold fewer tokens)
+    # (EAGLE-3's target has 7 layers, not 2; mtp3 keeps 3 module layers: the same KV bytes hold fewer tokens)
+    blocks = {"eagle3": 40, "mtp3": 30}.get(method, 20)
     small = LLMEngine(target, dtype="float32", device="cpu", speculative=spec, block_size=4,
                       kv_cache_memory_bytes=blocks * 4 * 2 * 2 * 2 * 16 * 4 * 2, max_model_len=60)
     assert small.max_model_len == 60  # a smaller pool would cap it and cut the outputs
@@ -174,7 +185,7 @@ def test_greedy_tree_equals_target_mixed_preempted_cached(setup, method):
     assert num_cached > 0 and again == expected
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mtp3"])
 def test_greedy_trees_of_mixed_widths_equal_target(setup, method):
     """Trees of widths 1, 2 and 3 in the same steps (forced per request, test_tree_width): greedy
     output equals the target alone and each tree keeps its request's width."""
@@ -188,12 +199,6 @@ def test_greedy_trees_of_mixed_widths_equal_target(setup, method):
     outs, _ = run_mixed(engine, prompts, [GREEDY_20] * len(prompts), arrivals)
     assert outs == expected
     assert {w for w, _ in seen} == {1, 2, 3} and all(most <= w for w, most in seen)
-
-
-def test_mtp_with_several_layers_drafts_chains_only(setup, tmp_path):
-    target = add_mtp_layers(save_tiny_model(str(tmp_path / "mtp2"), "llama"), "deepseek", 2)
-    with pytest.raises(ValueError, match="chains only"):
-        LLMEngine(target, dtype="float32", device="cpu", speculative=SpeculativeConfig(method="mtp", **TREE))
 
 
 @pytest.fixture(scope="module")

@@ -286,7 +286,7 @@ class Speculator:
     ) -> None:
         if config.uses_tree and not proposer.supports_tree:
             raise ValueError(f"the {proposer.method!r} proposer drafts chains only (trees: a draft model, an EAGLE-1 "
-                             "or EAGLE-3 head, or an MTP checkpoint with one layer); set tree_nodes=0")
+                             "or EAGLE-3 head, native MTP, n-gram lookup); set tree_nodes=0")
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len

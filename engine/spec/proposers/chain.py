@@ -274,9 +274,9 @@ class ChainProposer(Proposer):
 
     @property
     def supports_tree(self) -> bool:
-        """Trees need one module applied recursively (EAGLE-1, an MTP checkpoint with one layer):
-        a tree node's element pairs its parent's output with its token, at any depth."""
-        return len(self.layers) == 1
+        """Every chain drafter grows trees (`propose_trees`): one module applied recursively
+        (EAGLE-1, a one-layer MTP checkpoint) or one module per depth (MTP with several layers)."""
+        return True
 
     def _check_states(self, requests: list[Request]) -> list[HiddenRows]:
         states = []
@@ -294,37 +294,68 @@ class ChainProposer(Proposer):
     @torch.inference_mode()
     def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
                       context: ProposeContext, widths: list[int] | None = None) -> list[Draft]:
-        """Dynamic trees (`tree_drafting.grow_trees`) of the one module: the catch-up's last
-        output (position n - 2, n = the request's tokens) gives the root's children; a tree
-        node's element pairs its parent's output (the root's: that last output) with its token,
-        at slot n - 2 + its index in the expanded tree and RoPE position by depth. Each level runs
-        its new nodes only, as a partial tree whose root is the committed element at n - 2.
-        Like a chain's, the elements of drafts are scratch: the next round's catch-up runs over
-        the accepted path's target rows (the runner moves them into place)."""
+        """Dynamic trees (`tree_drafting.grow_trees`). Each tree path is drafted exactly as a chain
+        of those tokens would be: the children of a depth-d node come from module min(d, L - 1).
+
+        Module m keeps its own copy of the tree's top levels: its element for a node u at depth
+        i (1 <= i) sits at slot n - 2 - m + (u's index in the expanded tree), RoPE position
+        n - 2 - m + i, and pairs module m - 1's output for u's parent with u's token (i <= m), or
+        module m's own output for u's parent (i > m: the last module applied recursively); its
+        root is its final element at n - 2 - m (n = the request's tokens). Worked example, L = 1
+        (EAGLE-1, one MTP layer): the catch-up's last output (n - 2) gives the root's children;
+        each level runs only its new nodes, as a partial tree whose root is the committed element
+        at n - 2. With L = 2: module 0's catch-up output gives the depth-1 candidates; at depth 1,
+        module 1 runs over the expanded depth-1 nodes (slots n - 3 + index, features: module 0's
+        output at n - 2, its buffered row) and gives depth 2; from depth 2 on module 1 runs only
+        each level's new nodes (features: its own outputs for their parents). A module's first
+        level (depth m < L) runs every node expanded so far (it has no tree copy yet); later
+        levels run new nodes only. Like a chain's, the elements of drafts are scratch: the next
+        round's catch-up runs over the accepted path's target rows (the runner moves them into
+        place)."""
         from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
 
         t_start = time.perf_counter()
+        num_modules = len(self.layers)
         widths = tree_widths(widths, len(requests), self.tree_width)
         states = self._check_states(requests)
         catch_up = max(r.num_tokens - 1 - st.start for r, st in zip(requests, states, strict=True))
         new, last, num_forwards = self._catch_up(requests, states, [r.num_tokens for r in requests])
         depths = scratch_depths(requests, max_depths, widths, self.block_size, root_offset=2)
-        outputs = list(last.unsqueeze(1))  # per request: the output of each expanded node (the root's first)
+        # outputs[m][i]: module m's output for each node of request i's expanded tree, in index
+        # order (row 0, the root: module m's final output at n - 2 - m, where a deeper module reads it)
+        outputs: list[list[torch.Tensor]] = [list(last.unsqueeze(1))]
+        for m in range(1, num_modules):
+            outputs.append([st.deeper[m].rows[-1:] if m + 1 < num_modules else last.new_zeros(1, last.shape[1])
+                            for st in new])
+        for st, r in zip(new, requests, strict=True):  # module m's buffer ends at its depth-1 element (n - 1 - m)
+            bad = [(m, d.start, d.end) for m, d in enumerate(st.deeper, start=1) if d.end != r.num_tokens - m or not d.rows.numel()]
+            if bad:
+                raise RuntimeError(f"{self.name}: request {r.request_id!r} (n = {r.num_tokens}) has module buffers "
+                                   f"(module, start, end) {bad}; each must end at n - module")
 
         def run_level(active: list[int], trees: list[DraftTree], counts: list[int]) -> torch.Tensor:
+            depth = trees[0].depths[-1]  # the new nodes' depth (one level at a time)
+            m = min(depth, num_modules - 1)
+            first = 1 <= depth == m  # module m's first level: every expanded node, not the new ones only
             chunks, tokens, feats = [], [], []
             for i, t, f in zip(active, trees, counts, strict=True):
                 r = requests[i]
-                chunks.append(SeqChunk([0] * f, r.num_tokens - 2 + t.num_nodes - f, r.block_ids, t))
-                tokens.extend(t.token_ids[-f:])
-                feats.append(outputs[i][list(t.parents[-f:])])
-            out = self._forward(0, chunks, tokens, torch.cat(feats))  # [sum(counts), H]
-            for i, o in zip(active, out.split(counts), strict=True):
-                outputs[i] = torch.cat([outputs[i], o])
-            return self._head_input(0, out)
+                run = t.num_nodes - 1 if first else f
+                chunks.append(SeqChunk([0] * run, r.num_tokens - 2 - m + t.num_nodes - run, r.block_ids, t))
+                tokens.extend(t.token_ids[-run:])
+                # parents' features: module m - 1's outputs (first level), else module m's own
+                parents = outputs[m - 1][i] if first else outputs[m][i]
+                feats.append(parents[list(t.parents[-run:])])
+            out = self._forward(m, chunks, tokens, torch.cat(feats))
+            rows = [t.num_nodes - 1 if first else f for t, f in zip(trees, counts, strict=True)]
+            picked = []
+            for i, o, f in zip(active, out.split(rows), counts, strict=True):
+                outputs[m][i] = torch.cat([outputs[m][i][:1] if first else outputs[m][i], o])
+                picked.append(o[-f:])
+            return self._head_input(m, torch.cat(picked))
 
-        drafts, level_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._head_input(0, last),
-                                            context.generators_for(requests), run_level)
+        drafts, level_forwards = grow_trees(requests, num_nodes, depths, widths, list(self.heads),
+                                            self._head_input(0, last), context.generators_for(requests), run_level)
         # Every forward succeeded: the module's KV holds the final elements now.
         for r, st in zip(requests, new, strict=True):
             self.states[r.request_id] = st

@@ -1,5 +1,5 @@
 """Growing EAGLE-2 dynamic draft trees, level by level, for any drafter that can run new tree
-nodes through its layers (the draft model, one-layer EAGLE and MTP heads).
+nodes through its layers (the draft model, EAGLE-1, EAGLE-3, native MTP).
 
 `grow_trees` owns the level loop; the drafter gives it what its head reads after the root and
 a callback that runs one level's new nodes. Each request has its own width w (the adaptive
@@ -107,7 +107,7 @@ def grow_trees(
     num_nodes: list[int],
     depths: list[int],
     widths: list[int],
-    head: DraftLMHead,
+    heads: DraftLMHead | list[DraftLMHead],
     root_hidden: torch.Tensor,
     generators: list[torch.Generator | None],
     run_level: Callable[[list[int], list[DraftTree], list[int]], torch.Tensor],
@@ -115,11 +115,13 @@ def grow_trees(
     """Draft one tree per request (module docstring); returns the drafts and the forwards run.
 
     widths[r]: request r's children per expanded node and nodes expanded per level (the adaptive
-    policy's, `Speculator._tree_plan`; at most the proposer's tree_width). root_hidden [R, H]:
-    what `head` reads after each root (its children come from `tree_children`). run_level(active,
-    trees, counts): run the last counts[j] nodes of trees[j] (the tree of requests[active[j]]:
-    its root and every node expanded so far, in expansion order) through the drafter and return
-    what `head` reads after each of them ([sum(counts), H], request by request). depths[r] >= 1
+    policy's, `Speculator._tree_plan`; at most the proposer's tree_width). heads: the LM head
+    that drafts the children of depth-d nodes is heads[min(d, len(heads) - 1)] (one head, or one
+    per native MTP module). root_hidden [R, H]: what heads[0] reads after each root (its children
+    come from `tree_children`). run_level(active, trees, counts): run the last counts[j] nodes of
+    trees[j] (the tree of requests[active[j]]: its root and every node expanded so far, in
+    expansion order; the new nodes all at one depth d) through the drafter and return what the
+    depth-d head reads after each of them ([sum(counts), H], request by request). depths[r] >= 1
     levels per request; the caller caps them by the scratch slots the request's blocks hold (the
     root and 1 + widths[r] * (depth - 1) expanded nodes' KV after it, at most: `scratch_depths`).
 
@@ -129,7 +131,8 @@ def grow_trees(
     A request of width 1 in the same batch drafts a chain: 1 candidate per level, 1 node run.
     """
     num_reqs, k = len(requests), max(widths)
-    ids, lp, q_rows = tree_children(head, root_hidden, requests, generators, k, widths)
+    heads = heads if isinstance(heads, list) else [heads]
+    ids, lp, q_rows = tree_children(heads[0], root_hidden, requests, generators, k, widths)
     device = ids.device
     width_t = torch.tensor(widths, device=device)
     levels = [first_level(ids, lp)]
@@ -173,6 +176,7 @@ def grow_trees(
             hidden = run_level(active, trees, counts)
             num_forwards += 1
             rows = [i for i, c in zip(active, counts, strict=True) for _ in range(c)]
+            head = heads[min(d, len(heads) - 1)]
             ids, lp, q_rows = tree_children(head, hidden, [requests[i] for i in rows], [generators[i] for i in rows],
                                             k, [widths[i] for i in rows])
             at = torch.tensor(slots, device=device)
