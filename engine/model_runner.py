@@ -55,12 +55,11 @@ logger = logging.getLogger(__name__)
 #           query at a time: a request's output never depends on what else is batched or how its
 #           prompt was chunked. Costly; for reproducibility.
 #   "off":  one product per step (fastest; speculation may flip near-ties).
-# A step that verifies a token tree is row-exact too on the torch backend: each tree token reads
-# its context and ancestors in position order (kernels.torch_attn.slot_tables; the CPU kernels,
-# or one SDPA call per token in the layout of a one-token step), as the one-token step of its
-# accepted path does. Backends without row-exact attention (Triton) keep the mode's matmul tiles
-# and run their masked attention over the whole step, which may flip near-ties in reduced
-# precision, as "off" does.
+# A step that verifies a token tree is row-exact too: each tree token reads its context and
+# ancestors in position order, as the one-token step of its accepted path does (torch backend:
+# kernels.torch_attn.slot_tables, the CPU kernels or one SDPA call per token in the layout of a
+# one-token step; Triton: kernels.triton_attn.rows_attention, one program per token over exactly
+# its keys, for every step of the exact modes, one-token steps included).
 EXACT_ROWS = 16
 PAD_COST_LIMIT = 1.3
 

@@ -1,8 +1,9 @@
 """Ahead-of-time compilation of the Triton kernels for sm_80 and sm_90, without a GPU.
 
 Each launch the engine can make (dtype x model shape x step kind) is built by the same helpers
-``write_kv_cache`` / ``paged_attention`` launch with (``_write_kv_launch``, ``_paged_attn_launch``;
-steps of more than one query token also with a tree mask, ``HAS_TREE``),
+``write_kv_cache`` / ``paged_attention`` / ``rows_attention`` launch with (``_write_kv_launch``,
+``_paged_attn_launch``, steps of more than one query token also with a tree mask, ``HAS_TREE``;
+``_rows_attn_launch``, the exact modes' row-exact attention),
 on meta tensors laid out as the model produces them, then specialized by Triton's own JIT binder
 (integer ``== 1`` -> constexpr, ``% 16 == 0`` and 16-byte aligned pointers -> divisibility hints),
 so each compile here is the compile a real launch triggers. ``triton.compile`` runs the whole
@@ -176,6 +177,14 @@ def _engine_launches(
         )
         kind = f"{step}+tree" if with_tree else step
         launches.append(Launch(triton_attn._paged_attn_kernel, dtype, wrap(a_args), a_const, f"{label} {kind}"))
+    if max_query_len <= 64:  # the exact modes' steps (<= EXACT_ROWS tokens) through the row-exact kernel
+        rows = (
+            *(torch.empty(num_tokens, dtype=torch.int32, device="meta") for _ in range(3)),
+            torch.empty(num_tokens, triton_attn.MAX_TREE_KEYS, dtype=torch.int64, device="meta"),
+        )
+        _, r_args, r_const = triton_attn._rows_attn_launch(q, k_cache, v_cache, out, block_tables, rows, d**-0.5,
+                                                           is_compiled=True)
+        launches.append(Launch(triton_attn._rows_attn_kernel, dtype, wrap(r_args), r_const, f"{label} {step} rows"))
     return launches
 
 

@@ -384,13 +384,53 @@ def naive_tree_attention(case: Case, tree_masks: list) -> torch.Tensor:  # [num_
     return torch.cat(outs)
 
 
-def run_with_trees(backend: str, case: Case, tree_masks: list | None) -> torch.Tensor:
+def run_with_trees(backend: str, case: Case, tree_masks: list | None, row_exact: str | None = None,
+                   caches: list | None = None) -> torch.Tensor:
+    """The backend's attention output for the case's step (caches: a list that receives the
+    (k, v) caches after the step's KV write)."""
     be = get_attention_backend("cpu", backend)
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    extra = {"row_exact": row_exact} if row_exact else {}
     md = be.build_metadata(case.query_lens, case.seq_lens, case.block_tables, case.slot_mapping, case.block_size,
-                           torch.device("cpu"), tree_masks=tree_masks)
+                           torch.device("cpu"), tree_masks=tree_masks, **extra)
     be.write_kv(case.key, case.value, kc, vc, md)
+    if caches is not None:
+        caches.append((kc, vc))
     return be.attention(case.query, kc, vc, md, case.scale)
+
+
+def one_token_step_mismatches(backend: str, case: Case, masks: list, out: torch.Tensor, kc: torch.Tensor,
+                              vc: torch.Tensor, row_exact: str) -> tuple[int, list[int]]:
+    """(tokens checked, tokens whose output differs): each query token's attention output `out`
+    against the backend's one-token decode step at the end of its path, bit for bit (a tree
+    token's path: its context, then its ancestors and itself in depth order, moved into
+    consecutive positions as after acceptance; a causal token's: its context)."""
+    be = get_attention_backend("cpu", backend)
+    bs, (hkv, d) = case.block_size, kc.shape[2:]
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+    t, checked, bad = 0, 0, []
+    for q, s, table, tree in zip(case.query_lens, case.seq_lens, case.block_tables, masks, strict=True):
+        slots = [table[p // bs] * bs + p % bs for p in range(s)]
+        m = 0 if tree is None else tree.shape[0]
+        for i in range(q):
+            j = i - (q - m)
+            if j < 0:
+                path = slots[: s - q + i + 1]
+            else:
+                path = slots[: s - m] + [slots[s - m + a] for a in tree[j].nonzero().flatten().tolist()]
+            nblk = -(-len(path) // bs)
+            ref_k = torch.zeros(nblk * bs, hkv, d, dtype=kc.dtype)  # the path in consecutive slots
+            ref_v = torch.zeros_like(ref_k)
+            ref_k[: len(path)], ref_v[: len(path)] = flat_k[path], flat_v[path]
+            one = be.build_metadata([1], [len(path)], [list(range(nblk))], [len(path) - 1], bs,
+                                    torch.device("cpu"), row_exact=row_exact)
+            ref = be.attention(case.query[t + i : t + i + 1], ref_k.view(nblk, bs, hkv, d),
+                               ref_v.view(nblk, bs, hkv, d), one, case.scale)
+            checked += 1
+            if not torch.equal(out[t + i : t + i + 1], ref):
+                bad.append(t + i)
+        t += q
+    return checked, bad
 
 
 @pytest.mark.parametrize("name", sorted(TREE_CASES))
@@ -432,35 +472,10 @@ def test_sdpa_row_exact_tree_token_equals_its_one_token_step(name):
     its path (its context, then its ancestors and itself in depth order, moved into consecutive
     positions as after acceptance), so trees keep greedy text exact there too."""
     case, masks = tree_case(name, seed=3, dtype=torch.bfloat16)
-    be = get_attention_backend("cpu", "torch")
-    kc, vc = case.k_cache.clone(), case.v_cache.clone()
-    md = be.build_metadata(case.query_lens, case.seq_lens, case.block_tables, case.slot_mapping, case.block_size,
-                           torch.device("cpu"), row_exact="sdpa", tree_masks=masks)
-    be.write_kv(case.key, case.value, kc, vc, md)
-    out = be.attention(case.query, kc, vc, md, case.scale)
-    bs, (hkv, d) = case.block_size, kc.shape[2:]
-    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
-    t, checked = 0, 0
-    for q, s, table, tree in zip(case.query_lens, case.seq_lens, case.block_tables, masks, strict=True):
-        slots = [table[p // bs] * bs + p % bs for p in range(s)]
-        m = 0 if tree is None else tree.shape[0]
-        for i in range(q):
-            j = i - (q - m)
-            if j < 0:
-                continue
-            path = slots[: s - m] + [slots[s - m + a] for a in tree[j].nonzero().flatten().tolist()]
-            nblk = -(-len(path) // bs)
-            ref_k = torch.zeros(nblk * bs, hkv, d, dtype=kc.dtype)  # the path in consecutive slots
-            ref_v = torch.zeros_like(ref_k)
-            ref_k[: len(path)], ref_v[: len(path)] = flat_k[path], flat_v[path]
-            one = be.build_metadata([1], [len(path)], [list(range(nblk))], [len(path) - 1], bs,
-                                    torch.device("cpu"), row_exact="sdpa")
-            ref = be.attention(case.query[t + i : t + i + 1], ref_k.view(nblk, bs, hkv, d),
-                               ref_v.view(nblk, bs, hkv, d), one, case.scale)
-            assert torch.equal(out[t + i : t + i + 1], ref), (name, t + i)
-            checked += 1
-        t += q
-    assert checked >= 3
+    caches = []
+    out = run_with_trees("torch", case, masks, row_exact="sdpa", caches=caches)
+    checked, bad = one_token_step_mismatches("torch", case, masks, out, *caches[0], row_exact="sdpa")
+    assert checked >= 3 and not bad, (name, bad)
     # and the tree tokens still see what the dense reference says (not merely their own slots)
     torch.testing.assert_close(out.float(), naive_tree_attention(case, masks), atol=2e-2, rtol=2e-2)
 
@@ -500,10 +515,58 @@ def _interpret_main() -> None:
             "max_err": float((out.float() - naive_tree_attention(case, masks)).abs().max()),
             "nan": bool(torch.isnan(out).any()),
         }
+        caches = []
+        rows = run_with_trees("triton", case, masks, row_exact="kernel", caches=caches)
+        checked, bad = one_token_step_mismatches("triton", case, masks, rows, *caches[0], row_exact="kernel")
+        results[f"rows/{name}/{dtype_name}"] = {
+            "max_err": float((rows.float() - naive_tree_attention(case, masks)).abs().max()),
+            "nan": bool(torch.isnan(rows).any()), "checked": checked, "bad": bad,
+        }
     case, masks = tree_case(INTERPRET_TREE_CASES[0][0])
     chains = [None if m is None else torch.ones_like(m).tril() for m in masks]
     results["chain_equal"] = bool(torch.equal(run_with_trees("triton", case, chains), run_with_trees("triton", case, None)))
+    results["engine"] = _triton_engine_trees()
     print("RESULTS " + json.dumps(results))
+
+
+def _triton_engine_trees() -> dict:
+    """The engine on the Triton backend (interpreted), bf16, exact="pad": greedy text with tree
+    speculation vs without, and how many attention calls went through the row-exact kernel."""
+    import tempfile
+
+    from helpers import save_perturbed_copy, save_tiny_model
+
+    import kernels.triton_attn as triton_attn
+    from engine import LLMEngine, SamplingParams, SpeculativeConfig
+
+    calls = {"rows": 0}
+    rows_attention = triton_attn.rows_attention
+
+    def counted(*args, **kwargs):
+        calls["rows"] += 1
+        return rows_attention(*args, **kwargs)
+
+    triton_attn.rows_attention = counted
+    root = tempfile.mkdtemp()
+    target = save_tiny_model(os.path.join(root, "target"), "llama")
+    close = save_perturbed_copy(target, os.path.join(root, "close"), noise=0.05)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[(5 * i + j * j) % 60 + 2 for j in range(7 + 3 * i)] for i in range(2)]
+
+    def run(spec) -> dict:
+        engine = LLMEngine(target, dtype="bfloat16", device="cpu", attention_backend="triton", exact="pad",
+                           speculative=spec)
+        outs: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return outs
+
+    plain = run(None)
+    trees = run(SpeculativeConfig(method="draft", model=close, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3))
+    return {"equal": plain == trees, "rows_calls": calls["rows"]}
 
 
 @pytest.fixture(scope="module")
@@ -518,6 +581,23 @@ def test_triton_tree_attention_in_interpreter(interpreter_results, name, dtype_n
     r = interpreter_results[f"{name}/{dtype_name}"]
     assert not r["nan"]
     assert r["max_err"] <= {"float32": 1e-4, "bfloat16": 3e-2}[dtype_name], r
+
+
+@pytest.mark.parametrize("name,dtype_name", INTERPRET_TREE_CASES)
+def test_triton_row_exact_attention_in_interpreter(interpreter_results, name, dtype_name):
+    """The Triton backend's row-exact mode (`rows_attention`): the dense reference's output, and
+    every tree token's output bit for bit the one-token step's at the end of its path (through
+    the same kernel), bfloat16 included."""
+    r = interpreter_results[f"rows/{name}/{dtype_name}"]
+    assert not r["nan"] and r["max_err"] <= {"float32": 1e-4, "bfloat16": 3e-2}[dtype_name], r
+    assert r["checked"] >= 1 and not r["bad"], r
+
+
+def test_triton_engine_trees_equal_target_in_bf16(interpreter_results):
+    """The engine on the Triton backend (interpreted), bfloat16, exact="pad": tree speculation's
+    greedy text equals no speculation, its steps' attention through the row-exact kernel."""
+    r = interpreter_results["engine"]
+    assert r["equal"] and r["rows_calls"] > 0, r
 
 
 def test_triton_chain_masks_are_the_causal_kernel(interpreter_results):

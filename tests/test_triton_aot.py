@@ -4,9 +4,10 @@ The interpreter tests (test_kernels.py) check what the kernels compute; this che
 launches the engine makes get through triton's whole pipeline and the bundled ptxas for both
 targets, within 255 registers per thread and the target's shared memory per block, and without
 register spills, except where they are known (below). A representative subset runs here (the
-shipped target model's shape in its dtype, decode and prefill, with and without a tree mask, plus the
+shipped target model's shape in its dtype, decode and prefill, with and without a tree mask, the
+row-exact kernel of the exact modes, plus the
 biggest tiles: head_dim 128 prefill in fp16 and fp32, and with a tree mask in fp16, ~30 s); the full
-set (306 configs, ~6 min) is ``python -m kernels.triton_aot``.
+set (384 configs, ~7 min) is ``python -m kernels.triton_aot``.
 
 Known spills (ptxas 13.4, triton 3.9): fp32 inputs take the "ieee" dot, which is FMA code rather
 than tensor-core MMA, and at the 64-row prefill tile it does not fit in registers: ~1.3 KB of spill
@@ -80,7 +81,7 @@ def test_compiles_within_limits(config: triton_aot.AotConfig) -> None:
 
 def test_subset_covers_both_targets_and_kernels() -> None:
     assert {(c.target.arch, c.name) for c in SUBSET} == {
-        (arch, name) for arch in TARGETS for name in ("_write_kv_kernel", "_paged_attn_kernel")
+        (arch, name) for arch in TARGETS for name in ("_write_kv_kernel", "_paged_attn_kernel", "_rows_attn_kernel")
     }
     # decode (16-row tiles) and prefill (64-row tiles) of the shipped model, both targets
     rows = {(c.target.arch, c.named_constexprs().get("BLOCK_M")) for c in SUBSET}
