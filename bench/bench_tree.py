@@ -41,6 +41,9 @@ def configs(methods: list[str]) -> dict[str, tuple[str | None, dict]]:
                                           tree_depth=d))
         out[f"{m}, adaptive tree 8/2/5 or chain"] = (m, dict(num_speculative_tokens=6, adaptive=True, tree_nodes=8,
                                                              tree_width=2, tree_depth=5))
+        # the policy picks each request's width (1..4) from its acceptance and the sibling rates
+        out[f"{m}, adaptive tree 16/4/6 or chain"] = (m, dict(num_speculative_tokens=6, adaptive=True, tree_nodes=16,
+                                                              tree_width=4, tree_depth=6))
     return out
 
 
@@ -105,6 +108,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--loads", default=",".join(LOADS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--name", default="spec_tree")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only the configurations whose name has "
+                    "one (no speculation and each drafter's adaptive chain, the references, always run)")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from results/<name>.json")
     args = ap.parse_args(argv)
     if args.replot:
@@ -121,6 +126,10 @@ def main(argv=None) -> dict:
     prompts = {load: code_prompts(tokenizer, args.prompts if LOADS[load] == 1 else LOADS[load], args.prompt_len,
                                   seed=1 if LOADS[load] == 1 else 2) for load in loads}
     cfgs = configs([m for m in args.methods.split(",") if m])
+    if args.only:
+        keep = [s for s in args.only.split(",") if s]
+        cfgs = {n: c for n, c in cfgs.items()
+                if n == "no speculation" or n.endswith("adaptive chain") or any(s in n for s in keep)}
     llms = {}
     for name, (method, kw) in cfgs.items():
         llms[name] = make(method, kw, max(LOADS[load] for load in loads))
@@ -152,9 +161,19 @@ def main(argv=None) -> dict:
     cols = ["system", "workload", "load", "tokens_per_s", "ratio_vs_no_spec", "ratio_vs_adaptive_chain",
             "mean_accepted_length", "tree_share", "verify_ms_per_step", "draft_ms_per_step"]
     print(table(rows, cols))
+    # the adaptive tree configurations: the widths the policy planned (over every run) and the
+    # engine-wide sibling rates it measured (P(rank-j child accepted | lower ranks not), j = 1..3)
+    policy = {}
+    for name, llm in llms.items():
+        sp = llm.engine.speculator
+        if sp is not None and sp.config.uses_tree and sp.config.adaptive:
+            policy[name] = {"planned_widths": dict(sorted(sp.width_counts.items())),
+                            "sibling_rates": [round(sp.sibling_acceptance.rate(j), 3) for j in range(1, 4)],
+                            "tree_steps": sp.num_tree_steps, "steps_on": sp.num_steps_on}
+            print(name, policy[name])
     png = RESULTS / f"{args.name}.png"
     plot(rows, png)
-    out = {"machine": machine_info(), "args": vars(args), "rows": rows, "plot": str(png)}
+    out = {"machine": machine_info(), "args": vars(args), "rows": rows, "policy": policy, "plot": str(png)}
     print(write_results(args.name, out))
     return out
 

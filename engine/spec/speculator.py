@@ -19,6 +19,7 @@ speculates at all.
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import math
 import time
@@ -301,6 +302,7 @@ class Speculator:
         self.num_steps_off = 0
         self.num_steps_on = 0
         self.num_tree_steps = 0  # steps whose drafts were trees (also counted in num_steps_on)
+        self.width_counts: collections.Counter[int] = collections.Counter()  # planned tree widths, per request and step
 
     # --- delegation -------------------------------------------------------------------------
     @property
@@ -644,6 +646,7 @@ class Speculator:
                 nodes = min(depth, self.max_model_len - r.num_tokens - 1)
             else:
                 nodes, depth, width = self._tree_plan(r)
+                self.width_counts[width] += 1
                 # the policy's width-1 tree is a chain: drafted as one (`_trees_pay` predicted it so)
                 is_chain = self.config.adaptive and width == 1
             if room is not None:
