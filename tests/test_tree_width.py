@@ -88,7 +88,8 @@ def test_tree_widths_argument_checks():
 
 
 def test_sibling_acceptance_follows_the_accepted_path():
-    """The class docstring's example, a whole path, and a rejection everywhere."""
+    """The class docstring's example, a whole path, a rejection everywhere, and a correction
+    token that happens to equal a rejected child's (sampled requests)."""
     tree = DraftTree((0, 5, 6, 7, 8, 9), (-1, 0, 0, 0, 3, 3), (0.0,) * 6)  # root -> 5, 6, 7; 7 -> 8, 9
     s = SiblingAcceptance()
     s.observe(tree, [7, 9, 4])  # rank 2 at the root (rank 1 tried), then rank 1 under 7, then a leaf
@@ -97,6 +98,9 @@ def test_sibling_acceptance_follows_the_accepted_path():
     s.observe(tree, [3])  # nothing accepted: ranks 1 and 2 were both tried
     assert s.trials[1:3] == [1.0, 1.0] and s.hits[1:3] == [0.0, 0.0]
     assert s.rate(1) < SIBLING_PRIOR and s.rate(3) == SIBLING_PRIOR
+    s = SiblingAcceptance()
+    s.observe(tree, [6])  # a sampled correction token equal to a rejected child: no hit
+    assert s.trials[1:3] == [1.0, 1.0] and s.hits[1:3] == [0.0, 0.0]
 
 
 @pytest.fixture

@@ -251,26 +251,25 @@ class SiblingAcceptance:
         self.trials = [0.0] * self.MAX_RANK
 
     def observe(self, tree, tokens: list[int]) -> None:
-        """A verified tree (`DraftTree`) and the tokens the verification produced (accepted drafts,
-        then the bonus/correction token)."""
+        """A verified tree (`DraftTree`) and the tokens the verification produced: the accepted
+        path's tokens, then the bonus token (at a leaf) or the correction token (at a node whose
+        children were all rejected: it may equal a child's token when sampled, and is no hit)."""
         keep = 1.0 - GLOBAL_DECAY
         self.hits = [keep * h for h in self.hits]
         self.trials = [keep * t for t in self.trials]
         node = 0
-        for token in tokens:
+        for token in tokens[:-1]:
             kids = tree.children[node]
-            if not kids:
+            match = [c for c in kids if tree.token_ids[c] == token]
+            if not match:  # (not a path of this tree)
                 return
-            ranks = [c for c in kids if tree.token_ids[c] == token]
-            rank = kids.index(ranks[0]) if ranks else None
-            for j in range(1, min(len(kids), self.MAX_RANK)):
-                if rank is not None and j > rank:
-                    break
+            rank = kids.index(match[0])
+            for j in range(1, min(rank + 1, self.MAX_RANK)):  # ranks 1..rank were tried, the last one hit
                 self.trials[j] += 1.0
-                self.hits[j] += rank == j
-            if rank is None:
-                return
-            node = ranks[0]
+                self.hits[j] += j == rank
+            node = match[0]
+        for j in range(1, min(len(tree.children[node]), self.MAX_RANK)):  # every child rejected
+            self.trials[j] += 1.0
 
     def rate(self, rank: int) -> float:
         """P(the child of this rank is accepted | its node reached, the lower ranks not), rank >= 1."""
