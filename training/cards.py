@@ -373,12 +373,17 @@ mkdir -p {ship} && cp -r runs/target-continued {ship}/target && cp -r models/dra
 python -m training {mtp}
 python -m training {eagle3}
 python -m training {drafter}
-# stop 25: two more EAGLE-3 runs, each warm-started from the last (runs/eagle3_run4_stats.json, runs/eagle3_stats.json)
+# stop 25: two more EAGLE-3 runs, each warm-started from the last (runs/eagle3_run4_stats.json, runs/eagle3_run5_stats.json)
 cp -r {ship}/eagle3-head runs/eagle3-head-run3 && cp runs/eagle3_stats.json runs/eagle3_run3_stats.json
 python -m training {eagle3_run4}
 cp -r {ship}/eagle3-head runs/eagle3-run4-head && cp runs/eagle3_stats.json runs/eagle3_run4_stats.json
 python -m training {eagle3_run5}
 cp {ship}/target-mtp/* models/target/ && cp {ship}/drafter/*.safetensors models/drafter/ && cp -r {ship}/eagle3-head models/
+# stop 26: one more EAGLE-3 run on the stdlib files plus 4M tokens of the installed packages' sources
+mv {ship}/eagle3-head runs/eagle3-run5-head && cp runs/eagle3_stats.json runs/eagle3_run5_stats.json
+python -m training corpus-extra --extra-tokens 3000000
+python -m training {eagle3_run6}
+cp -r {ship}/eagle3-head models/
 # side by side only (not shipped): EAGLE-1 and Medusa heads retrained on the shipped target
 python -m training {eagle_medusa}
 mkdir runs/ship-all && ln -s ../../models/{{target,drafter,eagle3-head}} ../ship/{{eagle-head,medusa-heads}} runs/ship-all/ && cp models/heldout_files.txt runs/ship-all/
@@ -402,7 +407,8 @@ def reproduce_continued() -> str:
         continue_part2=_argv("target-continue", "target-continue --corpus stdlib --resume"),
         eagle_medusa=_argv("eagle", "draft-all --parts eagle,medusa"),
         ship=SHIP_DIR, mtp=_argv("mtp", "mtp"), eagle3=_argv("eagle3_run3", "eagle3"), drafter=_argv("drafter", "drafter"),
-        eagle3_run4=_argv("eagle3_run4", "eagle3"), eagle3_run5=_argv("eagle3", "eagle3"),
+        eagle3_run4=_argv("eagle3_run4", "eagle3"), eagle3_run5=_argv("eagle3_run5", "eagle3"),
+        eagle3_run6=_argv("eagle3", "eagle3"),
     )
 
 
@@ -497,7 +503,7 @@ def _step_argv(step: str, stats: dict) -> str:
 
 def eagle3_card(st: dict, folder: Path) -> str:
     c = _load(folder / "config.json")
-    runs = [r for r in (*(_load(RUNS / f"eagle3_run{i}_stats.json") for i in range(1, 5)), st) if r]
+    runs = [r for r in (*(_load(RUNS / f"eagle3_run{i}_stats.json") for i in range(1, 6)), st) if r]
     total_tokens = sum(r["tokens"] for r in runs)
     total_min = sum(r["elapsed_s"] for r in runs) / 60
     fm = st.get("final_metrics_ema", {})
