@@ -236,7 +236,7 @@ def plot_sweep(rows: list[dict]) -> list[str]:
     return paths
 
 
-def plot_part1(rows: list[dict]) -> str:
+def plot_part1(rows: list[dict], name: str = "spec") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,7 +249,7 @@ def plot_part1(rows: list[dict]) -> str:
         ax.set_title(f"{workload}, batch 1 (tokens/s, higher is better)")
         ax.invert_yaxis()
     fig.tight_layout()
-    path = RESULTS / "spec_batch1.png"
+    path = RESULTS / f"{name}_batch1.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return str(path)
@@ -272,6 +272,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep-name", default="spec_sweep",
                     help="results file of the sweep (a partial sweep, other than the default, draws no plots)")
     ap.add_argument("--skip-part1", action="store_true")
+    ap.add_argument("--name", default="spec", help="part 1's results: bench/results/<name>.json")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the batch-1 code rows of each model drafter over the whole vocabulary")
     ap.add_argument("--threads", type=int, default=1,
@@ -290,10 +291,10 @@ def main(argv=None) -> dict:
         rows = part1(prompts, batch_prompts, sustained_prompts, args.new_tokens, args.k, methods,
                      not args.no_ablation, args.repeats)
         results["part1"] = rows
-        results["part1_plot"] = plot_part1(rows)
+        results["part1_plot"] = plot_part1(rows, args.name)
         print(table(rows, ["workload", "load", "system", "tokens_per_s", "ratio_vs_no_spec", "tpot_ms",
                            "mean_accepted_length", "acceptance_rate", "draft_token_over_target_step"]))
-        write_results("spec", results)
+        write_results(args.name, results)
     if args.sweep:
         ks = [int(k) for k in args.sweep_ks.split(",")]
         srows = sweep(prompts, batch_prompts, args.new_tokens, methods, ks, args.sweep_batch1_only)
