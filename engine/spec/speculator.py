@@ -301,7 +301,8 @@ class Speculator:
         self.num_steps_off = 0
         self.num_steps_on = 0
         self.num_tree_steps = 0  # steps whose drafts were trees (also counted in num_steps_on)
-        self.width_counts: collections.Counter[int] = collections.Counter()  # planned tree widths, per request and step
+        # the tree widths the adaptive policy planned (per request, at each trees-or-chains decision)
+        self.width_counts: collections.Counter[int] = collections.Counter()
 
     # --- delegation -------------------------------------------------------------------------
     @property
@@ -593,6 +594,7 @@ class Speculator:
             return True
         trees = [r for r in decoding if r.sampling_params.num_speculative_tokens is None]
         plans = [(r, *self._tree_plan(r)) for r in trees]
+        self.width_counts.update(w for *_, w in plans)
         plans = [(r, n, d, w) for r, n, d, w in plans if n > 0 and d > 0]
         wide = [(r, n, d) for r, n, d, w in plans if w > 1]
         narrow = [(r, n) for r, n, _, w in plans if w == 1]
@@ -645,7 +647,6 @@ class Speculator:
                 nodes = min(depth, self.max_model_len - r.num_tokens - 1)
             else:
                 nodes, depth, width = self._tree_plan(r)
-                self.width_counts[width] += 1
                 # the policy's width-1 tree is a chain: drafted as one (`_trees_pay` predicted it so)
                 is_chain = self.config.adaptive and width == 1
             if room is not None:

@@ -130,9 +130,10 @@ def grow_trees(
     (tree: root + 4 nodes, 2 new) -> level 3. The greedy tree keeps the num_nodes best of all 8.
     A request of width 1 in the same batch drafts a chain: 1 candidate per level, 1 node run.
     """
-    num_reqs, k = len(requests), max(widths)
+    num_reqs = len(requests)
     heads = heads if isinstance(heads, list) else [heads]
-    ids, lp, q_rows = tree_children(heads[0], root_hidden, requests, generators, k, widths)
+    ids, lp, q_rows = tree_children(heads[0], root_hidden, requests, generators, max(widths), widths)
+    k = ids.shape[1]  # children per node: the widest request's (at most the draft vocabulary)
     device = ids.device
     width_t = torch.tensor(widths, device=device)
     levels = [first_level(ids, lp)]
