@@ -121,6 +121,7 @@ class SpecDecodeServer:
         # mode: disaggregated: the decode replicas get a handle to the prefill pool.
         self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
         self.prefills: dict[str, int] = {}  # where this replica's requests were prefilled
+        self.fallbacks: dict[str, int] = {}  # why remote prefills fell back: no_handoff, lost, refused
         self.transports: dict[str, int] = {}  # handoffs received, by transport
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
         engine_kwargs = config.engine_kwargs()
@@ -194,15 +195,19 @@ class SpecDecodeServer:
         continue here; a lost prefill replica or handoff, or a refused import, is prefilled here
         after the tokens already sent (`fallback`)."""
         result, sent = None, []
-        async for item in self._remote_prefill(prompt, params, label, trace.pairs):
-            if isinstance(item, PrefillResult):
-                result = item
-            else:
+        prefill_stream = self._remote_prefill(prompt, params, label, trace.pairs)
+        try:
+            async for item in prefill_stream:
+                if isinstance(item, PrefillResult):
+                    result = item
+                    break  # the prefill replica holds the handoff until this stream is closed
                 yield item  # the first message(s), or the last one if it finished in the prefill
                 if isinstance(item, ClientError) or item.finish_reason:
                     return
                 sent.extend(item.token_ids)
-        fetched = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
+            fetched = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
+        finally:
+            await prefill_stream.aclose()  # cancels the prefill call: its replica drops its reference
         if result is not None:
             result.handoff.clear()  # drop the ObjectRef: the owner frees the handoff now
             if span is not None:
@@ -222,6 +227,7 @@ class SpecDecodeServer:
                     # reached the client, so prefill here instead of failing the request.
                     logger.error("request %r: handoff not imported (%s: %s); prefilling locally",
                                  label, item.code_name, item.details)
+                    reason = "refused"
                     break
                 if first:
                     self._count_prefill("remote", result.num_bytes, seconds)
@@ -233,8 +239,11 @@ class SpecDecodeServer:
             else:
                 return
         else:
-            logger.warning("request %r: no handoff from the prefill pool; prefilling locally", label)
+            reason = "lost" if result is not None else "no_handoff"
+            logger.warning("request %r: %s; prefilling locally", label,
+                           "handoff lost" if result is not None else "no handoff from the prefill pool")
         self._count_prefill("fallback")
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         if span is not None:
             span.set_attribute(t.ATTR_PREFILLED, "fallback")
         async for item in self._run(prompt + sent, _fewer_tokens(params, len(sent)), label, trace, speculating,
@@ -246,8 +255,9 @@ class SpecDecodeServer:
     ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse | PrefillResult]:
         """The prefill pool's method (called by a decode replica): `Accepted`, the first message(s),
         then a `PrefillResult` whose handoff (target KV, drafter state, first drafts; in Ray's
-        object store, owned by this replica) the decode replica imports. A request that finishes
-        on its first token ends with its last message instead."""
+        object store, owned by this replica) the decode replica imports; this replica holds its
+        reference until the decode replica closes the call. A request that finishes on its first
+        token ends with its last message instead."""
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
         yield Accepted(self.replica_id)
         async for item in self._run(prompt, params, label, TraceMetadata(trace_metadata or []), speculating,
@@ -281,6 +291,13 @@ class SpecDecodeServer:
                 if out.handoff is not None:  # owned by this replica; freed when the decode side drops it
                     ref = put_handoff(out.handoff, self.transport)
                     yield PrefillResult([ref], self.transport, out.handoff.num_bytes, len(out.text), time.time())
+                    # Keep this replica's own reference until the decode replica has read the
+                    # handoff and closed the call (which cancels it here), at most twice its fetch
+                    # timeout: Ray can free an object whose reference a generator yielded inside
+                    # another object once the producer's local reference is gone, before the
+                    # consumer's borrow is registered (ray-project/ray#58080), and the decode side
+                    # then finds it lost.
+                    await asyncio.sleep(2 * self.config.replica_wait_timeout_s)
                     return
                 if out.finished:
                     self.metrics.on_request_finished(out, speculating)
@@ -357,10 +374,12 @@ class SpecDecodeServer:
 
     async def prefill_counts(self) -> dict[str, float]:
         """How this decode replica's requests were prefilled (remote, local, fallback), by which
-        transport its handoffs came (`via_nixl`, `via_object_store`) and their median size and
-        transfer time (tests and bench/bench_pd.py)."""
+        transport its handoffs came (`via_nixl`, `via_object_store`), why fallbacks happened
+        (`fallback_no_handoff`, `fallback_lost`, `fallback_refused`) and the handoffs' median size
+        and transfer time (tests and bench/bench_pd.py)."""
         out: dict[str, float] = dict(self.prefills)
         out.update({f"via_{name}": n for name, n in self.transports.items()})
+        out.update({f"fallback_{why}": n for why, n in self.fallbacks.items()})
         if self.handoffs:
             out["handoff_mb_median"] = statistics.median(b for b, _ in self.handoffs) / 1e6
             out["handoff_ms_median"] = statistics.median(s for _, s in self.handoffs) * 1e3

@@ -207,6 +207,47 @@ def test_object_store_transport_gives_the_same_tokens(served: Served, colocated,
     assert counts.get("via_object_store", 0) == counts.get("remote", 0) == 1, counts
 
 
+def test_prefill_replica_holds_its_handoff_until_the_call_is_closed(served: Served) -> None:
+    """The prefill replica keeps its own reference to a handoff it put until the decode side
+    closes the call (Ray can otherwise free an object whose reference a generator yielded before
+    the consumer's borrow is registered, ray-project/ray#58080): after the `PrefillResult` the
+    call stays open, the handoff can still be read from this (third) node, and closing the call
+    ends it."""
+    import asyncio
+
+    import ray
+    from ray.serve.exceptions import RequestCancelledError
+
+    from deployments.app import PrefillResult
+    from engine import SamplingParams
+
+    rng = random.Random(8)
+    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 10)]
+    pool = handle("SpecDecodePrefill").options(stream=True)
+
+    async def run() -> None:
+        call = pool.prefill.remote(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "hold")
+        result = None
+        async for item in call:
+            if isinstance(item, PrefillResult):
+                result = item
+                break
+        assert result is not None
+        following = asyncio.ensure_future(call.__anext__())
+        done, _ = await asyncio.wait({following}, timeout=1.0)
+        assert not done  # still open: the replica holds its reference
+        handoff = await asyncio.to_thread(ray.get, result.handoff[0], timeout=30)
+        assert list(handoff.prompt_token_ids) == prompt
+        del handoff
+        result.handoff.clear()
+        call.cancel()
+        with pytest.raises((RequestCancelledError, asyncio.CancelledError)):
+            await asyncio.wait_for(following, 30)
+
+    asyncio.run(run())
+    assert both_pools_idle()
+
+
 def test_one_trace_spans_prefill_handoff_and_decode(served: Served) -> None:
     """A remotely prefilled request is one trace under the client's traceparent: the decode
     replica's `specdecode.disaggregated` span holds the prefill replica's request span (exported on
@@ -387,7 +428,7 @@ def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colo
     has the handoff: the decode replica prefills locally (after the tokens already sent), the
     client sees the co-located tokens and no error, and the fallback is counted."""
     _, _, counts = run_variant(served, colocated, "pd-dying")
-    assert counts.get("fallback", 0) == 1, counts
+    assert counts.get("fallback", 0) == counts.get("fallback_no_handoff", 0) == 1, counts
 
 
 def mismatched_prefill_class() -> type:
@@ -411,4 +452,4 @@ def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated,
     problem: the decode replica prefills locally after the first token, the client gets the
     co-located tokens and no error, and the fallback (not a remote prefill) is counted."""
     _, _, counts = run_variant(served, colocated, "pd-mismatch")
-    assert counts.get("fallback", 0) == 1 and counts.get("remote", 0) == 0, counts
+    assert counts.get("fallback", 0) == counts.get("fallback_refused", 0) == 1 and counts.get("remote", 0) == 0, counts
