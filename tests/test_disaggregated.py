@@ -11,6 +11,7 @@ too, and after a storm of cancels neither pool may hold a KV block.
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.slow
 APP = "pd"
 THRESHOLD = 24  # prompts with at least this many uncached tokens are prefilled remotely
 K = 3
+VARIANT = "pd-objects"  # the second application: Ray's object stores as the transport, and faults
+DIE, MISMATCH = "die-after-first-token", "claim-another-model"  # request ids its prefill pool misbehaves on
 
 
 @dataclass
@@ -86,9 +89,14 @@ def served(tmp_path_factory) -> Iterator[Served]:
             return {"ray_actor_options": {"num_cpus": 0.5, "resources": {name: 1}, "runtime_env": {"env_vars": env}}}
 
         decode, prefill = pool("decode"), pool("prefill")
-        serve.run(bind_app(config, decode, prefill_overrides=prefill), name=APP, route_prefix=f"/{APP}")
-        with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
-            client.wait_ready(120)
+        # Both applications at once (their replicas start side by side), and before any handoff
+        # has gone by nixl: its agents' polling threads slow everything started after it here.
+        serve.run_many([serve.RunTarget(bind_app(config, decode, prefill_overrides=prefill), name=APP,
+                                        route_prefix=f"/{APP}"),
+                        variant_target(target, drafter)])
+        for app in (APP, VARIANT):
+            with SpecDecodeClient(f"127.0.0.1:{port}", application=app) as client:
+                client.wait_ready(120)
         yield Served(port, target, drafter, spans)
     finally:
         serve.shutdown()
@@ -201,12 +209,6 @@ def test_handoffs_travel_by_ray_direct_transport(served: Served) -> None:
     assert direct_transport_objects_held() == 0
 
 
-def test_object_store_transport_gives_the_same_tokens(served: Served, colocated, variants) -> None:
-    """transport object_store: the handoff goes through Ray's object stores (node to node)."""
-    _, _, counts = run_variant(served, colocated, "pd-objects")
-    assert counts.get("via_object_store", 0) == counts.get("remote", 0) == 1, counts
-
-
 def test_prefill_replica_holds_its_handoff_until_the_call_is_closed(served: Served) -> None:
     """The prefill replica keeps its own reference to a handoff it put until the decode side
     closes the call (Ray can otherwise free an object whose reference a generator yielded before
@@ -217,6 +219,7 @@ def test_prefill_replica_holds_its_handoff_until_the_call_is_closed(served: Serv
 
     import ray
     from ray.serve.exceptions import RequestCancelledError
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from deployments.app import PrefillResult
     from engine import SamplingParams
@@ -236,9 +239,13 @@ def test_prefill_replica_holds_its_handoff_until_the_call_is_closed(served: Serv
         following = asyncio.ensure_future(call.__anext__())
         done, _ = await asyncio.wait({following}, timeout=1.0)
         assert not done  # still open: the replica holds its reference
-        handoff = await asyncio.to_thread(ray.get, result.handoff[0], timeout=30)
-        assert list(handoff.prompt_token_ids) == prompt
-        del handoff
+        # Read by a task on the head node, not by this process: a nixl handoff's `ray.get` starts
+        # a NIXL agent (UCX) in the reader, and in the pytest process UCX's memory hooks later
+        # crashed protoc (grpcio-tools, tests/test_protos.py) with a segmentation fault.
+        head = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        read = ray.remote(num_cpus=0, scheduling_strategy=head)(
+            lambda refs: list(ray.get(refs[0], timeout=30).prompt_token_ids))
+        assert await asyncio.to_thread(ray.get, read.remote(result.handoff), timeout=60) == prompt
         result.handoff.clear()
         call.cancel()
         with pytest.raises((RequestCancelledError, asyncio.CancelledError)):
@@ -246,6 +253,7 @@ def test_prefill_replica_holds_its_handoff_until_the_call_is_closed(served: Serv
 
     asyncio.run(run())
     assert both_pools_idle()
+    assert not [m for m in sys.modules if m.split(".")[0] == "nixl"], "this process loaded nixl"
 
 
 def test_one_trace_spans_prefill_handoff_and_decode(served: Served) -> None:
@@ -353,103 +361,81 @@ def test_cancel_storm_leaves_no_blocks_on_either_pool(served: Served) -> None:
     assert counts.get("remote", 0) > 0
 
 
-VARIANTS = {  # app -> (seed of its prompt, what it deploys differently)
-    "pd-objects": (13, "object_store"),
-    "pd-dying": (11, "dying_prefill"),
-    "pd-mismatch": (12, "mismatched_prefill"),
-}
+def variant_target(target: str, drafter: str):
+    """The second pd application (`VARIANT`): Ray's object stores as the transport (pools pinned
+    to their nodes), and a prefill pool that misbehaves on two request ids: it exits before its
+    handoff arrives (`DIE`), or its handoff claims another target checkpoint, as if the prefill
+    pool were deployed with a different model (`MISMATCH`: the decode engine refuses it). One
+    application for the three cases, so that the suite starts two replicas, not six."""
+    import asyncio
+    import dataclasses
 
-
-@pytest.fixture(scope="module")
-def variants(served: Served) -> Iterator[None]:
-    """Three more pd applications on the same cluster, deployed at once (`serve.run_many`: their
-    replicas start side by side instead of one application after another): Ray's object stores as
-    the transport (pools pinned to their nodes), a prefill replica that dies before its handoff
-    arrives, and one whose handoffs the decode engine refuses."""
+    import ray
     from ray import serve
 
-    from deployments.app import bind_app
+    from deployments.app import PrefillResult, SpecDecodeServer, bind_app
 
-    targets = []
-    for app, (_, kind) in VARIANTS.items():
-        pinned = kind == "object_store"
-        config = app_config(served.target, served.drafter, **({"transport": "object_store"} if pinned else {}))
-        decode = {"ray_actor_options": {"num_cpus": 0, **({"resources": {"decode": 1}} if pinned else {})}}
-        prefill = {"ray_actor_options": {"num_cpus": 0, **({"resources": {"prefill": 1}} if pinned else {})}}
-        prefill_cls = {"dying_prefill": dying_prefill_class, "mismatched_prefill": mismatched_prefill_class}.get(kind)
-        targets.append(serve.RunTarget(
-            bind_app(config, decode, prefill_overrides=prefill, prefill_cls=prefill_cls and prefill_cls()),
-            name=app, route_prefix=f"/{app}"))
-    try:
-        serve.run_many(targets)
-        yield
-    finally:
-        for app in VARIANTS:
-            serve.delete(app, _blocking=False)
+    die, mismatch = DIE, MISMATCH  # travel with the class (pickled by value)
 
-
-def run_variant(served: Served, colocated, app: str) -> tuple[list[int], object, dict]:
-    """Send one greedy request long enough for the prefill pool to the `variants` application
-    `app`, check its tokens against the co-located engine: (token ids, last message, decode
-    replica's prefill counts)."""
-    from ray import serve
-
-    rng = random.Random(VARIANTS[app][0])
-    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
-    params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
-    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
-        client.wait_ready(120)
-        ids, _, last = collect(client.generate(prompt, **params))
-    assert ids == reference(colocated, prompt, **params)
-    assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
-    counts = serve.get_deployment_handle("SpecDecode", app_name=app).prefill_counts.remote().result(timeout_s=30)
-    return ids, last, counts
-
-
-def dying_prefill_class() -> type:
-    """A prefill replica whose process exits right after sending the first message: the handoff
-    never arrives (by value for Ray)."""
-    from deployments.app import PrefillResult, SpecDecodeServer
-
-    class DyingPrefill(SpecDecodeServer):
+    class FaultyPrefill(SpecDecodeServer):
         async def prefill(self, prompt, params, label, trace_metadata=None):  # noqa: ANN001, ANN201
             async for item in super().prefill(prompt, params, label, trace_metadata):
-                if isinstance(item, PrefillResult):
+                if isinstance(item, PrefillResult) and label == die:
                     import os
 
                     os._exit(1)
+                if isinstance(item, PrefillResult) and label == mismatch:
+                    handoff = await asyncio.to_thread(ray.get, item.handoff[0])
+                    compat = dataclasses.replace(handoff.compat, model_digest="another-model")
+                    item = dataclasses.replace(item, handoff=[ray.put(dataclasses.replace(handoff, compat=compat))])
                 yield item
 
-    return DyingPrefill
+    config = app_config(target, drafter, transport="object_store")
+    decode = {"ray_actor_options": {"num_cpus": 0, "resources": {"decode": 1}}}
+    prefill = {"ray_actor_options": {"num_cpus": 0, "resources": {"prefill": 1}}}
+    return serve.RunTarget(bind_app(config, decode, prefill_overrides=prefill, prefill_cls=FaultyPrefill),
+                           name=VARIANT, route_prefix=f"/{VARIANT}")
 
 
-def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colocated, variants) -> None:
-    """The prefill replica dies after the client got the first token and before the decode side
-    has the handoff: the decode replica prefills locally (after the tokens already sent), the
-    client sees the co-located tokens and no error, and the fallback is counted."""
-    _, _, counts = run_variant(served, colocated, "pd-dying")
-    assert counts.get("fallback", 0) == counts.get("fallback_no_handoff", 0) == 1, counts
+def run_variant(served: Served, colocated, seed: int, request_id: str = "") -> tuple[list[int], object, dict]:
+    """Send one greedy request long enough for the prefill pool to the `VARIANT` application,
+    check its tokens against the co-located engine: (token ids, last message, the counts by
+    which this request changed the decode replica's prefill counts)."""
+    from ray import serve
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
+    params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
+    decode = serve.get_deployment_handle("SpecDecode", app_name=VARIANT)
+    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=VARIANT, timeout=120) as client:
+        client.wait_ready(120)
+        before = decode.prefill_counts.remote().result(timeout_s=30)
+        ids, _, last = collect(client.generate(prompt, request_id=request_id, **params))
+    assert ids == reference(colocated, prompt, **params)
+    assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
+    after = decode.prefill_counts.remote().result(timeout_s=30)
+    changed = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+    return ids, last, changed
 
 
-def mismatched_prefill_class() -> type:
-    """A prefill replica whose handoffs claim another target checkpoint (as if the prefill pool
-    were deployed with a different model): the decode engine refuses every import."""
-    import dataclasses
-
-    from deployments.app import SpecDecodeServer
-
-    class MismatchedPrefill(SpecDecodeServer):
-        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-            super().__init__(*args, **kwargs)
-            engine = self.llm.engine
-            engine.handoff_compat = dataclasses.replace(engine.handoff_compat, model_digest="another-model")
-
-    return MismatchedPrefill
+def test_object_store_transport_gives_the_same_tokens(served: Served, colocated) -> None:
+    """transport object_store: the handoff goes through Ray's object stores (node to node)."""
+    _, _, counts = run_variant(served, colocated, 13)
+    assert counts == {"remote": 1, "via_object_store": 1}, counts
 
 
-def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated, variants) -> None:
+def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated) -> None:
     """A handoff the decode engine cannot import (HandoffMismatchError) is not the client's
     problem: the decode replica prefills locally after the first token, the client gets the
     co-located tokens and no error, and the fallback (not a remote prefill) is counted."""
-    _, _, counts = run_variant(served, colocated, "pd-mismatch")
-    assert counts.get("fallback", 0) == counts.get("fallback_refused", 0) == 1 and counts.get("remote", 0) == 0, counts
+    _, _, counts = run_variant(served, colocated, 12, MISMATCH)
+    assert counts == {"fallback": 1, "fallback_refused": 1}, counts
+
+
+def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colocated) -> None:
+    """The prefill replica dies after the client got the first token and before the decode side
+    has the handoff: the decode replica prefills locally (after the tokens already sent), the
+    client sees the co-located tokens and no error, and the fallback is counted. (Last: the
+    prefill replica is gone afterwards.)"""
+    _, _, counts = run_variant(served, colocated, 11, DIE)
+    assert counts == {"fallback": 1, "fallback_no_handoff": 1}, counts
