@@ -1,7 +1,7 @@
 """What exact speculation costs, and what it buys: the engine's `exact` modes side by side.
 
     python -m bench.bench_exact [--prompts 4] [--max-tokens 64] [--reps 2] [--dtype auto]
-        [--methods eagle3,draft] [--modes off,rows,pad,batch_invariant] [--concurrent 16]
+        [--methods eagle3,draft] [--modes off,rows,pad,batch_invariant[,rows-widen]] [--concurrent 16]
         [--out bench/results/exact.json]
 
 Shipped target and drafters, one torch thread, held-out code prompts, greedy. For each mode
@@ -29,15 +29,36 @@ DRAFTERS = {"draft": "drafter", "eagle3": "eagle3-head", "mtp": None, "ngram": N
 MODES = ("off", "rows", "pad", "batch_invariant")
 
 
+# "rows-widen": `rows` with bfloat16 weights packed for the widen-then-FMA products even where the
+# CPU has AVX512-BF16 (SPECDECODE_CPU_BF16_DOT=0 while the engine loads and packs), to compare the
+# two CPU product paths in one interleaved run.
+WIDEN = "rows-widen"
+
+
 def make(method: str | None, mode: str, dtype: str):
-    from engine import LLM, SpeculativeConfig
+    import os
+
+    from engine import LLM, SamplingParams, SpeculativeConfig
+    from kernels import cpu_kernels
 
     spec = None
     if method is not None:
         folder = DRAFTERS[method]
         spec = SpeculativeConfig(method=method, model=str(MODELS / folder) if folder else None,
                                  num_speculative_tokens=4, adaptive=False)
-    return LLM(str(MODELS / "target"), device="cpu", dtype=dtype, speculative=spec, exact=mode, num_threads=1)
+    if mode != WIDEN:
+        return LLM(str(MODELS / "target"), device="cpu", dtype=dtype, speculative=spec, exact=mode, num_threads=1)
+    before = os.environ.get(cpu_kernels.ENV_BF16_DOT)
+    os.environ[cpu_kernels.ENV_BF16_DOT] = "0"
+    try:
+        llm = LLM(str(MODELS / "target"), device="cpu", dtype=dtype, speculative=spec, exact="rows", num_threads=1)
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # packs lazily
+    finally:
+        if before is None:
+            os.environ.pop(cpu_kernels.ENV_BF16_DOT)
+        else:
+            os.environ[cpu_kernels.ENV_BF16_DOT] = before
+    return llm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--methods", default="eagle3,draft")
-    p.add_argument("--modes", default=",".join(MODES), help="exact modes to compare (off first)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"exact modes to compare (off first; {WIDEN}: rows without the AVX512-BF16 products)")
     p.add_argument("--concurrent", type=int, default=16)
     p.add_argument("--out", default=str(RESULTS / "exact.json"))
     args = p.parse_args(argv)
@@ -88,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrent = []
     batch = [prompts[i % len(prompts)] for i in range(args.concurrent)]
     for m in methods[:2]:
-        for mode in [x for x in ("off", "batch_invariant", "rows") if x in modes]:
+        for mode in [x for x in ("off", "batch_invariant", "rows", WIDEN) if x in modes]:
             llm = llms[m, mode]
             t0 = time.perf_counter()
             outs = llm.generate(batch, params)

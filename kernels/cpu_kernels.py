@@ -8,7 +8,9 @@ other requests); and they read each weight once per call, so a few rows cost lit
 one. Compiled on first use with torch.utils.cpp_extension (g++, -O3 -mavx2 -mfma -fopenmp) into
 build/torch_extensions/ of this checkout (a few tens of seconds, once). `available()` is False on a
 CPU without AVX2/FMA, or when the compiler fails (the reason is logged once); callers then use
-the torch path.
+the torch path. Where the CPU has AVX512-BF16, bfloat16 weights are packed for its dot-product
+instructions (`dot_bf16_available`, `pack_rows`): activations rounded to bfloat16, twice the
+multiply-adds per instruction, the same row invariance (other bits than the AVX2 path).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_rows.cpp")
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "torch_extensions"
 ENV_DISABLE = "SPECDECODE_CPU_KERNELS"  # "0": never build or use them
+ENV_BF16_DOT = "SPECDECODE_CPU_BF16_DOT"  # "0": no AVX512-BF16 products even where the CPU has them
 
 
 @functools.cache
@@ -89,10 +92,22 @@ def rows_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return _module().rows_attention(query.float(), k_cache, v_cache, block_tables, ctx_lens, scale).to(query.dtype)
 
 
-def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+def dot_bf16_available() -> bool:
+    """True where bfloat16 weights are packed for AVX512-BF16 dot-product instructions
+    (`vdpbf16ps`, cpu_rows.cpp `linear_dp`): a CPU with AVX512-BF16 and `SPECDECODE_CPU_BF16_DOT`
+    not "0". Those products round the activations to bfloat16 (as torch's bfloat16 products do)
+    and do twice the multiply-adds per instruction of the widen-then-FMA path."""
+    return available() and os.environ.get(ENV_BF16_DOT, "1") != "0" and bool(_module().has_dot_bf16())
+
+
+def pack_rows(weight: torch.Tensor, dot_bf16: bool | None = None) -> torch.Tensor:
     """weight [N, K] float32 or bfloat16 -> a copy in the packed layout of `packed_linear` and
-    `rows_layer` (each block of 4 rows in the order the kernel reads it; [ceil(N / 4) * 4, K])."""
-    return _module().pack_rows(weight.detach())
+    `rows_layer` (each block of 4 rows in the order the kernel reads it; [ceil(N / 4) * 4, K]);
+    `dot_bf16` (default: bfloat16 weights where `dot_bf16_available()`) the AVX512-BF16 layout,
+    [ceil(N / 4), 4 * ceil(K / 32) * 32], which the kernels tell apart by its shape."""
+    if dot_bf16 is None:
+        dot_bf16 = weight.dtype == torch.bfloat16 and dot_bf16_available()
+    return _module().pack_rows(weight.detach(), dot_bf16)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:

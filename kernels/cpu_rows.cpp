@@ -14,6 +14,9 @@
 // call on a few rows costs little more than one row while the product is memory-bound. bfloat16
 // weights are widened to float32 in registers (a 16-bit shift): half the bytes, same arithmetic.
 //
+// On CPUs with AVX512-BF16, bfloat16 weights can be packed for dot-product instructions instead
+// (linear_dp, below: activations rounded to bfloat16, `vdpbf16ps`), with the same row invariance.
+//
 // rows_attention: each query token over exactly its own paged context, one (token, head) per
 // thread. rows_layer: one decoder layer (norms, q/k/v, rope, KV write, attention, o, SwiGLU MLP)
 // in one call, every row in float32 through the same per-row orders: the decode step's Python
@@ -225,6 +228,111 @@ void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N,
   }
 }
 
+// ---- bfloat16 products by dot-product instructions (AVX512-BF16) ---------------------------
+// On CPUs with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later) a bfloat16 product can
+// run as `vdpbf16ps`: 32 bfloat16 pairs multiplied and summed into 16 float32 lanes per
+// instruction, twice the multiply-adds of the widen-then-FMA path above, which is what a step of
+// several rows (a verification, a batch) is bound by. The activations are rounded to bfloat16
+// first (round to nearest even, as torch's `.to(torch.bfloat16)`), as a bfloat16 model's
+// products take them in torch; the weights are packed in their own layout (pack_block_dp), told
+// apart from the other by its shape ([ceil(N / 4), 4 * K32] instead of [ceil(N / 4) * 4, K]).
+//
+// The order of every output y[m, n] = bf16(x[m]) . w[n]: 16 float32 lanes, lane i accumulating
+// the pairs (32s + 2i, 32s + 2i + 1) over the 32-wide steps s of K (zero-padded to K32, a
+// multiple of 32: padded pairs add exact zeros), then one fixed horizontal sum. It depends on K
+// only: the same bits alone or next to other rows, as for the path above (not the same bits as
+// that path: the activations are rounded, and the sums run in another order).
+constexpr int64_t KB = 32;  // bfloat16 values per 512-bit register
+inline int64_t k32(int64_t K) { return (K + KB - 1) / KB * KB; }
+
+// Rows nb (<= 4) of w [nb, K] -> for each 32-wide step of K, the 32 weights of rows 0, 1, 2, 3
+// (zeros past K and for rows past N): one 256-byte stretch of the stream per step.
+void pack_block_dp(const uint16_t* w, int64_t nb, int64_t K, uint16_t* dst) {
+  int64_t o = 0;
+  for (int64_t k = 0; k < k32(K); k += KB)
+    for (int64_t j = 0; j < PACK; ++j)
+      for (int64_t i = 0; i < KB; ++i) dst[o++] = (j < nb && k + i < K) ? w[j * K + k + i] : uint16_t(0);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+// float32 row [K] -> bfloat16 [K32], round to nearest even (NaN -> 0x7fc0, as f32_to_bf16 and
+// torch), zeros past K.
+__attribute__((noinline)) void round_row_bf16(const float* x, int64_t K, uint16_t* out) {
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), qnan = _mm512_set1_epi32(0x7fc0);
+  for (int64_t k = 0; k < k32(K); k += 16) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, K - k));
+    const __mmask16 live = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
+    const __m512 v = _mm512_maskz_loadu_ps(live, x + std::min(k, K));
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(bias, lsb)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm512_cvtepi32_epi16(r));
+  }
+}
+
+// MB rows of bfloat16 x [K32] against the 4 weight rows of one dp-packed block.
+template <int MB>
+__attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t* p, int64_t K32, float (*out)[PACK]) {
+  __m512 acc[MB][PACK];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < PACK; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K32; k += KB, p += KB * PACK) {
+    __m512bh w[PACK];
+    for (int j = 0; j < PACK; ++j) w[j] = (__m512bh)_mm512_loadu_si512(p + KB * j);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[m] + k);
+      for (int j = 0; j < PACK; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < PACK; ++j) out[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+#pragma GCC pop_options
+
+// Up to 6 rows per weight load (24 accumulators, 4 weight registers and one of x: 29 of the
+// 32 registers).
+constexpr int DP_ROWS = 6;
+
+void dots_dp_rows(int rows, const uint16_t* const* x, const uint16_t* p, int64_t K32, float (*out)[PACK]) {
+  switch (rows) {
+    case 6: dots_dp<6>(x, p, K32, out); break;
+    case 5: dots_dp<5>(x, p, K32, out); break;
+    case 4: dots_dp<4>(x, p, K32, out); break;
+    case 3: dots_dp<3>(x, p, K32, out); break;
+    case 2: dots_dp<2>(x, p, K32, out); break;
+    default: dots_dp<1>(x, p, K32, out); break;
+  }
+}
+
+// y[m, :N] = bf16(x[m]) @ w.T (+ b), w dp-packed, for M rows of x (tiles of M_TILE rows).
+void linear_dp(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, const float* bias, float* y,
+               int threads) {
+  const int64_t K32 = k32(K), blocks = (N + PACK - 1) / PACK;
+  std::vector<uint16_t> xb(M * K32);
+  for (int64_t m = 0; m < M; ++m) round_row_bf16(x + m * K, K, xb.data() + m * K32);
+  for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
+    const int64_t m1 = std::min(M, m0 + M_TILE);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t n0 = blk * PACK, nb = std::min<int64_t>(PACK, N - n0);
+      const uint16_t* p = wp + blk * PACK * K32;
+      float out[DP_ROWS][PACK];
+      for (int64_t m = m0; m < m1; m += DP_ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(DP_ROWS, m1 - m));
+        const uint16_t* xs[DP_ROWS];
+        for (int i = 0; i < rows; ++i) xs[i] = xb.data() + (m + i) * K32;
+        dots_dp_rows(rows, xs, p, K32, out);
+        for (int i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < nb; ++j) y[(m + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+      }
+    }
+  }
+}
+
 // Paged attention of T query tokens [T, H, D], each over exactly its own context (see
 // rows_attention). The G = H / Hkv query heads of one kv head are computed together, each key
 // and value row read (and widened) once for all G; every (token, head) keeps its own fixed
@@ -329,12 +437,32 @@ const float* opt_f32(const torch::Tensor& t, const char* what) {
 
 }  // namespace
 
-// w [N, K] float32 or bfloat16 -> the packed layout (see pack_block) as [ceil(N / 4) * 4, K].
-torch::Tensor pack_rows(torch::Tensor w) {
+static bool cpu_has_dot_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// w [N, K] float32 or bfloat16 -> the packed layout (see pack_block) as [ceil(N / 4) * 4, K];
+// dot_bf16 (bfloat16 w, a CPU with AVX512-BF16): the layout of linear_dp (pack_block_dp) as
+// [ceil(N / 4), 4 * K32].
+torch::Tensor pack_rows(torch::Tensor w, bool dot_bf16) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
               "pack_rows: w must be float32 or bfloat16 [N, K]");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), blocks = (N + PACK - 1) / PACK;
+  if (dot_bf16) {
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "pack_rows: dot_bf16 needs bfloat16 weights");
+    TORCH_CHECK(cpu_has_dot_bf16(), "pack_rows: dot_bf16 needs a CPU with AVX512-BF16");
+    auto out = torch::empty({blocks, PACK * k32(K)}, w.options());
+    const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t n0 = blk * PACK;
+      pack_block_dp(src + n0 * K, std::min<int64_t>(PACK, N - n0), K, dst + blk * PACK * k32(K));
+    }
+    return out;
+  }
   auto out = torch::empty({blocks * PACK, K}, w.options());
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t n0 = blk * PACK, nb = std::min<int64_t>(PACK, N - n0);
@@ -349,20 +477,32 @@ torch::Tensor pack_rows(torch::Tensor w) {
   return out;
 }
 
-static void check_packed(const torch::Tensor& wp, int64_t N, int64_t K, const char* what) {
+// Which packed layout wp is in (pack_rows), checked against the product's N x K.
+enum class Packed { plain, dot_bf16 };
+
+static Packed check_packed(const torch::Tensor& wp, int64_t N, int64_t K, const char* what) {
   TORCH_CHECK(wp.dim() == 2 && wp.is_contiguous() &&
                   (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kBFloat16),
               what, ": packed weights must be contiguous float32 or bfloat16 (pack_rows)");
-  TORCH_CHECK(wp.size(1) == K && wp.size(0) == (N + PACK - 1) / PACK * PACK, what, ": packed weights of ", N, " x ",
+  const int64_t blocks = (N + PACK - 1) / PACK;
+  if (wp.scalar_type() == torch::kBFloat16 && wp.size(0) == blocks && wp.size(1) == PACK * k32(K)) {
+    TORCH_CHECK(cpu_has_dot_bf16(), what, ": dot_bf16-packed weights need a CPU with AVX512-BF16");
+    return Packed::dot_bf16;
+  }
+  TORCH_CHECK(wp.size(1) == K && wp.size(0) == blocks * PACK, what, ": packed weights of ", N, " x ",
               K, " expected, got ", wp.size(0), " x ", wp.size(1));
+  return Packed::plain;
 }
 
-template <typename F>
-static void with_weights(const torch::Tensor& wp, F&& f) {
-  if (wp.scalar_type() == torch::kBFloat16) {
-    f(reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()));
+// y = x @ w.T (+ b) over M rows with packed weights of either layout.
+static void packed_product(const float* x, int64_t M, int64_t K, const torch::Tensor& wp, Packed layout, int64_t N,
+                           const float* bias, float* y, int threads) {
+  if (layout == Packed::dot_bf16) {
+    linear_dp(x, M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), N, bias, y, threads);
+  } else if (wp.scalar_type() == torch::kBFloat16) {
+    linear_packed(x, M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), N, bias, y, threads);
   } else {
-    f(wp.data_ptr<float>());
+    linear_packed(x, M, K, wp.data_ptr<float>(), N, bias, y, threads);
   }
 }
 
@@ -371,12 +511,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, int64_t n, torch:
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "packed_linear: x must be float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  check_packed(wp, n, K, "packed_linear");
+  const Packed layout = check_packed(wp, n, K, "packed_linear");
   TORCH_CHECK(!b.defined() || b.numel() == 0 || (b.numel() == n && b.scalar_type() == torch::kFloat32 && b.is_contiguous()),
               "packed_linear: b must be contiguous float32 [N] or empty");
   const float* bp = b.defined() && b.numel() > 0 ? b.data_ptr<float>() : nullptr;
   auto y = torch::empty({M, n}, x.options());
-  with_weights(wp, [&](const auto* w) { linear_packed(x.data_ptr<float>(), M, K, w, n, bp, y.data_ptr<float>(), at::get_num_threads()); });
+  packed_product(x.data_ptr<float>(), M, K, wp, layout, n, bp, y.data_ptr<float>(), at::get_num_threads());
   return y;
 }
 
@@ -386,7 +526,7 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor b) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "rows_linear: x [M, K] and w [N, K]");
   TORCH_CHECK(x.size(1) == w.size(1), "rows_linear: x and w disagree on K");
   if (b.defined() && b.numel() > 0) b = b.contiguous();
-  return packed_linear(x, pack_rows(w), w.size(0), b);
+  return packed_linear(x, pack_rows(w, false), w.size(0), b);
 }
 
 // Paged attention for a few query tokens, each over exactly its own context, in a fixed order:
@@ -484,12 +624,16 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
   TORCH_CHECK(!has_in || (attn_in.dim() == 2 && attn_in.size(0) == T && attn_in.scalar_type() == torch::kFloat32 &&
                           attn_in.is_contiguous()), "rows_layer: attn_in must be contiguous float32 [T, K]");
   const int64_t K_in = has_in ? attn_in.size(1) : E;
-  check_packed(w_qkv, QKV, K_in, "rows_layer w_qkv");
-  check_packed(w_o, E, Q, "rows_layer w_o");
-  check_packed(w_gate_up, I2, E, "rows_layer w_gate_up");
-  check_packed(w_down, E, I, "rows_layer w_down");
+  const Packed l_qkv = check_packed(w_qkv, QKV, K_in, "rows_layer w_qkv");
+  const Packed l_o = check_packed(w_o, E, Q, "rows_layer w_o");
+  const Packed l_gu = check_packed(w_gate_up, I2, E, "rows_layer w_gate_up");
+  const Packed l_down = check_packed(w_down, E, I, "rows_layer w_down");
   TORCH_CHECK(k_cache.size(2) == Hkv, "rows_layer: cache heads");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == T && slots.is_contiguous(), "rows_layer: slots int64 [T]");
+  {
+    const int64_t* sl = slots.data_ptr<int64_t>(), cache_rows = k_cache.size(0) * k_cache.size(1);
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] < cache_rows, "rows_layer: slot out of range");
+  }
   check_paged(k_cache, v_cache, block_tables, ctx_lens, T, H, D, "rows_layer");
   const float* in_w = opt_f32(in_norm, "in_norm");
   const float* post_w = opt_f32(post_norm, "post_norm");
@@ -524,10 +668,9 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
       else std::memcpy(h.data() + t * E, res + t * E, sizeof(float) * E);
     }
   }
-  auto linear = [&](const float* in, int64_t K, const torch::Tensor& w, int64_t N, const float* b, float* y) {
-    with_weights(w, [&](const auto* wp) { linear_packed(in, T, K, wp, N, b, y, threads); });
-  };
-  linear(has_in ? attn_in.data_ptr<float>() : h.data(), K_in, w_qkv, QKV, bqkv, qkv.data());
+  auto linear = [&](const float* in, int64_t K, const torch::Tensor& w, Packed layout, int64_t N, const float* b,
+                    float* y) { packed_product(in, T, K, w, layout, N, b, y, threads); };
+  linear(has_in ? attn_in.data_ptr<float>() : h.data(), K_in, w_qkv, l_qkv, QKV, bqkv, qkv.data());
   const bool cache_bf16 = k_cache.scalar_type() == torch::kBFloat16;
   const int64_t* slot = slots.data_ptr<int64_t>();
   std::vector<float> tmp(D);
@@ -558,25 +701,27 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
   std::vector<float> qbuf(T * Q);
   for (int64_t t = 0; t < T; ++t) std::memcpy(qbuf.data() + t * Q, qkv.data() + t * QKV, sizeof(float) * Q);
   run_attention(qbuf.data(), T, H, D, k_cache, v_cache, block_tables, ctx_lens, static_cast<float>(scale), attn.data(), threads);
-  linear(attn.data(), Q, w_o, E, bo, out.data_ptr<float>());
+  linear(attn.data(), Q, w_o, l_o, E, bo, out.data_ptr<float>());
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < T * E; ++i) res[i] += op[i];
   for (int64_t t = 0; t < T; ++t) rms_norm_row(res + t * E, post_w, E, feps, h.data() + t * E);
-  linear(h.data(), E, w_gate_up, I2, bgu, gu.data());
+  linear(h.data(), E, w_gate_up, l_gu, I2, bgu, gu.data());
   for (int64_t t = 0; t < T; ++t) {
     const float* g = gu.data() + t * I2;
     const float* u = g + I;
     float* a = h.data() + t * I;
     for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }
-  linear(h.data(), I, w_down, E, bdown, op);
+  linear(h.data(), I, w_down, l_down, E, bdown, op);
   return {out, res_out};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rows_linear", &rows_linear, "row-invariant small-batch x @ w.T + b (AVX2/FMA)");
+  m.def("rows_linear", &rows_linear, "row-invariant small-batch x @ w.T + b (AVX2/FMA, plain packing)");
   m.def("rows_attention", &rows_attention, "row-invariant paged attention of a few query tokens (AVX2/FMA)");
-  m.def("pack_rows", &pack_rows, "weights [N, K] -> the packed layout of packed_linear / rows_layer");
+  m.def("pack_rows", &pack_rows, "weights [N, K] -> the packed layout of packed_linear / rows_layer",
+        py::arg("w"), py::arg("dot_bf16") = false);
+  m.def("has_dot_bf16", &cpu_has_dot_bf16, "whether this CPU runs the AVX512-BF16 products (dot_bf16 layout)");
   m.def("packed_linear", &packed_linear, "rows_linear with packed weights (bit-identical results)");
   m.def("rows_layer", &rows_layer, "one row-invariant pre-norm decoder layer for a few tokens (AVX2/FMA)");
 }

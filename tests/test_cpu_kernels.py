@@ -12,6 +12,22 @@ from kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU row kernels not available (no AVX2/FMA or no compiler)")
 
+# Weight dtypes and packed layouts: "plain" (widened to float32, AVX2 FMAs) for both dtypes, and
+# "dot_bf16" (AVX512-BF16 dot products over activations rounded to bfloat16) where the CPU has it.
+DOT_BF16 = pytest.param(torch.bfloat16, "dot_bf16", id="bfloat16-dot_bf16", marks=pytest.mark.skipif(
+    not cpu_kernels.available() or not cpu_kernels.dot_bf16_available(), reason="no AVX512-BF16 on this CPU"))
+WEIGHTS = [pytest.param(torch.float32, "plain", id="float32"), pytest.param(torch.bfloat16, "plain", id="bfloat16"),
+           DOT_BF16]
+
+
+def pack(w: torch.Tensor, layout: str) -> torch.Tensor:
+    return cpu_kernels.pack_rows(w, dot_bf16=layout == "dot_bf16")
+
+
+def x_ref(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """The activations as the products take them, in float64: rounded to bfloat16 for dot_bf16."""
+    return (x.to(torch.bfloat16) if layout == "dot_bf16" else x).double()
+
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [512, 77])  # 77: the 8-lane and scalar tails
@@ -31,16 +47,16 @@ def test_rows_linear_matches_torch_and_is_row_invariant(wdtype, k):
     torch.testing.assert_close(cpu_kernels.rows_linear(x, w, None), no_bias, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_packed_linear_over_row_tiles_is_row_invariant(wdtype):
+@pytest.mark.parametrize(("wdtype", "layout"), WEIGHTS)
+def test_packed_linear_over_row_tiles_is_row_invariant(wdtype, layout):
     """A prefill-sized product (rows in several tiles of the kernel's M_TILE = 48, the last one
     partial) gives each row the bits it gets alone, and matches float64."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(70, 136, generator=g).to(wdtype)
     x = torch.randn(101, 136, generator=g)
-    packed = cpu_kernels.pack_rows(w)
+    packed = pack(w, layout)
     y = cpu_kernels.packed_linear(x, packed, 70, None)
-    torch.testing.assert_close(y, torch.nn.functional.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x_ref(x, layout), w.double()).float(), rtol=1e-5, atol=1e-4)
     for i in (0, 47, 48, 50, 96, 100):
         assert torch.equal(cpu_kernels.packed_linear(x[i : i + 1].clone(), packed, 70, None), y[i : i + 1])
 
@@ -93,26 +109,54 @@ def test_rows_attention_matches_a_dense_reference_and_is_row_invariant(cdtype):
 
 
 # --- packed weights ---------------------------------------------------------------------------
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(301, 77), (6, 5), (8, 16)])  # partial 4-row blocks; K tails; none
-def test_packed_linear_matches_a_reference_for_any_grouping_of_rows(wdtype, n, k):
-    """Rows are computed three, two or one at a time against each weight load depending on M: a
-    row's result must not depend on that (nor on its place), and must match float64."""
+@pytest.mark.parametrize(("wdtype", "layout"), WEIGHTS)
+@pytest.mark.parametrize(("n", "k"), [(301, 77), (6, 5), (8, 16), (9, 64)])  # partial 4-row blocks; K tails; none
+def test_packed_linear_matches_a_reference_for_any_grouping_of_rows(wdtype, layout, n, k):
+    """Rows are computed several (plain: up to 3, dot_bf16: up to 6), fewer or one at a time
+    against each weight load depending on M: a row's result must not depend on that (nor on its
+    place), and must match float64."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(n, k, generator=g).to(wdtype)
     b = torch.randn(n, generator=g)
-    x = torch.randn(7, k, generator=g)
-    packed = cpu_kernels.pack_rows(w)
-    assert packed.shape == (-(-n // 4) * 4, k) and packed.dtype == wdtype
+    x = torch.randn(13, k, generator=g)
+    packed = pack(w, layout)
+    blocks = -(-n // 4)
+    shape = (blocks, 4 * (-(-k // 32) * 32)) if layout == "dot_bf16" else (blocks * 4, k)
+    assert packed.shape == shape and packed.dtype == wdtype
     y = cpu_kernels.packed_linear(x, packed, n, b)
-    ref = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+    ref = torch.nn.functional.linear(x_ref(x, layout), w.double(), b.double()).float()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
-    for start in range(7):
-        for stop in range(start + 1, 8):
+    for start in range(13):
+        for stop in range(start + 1, 14):
             assert torch.equal(cpu_kernels.packed_linear(x[start:stop].clone(), packed, n, b), y[start:stop])
-    assert torch.equal(cpu_kernels.rows_linear(x, w, b), y)
+    if layout == "plain":
+        assert torch.equal(cpu_kernels.rows_linear(x, w, b), y)
     with pytest.raises(RuntimeError, match="packed weights of"):
         cpu_kernels.packed_linear(x, packed, n + 4, None)
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.dot_bf16_available(), reason="no AVX512-BF16 on this CPU")
+def test_dot_bf16_rounds_activations_like_torch_and_refuses_float32_weights():
+    """dot_bf16 takes x as torch's `.to(torch.bfloat16)` rounds it (nearest even; large, tiny and
+    negative values; NaN stays NaN): the product of x equals that of x rounded beforehand, bit for
+    bit; float32 weights cannot be packed for it; `SPECDECODE_CPU_BF16_DOT=0` turns it off."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(12, 40, generator=g).to(torch.bfloat16)
+    packed = pack(w, "dot_bf16")
+    x = torch.randn(5, 40, generator=g) * torch.logspace(-30, 30, 40)
+    x[1, 3] = float("nan")
+    y = cpu_kernels.packed_linear(x, packed, 12, None)
+    assert torch.equal(y[[0, 2, 3, 4]], cpu_kernels.packed_linear(x.to(torch.bfloat16).float(), packed, 12, None)[[0, 2, 3, 4]])
+    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2, 3, 4]]).any()
+    with pytest.raises(RuntimeError, match="dot_bf16 needs bfloat16 weights"):
+        cpu_kernels.pack_rows(w.float(), dot_bf16=True)
+    assert cpu_kernels.pack_rows(w).shape == packed.shape  # the default for bfloat16 weights here
+
+
+def test_dot_bf16_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV_BF16_DOT, "0")
+    assert not cpu_kernels.dot_bf16_available()
+    assert cpu_kernels.pack_rows(torch.randn(8, 16).to(torch.bfloat16)).shape == (8, 16)
 
 
 # --- the fused decoder layer ------------------------------------------------------------------
@@ -137,20 +181,21 @@ def random_layer(wdtype, qk_norm: bool, bias: bool, in_norm: bool, seed: int = 3
     return w
 
 
-def packed(w: dict) -> dict:
-    return {k: cpu_kernels.pack_rows(v) if k.startswith("w_") else v for k, v in w.items()}
+def packed(w: dict, layout: str = "plain") -> dict:
+    return {k: pack(v, layout) if k.startswith("w_") else v for k, v in w.items()}
 
 
-def reference_layer(x, residual, cos, sin, w, k_cache, v_cache, slots, tables, lens, scale):
-    """The layer from its definition in float64 (weights as given); writes K/V into the caches
-    (rounded to their dtype, as the kernel stores them)."""
+def reference_layer(x, residual, cos, sin, w, k_cache, v_cache, slots, tables, lens, scale, layout="plain"):
+    """The layer from its definition in float64 (weights as given; each product's input rounded
+    to bfloat16 for the dot_bf16 layout); writes K/V into the caches (rounded to their dtype, as
+    the kernel stores them)."""
     d = torch.float64
 
     def rms(v, weight):
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
 
     def lin(v, name):
-        out = v @ w["w_" + name].double().T
+        out = x_ref(v.float(), layout) @ w["w_" + name].double().T
         return out if w["b_" + name] is None else out + w["b_" + name].double()
 
     def rope(v):  # [T, heads, D]
@@ -194,19 +239,24 @@ def layer_inputs(cdtype, seed=4):
     return x, residual, angles.cos(), angles.sin(), k_cache, v_cache, slots, tables, lens
 
 
-@pytest.mark.parametrize(("wdtype", "cdtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(("wdtype", "layout"), WEIGHTS)
 @pytest.mark.parametrize(("qk_norm", "bias", "in_norm"), [(False, False, True), (True, True, True), (False, True, False)])
-def test_rows_layer_matches_its_definition_and_is_row_invariant(wdtype, cdtype, qk_norm, bias, in_norm):
+def test_rows_layer_matches_its_definition_and_is_row_invariant(wdtype, layout, qk_norm, bias, in_norm):
+    cdtype = wdtype
     w = random_layer(wdtype, qk_norm, bias, in_norm)
-    wp = packed(w)
+    wp = packed(w, layout)
     x, residual, cos, sin, k_cache, v_cache, slots, tables, lens = layer_inputs(cdtype)
     scale = D**-0.5
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    ref_out, ref_res = reference_layer(x, residual, cos, sin, w, ref_k, ref_v, slots, tables, lens, scale)
+    ref_out, ref_res = reference_layer(x, residual, cos, sin, w, ref_k, ref_v, slots, tables, lens, scale, layout)
     kc, vc = k_cache.clone(), v_cache.clone()
     out, res = cpu_kernels.rows_layer(x, residual, cos, sin, wp, kc, vc, slots, tables, lens, H, HKV, INTER, EPS, scale)
-    torch.testing.assert_close(res, ref_res.float(), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out, ref_out.float(), rtol=1e-4, atol=2e-4)
+    # dot_bf16 rounds each product's input to bfloat16: where the reference's float64 value and
+    # the kernel's float32 one sit on either side of a rounding boundary, they part by one
+    # bfloat16 step (2^-8 relative) of that input, hence the bfloat16-sized tolerance.
+    tol = dict(rtol=1e-2, atol=4e-3) if layout == "dot_bf16" else dict(rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(res, ref_res.float(), **(tol if layout == "dot_bf16" else dict(rtol=1e-4, atol=1e-4)))
+    torch.testing.assert_close(out, ref_out.float(), **tol)
     torch.testing.assert_close(kc.float(), ref_k.float(), rtol=1e-2 if cdtype == torch.bfloat16 else 1e-5, atol=1e-5)
     # One token per call, in position order (decode steps): the same bits, the same cache.
     kc1, vc1 = k_cache.clone(), v_cache.clone()
@@ -231,6 +281,9 @@ def test_rows_layer_skips_slot_minus_one_and_refuses_bad_input():
         cpu_kernels.rows_layer(x, None, cos, sin, w, kc, v_cache, slots, tables, lens, H, HKV, INTER + 4, EPS, 0.25)
     with pytest.raises(RuntimeError, match="block id out of range"):
         cpu_kernels.rows_layer(x, None, cos, sin, w, kc, v_cache, slots, tables + 100, lens, H, HKV, INTER, EPS, 0.25)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.rows_layer(x, None, cos, sin, w, kc, v_cache, slots + k_cache.shape[0] * k_cache.shape[1], tables,
+                               lens, H, HKV, INTER, EPS, 0.25)
     unpacked = random_layer(torch.float32, False, False, True)
     with pytest.raises(RuntimeError, match="packed weights of"):
         cpu_kernels.rows_layer(x, None, cos, sin, unpacked | {"w_qkv": unpacked["w_qkv"][:-1]}, kc, v_cache, slots,
