@@ -194,38 +194,47 @@ inline void dots_packed(const float* const* x, const W* p, int64_t K, float (*ou
 // L3 for every block of 4 weight rows. Decode and verification steps (<= 16 rows) are one tile.
 constexpr int64_t M_TILE = 48;
 
-template <typename W>
-void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N, const float* bias, float* y,
-                   int threads) {
+// The tiles of M_TILE rows of x, and in each the blocks of 4 weight rows split among threads:
+// f(m0, m1, blk, n0, nb) per block (rows n0 .. n0 + nb of y).
+template <typename F>
+void over_tiles_and_blocks(int64_t M, int64_t N, int threads, F&& f) {
   const int64_t blocks = (N + PACK - 1) / PACK;
   for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
     const int64_t m1 = std::min(M, m0 + M_TILE);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t n0 = blk * PACK, nb = std::min<int64_t>(PACK, N - n0);
-      const W* p = wp + blk * PACK * K;
-      float out[3][PACK];
-      auto store = [&](int64_t m, int rows) {
-        for (int i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < nb; ++j) y[(m + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
-      };
-      int64_t m = m0;
-      for (; m + 3 <= m1; m += 3) {
-        const float* xs[3] = {x + m * K, x + (m + 1) * K, x + (m + 2) * K};
-        dots_packed<3>(xs, p, K, out, m == m0);
-        store(m, 3);
-      }
-      if (m1 - m == 2) {
-        const float* xs[2] = {x + m * K, x + (m + 1) * K};
-        dots_packed<2>(xs, p, K, out, m == m0);
-        store(m, 2);
-      } else if (m1 - m == 1) {
-        const float* xs[1] = {x + m * K};
-        dots_packed<1>(xs, p, K, out, m == m0);
-        store(m, 1);
-      }
-    }
+    for (int64_t blk = 0; blk < blocks; ++blk) f(m0, m1, blk, blk * PACK, std::min<int64_t>(PACK, N - blk * PACK));
   }
+}
+
+// y[m + i, n0 + j] = out[i][j] (+ b) for `rows` rows and nb columns.
+inline void store_block(float* y, int64_t N, int64_t m, int rows, int64_t n0, int64_t nb, const float (*out)[PACK],
+                        const float* bias) {
+  for (int i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < nb; ++j) y[(m + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+}
+
+template <typename W>
+void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N, const float* bias, float* y,
+                   int threads) {
+  over_tiles_and_blocks(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
+    const W* p = wp + blk * PACK * K;
+    float out[3][PACK];
+    int64_t m = m0;
+    for (; m + 3 <= m1; m += 3) {
+      const float* xs[3] = {x + m * K, x + (m + 1) * K, x + (m + 2) * K};
+      dots_packed<3>(xs, p, K, out, m == m0);
+      store_block(y, N, m, 3, n0, nb, out, bias);
+    }
+    if (m1 - m == 2) {
+      const float* xs[2] = {x + m * K, x + (m + 1) * K};
+      dots_packed<2>(xs, p, K, out, m == m0);
+      store_block(y, N, m, 2, n0, nb, out, bias);
+    } else if (m1 - m == 1) {
+      const float* xs[1] = {x + m * K};
+      dots_packed<1>(xs, p, K, out, m == m0);
+      store_block(y, N, m, 1, n0, nb, out, bias);
+    }
+  });
 }
 
 // ---- bfloat16 products by dot-product instructions (AVX512-BF16) ---------------------------
@@ -311,26 +320,20 @@ void dots_dp_rows(int rows, const uint16_t* const* x, const uint16_t* p, int64_t
 // y[m, :N] = bf16(x[m]) @ w.T (+ b), w dp-packed, for M rows of x (tiles of M_TILE rows).
 void linear_dp(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, const float* bias, float* y,
                int threads) {
-  const int64_t K32 = k32(K), blocks = (N + PACK - 1) / PACK;
+  const int64_t K32 = k32(K);
   std::vector<uint16_t> xb(M * K32);
   for (int64_t m = 0; m < M; ++m) round_row_bf16(x + m * K, K, xb.data() + m * K32);
-  for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
-    const int64_t m1 = std::min(M, m0 + M_TILE);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t n0 = blk * PACK, nb = std::min<int64_t>(PACK, N - n0);
-      const uint16_t* p = wp + blk * PACK * K32;
-      float out[DP_ROWS][PACK];
-      for (int64_t m = m0; m < m1; m += DP_ROWS) {
-        const int rows = static_cast<int>(std::min<int64_t>(DP_ROWS, m1 - m));
-        const uint16_t* xs[DP_ROWS];
-        for (int i = 0; i < rows; ++i) xs[i] = xb.data() + (m + i) * K32;
-        dots_dp_rows(rows, xs, p, K32, out);
-        for (int i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < nb; ++j) y[(m + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
-      }
+  over_tiles_and_blocks(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
+    const uint16_t* p = wp + blk * PACK * K32;
+    float out[DP_ROWS][PACK];
+    for (int64_t m = m0; m < m1; m += DP_ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(DP_ROWS, m1 - m));
+      const uint16_t* xs[DP_ROWS];
+      for (int i = 0; i < rows; ++i) xs[i] = xb.data() + (m + i) * K32;
+      dots_dp_rows(rows, xs, p, K32, out);
+      store_block(y, N, m, rows, n0, nb, out, bias);
     }
-  }
+  });
 }
 
 // Paged attention of T query tokens [T, H, D], each over exactly its own context (see
