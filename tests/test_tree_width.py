@@ -10,7 +10,7 @@ from test_tree_engine import GREEDY, MIXED_PROMPTS, PLAIN, models, run_mixed  # 
 from engine import LLMEngine, SamplingParams, SpeculativeConfig
 from engine.request import Request
 from engine.spec.proposers.tree_drafting import grow_trees, tree_widths
-from engine.spec.speculator import SIBLING_PRIOR, SiblingAcceptance, StepCostModel
+from engine.spec.speculator import SIBLING_PRIOR, SiblingAcceptance, StepCostModel, top_chain_observation
 from engine.spec.tree import DraftTree
 
 VOCAB, HIDDEN = 11, 8
@@ -186,3 +186,33 @@ def force_widths(engine: LLMEngine) -> list[tuple[int, int]]:
     sp._tree_plan = forced
     sp.proposer.propose_trees = spy
     return seen
+
+
+def test_top_chain_observation_follows_the_first_children():
+    """The docstring's example, and a tree whose first-child path is shorter than its depth."""
+    tree = DraftTree((0, 5, 6, 7), (-1, 0, 0, 1), (0.0,) * 4)  # root -> 5, 6; 5 -> 7
+    assert top_chain_observation(tree, [5, 7, 2]) == (2, 2)
+    assert top_chain_observation(tree, [5, 3]) == (2, 1)
+    assert top_chain_observation(tree, [6, 4]) == (2, 0)
+    assert top_chain_observation(tree, [9]) == (2, 0)
+    deeper_sibling = DraftTree((0, 5, 6, 8), (-1, 0, 0, 2), (0.0,) * 4)  # root -> 5, 6; 6 -> 8
+    assert top_chain_observation(deeper_sibling, [6, 8, 1]) == (1, 0)
+
+
+def test_tree_verifications_keep_measuring_chains(policy):
+    """A policy that picks trees must not stop measuring chains (the censoring trap that kept
+    bench_tree's adaptive trees at 0.67x the adaptive chain): a request whose chain estimate was
+    pessimistic when trees took over, and whose trees then accept their whole top-1 chain every
+    step, gets its chain estimate back up from those tree verifications."""
+    from types import SimpleNamespace
+
+    sp = policy
+    sp.cost = _costs(0.1)
+    r = _trained(sp, 0)
+    before = sp.acceptance.accept_probs(r, 3)
+    tree = DraftTree((0, 5, 6, 7, 8), (-1, 0, 0, 1, 3), (0.0,) * 5)  # top-1 chain 5 -> 7 -> 8, sibling 6
+    step = SimpleNamespace(scheduled=[SimpleNamespace(request=r, spec_token_ids=[5, 6, 7, 8], spec_tree=tree)])
+    for _ in range(300):
+        sp.observe_verifications(step, SimpleNamespace(sampled_token_ids=[[5, 7, 8, 3]]))
+    after = sp.acceptance.accept_probs(r, 3)
+    assert before[0] < 0.2 and after[0] > 0.8 and after[2] > 0.5, (before, after)

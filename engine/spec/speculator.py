@@ -276,6 +276,30 @@ class SiblingAcceptance:
         return (self.hits[rank] + PRIOR_TRIALS * SIBLING_PRIOR) / (self.trials[rank] + PRIOR_TRIALS)
 
 
+def top_chain_observation(tree, tokens: list[int]) -> tuple[int, int]:
+    """The chain observation a verified tree holds: its path of first children from the root (the
+    drafter's top draft at each depth after its top drafts: the chain a chain step would have
+    drafted, as deep as the tree follows it) and how many of those drafts the verification's
+    tokens accepted, as (drafted, accepted) for `AcceptanceModel.observe`. Without it a policy
+    that picks trees stops measuring chains: the chain estimate it compares trees against stays
+    wherever it was when trees won (a censoring trap).
+
+    Example: a root with children (5, 6), 5 -> 7: the chain is (5, 7); tokens [5, 7, 2] accept
+    both, [5, 3] one, [6, ...] none (the first child rejected)."""
+    drafted, node = 0, 0
+    while tree.children[node]:
+        node = tree.children[node][0]
+        drafted += 1
+    accepted, node = 0, 0
+    for token in tokens[:-1]:
+        kids = tree.children[node]
+        if not kids or tree.token_ids[kids[0]] != token:
+            break
+        node = kids[0]
+        accepted += 1
+    return drafted, accepted
+
+
 class Speculator:
     """The speculation policy and the proposer it drives. Per request it keeps nothing but the
     proposer's states (the acceptance counts are plain data on the `Request`)."""
@@ -460,6 +484,23 @@ class Speculator:
         return best_c, best_rate
 
     # --- the per-step entry point -----------------------------------------------------------
+    def observe_verifications(self, sched, runner_out) -> None:
+        """Learn from the step's verifications: a chain's accepted count (`AcceptanceModel`); a
+        tree's accepted count (`TreeAcceptance`), its siblings' hits (`SiblingAcceptance`) and
+        its top-1 chain's accepted count (`top_chain_observation`, so that chains stay measured
+        while trees are chosen)."""
+        for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
+            if not (s.spec_token_ids and tokens):
+                continue
+            if s.spec_tree is None:
+                self.update_acceptance(s.request, len(s.spec_token_ids), len(tokens) - 1)
+                continue
+            self.tree_acceptance.observe(len(tokens) - 1)
+            self.sibling_acceptance.observe(s.spec_tree, tokens)
+            drafted, accepted = top_chain_observation(s.spec_tree, tokens)
+            if drafted:
+                self.update_acceptance(s.request, drafted, accepted)
+
     def propose_for_step(
         self, running: list[Request], sched, runner_out, step_index: int, context: ProposeContext
     ) -> dict[str, Draft]:
@@ -472,13 +513,7 @@ class Speculator:
         for each running request, in scheduling order, so the scheduler verifies what was drafted.
         """
         self.proposer.observe_step(sched, runner_out)
-        for s, tokens in zip(sched.scheduled, runner_out.sampled_token_ids, strict=True):
-            if s.spec_token_ids and tokens:
-                if s.spec_tree is not None:
-                    self.tree_acceptance.observe(len(tokens) - 1)
-                    self.sibling_acceptance.observe(s.spec_tree, tokens)
-                else:
-                    self.update_acceptance(s.request, len(s.spec_token_ids), len(tokens) - 1)
+        self.observe_verifications(sched, runner_out)
         scheduled_ids = {s.request.request_id for s in sched.scheduled}
         decoding = [r for r in running if r.request_id in scheduled_ids and r.is_decoding]
         if not decoding:

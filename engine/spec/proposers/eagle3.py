@@ -316,11 +316,12 @@ class Eagle3Proposer(Proposer):
             self.rope_f32 = rope_cos_sin(hf, runner.model.rope_cos.shape[0] + 1, torch.float32, self.device)
             self.layer.row_weights()
             self.head.use_row_kernel()
-            # fc over each step's committed rows, and the midlayer's catch-up over a prompt's rows:
-            # through the packed kernel where torch emulates bf16
-            emulated = self.dtype == torch.bfloat16 and cpu_kernels.emulated_bf16()
-            self.packed_fc = cpu_kernels.pack_rows(self.fc.weight) if emulated else None
-            if emulated:
+            # fc over each step's committed rows through the packed kernel (a few rows: faster than
+            # torch's product, whose fixed cost was ~0.3 ms of each step here); fc over a prompt's
+            # rows and the midlayer's catch-up too where torch emulates bf16
+            self.fc_packed_all = self.dtype == torch.bfloat16 and cpu_kernels.emulated_bf16()
+            self.packed_fc = cpu_kernels.pack_rows(self.fc.weight)
+            if self.fc_packed_all:
                 self.layer.use_packed_matmuls()
         self.backend = runner.backend
         self.block_size = 0
@@ -414,7 +415,7 @@ class Eagle3Proposer(Proposer):
         if not committed:
             return
         aux = torch.cat([rows for _, _, rows in committed])
-        if self.row_kernel and self.packed_fc is not None:
+        if self.row_kernel and self.packed_fc is not None and (self.fc_packed_all or aux.shape[0] <= EXACT_ROWS):
             from kernels import cpu_kernels
 
             feats = cpu_kernels.packed_linear(aux, self.packed_fc, self.arch.hidden_size, None)
