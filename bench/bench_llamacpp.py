@@ -119,15 +119,32 @@ def gguf_path(name: str, gguf_type: str) -> Path:
     return GGUF_DIR / f"{name}-{gguf_type}.gguf"
 
 
+def without_mtp_layers(named_tensors, num_layers: int | None):
+    """(name, tensor) pairs without those of decoder layers numbered num_layers and up (the
+    DeepSeek-V3 layout's MTP layers, `model.layers.{num_layers + i}.*`)."""
+    import re
+
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    for name, tensor in named_tensors:
+        m = layer.match(name)
+        if m is None or num_layers is None or int(m.group(1)) < num_layers:
+            yield name, tensor
+
+
 def convert_one(src: Path, converter_args: list[str]) -> None:
     """Run the vendored convert_hf_to_gguf.py in this process (`convert` starts one per file), with
-    two patches that leave the vendored file as it is: our byte-level BPE tokenizer's pre-tokenizer
-    is GPT-2's (the converter only knows tokenizers by a hash of their output and refuses ours), and a
+    three patches that leave the vendored file as it is: our byte-level BPE tokenizer's pre-tokenizer
+    is GPT-2's (the converter only knows tokenizers by a hash of their output and refuses ours); a
     checkpoint without tokenizer.model has no SentencePiece vocabulary (the converter imports
-    sentencepiece before looking for the file)."""
+    sentencepiece before looking for the file); and the target's MTP layer (DeepSeek-V3 layout:
+    `model.layers.{num_hidden_layers + i}.*`, which the Llama converter cannot map) is left out,
+    as llama.cpp's Llama models have no MTP (the comparison runs the target without it)."""
     sys.path[:0] = [str(src), str(src / "gguf-py")]
     import convert_hf_to_gguf
     from conversion.base import TextModel
+
+    get_tensors = TextModel.get_tensors
+    TextModel.get_tensors = lambda self: without_mtp_layers(get_tensors(self), self.hparams.get("num_hidden_layers"))
 
     set_vocab_sentencepiece = TextModel._set_vocab_sentencepiece
 

@@ -121,3 +121,13 @@ def test_run_skips_with_binaries_from_env(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LLAMACPP_BIN", str(tmp_path))
     assert bl.main(["run", "--out", str(tmp_path / "x.json")]) == 0
     assert f"{tmp_path}/llama-completion" in capsys.readouterr().out
+
+
+def test_conversion_leaves_the_mtp_layers_out():
+    """The shipped target stores its MTP layer as layer 12 of 12 (DeepSeek-V3 layout), which the
+    Llama converter cannot map: conversion drops it and keeps every other tensor."""
+    names = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.11.input_layernorm.weight",
+             "model.layers.12.eh_proj.weight", "model.layers.12.mlp.up_proj.weight", "model.norm.weight"]
+    kept = [n for n, _ in bl.without_mtp_layers(((n, None) for n in names), 12)]
+    assert kept == [n for n in names if ".12." not in n]
+    assert [n for n, _ in bl.without_mtp_layers(((n, None) for n in names), None)] == names
