@@ -296,11 +296,20 @@ def run_llamacpp(bin_dir: Path, gguf_type: str, prompt_text: str, max_tokens: in
         else:
             cmd = [str(bin_dir / "llama-completion"), "-m", str(gguf_path("target", gguf_type)), "-bf", f.name,
                    "-n", str(max_tokens), "--no-display-prompt", "-no-cnv", *common]
-        out = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL)
-    stdout, stderr = out.stdout.decode("utf-8", "replace"), out.stderr.decode("utf-8", "replace")
-    if out.returncode != 0:
-        raise RuntimeError(f"{Path(cmd[0]).name} exited with {out.returncode}:\n{stderr[-3000:]}")
-    result = parse_speculative(stdout, stderr, prompt_text) if draft else parse_completion(stdout, stderr)
+        # One run in ~50 here printed no timing lines (llama.cpp's log is written by a worker
+        # thread; likely the process exited before it flushed): such a run is run again, twice at most.
+        for attempt in range(3):
+            out = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL)
+            stdout, stderr = out.stdout.decode("utf-8", "replace"), out.stderr.decode("utf-8", "replace")
+            if out.returncode != 0:
+                raise RuntimeError(f"{Path(cmd[0]).name} exited with {out.returncode}:\n{stderr[-3000:]}")
+            try:
+                result = parse_speculative(stdout, stderr, prompt_text) if draft else parse_completion(stdout, stderr)
+                break
+            except ValueError:
+                if attempt == 2:
+                    print(f"{Path(cmd[0]).name}'s stderr ends:\n{stderr[-2000:]}", file=sys.stderr)
+                    raise
     expected = max_tokens if draft else max_tokens - 1  # completion's first token comes from the prompt pass
     # The speculative loop stops after the step that passes -n, so its last step may accept a
     # few more (up to the draft length); its speed is its own count over its own time.
