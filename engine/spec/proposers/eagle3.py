@@ -415,7 +415,7 @@ class Eagle3Proposer(Proposer):
         if not committed:
             return
         aux = torch.cat([rows for _, _, rows in committed])
-        if self.row_kernel and self.packed_fc is not None and (self.fc_packed_all or aux.shape[0] <= EXACT_ROWS):
+        if self.row_kernel and (self.fc_packed_all or aux.shape[0] <= EXACT_ROWS):
             from kernels import cpu_kernels
 
             feats = cpu_kernels.packed_linear(aux, self.packed_fc, self.arch.hidden_size, None)
