@@ -720,11 +720,15 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rows_linear", &rows_linear, "row-invariant small-batch x @ w.T + b (AVX2/FMA, plain packing)");
-  m.def("rows_attention", &rows_attention, "row-invariant paged attention of a few query tokens (AVX2/FMA)");
+  // The kernels touch no Python object: they run without the GIL, so the replica's other Python
+  // threads (Ray Serve's event loops, gRPC, metrics) run on another core meanwhile instead of
+  // waiting for a decoder layer, and the engine thread never waits for them to hand the GIL back.
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("rows_linear", &rows_linear, "row-invariant small-batch x @ w.T + b (AVX2/FMA, plain packing)", nogil());
+  m.def("rows_attention", &rows_attention, "row-invariant paged attention of a few query tokens (AVX2/FMA)", nogil());
   m.def("pack_rows", &pack_rows, "weights [N, K] -> the packed layout of packed_linear / rows_layer",
-        py::arg("w"), py::arg("dot_bf16") = false);
+        py::arg("w"), py::arg("dot_bf16") = false, nogil());
   m.def("has_dot_bf16", &cpu_has_dot_bf16, "whether this CPU runs the AVX512-BF16 products (dot_bf16 layout)");
-  m.def("packed_linear", &packed_linear, "rows_linear with packed weights (bit-identical results)");
-  m.def("rows_layer", &rows_layer, "one row-invariant pre-norm decoder layer for a few tokens (AVX2/FMA)");
+  m.def("packed_linear", &packed_linear, "rows_linear with packed weights (bit-identical results)", nogil());
+  m.def("rows_layer", &rows_layer, "one row-invariant pre-norm decoder layer for a few tokens (AVX2/FMA)", nogil());
 }

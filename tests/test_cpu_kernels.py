@@ -324,3 +324,40 @@ def test_fused_decode_step_matches_the_torch_path(tmp_path, family, dtype):
     for fused, ref in zip(logits["rows"], logits["off"], strict=True):
         torch.testing.assert_close(fused, ref, rtol=tol[0], atol=tol[1])
         assert torch.equal(fused.argmax(-1), ref.argmax(-1))
+
+
+def test_kernels_release_the_gil_while_they_compute():
+    """A replica's other Python threads (Ray Serve's event loops, gRPC) must run while the engine
+    thread is inside a kernel. A Python thread timestamps its loop; none of its timestamps can
+    fall well inside a kernel call that holds the GIL (it could only run before the call or
+    after it), and many do when the call releases it."""
+    import threading
+    import time
+
+    x = torch.randn(512, 2048)
+    w = torch.randn(2048, 2048)
+    packed = cpu_kernels.pack_rows(w)
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+
+    for call in (lambda: cpu_kernels.rows_linear(x, w, None), lambda: cpu_kernels.packed_linear(x, packed, 2048, None)):
+        call()  # warm
+        stamps.clear()
+        done.clear()
+        thread = threading.Thread(target=spin)
+        thread.start()
+        while not stamps:
+            time.sleep(0.001)
+        t0 = time.perf_counter()
+        call()
+        t1 = time.perf_counter()
+        done.set()
+        thread.join()
+        margin = 0.01 + (t1 - t0) * 0.1  # the GIL switch interval is 5 ms
+        assert t1 - t0 > 3 * margin, f"the call took {t1 - t0:.3f} s: too short to tell"
+        inside = [s for s in stamps if t0 + margin < s < t1 - margin]
+        assert len(inside) > 100, f"{len(inside)} Python steps ran during a {t1 - t0:.3f} s kernel call"
