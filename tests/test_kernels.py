@@ -170,6 +170,7 @@ CASES: dict[str, tuple[list[int], list[int], int, int, int, int]] = {
     "verify_uniform": ([4, 4, 4], [10, 4, 50], 8, 2, 16, 16),
     "prefill_single": ([40], [40], 4, 2, 16, 16),
     "chunked_prefill_single": ([20], [55], 4, 2, 16, 4),
+    "prefill_pair_equal_mha": ([24, 24], [24, 24], 4, 4, 16, 16),  # causal from 0, two requests
 }
 
 
@@ -291,6 +292,18 @@ def test_torch_fast_paths() -> None:
     md = be.build_metadata([3, 3], [5, 9], [[0], [1]], list(range(2, 5)) + list(range(22, 25)), 16, "cpu")
     (g,) = md.extras["groups"]
     assert g["pad_idx"] is None and g["attn_mask"] is not None
+    # A new prompt's only chunk (or several of one length): causal attention without a mask;
+    # a chunk after cached tokens, a tree or unequal lengths keep the mask.
+    for query_lens, seq_lens, causal in (([40], [40], True), ([24, 24], [24, 24], True), ([20], [55], False),
+                                         ([24, 20], [24, 20], False), ([1], [1], False)):
+        slots = [s for q, n in zip(query_lens, seq_lens, strict=True) for s in range(n - q, n)]
+        md = be.build_metadata(query_lens, seq_lens, [[0, 1, 2, 3]] * len(query_lens), slots, 16, "cpu")
+        assert all(g["causal"] == causal for g in md.extras["groups"]), (query_lens, seq_lens)
+        if causal:
+            assert all(g["attn_mask"] is None for g in md.extras["groups"])
+    tree = torch.ones(3, 3, dtype=torch.bool).tril()
+    md = be.build_metadata([3], [3], [[0]], [0, 1, 2], 16, "cpu", tree_masks=[tree])
+    assert not md.extras["groups"][0]["causal"]
 
 
 def test_torch_groups_keep_padding_bounded() -> None:
