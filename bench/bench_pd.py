@@ -1,6 +1,6 @@
 """Co-located vs prefill/decode-disaggregated serving on the same CPUs, open-loop load.
 
-    python -m bench.bench_pd [--rates 0.3,0.8] [--duration 60] [--long-fraction 0.3]
+    python -m bench.bench_pd [--rates 0.3,0.8] [--duration 60] [--seeds 0,1] [--long-fraction 0.3]
         [--max-tokens 96] [--slo-ttft-ms 4000 --slo-tpot-ms 120] [--method draft]
         [--min-prompt-tokens 512] [--out bench/results/pd.json]
 
@@ -9,6 +9,8 @@ Each configuration runs on its own embedded Ray Serve with 2 CPUs (one at a time
 - disaggregated: 1 prefill replica x 1 CPU + 1 decode replica x 1 CPU (long prompts are
   prefilled by the prefill replica and handed over with the drafter's state), the handoff by
   the default transport (`auto`: Ray's object store on CPUs);
+- disaggregated_load_aware: the same with `max_inflight_prefills: 1` (a long prompt arriving while
+  the decode replica waits on a remote prefill is prefilled by the decode replica);
 - disaggregated_nixl: the same, the handoff by NIXL through Ray Direct Transport;
 - disaggregated_no_drafter_state (ablation): the handoff carries the target's KV only (default
   transport).
@@ -37,7 +39,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_PER_RATE = 150  # more than any rate's arrivals in --duration: no prompt is sent twice in a run
-CONFIGS = ("colocated", "disaggregated", "disaggregated_nixl", "disaggregated_no_drafter_state")
+CONFIGS = ("colocated", "disaggregated", "disaggregated_load_aware", "disaggregated_nixl",
+           "disaggregated_no_drafter_state")
 
 
 @dataclass
@@ -104,7 +107,8 @@ def start(config_name: str, port: int, method: str = "draft", min_prompt_tokens:
         args["mode"] = "disaggregated"
         args["disaggregation"] = {"min_prompt_tokens": min_prompt_tokens,
                                   "with_drafter_state": config_name != "disaggregated_no_drafter_state",
-                                  "transport": "nixl" if config_name.endswith("nixl") else "auto"}
+                                  "transport": "nixl" if config_name.endswith("nixl") else "auto",
+                                  "max_inflight_prefills": 1 if config_name.endswith("load_aware") else None}
     config = AppConfig.from_dict(args)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port_for_bench()},
@@ -193,6 +197,10 @@ def summarize(results: list[Result], duration: float, slo_ttft: float, slo_tpot:
         "goodput_grid": {f"ttft<={a:g}s,tpot<={b}ms": goodput(ok, duration, a, b / 1e3)
                          for a in SLO_GRID_TTFT_S for b in SLO_GRID_TPOT_MS},
         "acceptance_mean": statistics.mean(r.acceptance for r in drafted) if drafted else 0.0,
+        # each request: kind, arrival (s after the first), TTFT (s), TPOT (ms), longest stall (s)
+        "per_request": [[r.kind, round(r.arrival - results[0].arrival, 3), r.ttft and round(r.ttft, 3),
+                         r.tpot and round(r.tpot * 1e3, 2), r.gaps and round(max(r.gaps), 3), r.error]
+                        for r in results],
     }
 
 
@@ -244,33 +252,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", default="draft", help="the drafter of every configuration (speculative.method)")
     p.add_argument("--min-prompt-tokens", type=int, default=512,
                    help="disaggregation.min_prompt_tokens: shorter prompts are prefilled by the decode replica")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="arrival/prompt samples, each run at every rate; the "
+                   "results pool them (Poisson samples of a minute differ a lot), `per_seed` keeps each")
     p.add_argument("--out", default="bench/results/pd.json")
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     configs = args.configs.split(",")
     from bench.bench_serve import free_port as free_port_for_bench
 
-    prompts = build_prompts(PROMPTS_PER_RATE * len(rates), args.long_fraction, args.seed)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    prompts = {seed: build_prompts(PROMPTS_PER_RATE * len(rates), args.long_fraction, seed) for seed in seeds}
     report = {"benchmark": "pd_vs_colocated", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
               "args": vars(args), "results": {}}
+    slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     for name in configs:
         port = free_port_for_bench()
         start(name, port, args.method, args.min_prompt_tokens)
         try:
             for j, rate in enumerate(rates):
-                # each rate its own prompts: a prompt seen at an earlier rate would hit the cache
-                results = run_load(port, prompts, rate, args.duration, args.max_tokens, args.seed,
-                                   offset=j * PROMPTS_PER_RATE)
-                summary = summarize(results, args.duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+                pooled, per_seed = [], {}
+                for seed in seeds:
+                    # each rate its own prompts: a prompt seen at an earlier rate would hit the cache
+                    results = run_load(port, prompts[seed], rate, args.duration, args.max_tokens, seed,
+                                       offset=j * PROMPTS_PER_RATE)
+                    pooled += results
+                    per_seed[seed] = summarize(results, args.duration, *slo)
+                    print(f"{name} @ {rate}/s, seed {seed}: {json.dumps({k: v for k, v in per_seed[seed].items() if k != 'per_request'})}",
+                          flush=True)
+                    time.sleep(5)
+                summary = summarize(pooled, args.duration * len(seeds), *slo)
+                summary.pop("per_request")  # (in per_seed)
+                summary["per_seed"] = per_seed
                 if name != "colocated":
                     summary["prefills"] = handoff_stats()  # cumulative over this config's rates
                     ms, ttft_long = summary["prefills"].get("handoff_ms_median"), summary.get("ttft_long_p50_s")
                     if ms is not None and ttft_long:
                         summary["handoff_share_of_long_ttft"] = ms / 1e3 / ttft_long
                 report["results"][f"{name}@{rate}"] = summary
-                print(f"{name} @ {rate}/s: {json.dumps(summary)}", flush=True)
-                time.sleep(5)
         finally:
             stop()
     out = Path(args.out)

@@ -121,6 +121,7 @@ class SpecDecodeServer:
         # mode: disaggregated: the decode replicas get a handle to the prefill pool.
         self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
         self.prefills: dict[str, int] = {}  # where this replica's requests were prefilled
+        self.inflight_prefills = 0  # remote prefills this replica waits on (max_inflight_prefills)
         self.fallbacks: dict[str, int] = {}  # why remote prefills fell back: no_handoff, lost, refused
         self.transports: dict[str, int] = {}  # handoffs received, by transport
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
@@ -170,9 +171,10 @@ class SpecDecodeServer:
         trace = TraceMetadata(trace_metadata or [], route)
         yield Accepted(self.replica_id)
         remote = self.prefill_pool is not None and await self.should_prefill_remotely(prompt)
-        if not remote:
+        busy = remote and not prefill_pool_has_room(self.inflight_prefills, self.config.disaggregation.max_inflight_prefills)
+        if busy or not remote:
             if self.prefill_pool is not None:
-                self._count_prefill("local")
+                self._count_prefill("local_busy" if busy else "local")
             async for item in self._run(prompt, params, label, trace, speculating):
                 yield item
             return
@@ -196,6 +198,7 @@ class SpecDecodeServer:
         after the tokens already sent (`fallback`)."""
         result, sent = None, []
         prefill_stream = self._remote_prefill(prompt, params, label, trace.pairs)
+        self.inflight_prefills += 1
         try:
             async for item in prefill_stream:
                 if isinstance(item, PrefillResult):
@@ -207,6 +210,7 @@ class SpecDecodeServer:
                 sent.extend(item.token_ids)
             fetched = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
         finally:
+            self.inflight_prefills -= 1
             await prefill_stream.aclose()  # cancels the prefill call: its replica drops its reference
         if result is not None:
             result.handoff.clear()  # drop the ObjectRef: the owner frees the handoff now
@@ -604,6 +608,12 @@ class SpecDecodeServer:
             msg.speculation.CopyFrom(_spec_stats(m.get("spec", {}), enabled=speculating))
             msg.timing.CopyFrom(pb.Timing(ttft_s=m.get("ttft_s") or 0.0, e2e_s=m.get("e2e_s") or 0.0))
         return msg
+
+
+def prefill_pool_has_room(inflight: int, max_inflight: int | None) -> bool:
+    """Whether a decode replica waiting on `inflight` remote prefills sends another prompt to the
+    prefill pool (`disaggregation.max_inflight_prefills`; None: always)."""
+    return max_inflight is None or inflight < max_inflight
 
 
 def _noop() -> None:

@@ -157,11 +157,16 @@ class DisaggregationArgs:
     the prefill pool and handed over (KV + drafter state); shorter prompts and cache hits are
     prefilled by the decode replica itself. `with_drafter_state: false` hands over the target's
     KV only (the decode side rebuilds the drafter's state; an ablation for the benchmark).
-    `transport` moves the handoff (deployments/handoff_transport.py): auto, object_store or nixl."""
+    `transport` moves the handoff (deployments/handoff_transport.py): auto, object_store or nixl.
+    `max_inflight_prefills` (null: no limit) makes the choice load-aware, as Dynamo's conditional
+    disaggregation checks the prefill queue: while this decode replica already waits on that many
+    remote prefills, a new long prompt is prefilled here instead of queueing behind them (its TTFT
+    bounded, at the cost of a stall of this replica's streams)."""
 
     min_prompt_tokens: int = 256
     with_drafter_state: bool = True
     transport: str = "auto"
+    max_inflight_prefills: int | None = None
 
     @classmethod
     def from_dict(cls, data: Any, where: str, check: _Checker) -> DisaggregationArgs | None:
@@ -170,9 +175,11 @@ class DisaggregationArgs:
         threshold = check.integer(f"{where}.min_prompt_tokens", data.get("min_prompt_tokens", cls.min_prompt_tokens), 1)
         with_state = check.boolean(f"{where}.with_drafter_state", data.get("with_drafter_state", cls.with_drafter_state))
         transport = check.string(f"{where}.transport", data.get("transport", cls.transport), HANDOFF_TRANSPORTS)
+        inflight = check.integer(f"{where}.max_inflight_prefills", data.get("max_inflight_prefills"), 1, optional=True)
         if len(check.errors) > n:
             return None
-        return cls(min_prompt_tokens=threshold, with_drafter_state=with_state, transport=transport)
+        return cls(min_prompt_tokens=threshold, with_drafter_state=with_state, transport=transport,
+                   max_inflight_prefills=inflight)
 
 
 TRACE_EXPORTERS = ("file", "otlp", "console", "none")

@@ -32,6 +32,8 @@ THRESHOLD = 24  # prompts with at least this many uncached tokens are prefilled 
 K = 3
 VARIANT = "pd-objects"  # the second application: Ray's object stores as the transport, and faults
 DIE, MISMATCH = "die-after-first-token", "claim-another-model"  # request ids its prefill pool misbehaves on
+SLOW = "slow-prefill"  # ... or takes SLOW_S seconds longer on (the variant allows 1 remote prefill in flight)
+SLOW_S = 4.0
 
 
 @dataclass
@@ -375,10 +377,12 @@ def variant_target(target: str, drafter: str):
 
     from deployments.app import PrefillResult, SpecDecodeServer, bind_app
 
-    die, mismatch = DIE, MISMATCH  # travel with the class (pickled by value)
+    die, mismatch, slow, slow_s = DIE, MISMATCH, SLOW, SLOW_S  # travel with the class (pickled by value)
 
     class FaultyPrefill(SpecDecodeServer):
         async def prefill(self, prompt, params, label, trace_metadata=None):  # noqa: ANN001, ANN201
+            if label == slow:
+                await asyncio.sleep(slow_s)
             async for item in super().prefill(prompt, params, label, trace_metadata):
                 if isinstance(item, PrefillResult) and label == die:
                     import os
@@ -390,7 +394,7 @@ def variant_target(target: str, drafter: str):
                     item = dataclasses.replace(item, handoff=[ray.put(dataclasses.replace(handoff, compat=compat))])
                 yield item
 
-    config = app_config(target, drafter, transport="object_store")
+    config = app_config(target, drafter, transport="object_store", max_inflight_prefills=1)
     decode = {"ray_actor_options": {"num_cpus": 0, "resources": {"decode": 1}}}
     prefill = {"ray_actor_options": {"num_cpus": 0, "resources": {"prefill": 1}}}
     return serve.RunTarget(bind_app(config, decode, prefill_overrides=prefill, prefill_cls=FaultyPrefill),
@@ -421,6 +425,42 @@ def run_variant(served: Served, colocated, seed: int, request_id: str = "") -> t
 def test_object_store_transport_gives_the_same_tokens(served: Served, colocated) -> None:
     """transport object_store: the handoff goes through Ray's object stores (node to node)."""
     _, _, counts = run_variant(served, colocated, 13)
+    assert counts == {"remote": 1, "via_object_store": 1}, counts
+
+
+def test_a_busy_prefill_pool_sends_long_prompts_to_a_local_prefill(served: Served, colocated) -> None:
+    """max_inflight_prefills 1 (the variant): while the decode replica waits on one remote prefill
+    (slowed by SLOW_S s), the next long prompt is prefilled by the decode replica (`local_busy`)
+    instead of queueing behind it, so it streams before the slow one has its first token; both get
+    the co-located tokens, and once the remote prefill is done long prompts go remote again."""
+    from ray import serve
+
+    decode = serve.get_deployment_handle("SpecDecode", app_name=VARIANT)
+    params = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    rng = random.Random(31)
+    slow_prompt, busy_prompt = ([rng.randrange(3, 97) for _ in range(THRESHOLD + 15)] for _ in range(2))
+    got: dict[str, tuple[list[int], float]] = {}
+
+    def send(name: str, prompt: list[int], request_id: str = "") -> None:
+        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=VARIANT, timeout=120) as client:
+            ids, _, _ = collect(client.generate(prompt, request_id=request_id, **params))
+            got[name] = (ids, time.monotonic())
+
+    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=VARIANT, timeout=120) as client:
+        client.wait_ready(120)
+    before = decode.prefill_counts.remote().result(timeout_s=30)
+    slow = threading.Thread(target=send, args=("slow", slow_prompt, SLOW))
+    slow.start()
+    time.sleep(1.0)  # the slow request is waiting on the prefill pool
+    send("busy", busy_prompt)
+    slow.join(120)
+    assert got["busy"][1] < got["slow"][1]
+    assert got["slow"][0] == reference(colocated, slow_prompt, **params)
+    assert got["busy"][0] == reference(colocated, busy_prompt, **params)
+    after = decode.prefill_counts.remote().result(timeout_s=30)
+    changed = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+    assert changed == {"remote": 1, "via_object_store": 1, "local_busy": 1}, changed
+    _, _, counts = run_variant(served, colocated, 32)  # nothing in flight: remote again
     assert counts == {"remote": 1, "via_object_store": 1}, counts
 
 

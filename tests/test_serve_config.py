@@ -258,5 +258,9 @@ def test_disaggregation_args_are_validated() -> None:
         AppConfig.from_dict({"mode": "split"})
     with pytest.raises(ConfigError, match="min_prompt_tokens"):
         AppConfig.from_dict({"disaggregation": {"min_prompt_tokens": 0}})
+    assert AppConfig.from_dict({}).disaggregation.max_inflight_prefills is None
+    assert AppConfig.from_dict({"disaggregation": {"max_inflight_prefills": 2}}).disaggregation.max_inflight_prefills == 2
+    with pytest.raises(ConfigError, match=r"disaggregation.max_inflight_prefills: must be >= 1, got 0"):
+        AppConfig.from_dict({"disaggregation": {"max_inflight_prefills": 0}})
     with pytest.raises(ConfigError, match="disaggregation.bogus"):
         AppConfig.from_dict({"disaggregation": {"bogus": 1}})
