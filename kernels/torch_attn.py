@@ -347,7 +347,7 @@ def _group_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     v = v_cache.index_select(0, gidx).view(b, s_pad, hkv, d)[:, :s].transpose(1, 2)  # [B, Hkv, S, D]
 
     if g.get("causal"):  # [B, H, L, D] against [B, Hkv, L, D]: no mask, no GQA packing
-        q = query.view(b, lq, h, d).transpose(1, 2)
+        q = query.reshape(b, lq, h, d).transpose(1, 2)  # a view unless query is non-contiguous
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gq > 1)
         return out.transpose(1, 2).reshape(b * lq, h, d)
 

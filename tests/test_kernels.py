@@ -205,7 +205,7 @@ def test_torch_backend_matches_naive_fp32(name: str) -> None:
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["mixed_gqa_bs16", "decode_batch_gqa", "verify_uniform"])
+@pytest.mark.parametrize("name", ["mixed_gqa_bs16", "decode_batch_gqa", "verify_uniform", "prefill_single", "prefill_pair_equal_mha"])
 def test_torch_backend_non_contiguous_qkv(name: str) -> None:
     case = as_qkv_split(case_by_name(name))
     out, _ = run_backend("torch", case)
@@ -244,7 +244,7 @@ def test_write_kv_skips_minus_one_slots(backend_name: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["mixed_gqa_bs16", "decode_batch_gqa", "verify_uniform"])
+@pytest.mark.parametrize("name", ["mixed_gqa_bs16", "decode_batch_gqa", "verify_uniform", "prefill_single", "prefill_pair_equal_mha"])
 def test_torch_backend_low_precision(name: str, dtype: torch.dtype) -> None:
     case = case_by_name(name, dtype=dtype)
     out, _ = run_backend("torch", case)
