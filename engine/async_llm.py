@@ -220,7 +220,10 @@ class AsyncLLM:
     def _deliver(self, rid: str, item) -> None:
         stream = self._streams.get(rid)
         if stream is not None and not stream.closing:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            if not _call_soon(stream.loop, stream.queue.put_nowait, item):
+                # Its consumer's event loop is closed: nobody reads the stream any more.
+                self.engine.abort_request(rid)
+                self._release(rid, stream)
 
     def _abort(self, rid: str, closing: _Stream | None) -> None:
         """Abort in the engine, then let go of the id: a stream its consumer closed is dropped;
@@ -231,8 +234,8 @@ class AsyncLLM:
         if stream is None:
             return
         if closing is not None:
-            if stream is closing:
-                stream.loop.call_soon_threadsafe(self._release, rid, closing)
+            if stream is closing and not _call_soon(stream.loop, self._release, rid, closing):
+                self._release(rid, closing)  # its loop is closed (the consumer left with it): here
             return
         if request is not None:
             out = EngineOutput(rid, [], "abort", request.num_prompt_tokens, request.num_output_tokens,
@@ -267,9 +270,9 @@ class AsyncLLM:
                 try:
                     result = fn(*args)
                 except Exception as e:  # noqa: BLE001 - handed back to the caller
-                    loop.call_soon_threadsafe(_set_exception, fut, e)
+                    _call_soon(loop, _set_exception, fut, e)
                 else:
-                    loop.call_soon_threadsafe(_set_result, fut, result)
+                    _call_soon(loop, _set_result, fut, result)
 
     def _import_pending(self) -> None:
         """Import the handoffs that fit now, oldest first; the rest wait for blocks to free up."""
@@ -336,6 +339,17 @@ class AsyncLLM:
             for ro in final:
                 self._deliver(ro.request_id, ro)
             self._snapshot = self.engine.stats()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """`loop.call_soon_threadsafe(fn, *args)` from the engine thread; False when the loop is
+    closed (a consumer that left with its loop, e.g. `asyncio.run` returning): the engine thread
+    must outlive its consumers."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

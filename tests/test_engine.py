@@ -234,3 +234,30 @@ def test_async_llm_streams_and_aborts(model_dir, reference_outputs):
     assert results == reference_outputs[:5]
     assert stats["num_used_blocks"] == 0
     assert_no_leaked_blocks(llm.engine)
+
+
+def test_async_llm_outlives_a_consumer_whose_event_loop_closed(model_dir, reference_outputs):
+    """A consumer that leaves mid-stream and closes its event loop (asyncio.run returning) queues
+    an abort that the engine thread may handle after the loop is gone: the engine thread must
+    neither die nor keep the stream, and keeps serving other loops."""
+    llm = AsyncLLM(model_dir, dtype="float32", device="cpu")
+
+    async def leave_early() -> None:
+        async for _ in llm.generate(PROMPTS[4], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)):
+            return  # the generator is closed by asyncio.run's shutdown, then the loop is closed
+
+    async def collect(prompt) -> list[int]:
+        tokens = []
+        async for out in llm.generate(prompt, GREEDY):
+            tokens.extend(out.delta_token_ids)
+        return tokens
+
+    try:
+        for _ in range(5):
+            asyncio.run(leave_early())
+        assert asyncio.run(asyncio.wait_for(collect(PROMPTS[0]), 60)) == reference_outputs[0]
+        assert llm._thread.is_alive()
+        assert asyncio.run(asyncio.wait_for(llm.wait_idle(), 60))["num_used_blocks"] == 0
+        assert not llm._streams
+    finally:
+        llm.shutdown()
