@@ -379,9 +379,11 @@ class SpecDecodeServer:
     async def prefill_counts(self) -> dict[str, float]:
         """How this decode replica's requests were prefilled (remote, local, fallback), by which
         transport its handoffs came (`via_nixl`, `via_object_store`), why fallbacks happened
-        (`fallback_no_handoff`, `fallback_lost`, `fallback_refused`) and the handoffs' median size
+        (`fallback_no_handoff`, `fallback_lost`, `fallback_refused`), the remote prefills it waits on
+        now (`inflight_prefills`) and the handoffs' median size
         and transfer time (tests and bench/bench_pd.py)."""
         out: dict[str, float] = dict(self.prefills)
+        out["inflight_prefills"] = self.inflight_prefills  # remote prefills it waits on now
         out.update({f"via_{name}": n for name, n in self.transports.items()})
         out.update({f"fallback_{why}": n for why, n in self.fallbacks.items()})
         if self.handoffs:

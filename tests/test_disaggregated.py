@@ -361,6 +361,7 @@ def test_cancel_storm_leaves_no_blocks_on_either_pool(served: Served) -> None:
         assert direct_transport_objects_held() == 0
     counts = prefill_counts()
     assert counts.get("remote", 0) > 0
+    assert counts["inflight_prefills"] == 0  # every cancelled remote prefill let go of its slot
 
 
 def variant_target(target: str, drafter: str):
