@@ -143,3 +143,26 @@ def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor
         k_cache, v_cache, slots, block_tables, ctx_lens, num_heads, num_kv_heads, intermediate_size, eps, scale,
         empty if attn_in is None else attn_in,
     )
+
+
+def draft_chain(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor,
+                block_tables: torch.Tensor, num_drafts: torch.Tensor, embed: torch.Tensor,
+                norms: dict[str, torch.Tensor], norm_before_residual: bool, weights: dict[str, torch.Tensor | None],
+                lm_head: torch.Tensor, n_draft: int, token_ids: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                intermediate_size: int, eps: float, scale: float, round_bf16: bool) -> torch.Tensor:
+    """Greedy chain drafting of an EAGLE-3 head in one call (cpu_rows.cpp `draft_chain`): the
+    midlayer's catch-up forward over feats [N0, H] float32 (elements with tokens, positions and
+    owner request [N0] int64, each request's rows together), then num_drafts[b] greedy drafts
+    per request, each forward after the first on (own output feature, token just drafted).
+    `norms`: in_ln, hidden_norm, final_norm (float32 [H]); `weights`: the midlayer's `rows_layer`
+    weights (post_norm, w_qkv, w_o, w_gate_up, w_down); lm_head packed over n_draft rows, column
+    i being target token token_ids[i] (None: i). Returns drafts [R, max(num_drafts)] int64, -1
+    past a request's count."""
+    empty = torch.empty(0, dtype=torch.int64)
+    return _module().draft_chain(
+        feats, tokens, positions, owner, block_tables, num_drafts, embed, norms["in_ln"], norms["hidden_norm"],
+        norms["final_norm"], norm_before_residual, weights["post_norm"], weights["w_qkv"], weights["w_o"],
+        weights["w_gate_up"], weights["w_down"], lm_head, n_draft, empty if token_ids is None else token_ids,
+        rope[0], rope[1], k_cache, v_cache, num_heads, num_kv_heads, intermediate_size, eps, scale, round_bf16,
+    )

@@ -719,6 +719,169 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
   return {out, res_out};
 }
 
+// Greedy chain drafting of an EAGLE-3 head in one call (engine/spec/proposers/eagle3.py describes
+// the head): the midlayer's catch-up forward over each request's buffered elements, then, for
+// each request, num_drafts[b] greedy drafts, every forward after the first on the element (own
+// output feature, token just drafted) at the next position: one call per drafting round instead
+// of a Python loop of forwards and samples. Each forward is `rows_layer` on
+//   x_in = [rms_norm(embed[token]) * in_ln, rms_norm(g) * hidden_norm]   (q/k/v's input, 2H)
+//   x = rms_norm(g) * hidden_norm if norm_before_residual else g          (the residual stream)
+// and a draft is argmax(lm_head(rms_norm(out) * final_norm)) over the draft vocabulary, mapped
+// to a target id by token_ids (empty: the identity). round_bf16 rounds the output features and
+// the final norm's output to bfloat16, where a bfloat16 head's torch path holds them in its dtype.
+//   feats [N0, H] float32, tokens / positions / owner [N0] int64 (each request's rows together,
+//   in position order); block_tables [R, W] int64 (the request's blocks: KV slots and context);
+//   num_drafts [R] int64 >= 1; embed [V, H] float32 or bfloat16; norms float32 [H]; rope_cos /
+//   rope_sin [P, D] float32 (rows by position); lm_head packed (pack_rows) of n_draft rows.
+// Returns drafts [R, max(num_drafts)] int64 (-1 past a request's num_drafts); the head's KV of
+// every element is written at its position's slot.
+torch::Tensor draft_chain(
+    torch::Tensor feats, torch::Tensor tokens, torch::Tensor positions, torch::Tensor owner,
+    torch::Tensor block_tables, torch::Tensor num_drafts, torch::Tensor embed, torch::Tensor in_ln,
+    torch::Tensor hidden_norm, torch::Tensor final_norm, bool norm_before_residual, torch::Tensor post_norm,
+    torch::Tensor w_qkv, torch::Tensor w_o, torch::Tensor w_gate_up, torch::Tensor w_down, torch::Tensor lm_head,
+    int64_t n_draft, torch::Tensor token_ids, torch::Tensor rope_cos, torch::Tensor rope_sin,
+    torch::Tensor k_cache, torch::Tensor v_cache, int64_t H, int64_t Hkv, int64_t I, double eps, double scale,
+    bool round_bf16) {
+  TORCH_CHECK(feats.dim() == 2 && feats.scalar_type() == torch::kFloat32 && feats.is_contiguous(),
+              "draft_chain: feats must be contiguous float32 [N0, H]");
+  const int64_t N0 = feats.size(0), E = feats.size(1);
+  for (const auto* t : {&tokens, &positions, &owner}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == N0,
+                "draft_chain: tokens, positions and owner must be contiguous int64 [N0]");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
+              "draft_chain: block_tables must be contiguous int64 [R, W]");
+  const int64_t R = block_tables.size(0), W = block_tables.size(1), bs = k_cache.size(1);
+  TORCH_CHECK(num_drafts.scalar_type() == torch::kInt64 && num_drafts.is_contiguous() && num_drafts.numel() == R,
+              "draft_chain: num_drafts must be contiguous int64 [R]");
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == E && embed.is_contiguous() &&
+                  (embed.scalar_type() == torch::kFloat32 || embed.scalar_type() == torch::kBFloat16),
+              "draft_chain: embed must be contiguous float32 or bfloat16 [V, H]");
+  for (const auto* t : {&in_ln, &hidden_norm, &final_norm}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == E,
+                "draft_chain: norm weights must be contiguous float32 [H]");
+  }
+  const int64_t D = k_cache.size(3);
+  TORCH_CHECK(rope_cos.dim() == 2 && rope_cos.size(1) == D && rope_sin.sizes() == rope_cos.sizes() &&
+                  rope_cos.scalar_type() == torch::kFloat32 && rope_sin.scalar_type() == torch::kFloat32 &&
+                  rope_cos.is_contiguous() && rope_sin.is_contiguous(),
+              "draft_chain: rope_cos / rope_sin must be contiguous float32 [P, head_dim]");
+  const Packed l_head = check_packed(lm_head, n_draft, E, "draft_chain lm_head");
+  const bool mapped = token_ids.defined() && token_ids.numel() > 0;
+  TORCH_CHECK(!mapped || (token_ids.scalar_type() == torch::kInt64 && token_ids.is_contiguous() && token_ids.numel() == n_draft),
+              "draft_chain: token_ids must be contiguous int64 [n_draft] or empty");
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* own = owner.data_ptr<int64_t>();
+  const int64_t* nd = num_drafts.data_ptr<int64_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* tid = mapped ? token_ids.data_ptr<int64_t>() : nullptr;
+  const int64_t V = embed.size(0), P = rope_cos.size(0);
+  int64_t kmax = 0;
+  for (int64_t b = 0; b < R; ++b) {
+    TORCH_CHECK(nd[b] >= 1, "draft_chain: num_drafts must be >= 1");
+    kmax = std::max(kmax, nd[b]);
+  }
+  std::vector<int64_t> last_row(R, -1), last_pos(R, -1);
+  for (int64_t i = 0; i < N0; ++i) {
+    TORCH_CHECK(own[i] >= 0 && own[i] < R, "draft_chain: owner out of range");
+    TORCH_CHECK(i == 0 || own[i] >= own[i - 1], "draft_chain: each request's rows must be together, in request order");
+    last_row[own[i]] = i;
+    last_pos[own[i]] = pos[i];
+  }
+  for (int64_t b = 0; b < R; ++b) TORCH_CHECK(last_row[b] >= 0, "draft_chain: request ", b, " has no rows");
+  // every position written: its slot must be in the table and in the rope rows
+  for (int64_t b = 0; b < R; ++b) {
+    const int64_t end = last_pos[b] + nd[b] - 1;  // the last autoregressive element's position
+    TORCH_CHECK(end / bs < W && end < P, "draft_chain: request ", b, " needs position ", end,
+                ", beyond its block table or the rope table");
+  }
+  const float feps = static_cast<float>(eps);
+  const float* emb_f = embed.scalar_type() == torch::kFloat32 ? embed.data_ptr<float>() : nullptr;
+  const uint16_t* emb_h = emb_f ? nullptr : reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
+  auto round_row = [&](float* x, int64_t n) {
+    if (round_bf16) for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  };
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  torch::Tensor empty;
+  auto drafts = torch::full({R, kmax}, -1, i64);
+  int64_t* out_tok = drafts.data_ptr<int64_t>();
+  // the forward's elements: (feature row, token, position, request)
+  std::vector<float> g(feats.data_ptr<float>(), feats.data_ptr<float>() + N0 * E);
+  std::vector<int64_t> e_tok(tok, tok + N0), e_pos(pos, pos + N0), e_own(own, own + N0);
+  std::vector<float> normed(E), head_in, logits;
+  for (int64_t step = 0; step < kmax; ++step) {
+    const int64_t T = static_cast<int64_t>(e_tok.size());
+    auto x = torch::empty({T, E}, f32), x_in = torch::empty({T, 2 * E}, f32);
+    auto cos = torch::empty({T, D}, f32), sin = torch::empty({T, D}, f32);
+    auto slots = torch::empty({T}, i64), tables = torch::empty({T, W}, i64), lens = torch::empty({T}, i64);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(e_tok[t] >= 0 && e_tok[t] < V, "draft_chain: token id out of range");
+      float* xi = x_in.data_ptr<float>() + t * 2 * E;
+      std::vector<float> e(E);
+      for (int64_t i = 0; i < E; ++i) e[i] = emb_f ? emb_f[e_tok[t] * E + i] : bf16_to_f32(emb_h[e_tok[t] * E + i]);
+      rms_norm_row(e.data(), in_ln.data_ptr<float>(), E, feps, xi);
+      rms_norm_row(g.data() + t * E, hidden_norm.data_ptr<float>(), E, feps, xi + E);
+      std::memcpy(x.data_ptr<float>() + t * E, norm_before_residual ? xi + E : g.data() + t * E, sizeof(float) * E);
+      const int64_t p = e_pos[t], b = e_own[t];
+      std::memcpy(cos.data_ptr<float>() + t * D, rope_cos.data_ptr<float>() + p * D, sizeof(float) * D);
+      std::memcpy(sin.data_ptr<float>() + t * D, rope_sin.data_ptr<float>() + p * D, sizeof(float) * D);
+      slots.data_ptr<int64_t>()[t] = bt[b * W + p / bs] * bs + p % bs;
+      std::memcpy(tables.data_ptr<int64_t>() + t * W, bt + b * W, sizeof(int64_t) * W);
+      lens.data_ptr<int64_t>()[t] = p + 1;
+    }
+    auto [mlp, res] = rows_layer(x, empty, cos, sin, empty, post_norm, w_qkv, empty, w_o, empty, empty, empty,
+                                 w_gate_up, empty, w_down, empty, k_cache, v_cache, slots, tables, lens, H, Hkv, I,
+                                 eps, scale, x_in);
+    const float* mp = mlp.data_ptr<float>();
+    const float* rp = res.data_ptr<float>();
+    // the rows that draft: each request's last element of this forward
+    std::vector<int64_t> rows, reqs;
+    for (int64_t t = 0; t < T; ++t) {
+      if (t + 1 < T && e_own[t + 1] == e_own[t]) continue;
+      if (nd[e_own[t]] > step) {
+        rows.push_back(t);
+        reqs.push_back(e_own[t]);
+      }
+    }
+    const int64_t M = static_cast<int64_t>(rows.size());
+    std::vector<float> next_g(M * E);
+    head_in.assign(M * E, 0.0f);
+    for (int64_t j = 0; j < M; ++j) {
+      float* f = next_g.data() + j * E;
+      for (int64_t i = 0; i < E; ++i) f[i] = rp[rows[j] * E + i] + mp[rows[j] * E + i];
+      round_row(f, E);
+      rms_norm_row(f, final_norm.data_ptr<float>(), E, feps, head_in.data() + j * E);
+      round_row(head_in.data() + j * E, E);
+    }
+    logits.assign(M * n_draft, 0.0f);
+    packed_product(head_in.data(), M, E, lm_head, l_head, n_draft, nullptr, logits.data(), at::get_num_threads());
+    std::vector<int64_t> n_tok, n_pos, n_own;
+    std::vector<float> n_g;
+    for (int64_t j = 0; j < M; ++j) {
+      const float* l = logits.data() + j * n_draft;
+      int64_t best = 0;
+      for (int64_t v = 1; v < n_draft; ++v) if (l[v] > l[best]) best = v;
+      const int64_t b = reqs[j], picked = tid ? tid[best] : best;
+      out_tok[b * kmax + step] = picked;
+      if (nd[b] > step + 1) {  // the element (this output, this draft) at the next position
+        n_tok.push_back(picked);
+        n_pos.push_back(e_pos[rows[j]] + 1);
+        n_own.push_back(b);
+        n_g.insert(n_g.end(), next_g.begin() + j * E, next_g.begin() + (j + 1) * E);
+      }
+    }
+    if (n_tok.empty()) break;
+    e_tok.swap(n_tok);
+    e_pos.swap(n_pos);
+    e_own.swap(n_own);
+    g.swap(n_g);
+  }
+  return drafts;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: they run without the GIL, so the replica's other Python
   // threads (Ray Serve's event loops, gRPC, metrics) run on another core meanwhile instead of
@@ -731,4 +894,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_dot_bf16", &cpu_has_dot_bf16, "whether this CPU runs the AVX512-BF16 products (dot_bf16 layout)");
   m.def("packed_linear", &packed_linear, "rows_linear with packed weights (bit-identical results)", nogil());
   m.def("rows_layer", &rows_layer, "one row-invariant pre-norm decoder layer for a few tokens (AVX2/FMA)", nogil());
+  m.def("draft_chain", &draft_chain, "greedy chain drafting of an EAGLE-3 head: catch-up and every draft in one call",
+        nogil());
 }

@@ -200,6 +200,54 @@ def test_drafts_and_q_match_reference(setup, which):
     assert_no_leaked_blocks(engine)
 
 
+@pytest.mark.parametrize("which", ["default", "explicit"])
+def test_greedy_chain_kernel_drafts_match_reference(setup, which, monkeypatch):
+    """Greedy requests only: the CPU path drafts a whole chain in one kernel call
+    (cpu_kernels.draft_chain: catch-up, every draft, the head's KV written); its drafts equal the
+    reference at every step, which also checks the KV it wrote (the next catch-up reads it)."""
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU row kernels")
+    calls = []
+    real = cpu_kernels.draft_chain
+    monkeypatch.setattr(cpu_kernels, "draft_chain", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"][which], num_speculative_tokens=4, adaptive=False)
+    engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
+    engine.add_request("a", SPEC_PROMPTS[2], GREEDY)
+    engine.add_request("b", SPEC_PROMPTS[0], GREEDY)
+    for _ in range(4):
+        engine.step()
+        for rid in ("a", "b"):
+            r = engine.scheduler.requests[rid]
+            assert r.spec_token_ids == reference_drafts(setup, which, r.all_token_ids, 4)[0]
+    assert len(calls) == 4
+    assert_no_leaked_blocks(engine)
+
+
+def test_greedy_chain_kernel_equals_the_python_loop_bfloat16(setup):
+    """bfloat16 (with its own embedding and norm_before_residual): the kernel's drafts equal
+    the Python loop's, round after round. (This tiny head has no near-ties, so it passes without
+    the kernel's bfloat16 rounding too; the shipped models' test,
+    test_shipped_eagle3_kernel_chain_drafts_equal_the_python_loop, does not.)"""
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU row kernels")
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["explicit"], num_speculative_tokens=4, adaptive=False)
+    engines = [LLMEngine(setup["target"], dtype="bfloat16", device="cpu", speculative=spec) for _ in range(2)]
+    engines[1].speculator.proposer.row_kernel_chain = False  # the Python loop
+    drafts: list[list[list[int]]] = [[], []]
+    for engine, seen in zip(engines, drafts, strict=True):
+        engine.add_request("r", SPEC_PROMPTS[1], GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+            r = engine.scheduler.requests.get("r")
+            if r is not None:
+                seen.append(list(r.spec_token_ids))
+    assert drafts[0] == drafts[1] and sum(map(len, drafts[0])) > 0
+
+
 @pytest.mark.parametrize("k,adaptive", [(3, False), (5, True)])
 def test_greedy_output_equals_target_float32(setup, k, adaptive):
     spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=k, adaptive=adaptive)

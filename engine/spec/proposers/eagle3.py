@@ -331,6 +331,8 @@ class Eagle3Proposer(Proposer):
         named += [("lm_head.weight", self.head.weight), (f"aux_layer_ids={self.aux_layer_ids}", self.norm)]
         self._identity = DrafterIdentity(model_name(model_dir), weights_digest(named), draft_vocab)
         self._own_embedding = embed is not None
+        self._chain_norms: dict[str, torch.Tensor] | None = None  # float32 norms of draft_chain
+        self.row_kernel_chain = self.row_kernel  # greedy chains through cpu_kernels.draft_chain
 
     @staticmethod
     def _read_vocab_map(model_dir: str, w: dict, draft_vocab: int, vocab: int) -> torch.Tensor | None:
@@ -512,9 +514,12 @@ class Eagle3Proposer(Proposer):
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         t_start = time.perf_counter()
+        chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
+        if (self.row_kernel_chain and len(elem_tokens) <= EXACT_ROWS
+                and all(r.sampling_params.is_greedy for r in requests)):
+            return self._propose_greedy_chain(requests, num_tokens, chunks, elem_tokens, feats_in, t_start)
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
         first_chunks = chunks
         generators = context.generators_for(requests)
         feats = self._forward(chunks, elem_tokens, feats_in)
@@ -543,3 +548,38 @@ class Eagle3Proposer(Proposer):
             Draft(t, torch.stack(pr) if pr and not r.sampling_params.is_greedy else None)
             for t, pr, r in zip(tokens, probs, requests, strict=True)
         ]
+
+    def _propose_greedy_chain(self, requests: list[Request], num_tokens: list[int], chunks: list[SeqChunk],
+                              elem_tokens: list[int], feats_in: torch.Tensor, t_start: float) -> list[Draft]:
+        """`propose` for greedy requests on the fused CPU path: the catch-up forward and every
+        draft in one kernel call (`cpu_kernels.draft_chain`: the same midlayer kernel, norms, LM
+        head and argmax as the loop above, without a Python round trip per draft; the drafts
+        agree with the loop's unless float32 rounding of a norm flips a near-tie, which changes
+        only what is proposed, never the verified output)."""
+        from kernels import cpu_kernels
+
+        if self._chain_norms is None:
+            self._chain_norms = {
+                "in_ln": self.layer.input_layernorm.detach().float().contiguous(),
+                "hidden_norm": self.layer.hidden_norm.detach().float().contiguous(),
+                "final_norm": self.norm.detach().float().contiguous(),
+            }
+        positions = [c.start + i for c in chunks for i in range(len(c.token_ids))]
+        owner = [b for b, c in enumerate(chunks) for _ in c.token_ids]
+        width = max(len(r.block_ids) for r in requests)
+        tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in requests], dtype=torch.int64)
+        k_cache, v_cache = self.kv_caches[0]
+        cfg = self.arch
+        drafts = cpu_kernels.draft_chain(
+            feats_in.float().contiguous(), torch.tensor(elem_tokens, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64), torch.tensor(owner, dtype=torch.int64), tables,
+            torch.tensor(num_tokens, dtype=torch.int64), self.embed_tokens.weight, self._chain_norms,
+            self.layer.norm_before_residual, self.layer.row_weights(), self.head.packed, self.head.size,
+            self.head.token_ids, self.rope_f32, k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads,
+            cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5, self.dtype == torch.bfloat16,
+        ).tolist()
+        for r in requests:  # the call succeeded: the buffered elements are in the midlayer's KV
+            self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, max(num_tokens),
+                             max(len(c.token_ids) for c in chunks), max(num_tokens))
+        return [Draft(d[:k], None) for d, k in zip(drafts, num_tokens, strict=True)]
