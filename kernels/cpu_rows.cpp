@@ -92,6 +92,52 @@ inline void dots(const float* x, const W* const* w, int64_t K, float* out) {
   }
 }
 
+// exp of 8 floats (AVX2; Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial
+// for e^r, then 2^n through the exponent bits), within 2 ulp of e^x; x < -87.34 gives 0 (no
+// denormals), x > 88.376 is taken as 88.376 (2.4e38: the softmax and SiLU never need more).
+// Element-wise and branch-free: a value's exp does not depend on its neighbours, so the
+// kernels' row invariance holds; ~10x faster than a scalar std::exp per element.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// f(x8) over n floats in place, 8 at a time; the tail through a zero-padded register, so every
+// element takes the same instructions wherever it sits.
+template <typename F>
+inline void map8(float* x, int64_t n, F&& f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, f(_mm256_loadu_ps(x + i), i));
+  if (i < n) {
+    alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(tmp, x + i, sizeof(float) * (n - i));
+    _mm256_store_ps(tmp, f(_mm256_load_ps(tmp), i));
+    std::memcpy(x + i, tmp, sizeof(float) * (n - i));
+  }
+}
+
+// The first min(n, 8) floats of p, zeros after (map8's tail).
+inline __m256 load_tail(const float* p, int64_t n) {
+  if (n >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(tmp, p, sizeof(float) * n);
+  return _mm256_load_ps(tmp);
+}
+
 inline float dot_f32(const float* x, const float* w, int64_t K) {
   float s;
   dots<1>(x, &w, K, &s);
@@ -376,10 +422,9 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc
       for (int64_t g = 0; g < G; ++g) {
         float total = 0.0f;
         float* sc = scores.data() + g * L;
-        for (int64_t p = 0; p < L; ++p) {
-          sc[p] = std::exp(sc[p] - mx[g]);
-          total += sc[p];
-        }
+        const __m256 m = _mm256_set1_ps(mx[g]);
+        map8(sc, L, [&](__m256 v, int64_t) { return exp8(_mm256_sub_ps(v, m)); });
+        for (int64_t p = 0; p < L; ++p) total += sc[p];
         sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -713,7 +758,11 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
     const float* g = gu.data() + t * I2;
     const float* u = g + I;
     float* a = h.data() + t * I;
-    for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    std::memcpy(a, g, sizeof(float) * I);  // silu(g) * u = g / (1 + exp(-g)) * u
+    map8(a, I, [&](__m256 v, int64_t i) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
+      return _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), load_tail(u + i, I - i));
+    });
   }
   linear(h.data(), I, w_down, l_down, E, bdown, op);
   return {out, res_out};
@@ -882,6 +931,14 @@ torch::Tensor draft_chain(
   return drafts;
 }
 
+// The kernels' exp (exp8) over a float32 tensor, for its accuracy test.
+torch::Tensor exp_f32(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "exp_f32: x must be float32");
+  auto y = x.contiguous().clone();
+  map8(y.data_ptr<float>(), y.numel(), [](__m256 v, int64_t) { return exp8(v); });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: they run without the GIL, so the replica's other Python
   // threads (Ray Serve's event loops, gRPC, metrics) run on another core meanwhile instead of
@@ -891,6 +948,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_attention", &rows_attention, "row-invariant paged attention of a few query tokens (AVX2/FMA)", nogil());
   m.def("pack_rows", &pack_rows, "weights [N, K] -> the packed layout of packed_linear / rows_layer",
         py::arg("w"), py::arg("dot_bf16") = false, nogil());
+  m.def("exp_f32", &exp_f32, "the kernels' vectorized exp (softmax, SiLU), element-wise", nogil());
   m.def("has_dot_bf16", &cpu_has_dot_bf16, "whether this CPU runs the AVX512-BF16 products (dot_bf16 layout)");
   m.def("packed_linear", &packed_linear, "rows_linear with packed weights (bit-identical results)", nogil());
   m.def("rows_layer", &rows_layer, "one row-invariant pre-norm decoder layer for a few tokens (AVX2/FMA)", nogil());
