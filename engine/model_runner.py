@@ -171,11 +171,22 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device
 
 
 def allocate_kv_cache(cfg, num_blocks: int, block_size: int, dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed K and V caches [num_blocks, block_size, kv_heads, head_dim] per layer; on the CPU,
+    views of one buffer on 2 MiB pages (`cpu_kernels.huge_page_buffer`: attention reads each
+    block's rows scattered over the cache, a TLB miss per 4 KiB page otherwise)."""
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_layers)
-    ]
+    if torch.device(device).type != "cpu":
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+    from kernels import cpu_kernels
+
+    nbytes = num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    buf, base = cpu_kernels.huge_page_buffer(2 * cfg.num_layers * nbytes)
+    caches = buf[base : base + 2 * cfg.num_layers * nbytes].view(dtype).view(cfg.num_layers, 2, *shape)
+    caches.zero_()
+    return [(caches[i, 0], caches[i, 1]) for i in range(cfg.num_layers)]
 
 
 def gather_kv_blocks(

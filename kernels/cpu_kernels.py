@@ -15,9 +15,11 @@ multiply-adds per instruction, the same row invariance (other bits than the AVX2
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -28,6 +30,9 @@ SOURCE = Path(__file__).with_name("cpu_rows.cpp")
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "torch_extensions"
 ENV_DISABLE = "SPECDECODE_CPU_KERNELS"  # "0": never build or use them
 ENV_BF16_DOT = "SPECDECODE_CPU_BF16_DOT"  # "0": no AVX512-BF16 products even where the CPU has them
+ENV_HUGE_PAGES = "SPECDECODE_HUGE_PAGES"  # "0": packed weights and KV caches on ordinary pages
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
 
 
 @functools.cache
@@ -166,3 +171,42 @@ def draft_chain(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tens
         weights["w_gate_up"], weights["w_down"], lm_head, n_draft, empty if token_ids is None else token_ids,
         rope[0], rope[1], k_cache, v_cache, num_heads, num_kv_heads, intermediate_size, eps, scale, round_bf16,
     )
+
+
+@functools.cache
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, int]:
+    """An untouched uint8 buffer with a 2 MiB-aligned region of `nbytes` marked
+    MADV_HUGEPAGE (Linux transparent huge pages, honoured where THP is `madvise` or `always`),
+    and that region's offset in it. A decode step streams every weight once: on 4 KiB pages that
+    is a TLB miss every 4 KiB (~20k per token for an 80 MB model); on 2 MiB pages, 40. Elsewhere
+    (other OS, SPECDECODE_HUGE_PAGES=0, madvise refused) the buffer is ordinary memory."""
+    buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = (-buf.data_ptr()) % HUGE_PAGE
+    if sys.platform.startswith("linux") and os.environ.get(ENV_HUGE_PAGES, "1") != "0" and nbytes:
+        length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # within the buffer: offset + length <= nbytes + HUGE_PAGE
+        if _libc().madvise(buf.data_ptr() + offset, length, MADV_HUGEPAGE) != 0:
+            logger.info("madvise(MADV_HUGEPAGE) refused (errno %d): ordinary pages", ctypes.get_errno())
+    return buf, offset
+
+
+def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (contiguous, any dtypes) laid out in one `huge_page_buffer`, each at a
+    64-byte-aligned offset; the copies keep the buffer alive. Same values, same shapes."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += -(-n // 64) * 64
+    buf, base = huge_page_buffer(total)
+    out = []
+    for t, start, n in zip(tensors, starts, sizes, strict=True):
+        view = buf[base + start : base + start + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+    return out

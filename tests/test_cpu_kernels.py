@@ -376,3 +376,47 @@ def test_kernels_release_the_gil_while_they_compute():
         assert t1 - t0 > 3 * margin, f"the call took {t1 - t0:.3f} s: too short to tell"
         inside = [s for s in stamps if t0 + margin < s < t1 - margin]
         assert len(inside) > 100, f"{len(inside)} Python steps ran during a {t1 - t0:.3f} s kernel call"
+
+
+def test_packed_weights_and_kv_caches_live_on_one_huge_page_buffer(tmp_path, monkeypatch):
+    """`on_huge_pages` copies tensors bit for bit into one buffer whose region is 2 MiB-aligned
+    and marked MADV_HUGEPAGE (checked through a recording madvise); the engine puts every packed
+    matrix of the target there, and its CPU KV caches in another; SPECDECODE_HUGE_PAGES=0 marks
+    nothing."""
+    from helpers import save_tiny_model
+
+    from engine import LLMEngine
+
+    calls = []
+    real = cpu_kernels._libc()
+
+    class Recorder:
+        def madvise(self, addr, length, advice):
+            calls.append((addr, length, advice))
+            return real.madvise(addr, length, advice)
+
+    monkeypatch.setattr(cpu_kernels, "_libc", lambda: Recorder())
+    ts = [torch.randn(5, 7), torch.randn(3, 130).to(torch.bfloat16), torch.arange(9)]
+    moved = cpu_kernels.on_huge_pages(ts)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ts, moved, strict=True))
+    assert len({m.untyped_storage().data_ptr() for m in moved}) == 1
+    (addr, length, advice), = calls
+    assert addr % (2 << 20) == 0 and length % (2 << 20) == 0 and advice == cpu_kernels.MADV_HUGEPAGE
+    assert all(addr <= m.data_ptr() < addr + length for m in moved)
+
+    calls.clear()
+    engine = LLMEngine(save_tiny_model(str(tmp_path / "m"), "llama"), dtype="float32", device="cpu")
+    model = engine.runner.model
+    mats = [layer.row_weights()[k] for layer in model.layers for k in ("w_qkv", "w_o", "w_gate_up", "w_down")]
+    mats.append(model.packed_lm_head())
+    assert len({m.untyped_storage().data_ptr() for m in mats}) == 1
+    caches = [c for kv in engine.runner.kv_caches for c in kv]
+    assert len({c.untyped_storage().data_ptr() for c in caches}) == 1 and all(c.is_contiguous() for c in caches)
+    marked = [(a, n) for a, n, _ in calls]
+    for t in (mats[0], caches[0]):
+        assert any(a <= t.data_ptr() < a + n for a, n in marked)
+
+    calls.clear()
+    monkeypatch.setenv(cpu_kernels.ENV_HUGE_PAGES, "0")
+    cpu_kernels.on_huge_pages(ts)
+    assert calls == []

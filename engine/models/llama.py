@@ -323,6 +323,14 @@ class CausalLM(nn.Module):
             if packed_all:
                 layer.use_packed_matmuls()
         self.packed_lm_head()
+        # every packed matrix in one buffer on 2 MiB pages (cpu_kernels.on_huge_pages): a step
+        # streams them all, and on 4 KiB pages it took a TLB miss every 4 KiB
+        keys = ("w_qkv", "w_o", "w_gate_up", "w_down")
+        moved = iter(cpu_kernels.on_huge_pages([layer._row_weights[k] for layer in self.layers for k in keys]
+                                               + [self._packed_lm_head]))
+        for layer in self.layers:
+            layer._row_weights.update((k, next(moved)) for k in keys)
+        self._packed_lm_head = next(moved)
 
     def packed_lm_head(self) -> torch.Tensor:
         """The LM head packed for `cpu_kernels.packed_linear` (made once)."""

@@ -323,6 +323,11 @@ class Eagle3Proposer(Proposer):
             self.packed_fc = cpu_kernels.pack_rows(self.fc.weight)
             if self.fc_packed_all:
                 self.layer.use_packed_matmuls()
+            # the head's packed matrices on 2 MiB pages, as the target's (CausalLM.prepare_rows)
+            rw, keys = self.layer.row_weights(), ("w_qkv", "w_o", "w_gate_up", "w_down")
+            *mats, self.head.packed, self.packed_fc = cpu_kernels.on_huge_pages(
+                [rw[k] for k in keys] + [self.head.packed, self.packed_fc])
+            rw.update(zip(keys, mats, strict=True))
         self.backend = runner.backend
         self.block_size = 0
         self.timer = StepTimer(5e-4)  # one autoregressive step of the head
