@@ -150,6 +150,24 @@ def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor
     )
 
 
+ROW_WEIGHT_ORDER = ("in_norm", "post_norm", "w_qkv", "b_qkv", "w_o", "b_o", "q_norm", "k_norm", "w_gate_up",
+                    "b_gate_up", "w_down", "b_down")  # rows_layer's tensor arguments
+
+
+def rows_stack(layer_weights: list[dict[str, torch.Tensor | None]], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float, scale: float,
+               aux_layer_ids: list[int]):
+    """A C++ stack of decoder layers (cpu_rows.cpp `RowsStack`) holding each layer's `rows_layer`
+    weights (dicts as `rows_layer` takes them) and KV caches: `.forward(x, cos, sin, slots,
+    block_tables, ctx_lens, slot_rows)` runs them all in one call (the same bits as one
+    `rows_layer` call per layer) and returns (the last residual stream before the final norm,
+    [the residual stream entering each layer of `aux_layer_ids`, in layer order; the number of
+    layers: the last one])."""
+    empty = torch.empty(0)
+    weights = [[empty if w.get(k) is None else w[k] for k in ROW_WEIGHT_ORDER] for w in layer_weights]
+    return _module().RowsStack(weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], num_heads,
+                               num_kv_heads, intermediate_size, eps, scale, list(aux_layer_ids))
+
 def draft_chain(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor,
                 block_tables: torch.Tensor, num_drafts: torch.Tensor, embed: torch.Tensor,
                 norms: dict[str, torch.Tensor], norm_before_residual: bool, weights: dict[str, torch.Tensor | None],

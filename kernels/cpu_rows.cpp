@@ -768,6 +768,54 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
   return {out, res_out};
 }
 
+// A stack of decoder layers run through rows_layer in one call (the target's few-token steps:
+// decode, verification): the layers' tensors and KV caches are handed over once, at load,
+// instead of ~27 arguments converted per layer per step. forward(x, ...) runs every layer as
+// rows_layer does (the same bits) and returns the last layer's residual stream (residual + out,
+// before the final norm) and, for each boundary b in aux (in layer order), the residual stream
+// entering layer b (b == number of layers: the last one). slot_rows: the block tables are slot
+// tables, the caches viewed with one slot per block (see rows_attention's callers).
+struct RowsStack {
+  std::vector<std::vector<torch::Tensor>> w;  // per layer: rows_layer's 12 tensors, in its order
+  std::vector<torch::Tensor> kc, vc;
+  int64_t H, Hkv, I;
+  double eps, scale;
+  std::vector<int64_t> aux;
+
+  RowsStack(std::vector<std::vector<torch::Tensor>> weights, std::vector<torch::Tensor> k_caches,
+            std::vector<torch::Tensor> v_caches, int64_t H, int64_t Hkv, int64_t I, double eps, double scale,
+            std::vector<int64_t> aux)
+      : w(std::move(weights)), kc(std::move(k_caches)), vc(std::move(v_caches)), H(H), Hkv(Hkv), I(I), eps(eps),
+        scale(scale), aux(std::move(aux)) {
+    TORCH_CHECK(w.size() == kc.size() && kc.size() == vc.size(), "RowsStack: one set of weights and caches per layer");
+    for (const auto& lw : w) TORCH_CHECK(lw.size() == 12, "RowsStack: 12 tensors per layer (rows_layer's order)");
+  }
+
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                                                torch::Tensor slots, torch::Tensor tables,
+                                                                torch::Tensor lens, bool slot_rows) {
+    const int64_t L = static_cast<int64_t>(w.size());
+    auto is_aux = [&](int64_t b) { return std::find(aux.begin(), aux.end(), b) != aux.end(); };
+    torch::Tensor h = x, res, empty;
+    std::vector<torch::Tensor> kept;
+    for (int64_t i = 0; i < L; ++i) {
+      if (is_aux(i)) kept.push_back(res.defined() ? res + h : h);
+      const auto& lw = w[i];
+      torch::Tensor k = kc[i], v = vc[i];
+      if (slot_rows) {
+        k = k.view({-1, 1, k.size(2), k.size(3)});
+        v = v.view({-1, 1, v.size(2), v.size(3)});
+      }
+      std::tie(h, res) = rows_layer(h, res.defined() ? res : empty, cos, sin, lw[0], lw[1], lw[2], lw[3], lw[4], lw[5],
+                                    lw[6], lw[7], lw[8], lw[9], lw[10], lw[11], k, v, slots, tables, lens, H, Hkv, I,
+                                    eps, scale, empty);
+    }
+    torch::Tensor last = res.defined() ? res + h : h;
+    if (is_aux(L)) kept.push_back(last);
+    return {last, kept};
+  }
+};
+
 // Greedy chain drafting of an EAGLE-3 head in one call (engine/spec/proposers/eagle3.py describes
 // the head): the midlayer's catch-up forward over each request's buffered elements, then, for
 // each request, num_drafts[b] greedy drafts, every forward after the first on the element (own
@@ -952,6 +1000,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_dot_bf16", &cpu_has_dot_bf16, "whether this CPU runs the AVX512-BF16 products (dot_bf16 layout)");
   m.def("packed_linear", &packed_linear, "rows_linear with packed weights (bit-identical results)", nogil());
   m.def("rows_layer", &rows_layer, "one row-invariant pre-norm decoder layer for a few tokens (AVX2/FMA)", nogil());
+  py::class_<RowsStack>(m, "RowsStack")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    int64_t, int64_t, int64_t, double, double, std::vector<int64_t>>())
+      .def("forward", &RowsStack::forward, "every layer through rows_layer: (last residual stream, aux streams)", nogil());
   m.def("draft_chain", &draft_chain, "greedy chain drafting of an EAGLE-3 head: catch-up and every draft in one call",
         nogil());
 }

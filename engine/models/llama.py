@@ -253,6 +253,7 @@ class CausalLM(nn.Module):
         self.rope_sin: torch.Tensor | None = None
         self.rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # for the fused row path
         self._norm_f32: torch.Tensor | None = None
+        self._rows_stack = None  # (caches key, cpu_kernels.RowsStack)
         self._packed_lm_head: torch.Tensor | None = None
         # EAGLE-3's auxiliary features: `forward` also keeps the residual stream at these layer
         # boundaries (b: the input of decoder layer b = the output of layer b - 1, HF's
@@ -295,23 +296,32 @@ class CausalLM(nn.Module):
 
     def _forward_rows(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
         """`forward` for a step of a few tokens through `cpu_kernels.rows_layer`: activations in
-        float32 from the embedding to the final norm (one call per layer), every token computed
-        as it would be alone; returns the hidden rows in the model's dtype."""
+        float32 from the embedding to the final norm, every token computed as it would be alone,
+        all layers in one call (`rows_stack`); returns the hidden rows in the model's dtype."""
         cfg = self.cfg
         x = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).float()
         cos, sin = self.rope_f32[0][positions], self.rope_f32[1][positions]
-        residual = None
-        aux_ids, aux = self.aux_layer_ids, []
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if aux_ids and i in aux_ids:
-                aux.append(x if residual is None else residual + x)
-            x, residual = layer.forward_rows(x, residual, cos, sin, k_cache, v_cache, attn_metadata)
-        if aux_ids:
-            self._keep_aux(aux, residual + x)
+        tables, lens = attn_metadata.extras["rows_kernel"]
+        last, aux = self.rows_stack(kv_caches).forward(x, cos, sin, attn_metadata.slot_mapping, tables, lens,
+                                                       bool(attn_metadata.extras.get("rows_kernel_slots")))
+        if self.aux_layer_ids:
+            self.aux_hidden_states = torch.cat(aux, dim=-1).to(self.norm.dtype)
         if self._norm_f32 is None:
             self._norm_f32 = self.norm.detach().float()
-        hidden = F.rms_norm(residual + x, (cfg.hidden_size,), self._norm_f32, cfg.rms_norm_eps)
+        hidden = F.rms_norm(last, (cfg.hidden_size,), self._norm_f32, cfg.rms_norm_eps)
         return hidden.to(self.norm.dtype)
+
+    def rows_stack(self, kv_caches):
+        """The layers' `row_weights` and these KV caches handed to the C++ stack once
+        (`cpu_kernels.RowsStack`), remade when the caches or the packed weights change."""
+        key = tuple((k.data_ptr(), v.data_ptr(), k.shape) for k, v in kv_caches)
+        if self._rows_stack is None or self._rows_stack[0] != key:
+            cfg = self.cfg
+            stack = cpu_kernels.rows_stack([layer.row_weights() for layer in self.layers], kv_caches, cfg.num_heads,
+                                           cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_norm_eps,
+                                           cfg.head_dim**-0.5, sorted(self.aux_layer_ids))
+            self._rows_stack = (key, stack)
+        return self._rows_stack[1]
 
     def prepare_rows(self) -> None:
         """Make the fused row path's packed weights now (at load) rather than in the first step;
@@ -331,6 +341,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer._row_weights.update((k, next(moved)) for k in keys)
         self._packed_lm_head = next(moved)
+        self._rows_stack = None  # (it holds the layers' tensors)
 
     def packed_lm_head(self) -> torch.Tensor:
         """The LM head packed for `cpu_kernels.packed_linear` (made once)."""
@@ -340,7 +351,7 @@ class CausalLM(nn.Module):
 
     def forget_row_weights(self) -> None:
         """Drop the copies the fused row path made (after the weights change)."""
-        self._norm_f32 = self._packed_lm_head = None
+        self._norm_f32 = self._packed_lm_head = self._rows_stack = None
         for layer in self.layers:
             layer.forget_row_weights()
 
