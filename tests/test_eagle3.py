@@ -225,6 +225,38 @@ def test_greedy_chain_kernel_drafts_match_reference(setup, which, monkeypatch):
     assert_no_leaked_blocks(engine)
 
 
+def test_greedy_chain_kernel_refuses_inputs_it_cannot_serve(setup):
+    """draft_chain checks what it is given before it writes anything: a chain that would run past
+    the request's block table, a request without rows, rows out of request order."""
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU row kernels")
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4, adaptive=False)
+    engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
+    p = engine.speculator.proposer
+    k_cache, v_cache = p.kv_caches[0]
+    before = k_cache.clone()
+    h, bs = p.arch.hidden_size, k_cache.shape[1]
+    norms = {"in_ln": torch.ones(h), "hidden_norm": torch.ones(h), "final_norm": torch.ones(h)}
+
+    def call(positions, owner, tables, drafts):
+        n = len(positions)
+        return cpu_kernels.draft_chain(
+            torch.zeros(n, h), torch.zeros(n, dtype=torch.int64), torch.tensor(positions), torch.tensor(owner),
+            torch.tensor(tables), torch.tensor(drafts), p.embed_tokens.weight, norms, False, p.layer.row_weights(),
+            p.head.packed, p.head.size, p.head.token_ids, p.rope_f32, k_cache, v_cache, p.arch.num_heads,
+            p.arch.num_kv_heads, p.arch.intermediate_size, 1e-5, 0.25, False)
+
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        call([bs - 2], [0], [[1]], [4])  # positions bs - 1 .. bs + 1 need a second block
+    with pytest.raises(RuntimeError, match="has no rows"):
+        call([0], [0], [[1], [2]], [1, 1])
+    with pytest.raises(RuntimeError, match="request order"):
+        call([0, 0], [1, 0], [[1], [2]], [1, 1])
+    assert torch.equal(k_cache, before)
+
+
 def test_greedy_chain_kernel_equals_the_python_loop_bfloat16(setup):
     """bfloat16 (with its own embedding and norm_before_residual): the kernel's drafts equal
     the Python loop's, round after round. (This tiny head has no near-ties, so it passes without
