@@ -17,8 +17,8 @@
 // On CPUs with AVX512-BF16, bfloat16 weights can be packed for dot-product instructions instead
 // (linear_dp, below: activations rounded to bfloat16, `vdpbf16ps`), with the same row invariance.
 //
-// rows_attention: each query token over exactly its own paged context, one (token, head) per
-// thread. rows_layer: one decoder layer (norms, q/k/v, rope, KV write, attention, o, SwiGLU MLP)
+// rows_attention: each query token over exactly its own paged context, each (token, head) in one
+// thread's work item (a token and a range of kv heads). rows_layer: one decoder layer (norms, q/k/v, rope, KV write, attention, o, SwiGLU MLP)
 // in one call, every row in float32 through the same per-row orders: the decode step's Python
 // and small-op overhead (~20 torch ops per layer) becomes one call per layer.
 #include <immintrin.h>
@@ -924,7 +924,7 @@ torch::Tensor draft_chain(
   // the forward's elements: (feature row, token, position, request)
   std::vector<float> g(feats.data_ptr<float>(), feats.data_ptr<float>() + N0 * E);
   std::vector<int64_t> e_tok(tok, tok + N0), e_pos(pos, pos + N0), e_own(own, own + N0);
-  std::vector<float> normed(E), head_in, logits;
+  std::vector<float> e(E), head_in, logits;  // an element's embedding row; the LM head's input and output
   for (int64_t step = 0; step < kmax; ++step) {
     const int64_t T = static_cast<int64_t>(e_tok.size());
     auto x = torch::empty({T, E}, f32), x_in = torch::empty({T, 2 * E}, f32);
@@ -933,7 +933,6 @@ torch::Tensor draft_chain(
     for (int64_t t = 0; t < T; ++t) {
       TORCH_CHECK(e_tok[t] >= 0 && e_tok[t] < V, "draft_chain: token id out of range");
       float* xi = x_in.data_ptr<float>() + t * 2 * E;
-      std::vector<float> e(E);
       for (int64_t i = 0; i < E; ++i) e[i] = emb_f ? emb_f[e_tok[t] * E + i] : bf16_to_f32(emb_h[e_tok[t] * E + i]);
       rms_norm_row(e.data(), in_ln.data_ptr<float>(), E, feps, xi);
       rms_norm_row(g.data() + t * E, hidden_norm.data_ptr<float>(), E, feps, xi + E);
