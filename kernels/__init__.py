@@ -186,10 +186,10 @@ def build_common_metadata(
     device = torch.device(device)
     lens, offsets, mask = (None, None, None) if packed is None else (t.to(device) for t in packed)
     return AttentionMetadata(
-        query_start_loc=torch.tensor(cu, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_tables=torch.tensor(padded, dtype=torch.int32).to(device),
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         max_query_len=max(query_lens),
         max_seq_len=max_s,
         extras={},

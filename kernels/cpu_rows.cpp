@@ -830,6 +830,79 @@ struct RowsStack {
     if (is_aux(L)) kept.push_back(last);
     return {last, kept};
   }
+
+  // The model's ends, for forward_tokens: the embedding [V, E] (float32 or bfloat16), the rope
+  // tables [P, D] float32 (rows by position), the final norm [E] float32; out_bf16: the model's
+  // dtype is bfloat16 (its hidden rows and auxiliary features are rounded to it).
+  torch::Tensor embed, rope_cos, rope_sin, final_norm;
+  bool out_bf16 = false;
+
+  void set_ends(torch::Tensor embed_, torch::Tensor cos_, torch::Tensor sin_, torch::Tensor norm_, bool bf16) {
+    TORCH_CHECK(embed_.dim() == 2 && embed_.is_contiguous() &&
+                    (embed_.scalar_type() == torch::kFloat32 || embed_.scalar_type() == torch::kBFloat16),
+                "RowsStack.set_ends: embed must be contiguous float32 or bfloat16 [V, E]");
+    TORCH_CHECK(cos_.dim() == 2 && cos_.sizes() == sin_.sizes() && cos_.scalar_type() == torch::kFloat32 &&
+                    sin_.scalar_type() == torch::kFloat32 && cos_.is_contiguous() && sin_.is_contiguous(),
+                "RowsStack.set_ends: rope tables must be contiguous float32 [P, D]");
+    TORCH_CHECK(norm_.scalar_type() == torch::kFloat32 && norm_.is_contiguous() && norm_.numel() == embed_.size(1),
+                "RowsStack.set_ends: final_norm must be contiguous float32 [E]");
+    embed = embed_, rope_cos = cos_, rope_sin = sin_, final_norm = norm_, out_bf16 = bf16;
+  }
+
+  // A whole few-token step from token ids: embedding rows (widened to float32), rope rows of the
+  // positions, every layer (forward), the final norm (rms_norm_row) and the model's dtype, in one
+  // call. Returns (hidden [T, E], the aux streams concatenated [T, len(aux) * E] or empty), both
+  // in the model's dtype: what the torch ops around forward made, one call instead of ~10 ops
+  // (each paid cold caches after a step's weights went through them).
+  std::tuple<torch::Tensor, torch::Tensor> forward_tokens(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots,
+                                                          torch::Tensor tables, torch::Tensor lens, bool slot_rows) {
+    TORCH_CHECK(embed.defined(), "RowsStack.forward_tokens: set_ends first");
+    TORCH_CHECK(ids.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 && ids.is_contiguous() &&
+                    positions.is_contiguous() && ids.dim() == 1 && positions.sizes() == ids.sizes(),
+                "RowsStack.forward_tokens: ids and positions must be contiguous int64 [T]");
+    const int64_t T = ids.size(0), E = embed.size(1), V = embed.size(0), P = rope_cos.size(0), D = rope_cos.size(1);
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    auto x = torch::empty({T, E}, f32), cos = torch::empty({T, D}, f32), sin = torch::empty({T, D}, f32);
+    const float* emb_f = embed.scalar_type() == torch::kFloat32 ? embed.data_ptr<float>() : nullptr;
+    const uint16_t* emb_h = emb_f ? nullptr : reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(id[t] >= 0 && id[t] < V, "RowsStack.forward_tokens: token id ", id[t], " out of range");
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "RowsStack.forward_tokens: position ", pos[t], " beyond the rope table");
+      float* xr = x.data_ptr<float>() + t * E;
+      if (emb_f) std::memcpy(xr, emb_f + id[t] * E, sizeof(float) * E);
+      else for (int64_t i = 0; i < E; ++i) xr[i] = bf16_to_f32(emb_h[id[t] * E + i]);
+      std::memcpy(cos.data_ptr<float>() + t * D, rope_cos.data_ptr<float>() + pos[t] * D, sizeof(float) * D);
+      std::memcpy(sin.data_ptr<float>() + t * D, rope_sin.data_ptr<float>() + pos[t] * D, sizeof(float) * D);
+    }
+    auto [last, kept] = forward(x, cos, sin, slots, tables, lens, slot_rows);
+    const auto out_type = out_bf16 ? torch::kBFloat16 : torch::kFloat32;
+    auto hidden = torch::empty({T, E}, torch::TensorOptions().dtype(out_type));
+    std::vector<float> row(E);
+    const float feps = static_cast<float>(eps);
+    // float32 rows [T, n] -> out (the model's dtype) at column offset col of width `width`
+    auto put = [&](const float* src, int64_t n, torch::Tensor& out, int64_t width, int64_t col, int64_t t) {
+      if (out_bf16) {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t * width + col;
+        for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+      } else {
+        std::memcpy(out.data_ptr<float>() + t * width + col, src, sizeof(float) * n);
+      }
+    };
+    for (int64_t t = 0; t < T; ++t) {
+      rms_norm_row(last.data_ptr<float>() + t * E, final_norm.data_ptr<float>(), E, feps, row.data());
+      put(row.data(), E, hidden, E, 0, t);
+    }
+    torch::Tensor aux_out = torch::empty({T, 0}, torch::TensorOptions().dtype(out_type));
+    if (!kept.empty()) {
+      const int64_t A = static_cast<int64_t>(kept.size()) * E;
+      aux_out = torch::empty({T, A}, torch::TensorOptions().dtype(out_type));
+      for (int64_t a = 0; a < static_cast<int64_t>(kept.size()); ++a)
+        for (int64_t t = 0; t < T; ++t) put(kept[a].data_ptr<float>() + t * E, E, aux_out, A, a * E, t);
+    }
+    return {hidden, aux_out};
+  }
 };
 
 // Greedy chain drafting of an EAGLE-3 head in one call (engine/spec/proposers/eagle3.py describes
@@ -1018,6 +1091,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<RowsStack>(m, "RowsStack", py::module_local())  // (two builds of this file can be loaded at once)
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     int64_t, int64_t, int64_t, double, double, std::vector<int64_t>>())
+      .def("set_ends", &RowsStack::set_ends, "the embedding, rope tables and final norm forward_tokens uses")
+      .def("forward_tokens", &RowsStack::forward_tokens,
+           "a few-token step from token ids to final-norm hidden rows (and aux features), model dtype", nogil())
       .def("forward", &RowsStack::forward, "every layer through rows_layer: (last residual stream, aux streams)", nogil());
   m.def("draft_chain", &draft_chain, "greedy chain drafting of an EAGLE-3 head: catch-up and every draft in one call",
         nogil());

@@ -173,7 +173,10 @@ class TorchAttentionBackend:
         elif row_exact == "kernel":
             owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
             lens = [seq_lens[b] - query_lens[b] + i + 1 for b, q in enumerate(query_lens) for i in range(q)]
-            rows_kernel = (md.block_tables[owner].to(torch.int64).contiguous(), torch.tensor(lens, dtype=torch.int64))
+            width = md.block_tables.shape[1]  # (from the lists: a few tensor ops less per step)
+            padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
+            rows_kernel = (torch.tensor([padded[b] for b in owner], dtype=torch.int64),
+                           torch.tensor(lens, dtype=torch.int64))
             groups = []
         elif row_exact == "sdpa":
             owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
@@ -210,13 +213,14 @@ class TorchAttentionBackend:
         else:
             write_idx, write_slots = None, slots
 
-        md.query_start_loc = md.query_start_loc.to(device)
-        md.seq_lens = md.seq_lens.to(device)
-        md.block_tables = md.block_tables.to(device)
-        md.slot_mapping = md.slot_mapping.to(device)
-        for name in ("tree_lens", "tree_mask_offsets", "tree_mask"):
-            if getattr(md, name) is not None:
-                setattr(md, name, getattr(md, name).to(device))
+        if device.type != "cpu":
+            md.query_start_loc = md.query_start_loc.to(device)
+            md.seq_lens = md.seq_lens.to(device)
+            md.block_tables = md.block_tables.to(device)
+            md.slot_mapping = md.slot_mapping.to(device)
+            for name in ("tree_lens", "tree_mask_offsets", "tree_mask"):
+                if getattr(md, name) is not None:
+                    setattr(md, name, getattr(md, name).to(device))
         md.extras = {
             "block_size": block_size,
             "groups": groups,

@@ -420,3 +420,43 @@ def test_packed_weights_and_kv_caches_live_on_one_huge_page_buffer(tmp_path, mon
     monkeypatch.setenv(cpu_kernels.ENV_HUGE_PAGES, "0")
     cpu_kernels.on_huge_pages(ts)
     assert calls == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_forward_tokens_is_the_stack_with_the_torch_ends(tmp_path, dtype):
+    """`RowsStack.forward_tokens` (embedding, rope rows, layers, final norm and the model's dtype
+    in one call) against the same stack's `forward` with those ends in torch ops: the auxiliary
+    features (EAGLE-3's) bit for bit, the hidden rows within the final norm's rounding (the
+    kernel's sum of squares runs in another order than torch's), the greedy tokens equal; bad
+    token ids and positions are refused."""
+    from helpers import save_tiny_model
+
+    from engine.model_runner import ModelRunner, SeqChunk
+
+    path = save_tiny_model(str(tmp_path / "m"), "llama")
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    prompt, tokens = list(range(3, 40)), [41, 7, 19, 23]
+    out = {}
+    for fused in (True, False):
+        r = ModelRunner(path, torch.device("cpu"), dt, 256, "torch", "rows")
+        r.model.aux_layer_ids = (0, 1, r.model.cfg.num_layers)
+        r.model.fused_ends = fused
+        r.init_kv_cache(16, 16)
+        with torch.inference_mode():
+            r.forward([SeqChunk(prompt, 0, [0, 1, 2])])
+            chunks = [SeqChunk(tokens, len(prompt), [0, 1, 2])]
+            _, h = r.forward(chunks)
+            out[fused] = (h, r.model.aux_hidden_states, r.logits(h, r.tile_rows(chunks)).argmax(-1))
+    (h, aux, tok), (h_ref, aux_ref, tok_ref) = out[True], out[False]
+    assert h.dtype == h_ref.dtype == aux.dtype == aux_ref.dtype == dt
+    assert aux.shape == (len(tokens), 3 * r.model.cfg.hidden_size)
+    assert torch.equal(aux, aux_ref)
+    ulp = {"float32": 1e-5, "bfloat16": 2 ** -7}[dtype]
+    torch.testing.assert_close(h.float(), h_ref.float(), rtol=ulp, atol=ulp)
+    assert torch.equal(tok, tok_ref)
+    stack = r.model.rows_stack(r.kv_caches)
+    slots, tables, lens = torch.tensor([40]), torch.tensor([[0, 1, 2]]), torch.tensor([41])
+    with pytest.raises(RuntimeError, match="token id 9999 out of range"):
+        stack.forward_tokens(torch.tensor([9999]), torch.tensor([40]), slots, tables, lens, False)
+    with pytest.raises(RuntimeError, match="beyond the rope table"):
+        stack.forward_tokens(torch.tensor([5]), torch.tensor([10**6]), slots, tables, lens, False)

@@ -254,6 +254,7 @@ class CausalLM(nn.Module):
         self.rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # for the fused row path
         self._norm_f32: torch.Tensor | None = None
         self._rows_stack = None  # (caches key, cpu_kernels.RowsStack)
+        self.fused_ends = True  # `_forward_rows` from token ids in one call (False: torch ops around it)
         self._packed_lm_head: torch.Tensor | None = None
         # EAGLE-3's auxiliary features: `forward` also keeps the residual stream at these layer
         # boundaries (b: the input of decoder layer b = the output of layer b - 1, HF's
@@ -297,29 +298,40 @@ class CausalLM(nn.Module):
     def _forward_rows(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
         """`forward` for a step of a few tokens through `cpu_kernels.rows_layer`: activations in
         float32 from the embedding to the final norm, every token computed as it would be alone,
-        all layers in one call (`rows_stack`); returns the hidden rows in the model's dtype."""
+        all layers in one call (`rows_stack`); returns the hidden rows in the model's dtype. From
+        token ids, the embedding, rope rows and final norm run in that call too
+        (`RowsStack.forward_tokens`)."""
         cfg = self.cfg
+        tables, lens = attn_metadata.extras["rows_kernel"]
+        slot_rows = bool(attn_metadata.extras.get("rows_kernel_slots"))
+        stack = self.rows_stack(kv_caches)
+        if inputs_embeds is None and self.fused_ends:
+            hidden, aux = stack.forward_tokens(input_ids, positions, attn_metadata.slot_mapping, tables, lens, slot_rows)
+            if self.aux_layer_ids:
+                self.aux_hidden_states = aux
+            return hidden
         x = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).float()
         cos, sin = self.rope_f32[0][positions], self.rope_f32[1][positions]
-        tables, lens = attn_metadata.extras["rows_kernel"]
-        last, aux = self.rows_stack(kv_caches).forward(x, cos, sin, attn_metadata.slot_mapping, tables, lens,
-                                                       bool(attn_metadata.extras.get("rows_kernel_slots")))
+        last, aux = stack.forward(x, cos, sin, attn_metadata.slot_mapping, tables, lens, slot_rows)
         if self.aux_layer_ids:
             self.aux_hidden_states = torch.cat(aux, dim=-1).to(self.norm.dtype)
-        if self._norm_f32 is None:
-            self._norm_f32 = self.norm.detach().float()
         hidden = F.rms_norm(last, (cfg.hidden_size,), self._norm_f32, cfg.rms_norm_eps)
         return hidden.to(self.norm.dtype)
 
     def rows_stack(self, kv_caches):
-        """The layers' `row_weights` and these KV caches handed to the C++ stack once
-        (`cpu_kernels.RowsStack`), remade when the caches or the packed weights change."""
-        key = tuple((k.data_ptr(), v.data_ptr(), k.shape) for k, v in kv_caches)
+        """The layers' `row_weights`, these KV caches and the model's ends (embedding, rope tables,
+        final norm) handed to the C++ stack once (`cpu_kernels.RowsStack`), remade when the
+        caches, the packed weights or the rope tables change."""
+        key = (tuple((k.data_ptr(), v.data_ptr(), k.shape) for k, v in kv_caches), self.rope_f32[0].data_ptr())
         if self._rows_stack is None or self._rows_stack[0] != key:
             cfg = self.cfg
             stack = cpu_kernels.rows_stack([layer.row_weights() for layer in self.layers], kv_caches, cfg.num_heads,
                                            cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_norm_eps,
                                            cfg.head_dim**-0.5, sorted(self.aux_layer_ids))
+            if self._norm_f32 is None:
+                self._norm_f32 = self.norm.detach().float()
+            stack.set_ends(self.embed_tokens.weight.detach().contiguous(), self.rope_f32[0].contiguous(),
+                           self.rope_f32[1].contiguous(), self._norm_f32, self.norm.dtype == torch.bfloat16)
             self._rows_stack = (key, stack)
         return self._rows_stack[1]
 
