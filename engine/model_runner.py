@@ -405,7 +405,7 @@ class ModelRunner:
     def _sample(self, sampling, hidden: torch.Tensor, rows: list[int], tile: int) -> list[list[int]]:
         """Sample, or verify the drafts of, each request of `sampling`: rows are, per request,
         its last regular token's and then one per draft (a tree's node order)."""
-        logits = self.logits(hidden[torch.tensor(rows, device=self.device)], tile)  # [R, vocab]
+        logits = self.model.compute_logits_rows(hidden, rows, tile)  # [R, vocab] float32
         constrain_first_tokens(sampling, logits)
         if any(s.spec_tree is not None for s in sampling):
             return self._verify_trees(sampling, logits, hidden, rows)

@@ -122,6 +122,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     return _module().packed_linear(x.float(), packed, n, b).to(x.dtype)
 
 
+def packed_linear_rows(x: torch.Tensor, rows: list[int], packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`packed_linear(x[rows].float(), packed, n, None)` in one call (the same bits): x [T, K]
+    float32 or bfloat16 -> [len(rows), n] float32."""
+    return _module().packed_linear_rows(x.contiguous(), rows, packed, n)
+
+
 def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                weights: dict[str, torch.Tensor | None], k_cache: torch.Tensor, v_cache: torch.Tensor,
                slots: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor,

@@ -415,11 +415,24 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc
       sum.resize(M);
       // position p's key/value row: block tables[t, p / bs], row p % bs (walked block by block)
       const int64_t* table = tables + t * max_blocks;
+      // While a block's rows are used, the next block's same rows (this item's kv heads) are
+      // prefetched: a request's blocks lie anywhere in the cache, and the hardware prefetcher
+      // starts each block's stream anew (measured: cold-cache attention over scattered blocks
+      // -20%, 16 concurrent requests +5% end to end; no prefetch instruction changes a result).
+      const int64_t span = (k1 - k0) * D * static_cast<int64_t>(sizeof(C));
+      auto prefetch = [&](const C* row) {
+        const char* b = reinterpret_cast<const char*>(row + k0 * D);
+        for (int64_t o = 0; o < span; o += 64) _mm_prefetch(b + o, _MM_HINT_T0);
+      };
       auto for_each_row = [&](const C* cache, auto&& f) {
         for (int64_t p0 = 0; p0 < L; p0 += bs) {
           const C* base = cache + table[p0 / bs] * bs * row_stride;
-          const int64_t n = std::min(bs, L - p0);
-          for (int64_t i = 0; i < n; ++i) f(p0 + i, base + i * row_stride);
+          const int64_t n = std::min(bs, L - p0), n_next = std::min(bs, L - p0 - bs);
+          const C* next = n_next > 0 ? cache + table[p0 / bs + 1] * bs * row_stride : nullptr;
+          for (int64_t i = 0; i < n; ++i) {
+            if (i < n_next) prefetch(next + i * row_stride);
+            f(p0 + i, base + i * row_stride);
+          }
         }
       };
       for_each_row(kc, [&](int64_t p, const C* row) {
@@ -581,6 +594,31 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, int64_t n, torch:
   const float* bp = b.defined() && b.numel() > 0 ? b.data_ptr<float>() : nullptr;
   auto y = torch::empty({M, n}, x.options());
   packed_product(x.data_ptr<float>(), M, K, wp, layout, n, bp, y.data_ptr<float>(), at::get_num_threads());
+  return y;
+}
+
+// packed_linear over the given rows of x [T, K] (float32 or bfloat16, widened exactly), without
+// bias: y [len(rows), n] float32 (an LM head over the rows that sample: one call instead of an
+// index, a widening and the product).
+torch::Tensor packed_linear_rows(torch::Tensor x, std::vector<int64_t> rows, torch::Tensor wp, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "packed_linear_rows: x must be contiguous float32 or bfloat16 [T, K]");
+  const int64_t T = x.size(0), K = x.size(1), M = static_cast<int64_t>(rows.size());
+  const Packed layout = check_packed(wp, n, K, "packed_linear_rows");
+  auto xs = torch::empty({M, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  float* xp = xs.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < T, "packed_linear_rows: row ", rows[i], " out of range");
+    if (x.scalar_type() == torch::kFloat32) {
+      std::memcpy(xp + i * K, x.data_ptr<float>() + rows[i] * K, sizeof(float) * K);
+    } else {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + rows[i] * K;
+      for (int64_t k = 0; k < K; ++k) xp[i * K + k] = bf16_to_f32(src[k]);
+    }
+  }
+  auto y = torch::empty({M, n}, xs.options());
+  packed_product(xp, M, K, wp, layout, n, nullptr, y.data_ptr<float>(), at::get_num_threads());
   return y;
 }
 
@@ -1087,6 +1125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp_f32", &exp_f32, "the kernels' vectorized exp (softmax, SiLU), element-wise", nogil());
   m.def("has_dot_bf16", &cpu_has_dot_bf16, "whether this CPU runs the AVX512-BF16 products (dot_bf16 layout)");
   m.def("packed_linear", &packed_linear, "rows_linear with packed weights (bit-identical results)", nogil());
+  m.def("packed_linear_rows", &packed_linear_rows, "packed_linear over some rows of x (float32 or bfloat16), no bias",
+        nogil());
   m.def("rows_layer", &rows_layer, "one row-invariant pre-norm decoder layer for a few tokens (AVX2/FMA)", nogil());
   py::class_<RowsStack>(m, "RowsStack", py::module_local())  // (two builds of this file can be loaded at once)
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,

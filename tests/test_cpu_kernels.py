@@ -460,3 +460,18 @@ def test_forward_tokens_is_the_stack_with_the_torch_ends(tmp_path, dtype):
         stack.forward_tokens(torch.tensor([9999]), torch.tensor([40]), slots, tables, lens, False)
     with pytest.raises(RuntimeError, match="beyond the rope table"):
         stack.forward_tokens(torch.tensor([5]), torch.tensor([10**6]), slots, tables, lens, False)
+
+
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_rows_is_packed_linear_over_those_rows(xdtype):
+    """The LM head over the rows that sample, in one call: the same bits as indexing, widening and
+    `packed_linear`; a row out of range is refused."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 96).to(xdtype)
+    packed = pack(torch.randn(50, 96).to(torch.bfloat16), "plain")
+    rows = [6, 0, 3, 3]
+    got = cpu_kernels.packed_linear_rows(x, rows, packed, 50)
+    assert got.dtype == torch.float32 and got.shape == (4, 50)
+    assert torch.equal(got, cpu_kernels.packed_linear(x[torch.tensor(rows)].float(), packed, 50, None))
+    with pytest.raises(RuntimeError, match="row 7 out of range"):
+        cpu_kernels.packed_linear_rows(x, [7], packed, 50)

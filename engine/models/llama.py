@@ -367,6 +367,13 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer.forget_row_weights()
 
+    def compute_logits_rows(self, hidden: torch.Tensor, rows: list[int], tile_rows: int = 0) -> torch.Tensor:
+        """`compute_logits(hidden[rows], tile_rows)`; through the packed kernel in one call where
+        that is the path (the same bits)."""
+        if tile_rows == ROW_KERNEL or (self.layers and self.layers[0].packed_matmuls):
+            return cpu_kernels.packed_linear_rows(hidden, rows, self.packed_lm_head(), self.cfg.vocab_size)
+        return self.compute_logits(hidden[torch.tensor(rows, device=hidden.device)], tile_rows)
+
     def compute_logits(self, hidden: torch.Tensor, tile_rows: int = 0) -> torch.Tensor:
         # hidden [n, hidden] -> logits [n, vocab] in float32
         if tile_rows == ROW_KERNEL:
