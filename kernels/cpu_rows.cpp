@@ -328,6 +328,23 @@ __attribute__((noinline)) void round_row_bf16(const float* x, int64_t K, uint16_
   }
 }
 
+// out[j] = _mm512_reduce_add_ps(v[j]) for 4 vectors at once, by the very additions of GCC's
+// reduce (16 -> 8 lanes: hi + lo; 8 -> 4: hi + lo; then (0 + 2) + (1 + 3)), each vector's in a
+// quarter of the registers: the same bits, ~14 instructions instead of ~40.
+inline void reduce4(const __m512* v, float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 2, 3, 2)),
+                                  _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(1, 0, 1, 0)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(3, 2, 3, 2)),
+                                  _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(1, 0, 1, 0)));
+  // [a, b, c, d] 8-lane sums -> each one's upper 4 lanes + its lower 4, one vector per quarter
+  const __m512 t6 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)),
+                                  _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)));
+  const __m512 t8 = _mm512_add_ps(t6, _mm512_permute_ps(t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 t10 = _mm512_add_ps(t8, _mm512_permute_ps(t8, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512 packed = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t10);
+  _mm_storeu_ps(out, _mm512_castps512_ps128(packed));
+}
+
 // MB rows of bfloat16 x [K32] against the 4 weight rows of one dp-packed block.
 template <int MB>
 __attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t* p, int64_t K32, float (*out)[PACK]) {
@@ -342,8 +359,7 @@ __attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t*
       for (int j = 0; j < PACK; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < PACK; ++j) out[m][j] = _mm512_reduce_add_ps(acc[m][j]);
+  for (int m = 0; m < MB; ++m) reduce4(acc[m], out[m]);
 }
 
 #pragma GCC pop_options
