@@ -129,6 +129,52 @@ def speculator_with(step_s: list[float], draft_s: float = 0.0) -> Speculator:
     return spec
 
 
+class ClockRunner:
+    """A runner for `Speculator.profile` on a fake clock: a step of b requests x q tokens takes
+    1 + 0.1 (q - 1) ms per request, except the `burst` calls in a row from call `burst_at`, which
+    take 3x (other work on the host). Its first call of each shape takes 2x (first-call costs)."""
+
+    block_size = 16
+    device = SimpleNamespace(type="cpu")
+
+    def __init__(self, clock: list[float], burst_at: int, burst: int) -> None:
+        self.kv_caches = [(SimpleNamespace(shape=(64,)), None)]
+        self.clock, self.burst_at, self.burst, self.calls, self.seen = clock, burst_at, burst, 0, set()
+
+    def forward(self, chunks):
+        b, q = len(chunks), len(chunks[0].token_ids)
+        ms = b * (1.0 + 0.1 * (q - 1))
+        if (b, q) not in self.seen:
+            self.seen.add((b, q))
+            ms *= 2
+        if self.burst_at <= self.calls < self.burst_at + self.burst:
+            ms *= 3
+        self.calls += 1
+        self.clock[0] += ms / 1000
+        return None, None
+
+    def logits(self, hidden, tile):
+        return None
+
+    def tile_rows(self, chunks):
+        return 0
+
+
+@pytest.mark.parametrize("burst_at", [0, 3, 8, 20])
+def test_the_startup_profile_is_not_bent_by_a_burst_of_noise(monkeypatch, burst_at):
+    """A burst of slow calls as long as the samples one point used to take back to back (3), and
+    the first call of each shape, leave the profiled curve at the true step times: the points are
+    timed in interleaved rounds (plus an untimed first round) and each keeps its fastest."""
+    import engine.spec.speculator as sp_module
+
+    clock = [0.0]
+    monkeypatch.setattr(sp_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    spec = Speculator(SpeculativeConfig(method="draft", model="unused"), FixedCostProposer(0.0), 1000)
+    cost = spec.profile(ClockRunner(clock, burst_at, 3), max_num_seqs=1, max_tokens=2048)
+    for q in cost.tokens_per_request:
+        assert cost(1, q) == pytest.approx((1.0 + 0.1 * (q - 1)) / 1000)
+
+
 def test_best_cap_speculates_only_for_a_clear_gain():
     # Verifying costs 10% more per extra token; drafts accepted with probability p.
     spec = speculator_with([1.0 + 0.1 * i for i in range(9)])
