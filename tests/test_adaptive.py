@@ -287,3 +287,11 @@ def test_choose_k_maximizes_tokens_per_second_on_the_measured_curve():
     assert spec_on([1.0, 1.0, 1.02, 1.04, 1.06, 1.5, 2.0, 2.5, 3.0])._best_k(probs, 8) == 4
     assert spec_on([1.0] * 9)._best_k(probs, 8) == 8
     assert spec_on([1.0] + [6.0] * 8)._best_k(probs, 8) == 0  # verification costs more than drafts bring
+
+
+def test_probes_of_a_batch_whose_drafts_do_not_pay_thin_out_as_it_grows():
+    """One probe every 32 steps up to 7 requests, 32 per 4 requests beyond (a probe verifies a draft
+    of every request)."""
+    from engine.spec.speculator import probe_interval
+
+    assert [probe_interval(b) for b in (1, 4, 7, 8, 16, 64)] == [32, 32, 32, 64, 128, 512]
