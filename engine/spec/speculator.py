@@ -329,6 +329,7 @@ class Speculator:
         self.block_size = 0
         self.cost: StepCostModel | None = None
         self.calibration = StepCalibration()
+        self._k_times_cache: tuple[int, list[float]] | None = None  # (step index, `_k_times`)
         self.acceptance = AcceptanceModel(config.acceptance_ema_alpha)
         self.tree_acceptance = TreeAcceptance()
         self.sibling_acceptance = SiblingAcceptance()
@@ -457,21 +458,33 @@ class Speculator:
         k_max = self.max_k(request)
         if k_max == 0 or not self.config.adaptive or self.cost is None:
             return k_max
-        k = self._best_k(self.acceptance.accept_probs(request, k_max), k_max)
+        k = self._best_k(self.acceptance.accept_probs(request, k_max), k_max, step_index)
         if k == 0 and step_index % PROBE_EVERY == 0:
             k = 1
         return max(k, min(self.config.min_speculative_tokens, k_max)) if k else 0
 
-    def _best_k(self, probs: list[float], k_max: int) -> int:
+    def _k_times(self, k_max: int, step_index: int | None) -> list[float]:
+        """[the target's one-token step] + [its step over 1 + k tokens + drafting k, k = 1..]:
+        the same for every request of a step, so made once per step (`step_index`)."""
+        cached = self._k_times_cache
+        if step_index is None or cached is None or cached[0] != step_index or len(cached[1]) <= k_max:
+            times = [self.cost(1, 1)] + [self.cost(1, 1 + k) + self.proposer.step_cost(1, k) for k in range(1, k_max + 1)]
+            if step_index is None:
+                return times
+            self._k_times_cache = cached = (step_index, times)
+        return cached[1]
+
+    def _best_k(self, probs: list[float], k_max: int, step_index: int | None = None) -> int:
         """The k <= k_max that maximizes this request's expected tokens per second alone:
         (1 + P(draft 1 accepted) + ... + P(drafts 1..k accepted)) / (the target's step over
         1 + k tokens + drafting k), on the start-up curve itself. (A linear verify cost, the
         curve's mean slope from 1 to 9 tokens, overpriced the first drafts where the curve is flat
         and stepped: where 5 drafts paid most, it drafted 2-3.)"""
-        best_k, best_rate, tokens = 0, 1.0 / self.cost(1, 1), 1.0
+        times = self._k_times(k_max, step_index)
+        best_k, best_rate, tokens = 0, 1.0 / times[0], 1.0
         for k in range(1, k_max + 1):
             tokens += probs[k - 1]
-            rate = tokens / (self.cost(1, 1 + k) + self.proposer.step_cost(1, k))
+            rate = tokens / times[k]
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
