@@ -56,7 +56,7 @@ SIBLING_PRIOR = 0.3
 # step from drafting 2, so the estimate was never corrected and the policy verified one draft per
 # step for the rest of the run.
 POSITION_CONFIDENCE_Z = 1.0
-PROFILE_ROUNDS = 5  # the start-up step-cost profile times each point this often, interleaved
+PROFILE_ROUNDS = 3  # the start-up step-cost profile times each point this often, interleaved
 
 
 def probe_interval(num_decoding: int) -> int:
