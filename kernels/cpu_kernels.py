@@ -97,6 +97,16 @@ def rows_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return _module().rows_attention(query.float(), k_cache, v_cache, block_tables, ctx_lens, scale).to(query.dtype)
 
 
+def wide_attention(on: bool) -> bool:
+    """Use the 512-bit attention kernel where the CPU has AVX-512 (the default; the same bits as the
+    256-bit one, which tests compare it with). Returns the previous setting."""
+    return _module().set_wide_attention(on)
+
+
+def has_avx512() -> bool:
+    return available() and _module().has_avx512()
+
+
 def dot_bf16_available() -> bool:
     """True where bfloat16 weights are packed for AVX512-BF16 dot-product instructions
     (`vdpbf16ps`, cpu_rows.cpp `linear_dp`): a CPU with AVX512-BF16 and `SPECDECODE_CPU_BF16_DOT`

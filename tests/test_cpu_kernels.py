@@ -123,6 +123,40 @@ def test_rows_attention_matches_a_dense_reference_and_is_row_invariant(cdtype):
         cpu_kernels.rows_attention(q[:1], k_cache, v_cache, tables[:1], torch.tensor([17]), scale)
 
 
+@pytest.mark.skipif(not cpu_kernels.has_avx512(), reason="the 512-bit attention kernel needs AVX-512")
+@pytest.mark.parametrize("cdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hkv", "group", "d"), [(4, 2, 64), (2, 4, 32), (1, 8, 128), (3, 1, 16), (2, 3, 256), (5, 1, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_512_bit_attention_has_the_256_bit_kernels_bits(cdtype, hkv, group, d, threads):
+    """The AVX-512 kernel (scores' reductions 4 at a time, position-major softmax, output in
+    registers, prefetches) must compute every (token, head) exactly as the AVX2 one: both serve the
+    same engine, and row exactness is stated against either."""
+    g = torch.Generator().manual_seed(hkv * 100 + d)
+    blocks, bs, h = 40, 16, hkv * group
+    k_cache = (torch.randn(blocks, bs, hkv, d, generator=g) * 3).to(cdtype)
+    v_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(cdtype)
+    t_ = 7
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:6] for _ in range(t_)])
+    lens = torch.tensor([1, 15, 16, 17, 40, 95, 96], dtype=torch.int64)
+    q = torch.randn(t_, h, d, generator=g)
+    q[2, 0] = 0.0  # every score 0 for one head
+    scale = 1 / math.sqrt(d)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        wide = cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, scale)
+        cpu_kernels.wide_attention(False)
+        try:
+            narrow = cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, scale)
+        finally:
+            assert cpu_kernels.wide_attention(True) is False
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(wide, narrow)
+    ref = reference_attention(q, k_cache, v_cache, tables, lens, scale).float()
+    torch.testing.assert_close(wide, ref, rtol=1e-5, atol=1e-5)
+
+
 # --- packed weights ---------------------------------------------------------------------------
 @pytest.mark.parametrize(("wdtype", "layout"), WEIGHTS)
 @pytest.mark.parametrize(("n", "k"), [(301, 77), (6, 5), (8, 16), (9, 64)])  # partial 4-row blocks; K tails; none
