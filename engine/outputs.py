@@ -11,6 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import tokenizers
+import tokenizers.decoders
+
 from engine.llm_engine import EngineOutput
 from engine.request import SpecStats
 from engine.sampling_params import SamplingParams
@@ -45,17 +48,27 @@ class RequestOutput:
 class IncrementalDetokenizer:
     """Text deltas for a growing list of token ids, holding back incomplete UTF-8 sequences.
 
-    Decodes only a short window: the text of ids[prefix:] minus the text of ids[prefix:read]
-    is new text. Example: ids [a, b, c], prefix 1, read 2 -> delta = dec([b, c]) - dec([b]).
+    A tokenizer backed by Hugging Face `tokenizers` (every fast tokenizer) is decoded by its
+    `DecodeStream`, which keeps its own short window in Rust: one call per push. Any other
+    tokenizer decodes a short window here: the text of ids[prefix:] minus the text of
+    ids[prefix:read] is new text. Example: ids [a, b, c], prefix 1, read 2 -> delta = dec([b, c])
+    - dec([b]). Both give the same deltas (tests/test_detokenizer.py).
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream: bool = True) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.backend = backend if stream and isinstance(backend, tokenizers.Tokenizer) else None
+        self.stream = tokenizers.decoders.DecodeStream(skip_special_tokens=True) if self.backend else None
 
     def push(self, new_ids: list[int]) -> str:
+        if self.stream is not None:
+            if not new_ids:
+                return ""
+            return self.stream.step(self.backend, list(new_ids)) or ""
         self.ids.extend(new_ids)
         dec = self.tokenizer.decode
         prefix_text = dec(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
