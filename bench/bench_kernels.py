@@ -9,6 +9,14 @@ bits (checked). Example, against the kernel before a change:
 
 Timings: per configuration `--reps` interleaved rounds (baseline, current, baseline, ...) of
 `--calls` calls each; the medians are reported. One thread unless --threads.
+
+Layouts (`--layouts`): `widen` (bfloat16 widened to float32 in registers, or float32 weights) and
+`dp` (bfloat16 weights for AVX512-BF16 `vdpbf16ps`, where the CPU has it). A shape's weights stay
+in cache across calls (warm). `--step` times what a decode or verification step does instead:
+every product of the target's forward, each layer's own weights (12 x 4 products and the LM
+head, 80 MB in bfloat16), so the weights come from DRAM as in the engine, e.g.
+
+    python -m bench.bench_kernels --step --rows 1,2,4,5,6,8,12,16 --dtypes bfloat16 --layouts dp
 """
 
 from __future__ import annotations
@@ -23,9 +31,12 @@ import torch
 from torch.utils.cpp_extension import load
 
 from bench.common import RESULTS, machine_info, table
+from kernels import cpu_kernels
 
 SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu_rows.cpp"
 SHAPES = ((2816, 512), (1024, 512), (512, 1408))  # gate+up, q/k/v, down of the shipped target
+# one forward of the shipped target: per layer q/k/v, o, gate+up, down; then the LM head
+STEP = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 12 + [(8192, 512)]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
@@ -43,6 +54,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layouts", default="widen,dp", help="widen, dp (AVX512-BF16; bfloat16 only)")
+    ap.add_argument("--step", action="store_true", help="time a whole step's products (cold weights)")
     ap.add_argument("--out", default=str(RESULTS / "kernels.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -51,32 +64,45 @@ def main(argv=None) -> dict:
         mods["baseline"] = build("baseline", args.baseline)
     rows = []
     g = torch.Generator().manual_seed(0)
+    dp_ok = all(m.has_dot_bf16() for m in mods.values())
     for dtype in args.dtypes.split(","):
-        for n, k in SHAPES:
-            w = torch.randn(n, k, generator=g).to(getattr(torch, dtype))
-            packed = {name: m.pack_rows(w) for name, m in mods.items()}
-            for m_rows in (int(r) for r in args.rows.split(",")):
-                x = torch.randn(m_rows, k, generator=g)
-                outs = {name: mods[name].packed_linear(x, packed[name], n, torch.empty(0)) for name in mods}
-                if "baseline" in outs:
-                    assert torch.equal(outs["current"], outs["baseline"]), (dtype, n, k, m_rows)
-                calls = max(1, args.calls * 16 // max(m_rows, 16))
-                times: dict[str, list[float]] = {name: [] for name in mods}
-                for rep in range(args.reps):
-                    for name in (list(mods) if rep % 2 == 0 else list(mods)[::-1]):
-                        t0 = time.perf_counter()
-                        for _ in range(calls):
-                            mods[name].packed_linear(x, packed[name], n, torch.empty(0))
-                        times[name].append((time.perf_counter() - t0) / calls)
-                row = {"dtype": dtype, "shape": f"{n}x{k}", "rows": m_rows}
-                for name, ts in times.items():
-                    row[f"{name}_us"] = 1e6 * statistics.median(ts)
-                    row[f"{name}_gmac_s"] = n * k * m_rows / statistics.median(ts) / 1e9
-                if "baseline" in times:
-                    row["speedup"] = row["baseline_us"] / row["current_us"]
-                rows.append(row)
-                print(row, flush=True)
-    cols = ["dtype", "shape", "rows", "current_us", "current_gmac_s"]
+        for layout in args.layouts.split(","):
+            if layout == "dp" and (dtype != "bfloat16" or not dp_ok):
+                continue
+            for n, k, products in ([("step", 512, STEP)] if args.step else [(n, k, [(n, k)]) for n, k in SHAPES]):
+                ws = [torch.randn(pn, pk, generator=g).to(getattr(torch, dtype)) for pn, pk in products]
+                # on huge pages, as the engine keeps them (else one module's weights may land on
+                # transparent huge pages and the other's not: a 5-20% bias at a step's 80-160 MB)
+                packed = {name: cpu_kernels.on_huge_pages([m.pack_rows(w, layout == "dp") for w in ws])
+                          for name, m in mods.items()}
+                macs_per_row = sum(pn * pk for pn, pk in products)
+                for m_rows in (int(r) for r in args.rows.split(",")):
+                    xs = {pk: torch.randn(m_rows, pk, generator=g) for pk in {pk for _, pk in products}}
+
+                    def run(name, xs=xs, products=products, packed=packed):
+                        return [mods[name].packed_linear(xs[pk], wp, pn, torch.empty(0))
+                                for (pn, pk), wp in zip(products, packed[name], strict=True)]
+
+                    outs = {name: run(name) for name in mods}
+                    if "baseline" in outs:
+                        assert all(torch.equal(a, b) for a, b in zip(outs["current"], outs["baseline"], strict=True)), (dtype, n, k, m_rows)
+                    calls = 1 if args.step else max(1, args.calls * 16 // max(m_rows, 16))
+                    times: dict[str, list[float]] = {name: [] for name in mods}
+                    for rep in range(args.reps):
+                        for name in (list(mods) if rep % 2 == 0 else list(mods)[::-1]):
+                            t0 = time.perf_counter()
+                            for _ in range(calls):
+                                run(name)
+                            times[name].append((time.perf_counter() - t0) / calls)
+                    row = {"dtype": dtype, "layout": layout, "shape": n if args.step else f"{n}x{k}", "rows": m_rows}
+                    for name, ts in times.items():
+                        row[f"{name}_us"] = 1e6 * statistics.median(ts)
+                        row[f"{name}_gmac_s"] = macs_per_row * m_rows / statistics.median(ts) / 1e9
+                    if "baseline" in times:
+                        row["speedup"] = row["baseline_us"] / row["current_us"]
+                    rows.append(row)
+                    print(row, flush=True)
+    cols = ["dtype", "layout", "shape", "rows", "current_us", "current_gmac_s"]
     if args.baseline:
         cols += ["baseline_us", "baseline_gmac_s", "speedup"]
     print(table(rows, cols))

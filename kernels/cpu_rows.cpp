@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -194,17 +195,17 @@ void pack_block(const W* w, int64_t nb, int64_t K, W* dst) {
 // MB rows of x against the 4 weight rows of one packed block: out[m][j] = x[m] . w[j].
 template <int MB, typename W>
 inline void dots_packed(const float* const* x, const W* p, int64_t K, float (*out)[PACK], bool prefetch) {
-  // bfloat16: software prefetch PF bytes ahead in the stream, every cache line of it (measured
-  // 15 GB/s instead of 13 here); float32 streams faster without it (17 vs 15 GB/s)
-  constexpr int64_t PF = 1024, STEP = 8 * PACK * sizeof(W);
-  prefetch = prefetch && sizeof(W) == 2;
+  // prefetch: PF bytes ahead in the stream into L2, every cache line of it, as linear_dp does
+  // (`python -m bench.bench_kernels --step --layouts widen`: bfloat16 5-23% faster from 3 rows,
+  // the same at 1; float32 12-27% from 5 rows, but 1 row 27% slower: see linear_packed)
+  constexpr int64_t PF = 6144, STEP = 8 * PACK * sizeof(W);
   __m256 acc[MB][PACK];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < PACK; ++j) acc[m][j] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8, p += 8 * PACK) {
     if (prefetch) {
-      for (int64_t o = 0; o < STEP; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + PF + o, _MM_HINT_T0);
+      for (int64_t o = 0; o < STEP; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + PF + o, _MM_HINT_T1);
     }
     if constexpr (std::is_same_v<W, uint16_t>) {
       const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -265,19 +266,21 @@ void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N,
   over_tiles_and_blocks(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
     const W* p = wp + blk * PACK * K;
     float out[3][PACK];
+    // the first tile prefetches (bfloat16 always, float32 from 4 rows)
+    const bool pf = sizeof(W) == 2 || m1 - m0 >= 4;
     int64_t m = m0;
     for (; m + 3 <= m1; m += 3) {
       const float* xs[3] = {x + m * K, x + (m + 1) * K, x + (m + 2) * K};
-      dots_packed<3>(xs, p, K, out, m == m0);
+      dots_packed<3>(xs, p, K, out, pf && m == m0);
       store_block(y, N, m, 3, n0, nb, out, bias);
     }
     if (m1 - m == 2) {
       const float* xs[2] = {x + m * K, x + (m + 1) * K};
-      dots_packed<2>(xs, p, K, out, m == m0);
+      dots_packed<2>(xs, p, K, out, pf && m == m0);
       store_block(y, N, m, 2, n0, nb, out, bias);
     } else if (m1 - m == 1) {
       const float* xs[1] = {x + m * K};
-      dots_packed<1>(xs, p, K, out, m == m0);
+      dots_packed<1>(xs, p, K, out, pf && m == m0);
       store_block(y, N, m, 1, n0, nb, out, bias);
     }
   });
@@ -351,12 +354,24 @@ __attribute__((noinline)) void round_row_bf16(const float* x, int64_t K, uint16_
 }
 
 // MB rows of bfloat16 x [K32] against the 4 weight rows of one dp-packed block.
+// The weights a block's first tile of rows reads DP_PREFETCH bytes ahead of it are prefetched into
+// L2. Without it the hardware prefetcher, which runs a short way ahead of the demand stream,
+// left the memory idle while a step of several rows computed: cold from DRAM (every step: a
+// step's weights are 80 MB), 6 rows took 1.5x one row and 16 took 3.3x, against 1.1x and 2.2x
+// here (`python -m bench.bench_kernels --step`; 3-8 KiB ahead alike; into L1 instead, or from
+// every tile: slower). Steps of 1-3 rows stream as fast without it (2-3 rows: 5-10% slower with).
+constexpr int64_t DP_PREFETCH = 6144, DP_PREFETCH_ROWS = 4;
+
 template <int MB>
-__attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t* p, int64_t K32, float (*out)[PACK]) {
+__attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t* p, int64_t K32, float (*out)[PACK], bool prefetch) {
   __m512 acc[MB][PACK];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < PACK; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K32; k += KB, p += KB * PACK) {
+    if (prefetch) {
+      const char* ahead = reinterpret_cast<const char*>(p) + DP_PREFETCH;
+      for (int o = 0; o < KB * PACK * 2; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T1);  // no fault past the end
+    }
     __m512bh w[PACK];
     for (int j = 0; j < PACK; ++j) w[j] = (__m512bh)_mm512_loadu_si512(p + KB * j);
     for (int m = 0; m < MB; ++m) {
@@ -373,14 +388,14 @@ __attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t*
 // 32 registers).
 constexpr int DP_ROWS = 6;
 
-void dots_dp_rows(int rows, const uint16_t* const* x, const uint16_t* p, int64_t K32, float (*out)[PACK]) {
+void dots_dp_rows(int rows, const uint16_t* const* x, const uint16_t* p, int64_t K32, float (*out)[PACK], bool prefetch) {
   switch (rows) {
-    case 6: dots_dp<6>(x, p, K32, out); break;
-    case 5: dots_dp<5>(x, p, K32, out); break;
-    case 4: dots_dp<4>(x, p, K32, out); break;
-    case 3: dots_dp<3>(x, p, K32, out); break;
-    case 2: dots_dp<2>(x, p, K32, out); break;
-    default: dots_dp<1>(x, p, K32, out); break;
+    case 6: dots_dp<6>(x, p, K32, out, prefetch); break;
+    case 5: dots_dp<5>(x, p, K32, out, prefetch); break;
+    case 4: dots_dp<4>(x, p, K32, out, prefetch); break;
+    case 3: dots_dp<3>(x, p, K32, out, prefetch); break;
+    case 2: dots_dp<2>(x, p, K32, out, prefetch); break;
+    default: dots_dp<1>(x, p, K32, out, prefetch); break;
   }
 }
 
@@ -397,7 +412,7 @@ void linear_dp(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t
       const int rows = static_cast<int>(std::min<int64_t>(DP_ROWS, m1 - m));
       const uint16_t* xs[DP_ROWS];
       for (int i = 0; i < rows; ++i) xs[i] = xb.data() + (m + i) * K32;
-      dots_dp_rows(rows, xs, p, K32, out);
+      dots_dp_rows(rows, xs, p, K32, out, m == m0 && m1 - m0 >= DP_PREFETCH_ROWS);
       store_block(y, N, m, rows, n0, nb, out, bias);
     }
   });
