@@ -15,7 +15,8 @@ import torch
 from helpers import save_perturbed_copy, save_tiny_heads, save_tiny_model
 
 from engine import LLM, SamplingParams, SpeculativeConfig
-from engine.model_runner import EXACT_ROWS, ModelRunner, SeqChunk, choose_exact_mode
+from engine.model_runner import EXACT_ROWS, ROW_KERNEL_MAX_TOKENS, ModelRunner, SeqChunk, choose_exact_mode
+from engine.models.llama import ROW_KERNEL
 
 PROMPT = [5, 17, 33, 2, 71, 9, 40, 12, 88, 3, 61, 27, 14, 50, 6, 93, 21, 38, 7, 44]
 TOKENS = [11, 64, 29, 80, 35]  # the next token and four drafts
@@ -80,16 +81,19 @@ def test_negative_control_plain_batched_step_differs(models, dtype):
 
 @pytest.mark.parametrize("mode", ["pad", "batch_invariant", "rows"])
 def test_other_requests_in_the_step_change_nothing(models, mode):
-    """pad (and rows through the CPU kernels): within a step of <= EXACT_ROWS tokens;
-    batch_invariant: next to a long prefill too."""
+    """pad: within a step of <= EXACT_ROWS tokens; rows through the CPU kernels: within a step
+    of <= ROW_KERNEL_MAX_TOKENS tokens (a long prefill's step too); batch_invariant: always."""
     if mode == "rows" and not make_runner(models["llama"], "float32", "rows").row_kernel:
         pytest.skip("rows without the CPU kernels is exact for single-request steps only")
     r = make_runner(models["llama"], "float32", mode)
     alone = verified_at_once(r, BLOCKS_A)
     other = SeqChunk([3, 4, 5, 6, 7, 8], 0, BLOCKS_B)  # 5 + 6 tokens <= EXACT_ROWS
     assert torch.equal(verified_at_once(r, BLOCKS_C, [other]), alone)
-    if mode == "batch_invariant":
+    if mode in ("batch_invariant", "rows"):
         long_prefill = SeqChunk(list(range(1, 41)), 0, [8, 9, 10])  # 45 tokens in the step
+        if mode == "rows":
+            assert r.tile_rows([long_prefill, SeqChunk(TOKENS, 0, [11, 12])]) == ROW_KERNEL
+            assert r.tile_rows([SeqChunk([1] * (ROW_KERNEL_MAX_TOKENS + 1), 0, [])]) == 0  # torch's path
         assert torch.equal(verified_at_once(r, [11, 12], [long_prefill]), alone)
 
 
