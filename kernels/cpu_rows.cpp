@@ -559,7 +559,7 @@ void attention_rows_512(const float* q, int64_t T, int64_t H, int64_t D, const C
     // a contiguous range of items per thread (as schedule(static)), so "the next item" is its own
     const int64_t chunk = (items + nth - 1) / nth, it0 = std::min(items, tid * chunk),
                   it1 = std::min(items, it0 + chunk);
-    std::vector<float> scores, acc;
+    std::vector<float> scores, acc, mx, sum;
     for (int64_t it = it0; it < it1; ++it) {
       const int64_t t = it / S, s = it % S, L = lens[t];
       const int64_t k0 = s * Hkv / S, k1 = (s + 1) * Hkv / S, M = (k1 - k0) * G;
@@ -578,7 +578,7 @@ void attention_rows_512(const float* q, int64_t T, int64_t H, int64_t D, const C
         else for (int64_t o = 0; o < span; o += 64) _mm_prefetch(b + o, _MM_HINT_T1);
       };
       // scores, position-major: scores[p * Mp + j] = (q_j . k_p) * scale; pad lanes -inf
-      std::vector<float> mx(Mp, -INFINITY);
+      mx.assign(Mp, -INFINITY);
       for (int64_t p = 0; p < L; ++p) {
         if (p + bs < L) prefetch(row_of(kc, table, p + bs), 0);
         prefetch(row_of(vc, table, p), 1);
@@ -614,7 +614,7 @@ void attention_rows_512(const float* q, int64_t T, int64_t H, int64_t D, const C
         }
       }
       for (int64_t c = M; c < Mp; ++c) mx[c] = 0.0f;  // pad lanes: exp(-inf - 0) = 0
-      std::vector<float> sum(Mp);
+      sum.resize(Mp);
       for (int64_t c = 0; c < Mp; c += 8) {
         const __m256 m = _mm256_loadu_ps(mx.data() + c);
         __m256 total = _mm256_setzero_ps();
