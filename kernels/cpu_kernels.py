@@ -99,8 +99,10 @@ def rows_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def wide_attention(on: bool) -> bool:
     """Use the 512-bit attention kernel where the CPU has AVX-512 (the default; the same bits as the
-    256-bit one, which tests compare it with). Returns the previous setting."""
-    return _module().set_wide_attention(on)
+    256-bit one, which tests compare it with). Returns the previous setting (False, and nothing
+    to switch, where the kernels are not built)."""
+    mod = _module()
+    return mod.set_wide_attention(on) if mod is not None else False
 
 
 def has_avx512() -> bool:
