@@ -246,3 +246,22 @@ def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         view.copy_(t)
         out.append(view)
     return out
+
+
+def prefill_attention_available() -> bool:
+    """True where `prefill_attention` runs: the kernels built, a CPU with AVX512-BF16 (and
+    `SPECDECODE_CPU_BF16_DOT` not "0")."""
+    return dot_bf16_available()
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal paged attention (cpu_rows.cpp `prefill_attention`) of a step's query tokens,
+    bfloat16 query [T, H, D] and caches -> [T, H, D] bfloat16: request b's tokens are
+    query[query_start_loc[b]:query_start_loc[b + 1]], token i at position seq_lens[b] - q_len + i,
+    over the keys at positions up to its own (block_tables [B, max_blocks]; all int64). The
+    products in bfloat16 with float32 sums, as torch's flash attention computes bfloat16; a
+    token's result depends on its position and the cache only (not on the chunking or the other
+    requests of the step)."""
+    return _module().prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)

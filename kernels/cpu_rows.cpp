@@ -1339,6 +1339,277 @@ torch::Tensor exp_f32(torch::Tensor x) {
   return y;
 }
 
+// ---- Causal attention of long query chunks (prefill), AVX512-BF16 ------------------------------
+// prefill_attention: each query token over its request's context up to its own position, the
+// products in bfloat16 with float32 sums (`vdpbf16ps`), as torch's CPU flash attention computes
+// them for bfloat16 (scores from bfloat16 q and k, float32 softmax, the probabilities rounded to
+// bfloat16 for the product with v). Per work item (a request, a kv head, 16 query tokens): the
+// scores of its G * 16 query rows against 32 keys at a time (16 accumulators), then each row's
+// max, exponentials and sum, then the values. A row's result depends on its own q, its position
+// and the cache only (scores over D in one order; max, sum and values over key positions from 0
+// in one order, masked keys adding exact zeros): the same bits whatever the chunking of the
+// prompt, the prefix-cache hits or the other requests of the step.
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+// exp8's polynomial on 16 lanes.
+inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), y, _mm512_castsi512_ps(e));
+}
+
+constexpr int64_t PF_TOKENS = 16;  // query tokens per work item
+constexpr int PF_QK_ROWS = 8;      // rows per score tile (x 32 keys: 16 accumulators)
+constexpr int PF_PV_ROWS = 4;      // rows per value tile (x up to 64 of D: 16 accumulators)
+
+// Keys [0, n) of kv head hk: tile t (positions 16 t ..), pair i -> 16 uint32, lane j the pair
+// (k[2 i], k[2 i + 1]) of position 16 t + j; zeros past n, up to an even number of tiles.
+void pf_pack_k(const uint32_t* kc, int64_t bs, int64_t Hkv, int64_t D2, const int64_t* table, int64_t hk, int64_t n,
+               uint32_t* out) {
+  const int64_t tiles = (n + 31) / 32 * 2;
+  std::memset(out, 0, sizeof(uint32_t) * tiles * D2 * 16);
+  for (int64_t p = 0; p < n; ++p) {
+    const uint32_t* row = kc + ((table[p / bs] * bs + p % bs) * Hkv + hk) * D2;
+    uint32_t* dst = out + (p / 16) * D2 * 16 + p % 16;
+    for (int64_t i = 0; i < D2; ++i) dst[i * 16] = row[i];
+  }
+}
+
+// Values [0, n) of kv head hk: pair jp (positions 2 jp, 2 jp + 1) -> D uint32, element d the pair
+// (v[2 jp][d], v[2 jp + 1][d]); the missing partner of an odd n is 0.
+void pf_pack_v(const uint16_t* vc, int64_t bs, int64_t Hkv, int64_t D, const int64_t* table, int64_t hk, int64_t n,
+               uint32_t* out) {
+  auto row = [&](int64_t p) { return vc + ((table[p / bs] * bs + p % bs) * Hkv + hk) * D; };
+  for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+    const uint16_t* a = row(2 * jp);
+    uint32_t* dst = out + jp * D;
+    if (2 * jp + 1 < n) {
+      const uint16_t* b = row(2 * jp + 1);
+      for (int64_t d = 0; d < D; ++d) dst[d] = uint32_t(a[d]) | (uint32_t(b[d]) << 16);
+    } else {
+      for (int64_t d = 0; d < D; ++d) dst[d] = a[d];
+    }
+  }
+}
+
+// s[r][0..32) = scale * (q_r . k) for the 32 keys of two packed key tiles, R rows.
+template <int R>
+__attribute__((noinline)) void pf_scores(const uint32_t* const* q, const uint32_t* kp, int64_t D2, float scale,
+                                         float* const* s) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint32_t* kp1 = kp + D2 * 16;
+  for (int64_t i = 0; i < D2; ++i) {
+    const __m512bh a = (__m512bh)_mm512_loadu_si512(kp + i * 16), b = (__m512bh)_mm512_loadu_si512(kp1 + i * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][i]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, a);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s[r], _mm512_mul_ps(acc[r][0], sc));
+    _mm512_storeu_ps(s[r] + 16, _mm512_mul_ps(acc[r][1], sc));
+  }
+}
+
+// acc[r][c] (16 lanes of D from d0) = sum over key pairs jp < pairs of p_r's pair jp . v's pair jp.
+template <int R, int NC>
+__attribute__((noinline)) void pf_values(const uint32_t* const* p, const uint32_t* vp, int64_t D, int64_t d0,
+                                         int64_t pairs, float* const* out) {
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    __m512bh v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + jp * D + d0 + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[r][jp]));
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, v[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out[r] + d0 + 16 * c, acc[r][c]);
+}
+
+template <int R>
+void pf_values_all(const uint32_t* const* p, const uint32_t* vp, int64_t D, int64_t pairs, float* const* out) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) pf_values<R, 4>(p, vp, D, d0, pairs, out);
+  switch ((D - d0) / 16) {
+    case 3: pf_values<R, 3>(p, vp, D, d0, pairs, out); break;
+    case 2: pf_values<R, 2>(p, vp, D, d0, pairs, out); break;
+    case 1: pf_values<R, 1>(p, vp, D, d0, pairs, out); break;
+    default: break;
+  }
+}
+
+// Row softmax over keys [0, lim) of s (float32, 32-aligned length nk >= lim): p (bfloat16, the
+// rounded exponentials, zeros from lim to nk) and the float32 sum of the unrounded ones.
+float pf_softmax_row(float* s, int64_t lim, int64_t nk, uint16_t* p) {
+  const int64_t n16 = (lim + 15) / 16 * 16;
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < n16; c += 16) {
+    const int64_t live = std::min<int64_t>(16, lim - c);
+    const __mmask16 k = live >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1u);
+    const __m512 v = _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(s + c));
+    _mm512_storeu_ps(s + c, v);
+    m = _mm512_max_ps(m, v);
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n16; c += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), mx));
+    total = _mm512_add_ps(total, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  if (nk > n16) std::memset(p + n16, 0, sizeof(uint16_t) * (nk - n16));
+  return _mm512_reduce_add_ps(total);
+}
+
+// q [T, H, D] bfloat16 (request b's query tokens at qsl[b] .. qsl[b + 1], token i at position
+// seq_lens[b] - q_len + i), caches [blocks, bs, Hkv, D] bfloat16, tables [B, max_blocks].
+void prefill_attention_bf16(const uint16_t* q, int64_t H, int64_t D, const uint16_t* kc, const uint16_t* vc,
+                            int64_t bs, int64_t Hkv, const int64_t* qsl, const int64_t* seqs, int64_t B,
+                            const int64_t* tables, int64_t max_blocks, float scale, uint16_t* out, int threads) {
+  const int64_t G = H / Hkv, D2 = D / 2;
+  // packed keys and values per (request, kv head)
+  std::vector<int64_t> koff(B * Hkv + 1, 0), voff(B * Hkv + 1, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      koff[b * Hkv + h + 1] = koff[b * Hkv + h] + (seqs[b] + 31) / 32 * 32 * D2;
+      voff[b * Hkv + h + 1] = voff[b * Hkv + h] + (seqs[b] + 31) / 32 * 16 * D;
+    }
+  std::vector<uint32_t> kp(koff.back()), vp(voff.back(), 0u);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t bh = 0; bh < B * Hkv; ++bh) {
+    const int64_t b = bh / Hkv, h = bh % Hkv;
+    pf_pack_k(reinterpret_cast<const uint32_t*>(kc), bs, Hkv, D2, tables + b * max_blocks, h, seqs[b], kp.data() + koff[bh]);
+    pf_pack_v(vc, bs, Hkv, D, tables + b * max_blocks, h, seqs[b], vp.data() + voff[bh]);
+  }
+  // work items: (request, kv head, 16 query tokens)
+  std::vector<int64_t> items;  // b, hk, first token
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t0 = 0; t0 < qsl[b + 1] - qsl[b]; t0 += PF_TOKENS)
+      for (int64_t h = 0; h < Hkv; ++h) items.insert(items.end(), {b, h, t0});
+  const int64_t n_items = static_cast<int64_t>(items.size()) / 3;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n_items > 1)
+  {
+    std::vector<float> s, acc, scratch;
+    std::vector<uint16_t> p;
+    std::vector<float> sums;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const int64_t b = items[3 * it], hk = items[3 * it + 1], t0 = items[3 * it + 2];
+      const int64_t qlen = qsl[b + 1] - qsl[b], ctx0 = seqs[b] - qlen, t1 = std::min(qlen, t0 + PF_TOKENS);
+      const int64_t rows = (t1 - t0) * G;
+      const int64_t nk = (ctx0 + t1 + 31) / 32 * 32;  // keys of the item's last token, 32-aligned
+      s.resize(rows * nk);
+      p.resize(rows * nk);
+      sums.resize(rows);
+      acc.resize(rows * D);
+      scratch.resize(std::max<int64_t>(32, D));
+      const uint32_t* kpack = kp.data() + koff[b * Hkv + hk];
+      const uint32_t* vpack = vp.data() + voff[b * Hkv + hk];
+      auto q_row = [&](int64_t r) {
+        return reinterpret_cast<const uint32_t*>(q + ((qsl[b] + t0 + r / G) * H + hk * G + r % G) * D);
+      };
+      for (int64_t r0 = 0; r0 < rows; r0 += PF_QK_ROWS) {
+        const uint32_t* qs[PF_QK_ROWS];
+        float* ss[PF_QK_ROWS];
+        // the tile's keys: up to its last row's position
+        const int64_t r1 = std::min<int64_t>(rows, r0 + PF_QK_ROWS);
+        const int64_t nk_tile = (ctx0 + t0 + (r1 - 1) / G + 1 + 31) / 32 * 32;
+        for (int64_t kt = 0; kt < nk_tile; kt += 32) {
+          for (int i = 0; i < PF_QK_ROWS; ++i) {
+            const bool live = r0 + i < rows;
+            qs[i] = q_row(live ? r0 + i : rows - 1);
+            ss[i] = live ? s.data() + (r0 + i) * nk + kt : scratch.data();
+          }
+          pf_scores<PF_QK_ROWS>(qs, kpack + (kt / 16) * D2 * 16, D2, scale, ss);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t lim = ctx0 + t0 + r / G + 1;
+        sums[r] = pf_softmax_row(s.data() + r * nk, lim, nk, p.data() + r * nk);
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += PF_PV_ROWS) {
+        const uint32_t* ps[PF_PV_ROWS];
+        float* os[PF_PV_ROWS];
+        const int64_t r1 = std::min<int64_t>(rows, r0 + PF_PV_ROWS);
+        const int64_t pairs = (ctx0 + t0 + (r1 - 1) / G + 1 + 1) / 2;
+        for (int i = 0; i < PF_PV_ROWS; ++i) {
+          const bool live = r0 + i < rows;
+          ps[i] = reinterpret_cast<const uint32_t*>(p.data() + (live ? r0 + i : rows - 1) * nk);
+          os[i] = live ? acc.data() + (r0 + i) * D : scratch.data();
+        }
+        pf_values_all<PF_PV_ROWS>(ps, vpack, D, pairs, os);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* o = out + ((qsl[b] + t0 + r / G) * H + hk * G + r % G) * D;
+        const float l = sums[r];
+        for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[r * D + d] / l);
+      }
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+
+}  // namespace
+
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                                double scale) {
+  TORCH_CHECK(cpu_has_dot_bf16(), "prefill_attention: needs a CPU with AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16, "prefill_attention: q must be bfloat16 [T, H, D]");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "prefill_attention: caches must be bfloat16");
+  q = q.contiguous();
+  query_start_loc = query_start_loc.contiguous();
+  seq_lens = seq_lens.contiguous();
+  block_tables = block_tables.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), B = seq_lens.size(0);
+  TORCH_CHECK(D % 16 == 0, "prefill_attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
+                  block_tables.scalar_type() == torch::kInt64,
+              "prefill_attention: query_start_loc, seq_lens and block_tables must be int64");
+  TORCH_CHECK(query_start_loc.numel() == B + 1 && block_tables.dim() == 2 && block_tables.size(0) == B,
+              "prefill_attention: query_start_loc [B + 1], seq_lens [B], block_tables [B, max_blocks]");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* seqs = seq_lens.data_ptr<int64_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "prefill_attention: query_start_loc must run from 0 to T");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qsl[b + 1] > qsl[b] && seqs[b] >= qsl[b + 1] - qsl[b], "prefill_attention: need 1 <= q_len <= seq_len");
+  }
+  check_paged(k_cache, v_cache, block_tables, seq_lens, B, H, D, "prefill_attention");
+  auto out = torch::empty({T, H, D}, q.options());
+  prefill_attention_bf16(reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), H, D,
+                         reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                         reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), k_cache.size(1),
+                         k_cache.size(2), qsl, seqs, B, block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                         static_cast<float>(scale), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                         at::get_num_threads());
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: they run without the GIL, so the replica's other Python
   // threads (Ray Serve's event loops, gRPC, metrics) run on another core meanwhile instead of
@@ -1365,6 +1636,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward_tokens", &RowsStack::forward_tokens,
            "a few-token step from token ids to final-norm hidden rows (and aux features), model dtype", nogil())
       .def("forward", &RowsStack::forward, "every layer through rows_layer: (last residual stream, aux streams)", nogil());
+  m.def("prefill_attention", &prefill_attention,
+        "causal paged attention of long query chunks (prefill), bfloat16, AVX512-BF16; row-invariant", nogil());
   m.def("draft_chain", &draft_chain, "greedy chain drafting of an EAGLE-3 head: catch-up and every draft in one call",
         nogil());
 }

@@ -69,6 +69,9 @@ __all__ = ["TorchAttentionBackend", "rows_kernel_inputs", "slot_tables"]
 
 
 PAD_LIMIT = 2  # a group's padded query rows may be at most this many times its real tokens
+# A group whose longest query has at least this many tokens (a prompt's chunk) and no tree runs
+# cpu_kernels.prefill_attention where the model is bfloat16 and the CPU has AVX512-BF16.
+PREFILL_KERNEL_MIN_QUERY = 16
 
 
 def group_requests(query_lens: list[int]) -> list[list[int]]:
@@ -275,6 +278,13 @@ class TorchAttentionBackend:
         if min(qlens_l) != max_q:
             # the group's token j of request i -> padded row i * max_q + j
             pad_idx = torch.cat([torch.arange(q, dtype=torch.int64) + i * max_q for i, q in enumerate(qlens_l)])
+        prefill = None
+        if max_q >= PREFILL_KERNEL_MIN_QUERY and not has_tree and device.type == "cpu":
+            # cpu_kernels.prefill_attention's inputs, in the group's token order
+            cu = [0]
+            for q in qlens_l:
+                cu.append(cu[-1] + q)
+            prefill = (torch.tensor(cu, dtype=torch.int64), torch.tensor(seqs_l, dtype=torch.int64), gather)
         token_idx = None
         if not whole:
             token_idx = torch.cat([torch.arange(starts[b], starts[b] + query_lens[b], dtype=torch.int64) for b in members])
@@ -289,6 +299,7 @@ class TorchAttentionBackend:
             "packed_masks": {},  # G -> [B, 1, Lq * G, S], filled lazily by attention()
             "pad_idx": None if pad_idx is None else pad_idx.to(device),  # [group tokens]
             "token_idx": None if token_idx is None else token_idx.to(device),  # [group tokens]
+            "prefill": prefill,  # (query_start_loc, seq_lens, block tables) for prefill_attention, or None
         }
 
     def write_kv(
@@ -342,6 +353,10 @@ def _group_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """SDPA over one group's requests; query [group tokens, H, D] -> same shape."""
     _, h, d = query.shape
     hkv = k_cache.shape[2]
+    prefill = g.get("prefill")
+    if (prefill is not None and query.dtype == k_cache.dtype == torch.bfloat16 and d % 16 == 0
+            and cpu_kernels.prefill_attention_available()):
+        return cpu_kernels.prefill_attention(query, k_cache, v_cache, *prefill, scale)
     gq = h // hkv
     b, lq, s = g["num_reqs"], g["max_query_len"], g["max_seq_len"]
     gidx, s_pad = g["gather_idx"], g["gathered_len"]

@@ -509,3 +509,119 @@ def test_packed_linear_rows_is_packed_linear_over_those_rows(xdtype):
     assert torch.equal(got, cpu_kernels.packed_linear(x[torch.tensor(rows)].float(), packed, 50, None))
     with pytest.raises(RuntimeError, match="row 7 out of range"):
         cpu_kernels.packed_linear_rows(x, [7], packed, 50)
+
+
+NO_DOT_BF16 = not cpu_kernels.available() or not cpu_kernels.prefill_attention_available()
+
+
+def _paged(seq_lens, bs, hkv, d, g):
+    """Random bfloat16 caches and shuffled block tables [B, max_blocks] holding seq_lens positions."""
+    nblocks = sum(-(-s // bs) for s in seq_lens) + 3
+    k_cache = torch.randn(nblocks, bs, hkv, d, generator=g).bfloat16()
+    v_cache = torch.randn(nblocks, bs, hkv, d, generator=g).bfloat16()
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    width = max(-(-s // bs) for s in seq_lens)
+    tables, o = [], 0
+    for s in seq_lens:
+        n = -(-s // bs)
+        tables.append(perm[o : o + n] + [0] * (width - n))
+        o += n
+    return k_cache, v_cache, torch.tensor(tables, dtype=torch.int64)
+
+
+def _prefill_reference(q, k_cache, v_cache, qsl, seq_lens, tables, scale):
+    """Causal attention from its definition in float64 over the same bfloat16 inputs, with the
+    probabilities rounded to bfloat16 before the product with v (as the kernel and torch's flash
+    attention compute bfloat16), normalized by the sum of the unrounded ones."""
+    _, h, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, s in enumerate(seq_lens.tolist()):
+        lo, hi = int(qsl[b]), int(qsl[b + 1])
+        pos = torch.arange(s)
+        slots = tables[b][pos // bs] * bs + pos % bs
+        k = k_cache.view(-1, hkv, d)[slots].double().repeat_interleave(h // hkv, 1)  # [S, H, D]
+        v = v_cache.view(-1, hkv, d)[slots].double().repeat_interleave(h // hkv, 1)
+        scores = torch.einsum("thd,shd->hts", q[lo:hi].double(), k) * scale
+        qpos = torch.arange(s - (hi - lo), s)
+        scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        e = (scores - scores.amax(-1, keepdim=True)).exp()
+        p = e.bfloat16().double()  # (exp(-inf) = 0 stays 0)
+        out[lo:hi] = torch.einsum("hts,shd->thd", p, v) / e.sum(-1).transpose(0, 1)[..., None]
+    return out
+
+
+@pytest.mark.skipif(NO_DOT_BF16, reason="prefill_attention needs AVX512-BF16")
+@pytest.mark.parametrize(("hkv", "group", "d", "bs"), [(4, 2, 64, 16), (2, 4, 32, 1), (1, 8, 128, 16), (3, 1, 48, 5),
+                                                       (2, 2, 256, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_attention_matches_its_definition_and_is_row_invariant(hkv, group, d, bs, threads):
+    """cpu_kernels.prefill_attention against causal attention written from its definition
+    (several requests in one call, prefix context before some chunks, GQA, head sizes 32-256,
+    block sizes 1, 5 and 16, odd and even context lengths): within two bfloat16 ulps. And a
+    token's result is bit-identical whether its request is alone in the call or next to others,
+    and whether its prompt is computed in one chunk or in two (the second over the first's cache)."""
+    g = torch.Generator().manual_seed(d + bs)
+    h = hkv * group
+    q_lens, ctx = [37, 1, 70, 16], [0, 20, 33, 1]
+    seq_lens = [c + n for c, n in zip(ctx, q_lens, strict=True)]
+    k_cache, v_cache, tables = _paged(seq_lens, bs, hkv, d, g)
+    q = torch.randn(sum(q_lens), h, d, generator=g).bfloat16()
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int64)
+    seqs = torch.tensor(seq_lens, dtype=torch.int64)
+    scale = d**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.prefill_attention(q, k_cache, v_cache, qsl, seqs, tables, scale)
+        ref = _prefill_reference(q, k_cache, v_cache, qsl, seqs, tables, scale)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        torch.testing.assert_close(out.double(), ref, rtol=2 * 2.0**-8, atol=2.0**-12)
+        lo = int(qsl[2])
+        alone = cpu_kernels.prefill_attention(q[lo : lo + 70], k_cache, v_cache, torch.tensor([0, 70]),
+                                              seqs[2:3], tables[2:3], scale)
+        assert torch.equal(alone, out[lo : lo + 70])
+        first = cpu_kernels.prefill_attention(q[lo : lo + 29], k_cache, v_cache, torch.tensor([0, 29]),
+                                              torch.tensor([ctx[2] + 29]), tables[2:3], scale)
+        rest = cpu_kernels.prefill_attention(q[lo + 29 : lo + 70], k_cache, v_cache, torch.tensor([0, 41]),
+                                             seqs[2:3], tables[2:3], scale)
+        assert torch.equal(torch.cat([first, rest]), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(NO_DOT_BF16, reason="prefill_attention needs AVX512-BF16")
+def test_prefill_attention_serves_long_bfloat16_chunks_of_the_torch_backend(monkeypatch):
+    """The torch backend sends a group with a chunk of >= PREFILL_KERNEL_MIN_QUERY tokens to
+    prefill_attention when the model is bfloat16 (and SDPA otherwise: float32, short queries, tree
+    masks); both give the same attention to bfloat16 precision. Bad input is refused."""
+    from kernels import torch_attn
+
+    g = torch.Generator().manual_seed(0)
+    bs, hkv, d = 16, 4, 64
+    q_lens, seq_lens = [40, 1, 1], [100, 57, 3]
+    k_cache, v_cache, tables = _paged(seq_lens, bs, hkv, d, g)
+    slots = [int(tables[b][p // bs]) * bs + p % bs for b, (n, s) in enumerate(zip(q_lens, seq_lens, strict=True))
+             for p in range(s - n, s)]
+    backend = torch_attn.TorchAttentionBackend()
+    md = backend.build_metadata(q_lens, seq_lens, tables.tolist(), slots, bs, torch.device("cpu"))
+    q = torch.randn(sum(q_lens), 8, d, generator=g).bfloat16()
+    calls = []
+    real = cpu_kernels.prefill_attention
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    out = backend.attention(q, k_cache, v_cache, md, 0.125)
+    assert calls == [40]  # the 40-token chunk's group; the two decode tokens' group took SDPA
+    monkeypatch.setattr(torch_attn, "PREFILL_KERNEL_MIN_QUERY", 10**6)
+    md_sdpa = backend.build_metadata(q_lens, seq_lens, tables.tolist(), slots, bs, torch.device("cpu"))
+    sdpa = backend.attention(q, k_cache, v_cache, md_sdpa, 0.125)
+    assert calls == [40]
+    torch.testing.assert_close(out.float(), sdpa.float(), rtol=2 * 2.0**-8, atol=2.0**-10)
+    backend.attention(q.float(), k_cache.float(), v_cache.float(), md, 0.125)  # float32: SDPA
+    assert calls == [40]
+    m = cpu_kernels._module()
+    with pytest.raises(RuntimeError, match="q must be bfloat16"):
+        m.prefill_attention(q.float(), k_cache, v_cache, torch.tensor([0, 42]), torch.tensor([100]), tables[:1], 0.1)
+    with pytest.raises(RuntimeError, match="q_len <= seq_len"):
+        m.prefill_attention(q[:42], k_cache, v_cache, torch.tensor([0, 42]), torch.tensor([30]), tables[:1], 0.1)
+    with pytest.raises(RuntimeError, match="ctx_lens out of range"):
+        m.prefill_attention(q[:42], k_cache, v_cache, torch.tensor([0, 42]), torch.tensor([10_000]), tables[:1], 0.1)
