@@ -93,6 +93,11 @@ def build_prompts(n: int, long_fraction: float, seed: int) -> list[tuple[str, li
     return out
 
 
+def prompt_seed(seed: int, rate: float) -> int:
+    """The prompt sample of `seed` at `rate`: its own per rate, independent of the other rates run."""
+    return seed * 100_003 + round(rate * 1000)
+
+
 def start(config_name: str, port: int, method: str = "draft", min_prompt_tokens: int = 512):
     import ray
     from ray import serve
@@ -261,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.bench_serve import free_port as free_port_for_bench
 
     seeds = [int(x) for x in args.seeds.split(",")]
-    prompts = {seed: build_prompts(PROMPTS_PER_RATE * len(rates), args.long_fraction, seed) for seed in seeds}
+    # Each (seed, rate) its own prompts, the same whatever other rates or configurations a run has
+    # (so runs of one configuration at a time compare), none shared between rates (no cache hits).
+    prompts = {(seed, rate): build_prompts(PROMPTS_PER_RATE, args.long_fraction, prompt_seed(seed, rate))
+               for seed in seeds for rate in rates}
     report = {"benchmark": "pd_vs_colocated", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
               "args": vars(args), "results": {}}
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
@@ -269,12 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port_for_bench()
         start(name, port, args.method, args.min_prompt_tokens)
         try:
-            for j, rate in enumerate(rates):
+            for rate in rates:
                 pooled, per_seed = [], {}
                 for seed in seeds:
                     # each rate its own prompts: a prompt seen at an earlier rate would hit the cache
-                    results = run_load(port, prompts[seed], rate, args.duration, args.max_tokens, seed,
-                                       offset=j * PROMPTS_PER_RATE)
+                    results = run_load(port, prompts[(seed, rate)], rate, args.duration, args.max_tokens, seed)
                     pooled += results
                     per_seed[seed] = summarize(results, args.duration, *slo)
                     print(f"{name} @ {rate}/s, seed {seed}: {json.dumps({k: v for k, v in per_seed[seed].items() if k != 'per_request'})}",
