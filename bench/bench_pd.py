@@ -9,8 +9,9 @@ Each configuration runs on its own embedded Ray Serve with 2 CPUs (one at a time
 - disaggregated: 1 prefill replica x 1 CPU + 1 decode replica x 1 CPU (long prompts are
   prefilled by the prefill replica and handed over with the drafter's state), the handoff by
   the default transport (`auto`: Ray's object store on CPUs);
-- disaggregated_load_aware: the same with `max_inflight_prefills: 1` (a long prompt arriving while
-  the decode replica waits on a remote prefill is prefilled by the decode replica);
+- disaggregated_load_aware: the same with `max_inflight_prefills: N` (--max-inflight-prefills, 1:
+  a long prompt arriving while the decode replica waits on N remote prefills, and prefills no such
+  prompt itself already, is prefilled by the decode replica);
 - disaggregated_nixl: the same, the handoff by NIXL through Ray Direct Transport;
 - disaggregated_no_drafter_state (ablation): the handoff carries the target's KV only (default
   transport).
@@ -98,7 +99,7 @@ def prompt_seed(seed: int, rate: float) -> int:
     return seed * 100_003 + round(rate * 1000)
 
 
-def start(config_name: str, port: int, method: str = "draft", min_prompt_tokens: int = 512):
+def start(config_name: str, port: int, method: str = "draft", min_prompt_tokens: int = 512, max_inflight_prefills: int = 1):
     import ray
     from ray import serve
 
@@ -113,7 +114,7 @@ def start(config_name: str, port: int, method: str = "draft", min_prompt_tokens:
         args["disaggregation"] = {"min_prompt_tokens": min_prompt_tokens,
                                   "with_drafter_state": config_name != "disaggregated_no_drafter_state",
                                   "transport": "nixl" if config_name.endswith("nixl") else "auto",
-                                  "max_inflight_prefills": 1 if config_name.endswith("load_aware") else None}
+                                  "max_inflight_prefills": max_inflight_prefills if config_name.endswith("load_aware") else None}
     config = AppConfig.from_dict(args)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port_for_bench()},
@@ -257,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", default="draft", help="the drafter of every configuration (speculative.method)")
     p.add_argument("--min-prompt-tokens", type=int, default=512,
                    help="disaggregation.min_prompt_tokens: shorter prompts are prefilled by the decode replica")
+    p.add_argument("--max-inflight-prefills", type=int, default=1,
+                   help="disaggregated_load_aware: disaggregation.max_inflight_prefills")
     p.add_argument("--seeds", default="0", help="arrival/prompt samples, each run at every rate; the "
                    "results pool them (Poisson samples of a minute differ a lot), `per_seed` keeps each")
     p.add_argument("--out", default="bench/results/pd.json")
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     for name in configs:
         port = free_port_for_bench()
-        start(name, port, args.method, args.min_prompt_tokens)
+        start(name, port, args.method, args.min_prompt_tokens, args.max_inflight_prefills)
         try:
             for rate in rates:
                 pooled, per_seed = [], {}

@@ -122,6 +122,7 @@ class SpecDecodeServer:
         self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
         self.prefills: dict[str, int] = {}  # where this replica's requests were prefilled
         self.inflight_prefills = 0  # remote prefills this replica waits on (max_inflight_prefills)
+        self.busy_prefills = 0  # long prompts it prefills itself because the pool was busy, until their first token
         self.fallbacks: dict[str, int] = {}  # why remote prefills fell back: no_handoff, lost, refused
         self.transports: dict[str, int] = {}  # handoffs received, by transport
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
@@ -171,12 +172,20 @@ class SpecDecodeServer:
         trace = TraceMetadata(trace_metadata or [], route)
         yield Accepted(self.replica_id)
         remote = self.prefill_pool is not None and await self.should_prefill_remotely(prompt)
-        busy = remote and not prefill_pool_has_room(self.inflight_prefills, self.config.disaggregation.max_inflight_prefills)
+        busy = remote and prefill_locally_when_busy(self.inflight_prefills, self.busy_prefills,
+                                                     self.config.disaggregation.max_inflight_prefills)
         if busy or not remote:
             if self.prefill_pool is not None:
                 self._count_prefill("local_busy" if busy else "local")
-            async for item in self._run(prompt, params, label, trace, speculating):
-                yield item
+            self.busy_prefills += busy
+            try:
+                async for item in self._run(prompt, params, label, trace, speculating):
+                    if busy and isinstance(item, pb.GenerateResponse):  # its prefill is done
+                        self.busy_prefills -= 1
+                        busy = False
+                    yield item
+            finally:
+                self.busy_prefills -= busy
             return
         span = None
         if self.tracing is not None:  # one span over prefill pool, handoff and decode
@@ -612,10 +621,14 @@ class SpecDecodeServer:
         return msg
 
 
-def prefill_pool_has_room(inflight: int, max_inflight: int | None) -> bool:
-    """Whether a decode replica waiting on `inflight` remote prefills sends another prompt to the
-    prefill pool (`disaggregation.max_inflight_prefills`; None: always)."""
-    return max_inflight is None or inflight < max_inflight
+def prefill_locally_when_busy(inflight: int, busy: int, max_inflight: int | None) -> bool:
+    """Whether a decode replica prefills a long prompt itself (`local_busy`) instead of sending it
+    to the prefill pool: it waits on `max_inflight` remote prefills already
+    (`disaggregation.max_inflight_prefills`; None: never) and is not already prefilling such a
+    prompt itself (`busy` of them until their first token). One at a time: each stalls this
+    replica's streams for a whole prefill, and a second would queue here behind the first (and
+    delay the short prompts this replica prefills) instead of at the pool."""
+    return max_inflight is not None and inflight >= max_inflight and busy == 0
 
 
 def _noop() -> None:

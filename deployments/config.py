@@ -161,7 +161,7 @@ class DisaggregationArgs:
     `max_inflight_prefills` (null: no limit) makes the choice load-aware, as Dynamo's conditional
     disaggregation checks the prefill queue: while this decode replica already waits on that many
     remote prefills, a new long prompt is prefilled here instead of queueing behind them (its TTFT
-    bounded, at the cost of a stall of this replica's streams)."""
+    bounded, at the cost of a stall of this replica's streams), one such prompt at a time."""
 
     min_prompt_tokens: int = 256
     with_drafter_state: bool = True

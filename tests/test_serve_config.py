@@ -264,3 +264,18 @@ def test_disaggregation_args_are_validated() -> None:
         AppConfig.from_dict({"disaggregation": {"max_inflight_prefills": 0}})
     with pytest.raises(ConfigError, match="disaggregation.bogus"):
         AppConfig.from_dict({"disaggregation": {"bogus": 1}})
+
+
+def test_a_busy_prefill_pool_sends_one_long_prompt_at_a_time_to_the_decode_replica() -> None:
+    """disaggregation.max_inflight_prefills N: a long prompt is prefilled by the decode replica
+    (`local_busy`) once it waits on N remote prefills, unless it is already prefilling one such
+    prompt itself (a second would queue behind the first there instead of at the pool); without N,
+    never. (The end-to-end case: tests/test_disaggregated.py, a slowed prefill pool.)"""
+    from deployments.app import prefill_locally_when_busy
+
+    assert not prefill_locally_when_busy(inflight=5, busy=0, max_inflight=None)
+    assert not prefill_locally_when_busy(inflight=1, busy=0, max_inflight=2)
+    assert prefill_locally_when_busy(inflight=2, busy=0, max_inflight=2)
+    assert prefill_locally_when_busy(inflight=3, busy=0, max_inflight=2)
+    assert not prefill_locally_when_busy(inflight=3, busy=1, max_inflight=2)
+    assert prefill_locally_when_busy(inflight=1, busy=0, max_inflight=1)
