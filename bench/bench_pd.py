@@ -246,8 +246,54 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def merge(sources: list[str], out: Path, slo: tuple[float, float]) -> dict:
+    """Combine the results of several runs (`FILE` or `FILE:config,config` to take some of its
+    configurations; a configuration at a rate may come from one file only), print a table per
+    configuration and rate, and the highest rate at which each configuration served >= 90% of its
+    requests within the SLO (goodput as DistServe defines it). Writes `out` and its plot."""
+    merged = {"benchmark": "pd_vs_colocated", "merged_from": sources, "results": {}}
+    for source in sources:
+        path, _, only = source.partition(":")
+        report = json.loads(Path(path).read_text())
+        merged.setdefault("args", report["args"])
+        for key, summary in report["results"].items():
+            if only and key.split("@")[0] not in only.split(","):
+                continue
+            if key in merged["results"]:
+                raise SystemExit(f"{key} is in more than one of {sources}")
+            merged["results"][key] = summary
+    grid = f"ttft<={slo[0]:g}s,tpot<={round(slo[1] * 1e3)}ms"
+    rows, best = [], {}
+    for key in sorted(merged["results"], key=lambda k: (CONFIGS.index(k.split("@")[0]), float(k.split("@")[1]))):
+        r = merged["results"][key]
+        config, rate = key.split("@")
+        shares = [seed["goodput_grid"][grid] * seed.get("duration", merged["args"]["duration"]) / max(1, seed["requests"])
+                  for seed in r["per_seed"].values()]
+        share = r["goodput_grid"][grid] * merged["args"]["duration"] * len(r["per_seed"]) / max(1, r["requests"])
+        if share >= 0.9:
+            best[config] = max(best.get(config, 0.0), float(rate))
+        tpot = " / ".join(f"{r['tpot_s'][q] * 1e3:.0f}" for q in ("p50", "p95", "p99"))
+        per_seed = ", ".join(f"{x:.0%}" for x in shares)
+        loose = r["goodput_grid"][f"ttft<={slo[0]:g}s,tpot<=120ms"]
+        rows.append(f"| {rate}/s | {config.replace('_', ' ')} | {r['ttft_s']['p95']:.2f} | {tpot} | "
+                    f"{r['goodput_grid'][grid]:.2f} ({share:.0%}; seeds {per_seed}) | {loose:.2f} | "
+                    f"{r['acceptance_mean']:.2f} |")
+    print(f"| rate | placement | TTFT p95 (s) | TPOT p50 / p95 / p99 (ms) | goodput {slo[0]:g} s / "
+          f"{slo[1] * 1e3:.0f} ms (share; per seed) | goodput {slo[0]:g} s / 120 ms | acceptance |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print("highest rate with >= 90% of requests within the SLO:", best)
+    merged["max_rate_90pct"] = best
+    out.write_text(json.dumps(merged, indent=2) + "\n")
+    plot(merged, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--merge", nargs="+", metavar="FILE[:CONFIGS]",
+                   help="combine earlier runs' results into --out (no load is sent)")
     p.add_argument("--rates", default="0.3,0.8", help="arrival rates, requests/s")
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--long-fraction", type=float, default=0.3)
@@ -264,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                    "results pool them (Poisson samples of a minute differ a lot), `per_seed` keeps each")
     p.add_argument("--out", default="bench/results/pd.json")
     args = p.parse_args(argv)
+    if args.merge:
+        merge(args.merge, Path(args.out), (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))
+        return 0
     rates = [float(r) for r in args.rates.split(",")]
     configs = args.configs.split(",")
     from bench.bench_serve import free_port as free_port_for_bench
