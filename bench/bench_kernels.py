@@ -17,6 +17,12 @@ every product of the target's forward, each layer's own weights (12 x 4 products
 head, 80 MB in bfloat16), so the weights come from DRAM as in the engine, e.g.
 
     python -m bench.bench_kernels --step --rows 1,2,4,5,6,8,12,16 --dtypes bfloat16 --layouts dp
+
+`--prefill-attention` times the torch backend's attention of prompt chunks (q_len query tokens
+after `context` cached ones, the shipped target's heads, bfloat16) through
+`cpu_kernels.prefill_attention` and through SDPA (the path before it), interleaved; then the
+whole prefill of a 1.5k-token prompt by the shipped target with each (`--out` default
+bench/results/prefill_attention.json).
 """
 
 from __future__ import annotations
@@ -56,9 +62,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layouts", default="widen,dp", help="widen, dp (AVX512-BF16; bfloat16 only)")
     ap.add_argument("--step", action="store_true", help="time a whole step's products (cold weights)")
-    ap.add_argument("--out", default=str(RESULTS / "kernels.json"))
+    ap.add_argument("--prefill-attention", action="store_true",
+                    help="prefill_attention vs SDPA on prompt chunks, and a 1.5k-token prefill with each")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.prefill_attention:
+        return prefill_attention_bench(args.reps, args.out or str(RESULTS / "prefill_attention.json"))
+    args.out = args.out or str(RESULTS / "kernels.json")
     mods = {"current": build("current", SOURCE)}
     if args.baseline:
         mods["baseline"] = build("baseline", args.baseline)
@@ -109,6 +120,78 @@ def main(argv=None) -> dict:
     results = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+PREFILL_CHUNKS = ((16, 0), (64, 0), (128, 0), (512, 0), (1500, 0), (32, 1500), (256, 1250), (512, 1000))
+
+
+def prefill_attention_bench(reps: int, out: str) -> dict:
+    """See the module docstring (`--prefill-attention`)."""
+    from unittest import mock
+
+    from kernels import torch_attn
+
+    if not cpu_kernels.prefill_attention_available():
+        raise SystemExit("prefill_attention needs the CPU kernels and AVX512-BF16")
+    cfg = json.loads((RESULTS.parent.parent / "models" / "target" / "config.json").read_text())
+    h, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, bs = cfg["hidden_size"] // h, 16
+    backend = torch_attn.TorchAttentionBackend()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for q_len, context in PREFILL_CHUNKS:
+        seq = context + q_len
+        nblocks = -(-seq // bs)
+        k_cache = torch.randn(nblocks, bs, hkv, d, generator=g).bfloat16()
+        v_cache = torch.randn(nblocks, bs, hkv, d, generator=g).bfloat16()
+        table_ = list(range(nblocks))
+        q = torch.randn(q_len, h, d, generator=g).bfloat16()
+        slots = list(range(context, seq))
+        mds = {}
+        for name, threshold in (("kernel", torch_attn.PREFILL_KERNEL_MIN_QUERY), ("sdpa", 10**9)):
+            with mock.patch.object(torch_attn, "PREFILL_KERNEL_MIN_QUERY", threshold):
+                mds[name] = backend.build_metadata([q_len], [seq], [table_], slots, bs, torch.device("cpu"))
+        times: dict[str, list[float]] = {name: [] for name in mds}
+        outs = {name: backend.attention(q, k_cache, v_cache, md, d**-0.5) for name, md in mds.items()}
+        for rep in range(reps):
+            for name in (list(mds) if rep % 2 == 0 else list(mds)[::-1]):
+                t0 = time.perf_counter()
+                backend.attention(q, k_cache, v_cache, mds[name], d**-0.5)
+                times[name].append(time.perf_counter() - t0)
+        row = {"q_len": q_len, "context": context, "kernel_ms": 1e3 * statistics.median(times["kernel"]),
+               "sdpa_ms": 1e3 * statistics.median(times["sdpa"]),
+               "max_abs_diff": (outs["kernel"].float() - outs["sdpa"].float()).abs().max().item()}
+        row["speedup"] = row["sdpa_ms"] / row["kernel_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    # the whole prefill of a long prompt (the EAGLE-3 head's catch-up is not in it: max_tokens 1)
+    from transformers import AutoTokenizer
+
+    from bench.common import code_prompts
+    from engine import LLM, SamplingParams
+
+    target = RESULTS.parent.parent / "models" / "target"
+    prompts = code_prompts(AutoTokenizer.from_pretrained(str(target)), 2 * reps + 1, 1500, seed=0)
+    llm = LLM(str(target), dtype="bfloat16", device="cpu", enable_prefix_caching=False, num_threads=1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([prompts[-1]], params)
+    prefill: dict[str, list[float]] = {"kernel": [], "sdpa": []}
+    for rep in range(reps):
+        for i, name in enumerate(("kernel", "sdpa") if rep % 2 == 0 else ("sdpa", "kernel")):
+            threshold = torch_attn.PREFILL_KERNEL_MIN_QUERY if name == "kernel" else 10**9
+            with mock.patch.object(torch_attn, "PREFILL_KERNEL_MIN_QUERY", threshold):
+                t0 = time.perf_counter()
+                llm.generate([prompts[2 * rep + i]], params)
+                prefill[name].append(time.perf_counter() - t0)
+    whole = {f"{name}_s": statistics.median(ts) for name, ts in prefill.items()}
+    whole["prompt_tokens"] = len(prompts[0])
+    print(table(rows, ["q_len", "context", "kernel_ms", "sdpa_ms", "speedup", "max_abs_diff"]))
+    print(f"prefill of a {whole['prompt_tokens']}-token prompt: {whole['kernel_s']:.3f} s with prefill_attention, "
+          f"{whole['sdpa_s']:.3f} s with SDPA")
+    results = {"machine": machine_info(), "heads": [h, hkv, d], "rows": rows, "prefill": whole}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
