@@ -36,7 +36,11 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
 * ``write_kv`` scatters ``key``/``value`` rows into the flat cache with ``index_copy_``.
 * ``attention``, per group: gathers ``[B, S, Hkv, D]`` K/V with one ``index_select`` each, pads
   the queries to ``[B, max_query_len, H, D]`` (a view when q_lens are uniform) and calls
-  ``scaled_dot_product_attention`` once; group outputs are scattered back to token order.
+  ``scaled_dot_product_attention`` once; group outputs are scattered back to token order. A
+  group with a query of >= ``PREFILL_KERNEL_MIN_QUERY`` tokens and no tree (``"prefill"``: its
+  query_start_loc, seq_lens and block tables) goes to ``cpu_kernels.prefill_attention`` instead
+  when query and caches are bfloat16 and the CPU has AVX512-BF16 (2-4x faster; bfloat16
+  products as SDPA's flash kernel takes them).
 
 Unused cache slots are read (then masked out), so caches must hold finite values there
 (allocate them with ``torch.zeros``; stale data from freed blocks is fine): SDPA turns a masked
