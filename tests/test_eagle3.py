@@ -313,7 +313,8 @@ def test_packed_catch_up_matches_the_torch_midlayer_bfloat16(setup):
     """Where torch emulates bfloat16 products (no AVX512-BF16/AMX), the midlayer's catch-up over
     more rows than the fused row path takes (a prompt's) runs its matmuls through the packed CPU
     kernel: the same features as torch's bfloat16 forward, to bfloat16 rounding."""
-    from engine.model_runner import EXACT_ROWS, SeqChunk
+    from engine.model_runner import SeqChunk
+    from engine.spec.proposers.eagle3 import FUSED_MAX_ROWS
     from kernels import cpu_kernels
 
     if not (cpu_kernels.available() and cpu_kernels.emulated_bf16()):
@@ -322,7 +323,7 @@ def test_packed_catch_up_matches_the_torch_midlayer_bfloat16(setup):
     engine = LLMEngine(setup["target"], dtype="bfloat16", device="cpu", speculative=spec)
     proposer = engine.speculator.proposer
     assert proposer.layer.packed_matmuls
-    prompt = [(7 * i) % 90 + 3 for i in range(EXACT_ROWS + 12)]
+    prompt = [(7 * i) % 90 + 3 for i in range(FUSED_MAX_ROWS + 12)]
     engine.add_request("r", prompt, GREEDY)
     engine.step()  # prefill: the request's blocks exist
     r = engine.scheduler.requests["r"]

@@ -36,7 +36,7 @@ from torch import nn
 
 from engine.errors import CheckpointError, DrafterMismatchError, UnsupportedModelError
 from engine.model_runner import (
-    EXACT_ROWS,
+    ROW_KERNEL_MAX_TOKENS,
     SeqChunk,
     build_forward_batch,
     last_rows,
@@ -57,6 +57,11 @@ from engine.spec.proposers.base import (
 from engine.spec.proposers.draft_vocab import DraftLMHead
 from engine.spec.proposers.features import HiddenRows, buffer_rows, committed_hidden, import_hidden_rows
 from kernels.torch_attn import rows_kernel_inputs
+
+# Rows (elements) up to which the midlayer's forwards and greedy chains run the fused CPU kernels
+# (the catch-up of several requests included; more go through torch's path): as the target's
+# steps (stop 31: 16 concurrent requests 932 -> 982 tokens/s with the cap at 128 instead of 16).
+FUSED_MAX_ROWS = ROW_KERNEL_MAX_TOKENS
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE3_BUFFER_ROWS = 16  # feature rows a request may buffer between steps (k + 1 if larger)
@@ -422,7 +427,7 @@ class Eagle3Proposer(Proposer):
         if not committed:
             return
         aux = torch.cat([rows for _, _, rows in committed])
-        if self.row_kernel and (self.fc_packed_all or aux.shape[0] <= EXACT_ROWS):
+        if self.row_kernel and (self.fc_packed_all or aux.shape[0] <= FUSED_MAX_ROWS):
             from kernels import cpu_kernels
 
             feats = cpu_kernels.packed_linear(aux, self.packed_fc, self.arch.hidden_size, None)
@@ -443,7 +448,7 @@ class Eagle3Proposer(Proposer):
         """Run the midlayer on elements (features[i], token_ids[i]) at the cache positions of
         `chunks` (RoPE position = cache position, by depth in a tree); returns each chunk's last
         `num_last` (or num_last[b]) output features [sum, H], chunk after chunk."""
-        fused = self.row_kernel and len(token_ids) <= EXACT_ROWS
+        fused = self.row_kernel and len(token_ids) <= FUSED_MAX_ROWS
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
                                     row_exact="kernel" if fused else None)
         embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
@@ -520,7 +525,7 @@ class Eagle3Proposer(Proposer):
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         t_start = time.perf_counter()
         chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
-        if (self.row_kernel_chain and len(elem_tokens) <= EXACT_ROWS
+        if (self.row_kernel_chain and len(elem_tokens) <= FUSED_MAX_ROWS
                 and all(r.sampling_params.is_greedy for r in requests)):
             return self._propose_greedy_chain(requests, num_tokens, chunks, elem_tokens, feats_in, t_start)
         tokens: list[list[int]] = [[] for _ in requests]
