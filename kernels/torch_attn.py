@@ -39,7 +39,7 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
   ``scaled_dot_product_attention`` once; group outputs are scattered back to token order. A
   group with a query of >= ``PREFILL_KERNEL_MIN_QUERY`` tokens and no tree (``"prefill"``: its
   query_start_loc, seq_lens and block tables) goes to ``cpu_kernels.prefill_attention`` instead
-  when query and caches are bfloat16 and the CPU has AVX512-BF16 (2-4x faster; bfloat16
+  when query and caches are bfloat16 and the CPU has AVX512-BF16 (1.9-4x faster; bfloat16
   products as SDPA's flash kernel takes them).
 
 Unused cache slots are read (then masked out), so caches must hold finite values there
