@@ -169,6 +169,7 @@ class LLMEngine:
             self.speculator = Speculator(
                 speculative, make_proposer(speculative, self.runner), max_model_len, max_num_batched_tokens
             )
+            self.speculator.proposer.configure_buffers(max_num_seqs, max_model_len)
             self.runner.keep_hidden_states = self.speculator.proposer.needs_hidden_states
             self.runner.model.aux_layer_ids = self.speculator.proposer.aux_layer_ids
             num_lookahead = speculative.num_lookahead_tokens
@@ -227,15 +228,15 @@ class LLMEngine:
         sc = self.scheduler_config
         budget = cc.kv_cache_memory_bytes
         if budget is None:
+            buffers = 0 if self.speculator is None else self.speculator.buffer_bytes(
+                sc.max_num_seqs, sc.max_num_batched_tokens)
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
                 used = total - free
-                budget = int(total * cc.gpu_memory_utilization) - used
-            else:
+                budget = int(total * cc.gpu_memory_utilization) - used - buffers
+            else:  # what max_num_seqs full-length requests need, buffers beside it within the default
                 want = sc.max_num_seqs * max_model_len * self.kv_bytes_per_token
-                budget = min(want, CPU_DEFAULT_KV_BYTES)
-            if self.speculator is not None:
-                budget -= self.speculator.buffer_bytes(sc.max_num_seqs, sc.max_num_batched_tokens)
+                budget = min(want, CPU_DEFAULT_KV_BYTES - buffers)
         num_blocks = budget // (self.kv_bytes_per_token * cc.block_size)
         if num_blocks < 1:
             raise ValueError(

@@ -295,3 +295,18 @@ def test_probes_of_a_batch_whose_drafts_do_not_pay_thin_out_as_it_grows():
     from engine.spec.speculator import probe_interval
 
     assert [probe_interval(b) for b in (1, 4, 7, 8, 16, 64)] == [32, 32, 32, 64, 128, 512]
+
+
+def test_a_probe_drafts_only_for_requests_caught_up_or_the_closest_one():
+    """While speculation is off a layer drafter's rows wait (features.LAZY_BUFFER_ROWS): a probe
+    drafts for the requests with at most PROBE_CATCH_UP_ROWS to catch up, or, if none, for the
+    one with the fewest, never running every request's wait at once."""
+    from engine.spec.speculator import PROBE_CATCH_UP_ROWS
+
+    spec = speculator_with([1.0] * 9)
+    waiting = {"a": 200, "b": PROBE_CATCH_UP_ROWS, "c": 3, "d": 90}
+    spec.proposer.pending_rows = lambda r: waiting[r.request_id]
+    reqs = [Request(rid, [1, 2, 3], SamplingParams()) for rid in waiting]
+    assert spec._cheap_probes(reqs) == [1, 2]
+    waiting.update(b=40, c=30)
+    assert spec._cheap_probes(reqs) == [2]

@@ -200,6 +200,56 @@ def test_drafts_and_q_match_reference(setup, which):
     assert_no_leaked_blocks(engine)
 
 
+@pytest.mark.parametrize("bound", [None, 24])
+def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
+    """Speculation forced off for 30 steps after a prompt longer than the fused kernels take: with
+    the lazy bound (features.LAZY_BUFFER_ROWS) the midlayer never runs meanwhile and the request
+    buffers every row; with a small bound (24) it catches up whenever the buffer passes it. Turned
+    back on, the first round catches up over what waits (a long catch-up first, on its own) and
+    its drafts equal the reference's over the whole context, then each later round's do too, and
+    the output equals the target alone's."""
+    from engine.spec.proposers.eagle3 import FUSED_MAX_ROWS
+    from engine.spec.proposers.features import LAZY_BUFFER_ROWS
+
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4, adaptive=True)
+    engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec, max_num_seqs=4)
+    plain = LLMEngine(setup["target"], dtype="float32", device="cpu")
+    proposer = engine.speculator.proposer
+    assert proposer.steady_rows == 16 and proposer.max_buffered_rows == LAZY_BUFFER_ROWS
+    if bound is not None:
+        proposer.max_buffered_rows = bound
+    forwards = []
+    real = proposer._forward
+    monkeypatch.setattr(proposer, "_forward", lambda chunks, *a, **kw: forwards.append(
+        sum(len(c.token_ids) for c in chunks)) or real(chunks, *a, **kw))
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
+    prompt = [(7 * i + 3) % 90 + 3 for i in range(FUSED_MAX_ROWS + 20)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    plain.add_request("r", prompt, params)
+    r = engine.scheduler.requests["r"]
+    tokens: list[int] = []
+    for _ in range(30):
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+        rows = proposer.states["r"].rows.shape[0]
+        assert rows <= proposer.max_buffered_rows
+        if bound is None:
+            assert rows == r.num_tokens - 1
+    assert (not forwards) if bound is None else forwards
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 4)
+    monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: max(ks))
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+        if r.spec_token_ids:
+            assert r.spec_token_ids == reference_drafts(setup, "default", r.all_token_ids, len(r.spec_token_ids))[0]
+    assert engine.spec_stats.num_draft_tokens > 0
+    base: list[int] = []
+    while plain.has_unfinished_requests():
+        base += [t for out in plain.step() for t in out.new_token_ids]
+    assert tokens == base
+    assert_no_leaked_blocks(engine)
+
+
 @pytest.mark.parametrize("which", ["default", "explicit"])
 def test_greedy_chain_kernel_drafts_match_reference(setup, which, monkeypatch):
     """Greedy requests only: the CPU path drafts a whole chain in one kernel call
@@ -378,3 +428,5 @@ def test_handoff_equals_colocated(setup, params):
     models = {"target": setup["target"], "eagle3": setup["heads"]["default"]}
     h = assert_handoff_equals_colocated(models, "eagle3", H_GREEDY if params == "greedy" else SAMPLED)
     assert h.num_computed_tokens == len(PROMPT) and h.drafter_kv is not None and h.proposer_state is not None
+    # the prefill replica ran the midlayer over the prompt (the steady bound, not the lazy one)
+    assert h.proposer_state.rows.shape[0] <= 16 < len(PROMPT)

@@ -23,6 +23,7 @@ from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
 from engine.sampler import sample_from_probs
 from engine.scheduler import Scheduler
+from engine.spec.proposers.features import LAZY_BUFFER_ROWS
 
 METHODS = ["draft", "eagle", "medusa", "ngram"]
 SHORT_PROMPTS = [[1, 2, 3], [5, 6], [7, 8, 9, 10], [11]]
@@ -357,15 +358,15 @@ def test_non_speculative_request_buffers_no_hidden_rows(long_models, long_baseli
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_hidden_rows_stay_bounded_while_speculation_is_off(long_models, long_baseline, method, monkeypatch):
     """The adaptive policy keeps speculation off for ~1950 steps (forced): the request's buffered
-    rows never exceed the bound (EAGLE runs its layer over them instead, extending its own KV;
-    Medusa keeps one row). Turned back on, the drafts equal the reference heads' drafts over the
+    rows never exceed the bound (EAGLE runs its layer over them each time they reach the lazy
+    bound, extending its own KV; Medusa keeps one row). Turned back on, the drafts equal the reference heads' drafts over the
     whole context, so the EAGLE KV filled meanwhile is right; output equals the target's."""
     spec = SpeculativeConfig(method=method, model=long_models[method], num_speculative_tokens=4, adaptive=True)
     engine = LLMEngine(long_models["target"], dtype="float32", device="cpu", max_num_batched_tokens=256,
                        speculative=spec)
     proposer = engine.speculator.proposer
     bound = proposer.max_buffered_rows if method == "eagle" else 1
-    assert method == "medusa" or bound == 16
+    assert method == "medusa" or bound == LAZY_BUFFER_ROWS
     monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
     engine.add_request("r", LONG_PROMPT, SamplingParams(max_tokens=LONG_NEW, temperature=0.0, ignore_eos=True))
     tokens: list[int] = []
@@ -394,15 +395,30 @@ def test_hidden_rows_stay_bounded_while_speculation_is_off(long_models, long_bas
     assert engine.spec_stats.num_draft_tokens > 0
 
 
-def test_automatic_kv_sizing_leaves_room_for_the_hidden_row_buffers(models):
-    plain = LLMEngine(models["target"], dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256)
-    eagle = LLMEngine(models["target"], dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256,
-                      speculative=spec_config(models, "eagle"))
+def test_automatic_kv_sizing_leaves_room_for_the_hidden_row_buffers(models, monkeypatch):
+    """On the CPU the pool holds what max_num_seqs full-length requests need, the drafter's
+    buffers (at most max_model_len rows a request) beside it, all within CPU_DEFAULT_KV_BYTES."""
+    import engine.llm_engine as llm_engine
+
+    def engines():
+        plain = LLMEngine(models["target"], dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256)
+        eagle = LLMEngine(models["target"], dtype="float32", device="cpu", max_num_seqs=4, max_model_len=256,
+                          speculative=spec_config(models, "eagle"))
+        return plain, eagle
+
+    plain, eagle = engines()  # the default is far above what 4 x 256 tokens need: it does not bind
     proposer = eagle.speculator.proposer
+    assert proposer.max_buffered_rows == 256  # the lazy bound, capped at max_model_len
     buffers = proposer.buffer_bytes(4, 2048)
     assert buffers == (4 * proposer.max_buffered_rows + 2048) * 64 * 4
     want = 4 * 256 * eagle.kv_bytes_per_token
-    assert eagle.num_blocks == (want - buffers) // (eagle.kv_bytes_per_token * 16) < plain.num_blocks
+    assert eagle.num_blocks == want // (eagle.kv_bytes_per_token * 16)
+    assert plain.num_blocks == 4 * 256 // 16
+    cap = buffers + want // 2
+    monkeypatch.setattr(llm_engine, "CPU_DEFAULT_KV_BYTES", cap)  # now it does, with the buffers beside the pool
+    plain, eagle = engines()
+    assert eagle.num_blocks == (cap - buffers) // (eagle.kv_bytes_per_token * 16) == 4 * 256 // 16 // 2
+    assert plain.num_blocks == 4 * 256 // 16
 
 
 # --- 6. leak checks, aborts on failure, the sampler's top end, seeds -------------------------
@@ -435,7 +451,7 @@ def test_leak_check_fails_on_an_overfull_buffer(models):
     proposer = engine.speculator.proposer
     state = proposer.states["r"]
     state.rows = torch.zeros(proposer.max_buffered_rows + 1, 64)
-    with pytest.raises(AssertionError, match="buffers more than 16 rows"):
+    with pytest.raises(AssertionError, match=f"buffers more than {proposer.max_buffered_rows} rows"):
         assert_no_leaked_blocks(engine)
 
 

@@ -311,14 +311,16 @@ def test_packed_catch_up_matches_the_torch_module_bfloat16(targets, name):
 
 def test_modules_catch_up_while_not_drafting(targets, monkeypatch):
     """A 40-token prompt prefilled 16 tokens a step, then 20 steps with speculation off (forced):
-    the modules catch up over the buffered rows instead of holding more than the bound; turned
-    back on, the drafts equal the reference's over the whole context, so the KV they filled
-    meanwhile is right."""
+    the modules catch up over the buffered rows instead of holding more than the bound (set to
+    the steady 16 rows here, below the lazy bound these 60 rows never reach); turned back on, the
+    drafts equal the reference's over the whole context, so the KV they filled meanwhile is
+    right."""
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=4, adaptive=True)
     engine = LLMEngine(
         targets["deepseek2"], dtype="float32", device="cpu", speculative=spec, max_num_batched_tokens=16
     )
     proposer = engine.speculator.proposer
+    proposer.max_buffered_rows = proposer.steady_rows
     monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
     prompt = [(7 * i + 3) % 97 for i in range(40)]
     engine.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

@@ -34,6 +34,7 @@ from engine.spec.proposers.base import BucketedMedians, Draft, ProposeContext, P
 logger = logging.getLogger("engine")
 
 PROBE_EVERY = 8  # a request whose drafts stopped paying retries k=1 this often
+PROBE_CATCH_UP_ROWS = 16  # a step's probe drafts for requests with at most this many rows to catch up
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before the engine's first verification
 PRIOR_TRIALS = 2.0  # weight of that prior (and of position j-1's rate for position j), in trials
 REQUEST_PRIOR_TRIALS = 4.0  # weight of the engine-wide rate in a request's own estimate
@@ -565,6 +566,9 @@ class Speculator:
             cap = self.best_cap(len(decoding), [r for r, _ in candidates], [k for _, k in candidates])
             if cap == 0 and step_index % probe_interval(len(decoding)) == 0:
                 cap = 1  # a rare probe keeps the acceptance and drafting-cost estimates fresh
+                keep = self._cheap_probes([r for r, _ in candidates])
+                candidates = [candidates[i] for i in keep]
+                drafts = None if drafts is None else [drafts[i] for i in keep]
             if cap == 0:
                 candidates, drafts = [], None
                 self.num_steps_off += 1
@@ -592,6 +596,15 @@ class Speculator:
         else:
             drafts = [drafts[i] for i in keep]
         return {r.request_id: d for r, d in zip(requests, drafts, strict=True) if d.token_ids}
+
+    def _cheap_probes(self, requests: list[Request]) -> list[int]:
+        """Indices of the requests a probe drafts for: those whose drafter is caught up to within
+        PROBE_CATCH_UP_ROWS positions, or else the one closest. While speculation is off a layer
+        drafter's rows wait un-run (features.LAZY_BUFFER_ROWS); a probe of every request would
+        run them all at once, a stall of the whole batch to refresh an estimate."""
+        pending = [self.proposer.pending_rows(r) for r in requests]
+        keep = [i for i, p in enumerate(pending) if p <= PROBE_CATCH_UP_ROWS]
+        return keep or [min(range(len(requests)), key=pending.__getitem__)]
 
     def _tree_plan(self, r: Request) -> tuple[int, int, int]:
         """(nodes, levels, width) of the tree request r would draft (before the step's token

@@ -139,6 +139,16 @@ class Proposer:
         """The most bytes the proposer's per-request buffers (other than KV) can hold at once."""
         return 0
 
+    def configure_buffers(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Size the per-request buffers for an engine of `max_num_seqs` requests of up to
+        `max_model_len` tokens (before `buffer_bytes`): the layer drafters' lazy bound
+        (features.LAZY_BUFFER_ROWS)."""
+
+    def pending_rows(self, request: Request) -> int:
+        """Positions the drafter would catch up over before its next draft for `request` (its
+        buffered rows): what drafting it once costs beyond a steady round."""
+        return 0
+
     def observe_step(self, sched, runner_out) -> None:
         """Called after every step with its `SchedulerOutput` and `ModelRunnerOutput`, before any
         drafting; the proposers that read the target's hidden states keep what they need here."""

@@ -25,9 +25,10 @@ in slots that later rounds overwrite with final ones.
 Between rounds a request buffers, per module, the features of the positions that module has not
 run over (`HiddenRows`: the target's rows for module 0, `deeper` for the others; each buffer ends
 where the previous module's starts). A request that does not draft (speculation off, or a prompt
-still in chunked prefill) would buffer every target row it commits: once it holds more than
-`max_buffered_rows` = max(16, k + 1), the modules catch up over all its rows but the last (no
-drafting). A request with `speculative=False` never drafts, so none of its rows are kept.
+still in chunked prefill) buffers every target row it commits: once it holds more than
+`max_buffered_rows` (the lazy bound of features.LAZY_BUFFER_ROWS; max(16, k + 1) for a request
+handed over after its prefill), the modules catch up over all its rows but the last (no
+drafting); a request that finishes before drafting again never runs them over its last rows. A request with `speculative=False` never drafts, so none of its rows are kept.
 Sampled drafts come with their probabilities (exactness). With prefix caching, a module's KV in
 a shared block was computed for the earlier request: that can only lower acceptance.
 """
@@ -46,10 +47,16 @@ from engine.model_runner import (
 from engine.request import Request
 from engine.spec.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, may_draft
 from engine.spec.proposers.draft_vocab import DraftLMHead
-from engine.spec.proposers.features import HiddenRows, append_rows, committed_hidden, import_hidden_rows
+from engine.spec.proposers.features import (
+    HiddenRows,
+    append_rows,
+    committed_hidden,
+    import_hidden_rows,
+    lazy_buffer_rows,
+)
 from engine.spec.tree import DraftTree
 
-BUFFER_ROWS = 16  # target rows a request may buffer between steps (k + 1 if larger)
+BUFFER_ROWS = 16  # the steady bound of a request's buffered target rows (k + 1 if larger)
 
 
 class ChainProposer(Proposer):
@@ -65,7 +72,9 @@ class ChainProposer(Proposer):
         super().__init__()
         self.tree_width = tree_width  # children per expanded node, and nodes expanded per level
         self.states: dict[str, HiddenRows] = {}
-        self.max_buffered_rows = max(BUFFER_ROWS, num_speculative_tokens + 1)
+        # rows a request may buffer: steady_rows while it is handed over after its prefill, the
+        # lazy bound (`configure_buffers`) otherwise
+        self.steady_rows = self.max_buffered_rows = max(BUFFER_ROWS, num_speculative_tokens + 1)
         self.device, self.dtype = runner.device, runner.dtype
         self.backend = runner.backend
         # Small steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
@@ -129,6 +138,14 @@ class ChainProposer(Proposer):
         deeper = max_num_seqs * (len(self.layers) - 1) * self.max_buffered_rows * self.arch.hidden_size
         return (rows + deeper) * size
 
+    def configure_buffers(self, max_num_seqs: int, max_model_len: int) -> None:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        self.max_buffered_rows = lazy_buffer_rows(self.steady_rows, max_num_seqs, self.feature_size * size, max_model_len)
+
+    def pending_rows(self, request: Request) -> int:
+        state = self.states.get(request.request_id)
+        return 0 if state is None else state.rows.shape[0]
+
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.seconds(num_requests) * k
 
@@ -166,15 +183,13 @@ class ChainProposer(Proposer):
     @torch.inference_mode()
     def observe_step(self, sched, runner_out) -> None:
         """Buffer each drafting-capable request's newly committed target rows, then bound the
-        buffers: the modules catch up over the rows of every request holding more than
-        `max_buffered_rows`, all but the last."""
-        committed = [
-            (r, start, rows.clone())
-            for r, start, rows in committed_hidden(sched, runner_out, self._committed_rows(runner_out))
-            if may_draft(r)
-        ]
-        updated = append_rows(self.states, committed, self.name)
-        full = [(r, st) for r, st in updated if st.rows.shape[0] > self.max_buffered_rows]
+        buffers: the modules catch up over the rows of every request holding more than its bound
+        (`max_buffered_rows`, or `steady_rows` when it is handed over after its prefill), all but
+        the last."""
+        committed = [c for c in committed_hidden(sched, runner_out, self._committed_rows(runner_out)) if may_draft(c[0])]
+        updated = append_rows(self.states, committed, self.name, self.max_buffered_rows + 1)
+        full = [(r, st) for r, st in updated
+                if st.rows.shape[0] > (self.steady_rows if r.export_after_prefill else self.max_buffered_rows)]
         if full:
             new, _, _ = self._catch_up(
                 [r for r, _ in full], [st for _, st in full], [st.end for _, st in full]

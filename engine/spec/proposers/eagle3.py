@@ -55,7 +55,14 @@ from engine.spec.proposers.base import (
     weights_digest,
 )
 from engine.spec.proposers.draft_vocab import DraftLMHead
-from engine.spec.proposers.features import HiddenRows, buffer_rows, committed_hidden, import_hidden_rows
+from engine.spec.proposers.features import (
+    HiddenRows,
+    buffer_rows,
+    catch_up_rows,
+    committed_hidden,
+    import_hidden_rows,
+    lazy_buffer_rows,
+)
 from kernels.torch_attn import rows_kernel_inputs
 
 # Rows (elements) up to which the midlayer's forwards and greedy chains run the fused CPU kernels
@@ -64,7 +71,7 @@ from kernels.torch_attn import rows_kernel_inputs
 FUSED_MAX_ROWS = ROW_KERNEL_MAX_TOKENS
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-EAGLE3_BUFFER_ROWS = 16  # feature rows a request may buffer between steps (k + 1 if larger)
+EAGLE3_BUFFER_ROWS = 16  # the steady bound of a request's buffered feature rows (k + 1 if larger)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -223,7 +230,9 @@ class Eagle3Proposer(Proposer):
         super().__init__()
         self.tree_width = tree_width  # children per expanded node, and nodes expanded per level
         self.states: dict[str, HiddenRows] = {}
-        self.max_buffered_rows = max(EAGLE3_BUFFER_ROWS, num_speculative_tokens + 1)
+        # rows a request may buffer: steady_rows while it is handed over after its prefill, the
+        # lazy bound (`configure_buffers`) otherwise
+        self.steady_rows = self.max_buffered_rows = max(EAGLE3_BUFFER_ROWS, num_speculative_tokens + 1)
         cfg = read_eagle3_config(model_dir)
         t = runner.arch
         self.device, self.dtype = runner.device, runner.dtype
@@ -414,28 +423,37 @@ class Eagle3Proposer(Proposer):
         buffered = (max_num_seqs * self.max_buffered_rows + max_num_batched_tokens) * self.arch.hidden_size
         return (buffered + max_num_batched_tokens * self.fc.in_features) * size
 
+    def configure_buffers(self, max_num_seqs: int, max_model_len: int) -> None:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        self.max_buffered_rows = lazy_buffer_rows(self.steady_rows, max_num_seqs, self.arch.hidden_size * size, max_model_len)
+
+    def pending_rows(self, request: Request) -> int:
+        state = self.states.get(request.request_id)
+        return 0 if state is None else state.rows.shape[0]
+
+    def _bound(self, request: Request) -> int:
+        return self.steady_rows if request.export_after_prefill else self.max_buffered_rows
+
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.seconds(num_requests) * k
 
     @torch.inference_mode()
     def observe_step(self, sched, runner_out) -> None:
         """Buffer fc(aux) of each drafting-capable request's newly committed positions, then bound
-        the buffers: run the midlayer over the rows of every request holding more than
-        `max_buffered_rows`, all but the last."""
-        committed = [(r, start, rows) for r, start, rows in committed_hidden(sched, runner_out, runner_out.aux_hidden_states)
-                     if may_draft(r)]
-        if not committed:
+        the buffers: run the midlayer over the rows of every request holding more than its bound
+        (`max_buffered_rows`, features.LAZY_BUFFER_ROWS), all but the last."""
+        aux = runner_out.aux_hidden_states
+        if not any(may_draft(s.request) and not s.request.is_finished for s in sched.scheduled):
             return
-        aux = torch.cat([rows for _, _, rows in committed])
+        # fc over the step's every row (rejected drafts' too: fewer ops than gathering the rest)
         if self.row_kernel and (self.fc_packed_all or aux.shape[0] <= FUSED_MAX_ROWS):
             from kernels import cpu_kernels
 
             feats = cpu_kernels.packed_linear(aux, self.packed_fc, self.arch.hidden_size, None)
         else:
             feats = self.fc(aux)  # one product for the step
-        sizes = [rows.shape[0] for _, _, rows in committed]
-        owned = [(r, start, g.clone()) for (r, start, _), g in zip(committed, feats.split(sizes), strict=True)]
-        buffer_rows(self.states, owned, self.max_buffered_rows, self._forward, "EAGLE-3")
+        committed = [c for c in committed_hidden(sched, runner_out, feats) if may_draft(c[0])]
+        buffer_rows(self.states, committed, self._bound, self._forward, "EAGLE-3", self.max_buffered_rows + 1)
 
     def check_no_leaks(self, live_ids: set[str]) -> None:
         super().check_no_leaks(live_ids)
@@ -525,6 +543,10 @@ class Eagle3Proposer(Proposer):
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         t_start = time.perf_counter()
         chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
+        if len(elem_tokens) > FUSED_MAX_ROWS:  # a long catch-up (after a prompt, or speculation off) first, on its own
+            catch_up_rows(self.states, [(r, self.states[r.request_id]) for r in requests], self._forward)
+            chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
+            t_start = time.perf_counter()  # (a one-off: not the drafting cost the policy weighs)
         if (self.row_kernel_chain and len(elem_tokens) <= FUSED_MAX_ROWS
                 and all(r.sampling_params.is_greedy for r in requests)):
             return self._propose_greedy_chain(requests, num_tokens, chunks, elem_tokens, feats_in, t_start)

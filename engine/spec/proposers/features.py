@@ -27,6 +27,8 @@ class HiddenRows:
     # A drafter with several chained modules (native MTP, chain.py): module m's buffered input
     # features (module m - 1's outputs), m = 1.., each ending where the previous one starts.
     deeper: tuple[HiddenRows, ...] = ()
+    # the tensor whose first rows `rows` are, with room for more (`append_rows`); None: none
+    spare: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def end(self) -> int:
@@ -74,41 +76,75 @@ def committed_hidden(sched, runner_out, hidden: torch.Tensor | None = None) -> I
 
 
 def append_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, int, torch.Tensor]],
-                what: str) -> list[tuple[Request, HiddenRows]]:
-    """Append each request's newly committed rows (rows the caller owns, not views of a step's
-    tensor) to its buffer in `states`, starting a buffer for a request that has none; returns
-    the updated (request, state) pairs. Raises RuntimeError if rows do not continue the buffer."""
+                what: str, reserve: int = 0) -> list[tuple[Request, HiddenRows]]:
+    """Append (copy) each request's newly committed rows (views of a step's tensor are fine) to
+    its buffer in `states`, starting a buffer for a request that has none; returns the updated
+    (request, state) pairs. Raises RuntimeError if rows do not continue the buffer.
+
+    A buffer's rows are the front of a larger tensor (`HiddenRows.spare`, up to `reserve` rows,
+    or twice what it holds): a step appends by copying its own rows, not the whole buffer (which
+    grows to hundreds of rows while speculation is off, LAZY_BUFFER_ROWS)."""
     updated: list[tuple[Request, HiddenRows]] = []
     for r, start, rows in committed:
         state = states.get(r.request_id)
-        if state is None:  # its first rows (or its first after a preemption)
-            updated.append((r, HiddenRows(start, rows)))
-        elif state.end != start:
+        if state is not None and state.end != start:
             raise RuntimeError(
                 f"{what}: request {r.request_id!r} buffers rows up to position {state.end}, "
                 f"but its next committed row is at {start}"
             )
+        n, m = (0 if state is None else state.rows.shape[0]), rows.shape[0]
+        spare = None if state is None else state.spare
+        if spare is None or n + m > spare.shape[0] or state.rows.data_ptr() != spare.data_ptr():
+            spare = rows.new_empty(max(n + m, min(max(2 * (n + m), 32), reserve)), rows.shape[1])
+            if n:
+                spare[:n].copy_(state.rows)
+        spare[n : n + m].copy_(rows)
+        if state is None:  # its first rows (or its first after a preemption)
+            updated.append((r, HiddenRows(start, spare[: n + m], (), spare)))
         else:
-            updated.append((r, dataclasses.replace(state, rows=torch.cat([state.rows, rows]))))
+            updated.append((r, HiddenRows(state.start, spare[: n + m], state.deeper, spare)))
     for r, state in updated:
         states[r.request_id] = state
     return updated
 
 
 def buffer_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, int, torch.Tensor]],
-                max_rows: int, forward, what: str) -> None:
-    """`append_rows`, then bound the buffers: for every request holding more than `max_rows`,
-    run `forward(chunks, token_ids, features)` over the elements (row j, token j + 1) of all its
-    rows but the last (in one call for all such requests) and keep the last row only. EAGLE-3's
-    catch-up between drafting rounds (fc(aux) rows)."""
+                bound, forward, what: str, reserve: int = 0) -> None:
+    """`append_rows`, then bound the buffers: every request holding more than `bound(request)`
+    rows catches up (`catch_up_rows`). EAGLE-3's bound between drafting rounds (fc(aux) rows)."""
+    updated = append_rows(states, committed, what, reserve)
+    catch_up_rows(states, [(r, st) for r, st in updated if st.rows.shape[0] > bound(r)], forward)
+
+
+def catch_up_rows(states: dict[str, HiddenRows], items: list[tuple[Request, HiddenRows]], forward) -> None:
+    """Run `forward(chunks, token_ids, features)` over the elements (row j, token j + 1) of all
+    of each request's buffered rows but the last (one call for all of them) and keep the last
+    row only."""
     from engine.model_runner import SeqChunk
 
-    updated = append_rows(states, committed, what)
-    full = [(r, st) for r, st in updated if st.rows.shape[0] > max_rows]
-    if not full:
+    items = [(r, st) for r, st in items if st.rows.shape[0] > 1]
+    if not items:
         return
-    chunks = [SeqChunk([0] * (st.rows.shape[0] - 1), st.start, r.block_ids) for r, st in full]
-    token_ids = [r.token_at(j + 1) for r, st in full for j in range(st.start, st.end - 1)]
-    forward(chunks, token_ids, torch.cat([st.rows[:-1] for _, st in full]))
-    for r, st in full:
+    chunks = [SeqChunk([0] * (st.rows.shape[0] - 1), st.start, r.block_ids) for r, st in items]
+    token_ids = [r.token_at(j + 1) for r, st in items for j in range(st.start, st.end - 1)]
+    forward(chunks, token_ids, torch.cat([st.rows[:-1] for _, st in items]))
+    for r, st in items:
         states[r.request_id] = HiddenRows(st.end - 1, st.rows[-1:].clone())
+
+
+# A request that is not drafting (the adaptive policy has speculation off, or its prompt is still
+# in chunked prefill) buffers the rows its drafter has not run over. The drafter catches up over
+# them only when the request drafts again, or when they reach the bound: up to LAZY_BUFFER_ROWS a
+# request, while all requests' rows together stay within LAZY_BUFFER_BYTES. A request that
+# finishes while speculation is off never runs the drafter over them at all (16 concurrent
+# requests with speculation off had spent ~10% of the engine's time keeping an EAGLE-3 head's
+# KV caught up 16 rows at a time). A request that is prefilled to be handed over keeps the steady
+# bound: its prefill replica does the catch-up, not the decode replica.
+LAZY_BUFFER_ROWS = 256
+LAZY_BUFFER_BYTES = 32 << 20
+
+
+def lazy_buffer_rows(steady: int, max_num_seqs: int, row_bytes: int, max_model_len: int) -> int:
+    """The bound of a request's buffered rows (see LAZY_BUFFER_ROWS), at least `steady`."""
+    lazy = min(LAZY_BUFFER_ROWS, max_model_len, LAZY_BUFFER_BYTES // max(1, max_num_seqs * row_bytes))
+    return max(steady, lazy)
