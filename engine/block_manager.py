@@ -33,6 +33,9 @@ class KVBlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.num_prefix_hits = 0
         self.num_prefix_queries = 0
+        # called with each block handed out fresh (its old content, cached or not, is gone):
+        # a feature drafter's record of which blocks hold its KV (features.DrafterKVCoverage)
+        self.allocation_listeners: list = []
 
     # --- queries ----------------------------------------------------------------------------
     @property
@@ -111,6 +114,8 @@ class KVBlockManager:
         for _ in range(max(num_needed, 0)):
             block, _ = self.free_queue.popitem(last=False)
             self._evict(block)
+            for listener in self.allocation_listeners:
+                listener(block)
             self.ref_counts[block] = 1
             request.block_ids.append(block)
         return True
@@ -142,6 +147,22 @@ class KVBlockManager:
                 self.block_token_ids[block] = chunk
             request.block_hashes.append(h)
             parent = h
+
+    def replace_cached(self, h: int, block: int, tokens: tuple[int, ...]) -> None:
+        """Point the prefix cache's entry `h` at `block`, which holds the same tokens computed
+        again (what a feature drafter needs, `DrafterKVCoverage`); the block it pointed at
+        loses its cached content and, if unreferenced, is reused first."""
+        old = self.cached_blocks.get(h)
+        if old == block or self.block_hash[block] is not None:
+            return
+        if old is not None:
+            self.block_hash[old] = None
+            self.block_token_ids[old] = None
+            if self.ref_counts[old] == 0:
+                self.free_queue.move_to_end(old, last=False)
+        self.cached_blocks[h] = block
+        self.block_hash[block] = h
+        self.block_token_ids[block] = tokens
 
     def free(self, request: Request) -> None:
         """Drop the request's references; blocks at zero go to the free queue.

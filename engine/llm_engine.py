@@ -191,9 +191,14 @@ class LLMEngine:
             if speculative.adaptive:
                 self.speculator.profile(self.runner, max_num_seqs, max_num_batched_tokens)
         self.block_manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
+        if self.speculator is not None and self.speculator.proposer.kv_coverage is not None:
+            self.block_manager.allocation_listeners.append(self.speculator.proposer.kv_coverage.on_allocate)
+            self.speculator.proposer.kv_coverage.block_manager = self.block_manager
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len, num_lookahead
         )
+        if self.speculator is not None and self.speculator.proposer.kv_coverage is not None:
+            self.scheduler.prefix_filter = self.speculator.usable_prefix
         self.num_blocks = num_blocks
         self.step_listeners: list = []
         self.step_index = 0

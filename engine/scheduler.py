@@ -87,6 +87,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # (request, its cached prefix's blocks) -> the leading ones it reuses (the speculator's
+        # `usable_prefix`: a feature drafter needs its own KV in them); None: all of them
+        self.prefix_filter = None
 
     # --- request lifecycle ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -199,6 +202,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
             cached = bm.find_cached_prefix(request)
+            if self.prefix_filter is not None:
+                cached = self.prefix_filter(request, cached)
             num_computed = len(cached) * bm.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if not bm.allocate_slots(request, num_new, self.num_lookahead_tokens, cached_blocks=cached):

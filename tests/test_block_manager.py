@@ -101,6 +101,35 @@ def test_prefix_cache_shares_and_verifies_blocks():
     assert bm.num_free_blocks == 10
 
 
+def test_replace_cached_points_the_cache_at_a_recomputed_block():
+    """A block recomputed by a later request (for a feature drafter's KV) takes over the cache
+    entry: later hits get it; the block it replaces loses its cached content, is reused first
+    once free, and the invariants hold throughout."""
+    seen = []
+    bm = KVBlockManager(10, 4)
+    bm.allocation_listeners.append(seen.append)
+    a = Request("a", list(range(8)) + [50], SamplingParams(max_tokens=1))
+    assert bm.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    bm.commit_full_blocks(a)
+    b = Request("b", list(range(8)) + [60], SamplingParams(max_tokens=1))
+    assert bm.allocate_slots(b, 9)  # recomputed, not reusing a's blocks
+    b.num_computed_tokens = 9
+    bm.commit_full_blocks(b)
+    assert seen == a.block_ids + b.block_ids
+    assert bm.find_cached_prefix(Request("x", list(range(8)) + [1], SamplingParams(max_tokens=1))) == a.block_ids[:2]
+    for i in range(2):
+        bm.replace_cached(b.block_hashes[i], b.block_ids[i], tuple(range(4 * i, 4 * i + 4)))
+    bm.check_invariants([a, b])
+    c = Request("c", list(range(8)) + [70], SamplingParams(max_tokens=1))
+    assert bm.find_cached_prefix(c) == b.block_ids[:2]
+    a_blocks = list(a.block_ids)
+    bm.free(a)  # no cached content left in any of them: first in line for reuse
+    assert set(list(bm.free_queue)[:3]) == set(a_blocks)
+    bm.free(b)
+    bm.check_invariants([])
+
+
 def test_allocate_is_all_or_nothing():
     bm = KVBlockManager(3, 4)
     r = Request("r", list(range(20)), SamplingParams(max_tokens=1))

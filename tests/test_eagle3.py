@@ -250,6 +250,46 @@ def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
     assert_no_leaked_blocks(engine)
 
 
+def test_a_cached_prefix_is_reused_only_where_the_midlayer_filled_its_kv(setup, monkeypatch):
+    """Prefix caching skips the target over cached blocks, so the midlayer (which runs only over
+    the target's rows) must find its own KV there. A request that did not run it over them
+    (speculative=False, or speculation off until it finished: its rows waited) leaves blocks a
+    drafting request does not reuse: it recomputes them, and its drafts equal the reference's. A
+    request whose midlayer covered them leaves blocks that are reused, with the same drafts."""
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4, adaptive=True)
+    engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec, max_num_seqs=4)
+    prompt = [(5 * i + 2) % 90 + 3 for i in range(40)]  # two full blocks of 16 to share
+
+    def run(rid, tokens, params, check_drafts=True):
+        engine.add_request(rid, tokens, params)
+        r = engine.scheduler.requests[rid]
+        while engine.has_unfinished_requests():
+            engine.step()
+            if check_drafts and r.spec_token_ids and not r.is_finished:
+                assert r.spec_token_ids == reference_drafts(setup, "default", r.all_token_ids, len(r.spec_token_ids))[0]
+        assert_no_leaked_blocks(engine)
+        return r
+
+    def drafting(on: bool) -> None:
+        monkeypatch.setattr(engine.speculator, "choose_k",
+                            lambda request, step_index: engine.speculator.max_k(request) if on else 0)
+        monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: max(ks))
+
+    drafting(True)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, speculative=False)
+    assert run("a", prompt + [7], plain, check_drafts=False).num_cached_tokens == 0
+    b = run("b", prompt + [8], GREEDY)  # a's blocks hold no midlayer KV: recomputed
+    assert b.num_cached_tokens == 0 and engine.spec_stats.num_draft_tokens > 0
+    assert run("c", prompt + [9], GREEDY).num_cached_tokens == 32  # b's hold it: reused
+    drafting(False)
+    run("d", prompt[::-1] + [7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))  # rows wait, then it ends
+    drafting(True)
+    assert run("e", prompt[::-1] + [8], GREEDY).num_cached_tokens == 0
+    assert run("f", prompt[::-1] + [9], GREEDY).num_cached_tokens == 32
+    plain_engine = LLMEngine(setup["target"], dtype="float32", device="cpu")
+    assert plain_engine.scheduler.prefix_filter is None
+
+
 @pytest.mark.parametrize("which", ["default", "explicit"])
 def test_greedy_chain_kernel_drafts_match_reference(setup, which, monkeypatch):
     """Greedy requests only: the CPU path drafts a whole chain in one kernel call

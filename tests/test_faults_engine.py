@@ -395,6 +395,31 @@ def test_hidden_rows_stay_bounded_while_speculation_is_off(long_models, long_bas
     assert engine.spec_stats.num_draft_tokens > 0
 
 
+def test_eagle_reuses_a_cached_prefix_only_where_its_layer_ran(models):
+    """The EAGLE-1 layer (a chain drafter) as EAGLE-3's midlayer (test_eagle3): blocks written
+    by a request that did not speculate are recomputed by a drafting one, which then leaves
+    blocks that later drafting requests reuse; outputs equal the target alone's."""
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec_config(models, "eagle"))
+    target = LLMEngine(models["target"], dtype="float32", device="cpu")
+    prompt = [(3 * i + 1) % 90 + 2 for i in range(40)]
+
+    def run(eng, rid, tokens, params):
+        eng.add_request(rid, tokens, params)
+        r, out = eng.scheduler.requests[rid], []
+        while eng.has_unfinished_requests():
+            out += [t for o in eng.step() for t in o.new_token_ids]
+        assert_no_leaked_blocks(eng)
+        return r, out
+
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    a, _ = run(engine, "a", prompt + [7], SamplingParams(max_tokens=4, temperature=0.0, speculative=False))
+    b, b_out = run(engine, "b", prompt + [8], greedy)
+    c, c_out = run(engine, "c", prompt + [9], greedy)
+    assert (a.num_cached_tokens, b.num_cached_tokens, c.num_cached_tokens) == (0, 0, 32)
+    assert engine.spec_stats.num_draft_tokens > 0
+    assert b_out == run(target, "b", prompt + [8], greedy)[1] and c_out == run(target, "c", prompt + [9], greedy)[1]
+
+
 def test_automatic_kv_sizing_leaves_room_for_the_hidden_row_buffers(models, monkeypatch):
     """On the CPU the pool holds what max_num_seqs full-length requests need, the drafter's
     buffers (at most max_model_len rows a request) beside it, all within CPU_DEFAULT_KV_BYTES."""

@@ -360,6 +360,15 @@ class Speculator:
         """Forget a finished, aborted or preempted request."""
         self.proposer.free_request(request_id)
 
+    def usable_prefix(self, request: Request, cached_blocks: list[int]) -> list[int]:
+        """The leading blocks of a request's cached prefix it may reuse: all of them, except
+        that a request that may draft with a feature drafter stops at the first block whose
+        drafter KV was never filled (features.DrafterKVCoverage) and recomputes from there."""
+        coverage = self.proposer.kv_coverage
+        if coverage is None or not cached_blocks or not request.sampling_params.speculative:
+            return cached_blocks
+        return coverage.prefix(cached_blocks)
+
     # --- handoff (engine/handoff.py) ----------------------------------------------------------
     @property
     def kv_caches(self) -> list:

@@ -118,9 +118,19 @@ class Proposer:
 
     kv_arch = None  # the ArchConfig of the proposer's own paged-KV layers; None: it keeps no KV
 
+    # a feature drafter's record of the blocks its KV covers (features.DrafterKVCoverage); None:
+    # the proposer's KV, if any, is filled from tokens alone (a draft model recomputes a request's
+    # prompt), so a cached prefix serves it as is
+    kv_coverage = None
+    feature_kv = False  # make `kv_coverage` at init_kv_cache
+
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the proposer's own paged KV cache (same block tables as the target's), if any:
         `kv_arch`'s layers."""
+        if self.feature_kv:
+            from engine.spec.proposers.features import DrafterKVCoverage
+
+            self.kv_coverage = DrafterKVCoverage(num_blocks, block_size)
         if self.kv_arch is not None:
             from engine.model_runner import allocate_kv_cache
 
@@ -170,6 +180,21 @@ class Proposer:
     def free_request(self, request_id: str) -> None:
         """Forget a request (finished, aborted, or preempted: it then starts over)."""
         self.states.pop(request_id, None)
+        if self.kv_coverage is not None:
+            self.kv_coverage.forget(request_id)
+
+    def _cover(self, requests) -> None:
+        """Record in `kv_coverage` the blocks whose final elements the drafter now holds for
+        these requests (a feature drafter: `_kv_done`)."""
+        if self.kv_coverage is not None:
+            for r in requests:
+                state = self.states.get(r.request_id)
+                if state is not None:
+                    self.kv_coverage.mark(r, self._kv_done(state))
+
+    def _kv_done(self, state) -> int:
+        """Positions below which the drafter's KV holds a request's final elements."""
+        raise NotImplementedError
 
     def check_no_leaks(self, live_ids: set[str]) -> None:
         """Raise AssertionError if state is kept for a request that is not live, or a buffer

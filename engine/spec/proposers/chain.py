@@ -28,9 +28,11 @@ where the previous module's starts). A request that does not draft (speculation 
 still in chunked prefill) buffers every target row it commits: once it holds more than
 `max_buffered_rows` (the lazy bound of features.LAZY_BUFFER_ROWS; max(16, k + 1) for a request
 handed over after its prefill), the modules catch up over all its rows but the last (no
-drafting); a request that finishes before drafting again never runs them over its last rows. A request with `speculative=False` never drafts, so none of its rows are kept.
-Sampled drafts come with their probabilities (exactness). With prefix caching, a module's KV in
-a shared block was computed for the earlier request: that can only lower acceptance.
+drafting); a request that finishes before drafting again never runs them over its last rows.
+A request with `speculative=False` never drafts, so none of its rows are kept. Sampled drafts
+come with their probabilities (exactness). With prefix caching, a cached block serves a drafting
+request only if the modules ran over all its positions for the request that wrote it
+(features.DrafterKVCoverage); the rest of the prefix is recomputed.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class ChainProposer(Proposer):
 
     needs_hidden_states = True
     name = ""  # in messages: "EAGLE", "MTP"
+    feature_kv = True
 
     def __init__(self, runner, num_speculative_tokens: int, tree_width: int = 4) -> None:
         super().__init__()
@@ -196,6 +199,10 @@ class ChainProposer(Proposer):
             )
             for (r, _), st in zip(full, new, strict=True):
                 self.states[r.request_id] = st
+        self._cover(r for r, _, _ in committed)
+
+    def _kv_done(self, state: HiddenRows) -> int:
+        return min([state.start] + [d.start for d in state.deeper])
 
     def check_no_leaks(self, live_ids: set[str]) -> None:
         super().check_no_leaks(live_ids)
@@ -374,6 +381,7 @@ class ChainProposer(Proposer):
         # Every forward succeeded: the module's KV holds the final elements now.
         for r, st in zip(requests, new, strict=True):
             self.states[r.request_id] = st
+        self._cover(requests)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + level_forwards,
                              catch_up, max(depths))
         return drafts
@@ -436,6 +444,7 @@ class ChainProposer(Proposer):
         # Every forward succeeded: the modules' KV holds the final elements now.
         for r, st in zip(requests, new, strict=True):
             self.states[r.request_id] = st
+        self._cover(requests)
         self.timer.add_round(
             len(requests), time.perf_counter() - t_start, num_forwards, catch_up, max(num_tokens)
         )

@@ -225,6 +225,7 @@ def read_eagle3_config(model_dir: str) -> dict:
 class Eagle3Proposer(Proposer):
     method = "eagle3"
     supports_tree = True
+    feature_kv = True
 
     def __init__(self, model_dir: str, runner, num_speculative_tokens: int = 1, tree_width: int = 4) -> None:
         super().__init__()
@@ -431,6 +432,9 @@ class Eagle3Proposer(Proposer):
         state = self.states.get(request.request_id)
         return 0 if state is None else state.rows.shape[0]
 
+    def _kv_done(self, state: HiddenRows) -> int:
+        return state.start
+
     def _bound(self, request: Request) -> int:
         return self.steady_rows if request.export_after_prefill else self.max_buffered_rows
 
@@ -454,6 +458,7 @@ class Eagle3Proposer(Proposer):
             feats = self.fc(aux)  # one product for the step
         committed = [c for c in committed_hidden(sched, runner_out, feats) if may_draft(c[0])]
         buffer_rows(self.states, committed, self._bound, self._forward, "EAGLE-3", self.max_buffered_rows + 1)
+        self._cover(r for r, _, _ in committed)
 
     def check_no_leaks(self, live_ids: set[str]) -> None:
         super().check_no_leaks(live_ids)
@@ -535,6 +540,7 @@ class Eagle3Proposer(Proposer):
                                           context.generators_for(requests), run_level)
         for r in requests:  # every forward succeeded: the buffered elements are in the midlayer's KV
             self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
+        self._cover(requests)
         catch_up = max(len(c.token_ids) for c in chunks)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + 1, catch_up, max(depths))
         return drafts
@@ -574,6 +580,7 @@ class Eagle3Proposer(Proposer):
             feats = self._forward(chunks, [tokens[i][-1] for i in active], feats)
         for r in requests:  # every forward succeeded: the buffered elements are in the midlayer's KV
             self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
+        self._cover(requests)
         catch_up = max(len(c.token_ids) for c in first_chunks)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, step + 1, catch_up, max(num_tokens))
         return [
@@ -612,6 +619,7 @@ class Eagle3Proposer(Proposer):
         ).tolist()
         for r in requests:  # the call succeeded: the buffered elements are in the midlayer's KV
             self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
+        self._cover(requests)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, max(num_tokens),
                              max(len(c.token_ids) for c in chunks), max(num_tokens))
         return [Draft(d[:k], None) for d, k in zip(drafts, num_tokens, strict=True)]
