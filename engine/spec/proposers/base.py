@@ -202,6 +202,9 @@ class Proposer:
         stray = sorted(set(self.states) - live_ids)
         if stray:
             raise AssertionError(f"{self.method} proposer keeps state for requests that are not live: {stray[:5]}")
+        stray = sorted(set(self.kv_coverage.marked) - live_ids) if self.kv_coverage is not None else []
+        if stray:
+            raise AssertionError(f"{self.method} proposer keeps KV coverage for requests that are not live: {stray[:5]}")
 
 
 class BucketedMedians:
