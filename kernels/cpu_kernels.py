@@ -191,22 +191,31 @@ def draft_chain(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tens
                 norms: dict[str, torch.Tensor], norm_before_residual: bool, weights: dict[str, torch.Tensor | None],
                 lm_head: torch.Tensor, n_draft: int, token_ids: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
-                intermediate_size: int, eps: float, scale: float, round_bf16: bool) -> torch.Tensor:
-    """Greedy chain drafting of an EAGLE-3 head in one call (cpu_rows.cpp `draft_chain`): the
-    midlayer's catch-up forward over feats [N0, H] float32 (elements with tokens, positions and
-    owner request [N0] int64, each request's rows together), then num_drafts[b] greedy drafts
-    per request, each forward after the first on (own output feature, token just drafted).
-    `norms`: in_ln, hidden_norm, final_norm (float32 [H]); `weights`: the midlayer's `rows_layer`
-    weights (post_norm, w_qkv, w_o, w_gate_up, w_down); lm_head packed over n_draft rows, column
-    i being target token token_ids[i] (None: i). Returns drafts [R, max(num_drafts)] int64, -1
-    past a request's count."""
+                intermediate_size: int, eps: float, scale: float, round_bf16: bool,
+                sampling: torch.Tensor | None = None,
+                uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chain drafting of an EAGLE-3 head in one call (cpu_rows.cpp `draft_chain`): the midlayer's
+    catch-up forward over feats [N0, H] float32 (elements with tokens, positions and owner
+    request [N0] int64, each request's rows together), then num_drafts[b] drafts per request, each
+    forward after the first on (own output feature, token just drafted). `norms`: in_ln,
+    hidden_norm, final_norm (float32 [H]); `weights`: the midlayer's `rows_layer` weights
+    (post_norm, w_qkv, w_o, w_gate_up, w_down); lm_head packed over n_draft rows, column i being
+    target token token_ids[i] (None: i). Greedy (argmax) unless `sampling` [R, 3] float32 gives a
+    request's (temperature > 0, top_k, top_p): its drafts are then drawn from the filtered
+    distribution over the draft vocabulary (engine.sampler.probs_from_logits) by inverse CDF with
+    uniforms[b, step] ([R, >= max(num_drafts)] float32 in [0, 1)). Returns (drafts
+    [R, max(num_drafts)] int64, -1 past a request's count; with `sampling`, each draft's
+    distribution q [R, max(num_drafts), n_draft] float32, zeros for greedy requests, else None)."""
     empty = torch.empty(0, dtype=torch.int64)
-    return _module().draft_chain(
+    nothing = torch.empty(0, dtype=torch.float32)
+    drafts, probs = _module().draft_chain(
         feats, tokens, positions, owner, block_tables, num_drafts, embed, norms["in_ln"], norms["hidden_norm"],
         norms["final_norm"], norm_before_residual, weights["post_norm"], weights["w_qkv"], weights["w_o"],
         weights["w_gate_up"], weights["w_down"], lm_head, n_draft, empty if token_ids is None else token_ids,
         rope[0], rope[1], k_cache, v_cache, num_heads, num_kv_heads, intermediate_size, eps, scale, round_bf16,
+        nothing if sampling is None else sampling, nothing if uniforms is None else uniforms,
     )
+    return drafts, (probs if sampling is not None else None)
 
 
 @functools.cache

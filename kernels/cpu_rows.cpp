@@ -1185,14 +1185,63 @@ struct RowsStack {
 //   rope_sin [P, D] float32 (rows by position); lm_head packed (pack_rows) of n_draft rows.
 // Returns drafts [R, max(num_drafts)] int64 (-1 past a request's num_drafts); the head's KV of
 // every element is written at its position's slot.
-torch::Tensor draft_chain(
+// Draft distribution of one sampled row over the draft vocabulary, as engine/sampler.py's
+// probs_from_logits: logits / temperature, the top_k largest kept (0: all), then the smallest set
+// of tokens, most probable first, whose mass reaches top_p (the most probable always kept);
+// softmax over what is kept, zeros elsewhere. Then the token by inverse CDF with u in [0, 1), as
+// inverse_cdf_sample: the first index whose cumulative mass exceeds u * total, never a token of
+// zero probability.
+int64_t sample_row(const float* logits, int64_t n, float temperature, int64_t top_k, float top_p, float u,
+                   float* q) {
+  std::vector<float> l(logits, logits + n);
+  for (auto& v : l) v /= temperature;
+  std::vector<char> keep(n, 1);
+  if ((top_k > 0 && top_k < n) || top_p < 1.0f) {
+    std::vector<int64_t> order(n);
+    for (int64_t i = 0; i < n; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return l[a] > l[b]; });
+    const int64_t k = top_k > 0 ? std::min(top_k, n) : n;
+    for (int64_t r = k; r < n; ++r) keep[order[r]] = 0;
+    if (top_p < 1.0f) {
+      double z = 0.0;
+      for (int64_t r = 0; r < k; ++r) z += std::exp(double(l[order[r]]) - double(l[order[0]]));
+      double before = 0.0;
+      for (int64_t r = 0; r < k; ++r) {
+        const double pr = std::exp(double(l[order[r]]) - double(l[order[0]])) / z;
+        if (r > 0 && before >= top_p) keep[order[r]] = 0;
+        before += pr;
+      }
+    }
+  }
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) if (keep[i]) mx = std::max(mx, l[i]);
+  double z = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    q[i] = keep[i] ? std::exp(l[i] - mx) : 0.0f;
+    z += q[i];
+  }
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<float>(q[i] / z);
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) total += q[i];
+  const double target = double(u) * total;
+  double cdf = 0.0;
+  int64_t last_nonzero = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (q[i] > 0.0f) last_nonzero = i;
+    cdf += q[i];
+    if (cdf > target && q[i] > 0.0f) return i;
+  }
+  return last_nonzero;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> draft_chain(
     torch::Tensor feats, torch::Tensor tokens, torch::Tensor positions, torch::Tensor owner,
     torch::Tensor block_tables, torch::Tensor num_drafts, torch::Tensor embed, torch::Tensor in_ln,
     torch::Tensor hidden_norm, torch::Tensor final_norm, bool norm_before_residual, torch::Tensor post_norm,
     torch::Tensor w_qkv, torch::Tensor w_o, torch::Tensor w_gate_up, torch::Tensor w_down, torch::Tensor lm_head,
     int64_t n_draft, torch::Tensor token_ids, torch::Tensor rope_cos, torch::Tensor rope_sin,
     torch::Tensor k_cache, torch::Tensor v_cache, int64_t H, int64_t Hkv, int64_t I, double eps, double scale,
-    bool round_bf16) {
+    bool round_bf16, torch::Tensor sampling, torch::Tensor uniforms) {
   TORCH_CHECK(feats.dim() == 2 && feats.scalar_type() == torch::kFloat32 && feats.is_contiguous(),
               "draft_chain: feats must be contiguous float32 [N0, H]");
   const int64_t N0 = feats.size(0), E = feats.size(1);
@@ -1241,6 +1290,22 @@ torch::Tensor draft_chain(
     last_pos[own[i]] = pos[i];
   }
   for (int64_t b = 0; b < R; ++b) TORCH_CHECK(last_row[b] >= 0, "draft_chain: request ", b, " has no rows");
+  // sampled requests: sampling [R, 3] (temperature, top_k, top_p; temperature 0: greedy) and
+  // one uniform per draft, uniforms [R, kmax]; empty: every request greedy
+  const bool sampled = sampling.defined() && sampling.numel() > 0;
+  TORCH_CHECK(!sampled || (sampling.scalar_type() == torch::kFloat32 && sampling.is_contiguous() &&
+                           sampling.dim() == 2 && sampling.size(0) == R && sampling.size(1) == 3 &&
+                           uniforms.scalar_type() == torch::kFloat32 && uniforms.is_contiguous() &&
+                           uniforms.dim() == 2 && uniforms.size(0) == R && uniforms.size(1) >= kmax),
+              "draft_chain: sampling must be contiguous float32 [R, 3] and uniforms float32 [R, >= max(num_drafts)]");
+  const float* sp = sampled ? sampling.data_ptr<float>() : nullptr;
+  const float* un = sampled ? uniforms.data_ptr<float>() : nullptr;
+  if (sampled) {
+    for (int64_t b = 0; b < R; ++b) {
+      TORCH_CHECK(sp[b * 3] >= 0.0f && sp[b * 3 + 1] >= 0.0f && sp[b * 3 + 2] > 0.0f && sp[b * 3 + 2] <= 1.0f,
+                  "draft_chain: request ", b, " has temperature < 0, top_k < 0 or top_p outside (0, 1]");
+    }
+  }
   // every position written: its slot must be in the table and in the rope rows
   for (int64_t b = 0; b < R; ++b) {
     const int64_t end = last_pos[b] + nd[b] - 1;  // the last autoregressive element's position
@@ -1258,6 +1323,7 @@ torch::Tensor draft_chain(
   torch::Tensor empty;
   auto drafts = torch::full({R, kmax}, -1, i64);
   int64_t* out_tok = drafts.data_ptr<int64_t>();
+  torch::Tensor probs = sampled ? torch::zeros({R, kmax, n_draft}, f32) : torch::Tensor();
   // the forward's elements: (feature row, token, position, request)
   std::vector<float> g(feats.data_ptr<float>(), feats.data_ptr<float>() + N0 * E);
   std::vector<int64_t> e_tok(tok, tok + N0), e_pos(pos, pos + N0), e_own(own, own + N0);
@@ -1311,9 +1377,15 @@ torch::Tensor draft_chain(
     std::vector<float> n_g;
     for (int64_t j = 0; j < M; ++j) {
       const float* l = logits.data() + j * n_draft;
+      const int64_t b = reqs[j];
       int64_t best = 0;
-      for (int64_t v = 1; v < n_draft; ++v) if (l[v] > l[best]) best = v;
-      const int64_t b = reqs[j], picked = tid ? tid[best] : best;
+      if (sampled && sp[b * 3] > 0.0f) {
+        best = sample_row(l, n_draft, sp[b * 3], static_cast<int64_t>(sp[b * 3 + 1]), sp[b * 3 + 2], un[b * uniforms.size(1) + step],
+                          probs.data_ptr<float>() + (b * kmax + step) * n_draft);
+      } else {
+        for (int64_t v = 1; v < n_draft; ++v) if (l[v] > l[best]) best = v;
+      }
+      const int64_t picked = tid ? tid[best] : best;
       out_tok[b * kmax + step] = picked;
       if (nd[b] > step + 1) {  // the element (this output, this draft) at the next position
         n_tok.push_back(picked);
@@ -1328,7 +1400,7 @@ torch::Tensor draft_chain(
     e_own.swap(n_own);
     g.swap(n_g);
   }
-  return drafts;
+  return {drafts, probs};
 }
 
 // The kernels' exp (exp8) over a float32 tensor, for its accuracy test.
@@ -1638,6 +1710,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &RowsStack::forward, "every layer through rows_layer: (last residual stream, aux streams)", nogil());
   m.def("prefill_attention", &prefill_attention,
         "causal paged attention of long query chunks (prefill), bfloat16, AVX512-BF16; row-invariant", nogil());
-  m.def("draft_chain", &draft_chain, "greedy chain drafting of an EAGLE-3 head: catch-up and every draft in one call",
+  m.def("draft_chain", &draft_chain, "chain drafting of an EAGLE-3 head (greedy or sampled): catch-up and every draft in one call",
         nogil());
 }

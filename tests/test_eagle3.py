@@ -315,6 +315,51 @@ def test_greedy_chain_kernel_drafts_match_reference(setup, which, monkeypatch):
     assert_no_leaked_blocks(engine)
 
 
+def test_chain_kernel_samples_as_the_python_loop(setup, monkeypatch):
+    """Sampled requests (temperature, top-k, top-p) draft through the one-call chain kernel too:
+    with the same seeded generators its drafts equal the Python loop's, round after round, its q
+    (the distribution each draft was drawn from, zero off the draft vocabulary) equals the loop's
+    to float32 rounding, and so the outputs are the same; a greedy request beside them too."""
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU row kernels")
+    sampled_calls = []
+    real = cpu_kernels.draft_chain
+    monkeypatch.setattr(cpu_kernels, "draft_chain", lambda *a, **kw: sampled_calls.append(a[-2] is not None)
+                        or real(*a, **kw))
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4, adaptive=False)
+    sampled = [SamplingParams(max_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=11, ignore_eos=True),
+               SamplingParams(max_tokens=20, temperature=1.0, seed=12, ignore_eos=True), GREEDY]
+    runs = []
+    for chain in (True, False):
+        engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
+        engine.speculator.proposer.row_kernel_chain = chain
+        for i, params in enumerate(sampled):
+            engine.add_request(f"r{i}", SPEC_PROMPTS[i], params)
+        seen, outs = [], {f"r{i}": [] for i in range(3)}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs[o.request_id] += o.new_token_ids
+            seen.append({rid: (list(r.spec_token_ids), engine.runner.draft_probs.get(rid))
+                         for rid, r in engine.scheduler.requests.items()})
+        runs.append((seen, outs))
+    (seen_k, outs_k), (seen_l, outs_l) = runs
+    assert outs_k == outs_l
+    assert [{rid: d for rid, (d, _) in step.items()} for step in seen_k] == \
+        [{rid: d for rid, (d, _) in step.items()} for step in seen_l]
+    compared = 0
+    for step_k, step_l in zip(seen_k, seen_l, strict=True):
+        for rid, (_, q) in step_k.items():
+            if q is not None:
+                torch.testing.assert_close(q, step_l[rid][1], rtol=1e-4, atol=1e-6)
+                assert q.sum(-1).sub(1).abs().max() < 1e-4
+                compared += 1
+            else:
+                assert step_l[rid][1] is None
+    assert compared > 5 and sum(sampled_calls) > 5
+
+
 def test_greedy_chain_kernel_refuses_inputs_it_cannot_serve(setup):
     """draft_chain checks what it is given before it writes anything: a chain that would run past
     the request's block table, a request without rows, rows out of request order."""
@@ -330,13 +375,13 @@ def test_greedy_chain_kernel_refuses_inputs_it_cannot_serve(setup):
     h, bs = p.arch.hidden_size, k_cache.shape[1]
     norms = {"in_ln": torch.ones(h), "hidden_norm": torch.ones(h), "final_norm": torch.ones(h)}
 
-    def call(positions, owner, tables, drafts):
+    def call(positions, owner, tables, drafts, sampling=None, uniforms=None):
         n = len(positions)
         return cpu_kernels.draft_chain(
             torch.zeros(n, h), torch.zeros(n, dtype=torch.int64), torch.tensor(positions), torch.tensor(owner),
             torch.tensor(tables), torch.tensor(drafts), p.embed_tokens.weight, norms, False, p.layer.row_weights(),
             p.head.packed, p.head.size, p.head.token_ids, p.rope_f32, k_cache, v_cache, p.arch.num_heads,
-            p.arch.num_kv_heads, p.arch.intermediate_size, 1e-5, 0.25, False)
+            p.arch.num_kv_heads, p.arch.intermediate_size, 1e-5, 0.25, False, sampling, uniforms)[0]
 
     with pytest.raises(RuntimeError, match="beyond its block table"):
         call([bs - 2], [0], [[1]], [4])  # positions bs - 1 .. bs + 1 need a second block
@@ -344,6 +389,10 @@ def test_greedy_chain_kernel_refuses_inputs_it_cannot_serve(setup):
         call([0], [0], [[1], [2]], [1, 1])
     with pytest.raises(RuntimeError, match="request order"):
         call([0, 0], [1, 0], [[1], [2]], [1, 1])
+    with pytest.raises(RuntimeError, match="top_p outside"):
+        call([0], [0], [[1]], [2], torch.tensor([[0.7, 0.0, 1.5]]), torch.zeros(1, 2))
+    with pytest.raises(RuntimeError, match="uniforms float32"):
+        call([0], [0], [[1]], [3], torch.tensor([[0.7, 0.0, 1.0]]), torch.zeros(1, 2))  # 2 uniforms, 3 drafts
     assert torch.equal(k_cache, before)
 
 

@@ -65,7 +65,7 @@ from engine.spec.proposers.features import (
 )
 from kernels.torch_attn import rows_kernel_inputs
 
-# Rows (elements) up to which the midlayer's forwards and greedy chains run the fused CPU kernels
+# Rows (elements) up to which the midlayer's forwards and drafting chains run the fused CPU kernels
 # (the catch-up of several requests included; more go through torch's path): as the target's
 # steps (stop 31: 16 concurrent requests 932 -> 982 tokens/s with the cap at 128 instead of 16).
 FUSED_MAX_ROWS = ROW_KERNEL_MAX_TOKENS
@@ -352,7 +352,7 @@ class Eagle3Proposer(Proposer):
         self._identity = DrafterIdentity(model_name(model_dir), weights_digest(named), draft_vocab)
         self._own_embedding = embed is not None
         self._chain_norms: dict[str, torch.Tensor] | None = None  # float32 norms of draft_chain
-        self.row_kernel_chain = self.row_kernel  # greedy chains through cpu_kernels.draft_chain
+        self.row_kernel_chain = self.row_kernel  # chains through cpu_kernels.draft_chain
 
     @staticmethod
     def _read_vocab_map(model_dir: str, w: dict, draft_vocab: int, vocab: int) -> torch.Tensor | None:
@@ -553,9 +553,8 @@ class Eagle3Proposer(Proposer):
             catch_up_rows(self.states, [(r, self.states[r.request_id]) for r in requests], self._forward)
             chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
             t_start = time.perf_counter()  # (a one-off: not the drafting cost the policy weighs)
-        if (self.row_kernel_chain and len(elem_tokens) <= FUSED_MAX_ROWS
-                and all(r.sampling_params.is_greedy for r in requests)):
-            return self._propose_greedy_chain(requests, num_tokens, chunks, elem_tokens, feats_in, t_start)
+        if self.row_kernel_chain and len(elem_tokens) <= FUSED_MAX_ROWS:
+            return self._propose_chain_kernel(requests, num_tokens, chunks, elem_tokens, feats_in, t_start, context)
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         first_chunks = chunks
@@ -588,13 +587,17 @@ class Eagle3Proposer(Proposer):
             for t, pr, r in zip(tokens, probs, requests, strict=True)
         ]
 
-    def _propose_greedy_chain(self, requests: list[Request], num_tokens: list[int], chunks: list[SeqChunk],
-                              elem_tokens: list[int], feats_in: torch.Tensor, t_start: float) -> list[Draft]:
-        """`propose` for greedy requests on the fused CPU path: the catch-up forward and every
-        draft in one kernel call (`cpu_kernels.draft_chain`: the same midlayer kernel, norms, LM
-        head and argmax as the loop above, without a Python round trip per draft; the drafts
-        agree with the loop's unless float32 rounding of a norm flips a near-tie, which changes
-        only what is proposed, never the verified output)."""
+    def _propose_chain_kernel(self, requests: list[Request], num_tokens: list[int], chunks: list[SeqChunk],
+                              elem_tokens: list[int], feats_in: torch.Tensor, t_start: float,
+                              context: ProposeContext) -> list[Draft]:
+        """`propose` on the fused CPU path: the catch-up forward and every draft in one kernel
+        call (`cpu_kernels.draft_chain`: the same midlayer kernel, norms and LM head as the loop
+        above, without a Python round trip per draft). Greedy requests take the argmax (the loop's
+        drafts unless float32 rounding of a norm flips a near-tie, which changes only what is
+        proposed, never the verified output); sampled ones draw from the filtered distribution over
+        the draft vocabulary with one uniform per draft from their generators, and their q comes
+        back with the drafts (rejection sampling needs only that the drafts were drawn from it)."""
+        from engine.sampler import draw_uniforms
         from kernels import cpu_kernels
 
         if self._chain_norms is None:
@@ -609,17 +612,39 @@ class Eagle3Proposer(Proposer):
         tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in requests], dtype=torch.int64)
         k_cache, v_cache = self.kv_caches[0]
         cfg = self.arch
-        drafts = cpu_kernels.draft_chain(
+        greedy = [r.sampling_params.is_greedy for r in requests]
+        sampling = uniforms = None
+        if not all(greedy):
+            params = [r.sampling_params for r in requests]
+            sampling = torch.tensor([[0.0, 0.0, 1.0] if g else [max(p.temperature, 1e-5), p.top_k, p.top_p]
+                                     for p, g in zip(params, greedy, strict=True)], dtype=torch.float32)
+            counts = [0 if g else k for g, k in zip(greedy, num_tokens, strict=True)]
+            flat = draw_uniforms(counts, context.generators_for(requests), "cpu")
+            uniforms = torch.zeros(len(requests), max(num_tokens))
+            uniforms[[b for b, c in enumerate(counts) for _ in range(c)], [j for c in counts for j in range(c)]] = flat
+        drafts, q = cpu_kernels.draft_chain(
             feats_in.float().contiguous(), torch.tensor(elem_tokens, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64), torch.tensor(owner, dtype=torch.int64), tables,
             torch.tensor(num_tokens, dtype=torch.int64), self.embed_tokens.weight, self._chain_norms,
             self.layer.norm_before_residual, self.layer.row_weights(), self.head.packed, self.head.size,
             self.head.token_ids, self.rope_f32, k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads,
             cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5, self.dtype == torch.bfloat16,
-        ).tolist()
+            sampling, uniforms,
+        )
+        drafts = drafts.tolist()
         for r in requests:  # the call succeeded: the buffered elements are in the midlayer's KV
             self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
         self._cover(requests)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, max(num_tokens),
                              max(len(c.token_ids) for c in chunks), max(num_tokens))
-        return [Draft(d[:k], None) for d, k in zip(drafts, num_tokens, strict=True)]
+        out = []
+        for b, (d, k, g) in enumerate(zip(drafts, num_tokens, greedy, strict=True)):
+            probs = None
+            if not g:  # q over the whole vocabulary, zero off the draft vocabulary (as sample_drafts)
+                probs = q.new_zeros(k, self.head.vocab_size)
+                if self.head.token_ids is None:
+                    probs[:, : q.shape[2]] = q[b, :k]
+                else:
+                    probs[:, self.head.token_ids] = q[b, :k]
+            out.append(Draft(d[:k], probs))
+        return out
