@@ -297,6 +297,42 @@ def test_probes_of_a_batch_whose_drafts_do_not_pay_thin_out_as_it_grows():
     assert [probe_interval(b) for b in (1, 4, 7, 8, 16, 64)] == [32, 32, 32, 64, 128, 512]
 
 
+@pytest.mark.parametrize("recheck", [1, 8])
+def test_a_step_without_drafts_is_weighed_again_after_off_recheck_steps(tmp_path, monkeypatch, recheck):
+    """After a step whose drafts do not pay, the same decoding requests go without drafts for
+    OFF_RECHECK - 1 steps without weighing them again; a new request (another set) weighs at
+    once."""
+    from helpers import save_tiny_model
+
+    import engine.spec.speculator as speculator_mod
+    from engine import LLMEngine, SpeculativeConfig
+
+    monkeypatch.setattr(speculator_mod, "OFF_RECHECK", recheck)
+    target = save_tiny_model(str(tmp_path / "t"), "llama")
+    engine = LLMEngine(target, dtype="float32", device="cpu",
+                       speculative=SpeculativeConfig(method="draft", model=target, num_speculative_tokens=3))
+    weighed = []
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 3)  # alone, drafts would pay
+    monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: weighed.append(
+        engine.step_index) or 0)
+    monkeypatch.setattr(speculator_mod, "probe_interval", lambda num_decoding: 1000)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3, 4], params)
+    engine.add_request("b", [5, 6, 7], params)
+    for _ in range(20):
+        engine.step()
+    if recheck == 1:
+        assert len(weighed) == 20
+    else:
+        # step 0 probes (0 % probe_interval: a cap forced to 1 opens no window), then every 8th
+        assert weighed == [0, 1, 9, 17]
+    n = len(weighed)
+    engine.add_request("c", [8, 9], params)
+    engine.step()  # c's prefill gives its first token: a, b, c decode now, another set, weighed at once
+    assert len(weighed) == n + 1 and weighed[-1] == engine.step_index - 1
+    assert engine.spec_stats.num_draft_tokens <= 2  # step 0's probe (0 % probe_interval), one draft each
+
+
 def test_a_probe_drafts_only_for_requests_caught_up_or_the_closest_one():
     """While speculation is off a layer drafter's rows wait (features.LAZY_BUFFER_ROWS): a probe
     drafts for the requests with at most PROBE_CATCH_UP_ROWS to catch up, or, if none, for the

@@ -35,6 +35,11 @@ logger = logging.getLogger("engine")
 
 PROBE_EVERY = 8  # a request whose drafts stopped paying retries k=1 this often
 PROBE_CATCH_UP_ROWS = 16  # a step's probe drafts for requests with at most this many rows to catch up
+# A step whose drafts do not pay (cap 0) leaves the next OFF_RECHECK - 1 steps of the same decoding
+# requests without drafts unweighed: nothing the decision reads changes without verifications
+# but the calibration, slowly (the per-request k and cap weighing took ~0.4 ms of a 17 ms step at
+# 16 requests); a probe step, or another set of requests, weighs again.
+OFF_RECHECK = 8
 PRIOR_ACCEPTANCE = 0.7  # per-token acceptance assumed before the engine's first verification
 PRIOR_TRIALS = 2.0  # weight of that prior (and of position j-1's rate for position j), in trials
 REQUEST_PRIOR_TRIALS = 4.0  # weight of the engine-wide rate in a request's own estimate
@@ -337,6 +342,7 @@ class Speculator:
         self.tree_rounds = BucketedMedians()  # seconds of a tree drafting round, by batch size
         self.num_steps_off = 0
         self.num_steps_on = 0
+        self._off: tuple[int, tuple[str, ...]] | None = None  # (step to weigh again, the requests) after cap 0
         self.num_tree_steps = 0  # steps whose drafts were trees (also counted in num_steps_on)
         # the tree widths the adaptive policy planned (per request, at each trees-or-chains decision)
         self.width_counts: collections.Counter[int] = collections.Counter()
@@ -561,6 +567,13 @@ class Speculator:
             return {}
         if self.config.uses_tree and (not self.config.adaptive or self._trees_pay(decoding, step_index)):
             return self._propose_trees(running, decoding, scheduled_ids, context)
+        if self._off is not None:
+            until, ids = self._off
+            if (step_index < until and step_index % probe_interval(len(decoding)) != 0
+                    and ids == tuple(r.request_id for r in decoding)):
+                self.num_steps_off += 1
+                return {}
+            self._off = None
         ks = [self.choose_k(r, step_index) for r in decoding]
         candidates = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         drafts = None
@@ -581,6 +594,8 @@ class Speculator:
             if cap == 0:
                 candidates, drafts = [], None
                 self.num_steps_off += 1
+                if not self.proposer.propose_is_free:  # (a lookup's finds change from step to step)
+                    self._off = (step_index + OFF_RECHECK, tuple(r.request_id for r in decoding))
             else:
                 candidates = [(r, min(k, cap)) for r, k in candidates]
         if candidates and self.max_num_batched_tokens is not None:
