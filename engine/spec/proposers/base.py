@@ -157,7 +157,8 @@ class Proposer:
     def pending_rows(self, request: Request) -> int:
         """Positions the drafter would catch up over before its next draft for `request` (its
         buffered rows): what drafting it once costs beyond a steady round."""
-        return 0
+        rows = getattr(self.states.get(request.request_id), "rows", None)  # (a feature drafter's HiddenRows)
+        return 0 if rows is None else rows.shape[0]
 
     def observe_step(self, sched, runner_out) -> None:
         """Called after every step with its `SchedulerOutput` and `ModelRunnerOutput`, before any

@@ -145,10 +145,6 @@ class ChainProposer(Proposer):
         size = torch.empty((), dtype=self.dtype).element_size()
         self.max_buffered_rows = lazy_buffer_rows(self.steady_rows, max_num_seqs, self.feature_size * size, max_model_len)
 
-    def pending_rows(self, request: Request) -> int:
-        state = self.states.get(request.request_id)
-        return 0 if state is None else state.rows.shape[0]
-
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.seconds(num_requests) * k
 

@@ -428,10 +428,6 @@ class Eagle3Proposer(Proposer):
         size = torch.empty((), dtype=self.dtype).element_size()
         self.max_buffered_rows = lazy_buffer_rows(self.steady_rows, max_num_seqs, self.arch.hidden_size * size, max_model_len)
 
-    def pending_rows(self, request: Request) -> int:
-        state = self.states.get(request.request_id)
-        return 0 if state is None else state.rows.shape[0]
-
     def _kv_done(self, state: HiddenRows) -> int:
         return state.start
 
