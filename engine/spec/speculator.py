@@ -23,6 +23,7 @@ import bisect
 import collections
 import logging
 import math
+import statistics
 import time
 
 import torch
@@ -63,6 +64,13 @@ SIBLING_PRIOR = 0.3
 # step for the rest of the run.
 POSITION_CONFIDENCE_Z = 1.0
 PROFILE_ROUNDS = 3  # the start-up step-cost profile times each point this often, interleaved
+POINT_SAMPLES = 3  # a (side, batch bucket, tokens per request) point's own calibration counts from this many steps
+POINT_WINDOW = 16  # the steps a point keeps (the last ones)
+# One request decoding: a step this often drafts one more (or one fewer) than the best k while that
+# k's point has fewer than POINT_SAMPLES steps, and every EXPLORE_REFRESH steps regardless, so that
+# the policy's k follows measured steps rather than the start-up curve's shape (`StepCalibration`).
+EXPLORE_EVERY = 4
+EXPLORE_REFRESH = 64
 
 
 def probe_interval(num_decoding: int) -> int:
@@ -113,28 +121,65 @@ class StepCostModel:
 class StepCalibration:
     """Measured step time / the cost model's prediction, for decode steps with drafts ("on"),
     without ("off") and with token trees ("tree": a tree's verification also pays its mask and
-    per-token attention tables), as `BucketedMedians` per side. A side with no sample yet borrows
-    another's ratio (tree: on, then off; on: off; off: on; then only the model's shape decides);
-    with none at all the ratio is 1."""
+    per-token attention tables), as `BucketedMedians` per side, and per point: (side, batch-size
+    bucket, tokens per request rounded), the last POINT_WINDOW steps of each.
+
+    A point's own ratio is used once it holds POINT_SAMPLES steps: the start-up curve's shape is
+    itself a measurement on a shared host, and it varies between engines of the same models (in
+    one process, three profiles of the shipped target at batch 1: one token 3.8-4.3 ms, five
+    tokens 5.2-5.5 ms, two tokens from 1.0x to 1.17x one), so a policy reading the curve alone
+    drafted 2-3 in one engine where another drafted 5. A point keeps each step's ratio relative to
+    its side's median in its bucket at the time (the level of the steps around it), and its ratio
+    is that relative median times the side's median now: a host that slows down for a while
+    (steps of one k timed then, another's before) moves the level of every point alike rather
+    than the curve's shape. An unmeasured point scales the curve by its side's ratio; a side with
+    no sample yet borrows another's ratio (tree: on, then off; on: off; off: on; then only the
+    model's shape decides); with none at all the ratio is 1."""
 
     FALLBACK = {False: (False, True), True: (True, False), "tree": ("tree", True, False)}
 
     def __init__(self) -> None:
         self.sides = {False: BucketedMedians(), True: BucketedMedians(), "tree": BucketedMedians()}
+        self.points: dict[tuple, collections.deque[float]] = {}
 
-    def add(self, num_requests: int, speculating: bool | str, ratio: float) -> None:
-        self.sides[speculating].add(num_requests, ratio)
+    @staticmethod
+    def _point(num_requests: int, speculating: bool | str, num_tokens: int) -> tuple:
+        return speculating, BucketedMedians._bucket(num_requests), round(num_tokens / max(num_requests, 1))
 
-    def ratio(self, num_requests: int, speculating: bool | str) -> float:
+    def add(self, num_requests: int, speculating: bool | str, ratio: float, num_tokens: int | None = None) -> None:
+        side = self.sides[speculating]
+        level = side.median(num_requests, borrow=False) or ratio
+        side.add(num_requests, ratio)
+        if num_tokens is not None:
+            key = self._point(num_requests, speculating, num_tokens)
+            self.points.setdefault(key, collections.deque(maxlen=POINT_WINDOW)).append(ratio / level)
+
+    def samples(self, num_requests: int, speculating: bool | str, num_tokens: int) -> int:
+        """Steps measured at the point of (num_requests, num_tokens) on this side."""
+        return len(self.points.get(self._point(num_requests, speculating, num_tokens), ()))
+
+    def ratio(self, num_requests: int, speculating: bool | str, num_tokens: int | None = None,
+              borrow: bool = True) -> float:
+        """The point's own median when num_tokens is given and measured, else the side's (without
+        `borrow`: only this batch-size bucket's measurements count, else 1)."""
+        if num_tokens is not None:
+            point = self.points.get(self._point(num_requests, speculating, num_tokens))
+            if point is not None and len(point) >= POINT_SAMPLES:
+                return statistics.median(point) * self.sides[speculating].median(num_requests, borrow=False)
         for side in self.FALLBACK[speculating]:
-            measured = self.sides[side].median(num_requests)
+            measured = self.sides[side].median(num_requests, borrow)
             if measured is not None:
                 return measured
         return 1.0
 
     def as_dict(self) -> dict:
         names = {False: "off", True: "on", "tree": "tree"}
-        return {f"{names[k]}@{b}": m for k, side in self.sides.items() for b, m in side.as_dict().items()}
+        out = {f"{names[k]}@{b}": m for k, side in self.sides.items() for b, m in side.as_dict().items()}
+        for (side, bucket, q), d in sorted(self.points.items(), key=lambda kv: (str(kv[0][0]), kv[0][1:])):
+            if len(d) >= POINT_SAMPLES:
+                n = BucketedMedians.BUCKETS[bucket]
+                out[f"{names[side]}@{n}x{q}"] = self.ratio(n, side, n * q)
+        return out
 
 
 class AcceptanceModel:
@@ -343,6 +388,7 @@ class Speculator:
         self.num_steps_off = 0
         self.num_steps_on = 0
         self._off: tuple[int, tuple[str, ...]] | None = None  # (step to weigh again, the requests) after cap 0
+        self.num_explored = 0  # steps of one request whose k was a neighbour of the best (`_explore`)
         self.num_tree_steps = 0  # steps whose drafts were trees (also counted in num_steps_on)
         # the tree widths the adaptive policy planned (per request, at each trees-or-chains decision)
         self.width_counts: collections.Counter[int] = collections.Counter()
@@ -449,7 +495,7 @@ class Speculator:
             speculating = any(s.spec_token_ids for s in sched.scheduled)
             if any(s.spec_tree is not None for s in sched.scheduled):
                 speculating = "tree"
-            self.calibration.add(len(sched.scheduled), speculating, seconds / predicted)
+            self.calibration.add(len(sched.scheduled), speculating, seconds / predicted, sched.num_batched_tokens)
 
     # --- per-request k ----------------------------------------------------------------------
     def update_acceptance(self, request: Request, num_draft: int, num_accepted: int) -> None:
@@ -480,11 +526,16 @@ class Speculator:
         return max(k, min(self.config.min_speculative_tokens, k_max)) if k else 0
 
     def _k_times(self, k_max: int, step_index: int | None) -> list[float]:
-        """[the target's one-token step] + [its step over 1 + k tokens + drafting k, k = 1..]:
-        the same for every request of a step, so made once per step (`step_index`)."""
+        """[the target's one-token step] + [its step over 1 + k tokens + drafting k, k = 1..], a
+        request alone: the start-up curve scaled by batch 1's measured calibration, per point where
+        measured (`StepCalibration`; none from other batch sizes). The same for every request of a
+        step, so made once per step (`step_index`)."""
         cached = self._k_times_cache
         if step_index is None or cached is None or cached[0] != step_index or len(cached[1]) <= k_max:
-            times = [self.cost(1, 1)] + [self.cost(1, 1 + k) + self.proposer.step_cost(1, k) for k in range(1, k_max + 1)]
+            cal = self.calibration
+            times = [cal.ratio(1, False, 1, borrow=False) * self.cost(1, 1)] + [
+                cal.ratio(1, True, 1 + k, borrow=False) * self.cost(1, 1 + k) + self.proposer.step_cost(1, k)
+                for k in range(1, k_max + 1)]
             if step_index is None:
                 return times
             self._k_times_cache = cached = (step_index, times)
@@ -493,9 +544,9 @@ class Speculator:
     def _best_k(self, probs: list[float], k_max: int, step_index: int | None = None) -> int:
         """The k <= k_max that maximizes this request's expected tokens per second alone:
         (1 + P(draft 1 accepted) + ... + P(drafts 1..k accepted)) / (the target's step over
-        1 + k tokens + drafting k), on the start-up curve itself. (A linear verify cost, the
-        curve's mean slope from 1 to 9 tokens, overpriced the first drafts where the curve is flat
-        and stepped: where 5 drafts paid most, it drafted 2-3.)"""
+        1 + k tokens + drafting k), on the calibrated curve (`_k_times`). (A linear verify cost,
+        the curve's mean slope from 1 to 9 tokens, overpriced the first drafts where the curve is
+        flat and stepped: where 5 drafts paid most, it drafted 2-3.)"""
         times = self._k_times(k_max, step_index)
         best_k, best_rate, tokens = 0, 1.0 / times[0], 1.0
         for k in range(1, k_max + 1):
@@ -513,18 +564,20 @@ class Speculator:
 
         Rate(c) = (non-speculating tokens + sum_i E[tokens of request i | min(k_i, c) drafts]) /
         (target time for num_decoding + sum_i min(k_i, c) tokens + drafting time at c), the
-        target times scaled by the measured calibration of steps without (c = 0) and with drafts;
-        a c > 0 must beat c = 0 by MIN_GAIN.
+        target times scaled by the measured calibration of steps without (c = 0) and with drafts
+        (per point where measured); a c > 0 must beat c = 0 by MIN_GAIN.
         """
         if self.cost is None:
             return max(ks), 0.0
-        off = self.calibration.ratio(num_decoding, False)
-        on = self.calibration.ratio(num_decoding, True)
+        cal = self.calibration
+        off = cal.ratio(num_decoding, False, num_decoding)
         best_c, best_rate = 0, MIN_GAIN * num_decoding / (off * self.cost(num_decoding, num_decoding))
         probs = [self.acceptance.accept_probs(r, k) for r, k in zip(requests, ks, strict=True)]
         for c in range(1, max(ks) + 1):
             capped = [min(k, c) for k in ks]
-            time_s = on * self.cost(num_decoding, num_decoding + sum(capped)) + self.proposer.step_cost(len(ks), c)
+            num_tokens = num_decoding + sum(capped)
+            time_s = (cal.ratio(num_decoding, True, num_tokens) * self.cost(num_decoding, num_tokens)
+                      + self.proposer.step_cost(len(ks), c))
             tokens = num_decoding + sum(sum(p[:k]) for p, k in zip(probs, capped, strict=True))
             if tokens / time_s > best_rate:
                 best_c, best_rate = c, tokens / time_s
@@ -586,7 +639,8 @@ class Speculator:
             drafts = [d for _, _, d in found]
         if candidates and self.config.adaptive:
             cap = self.best_cap(len(decoding), [r for r, _ in candidates], [k for _, k in candidates])
-            if cap == 0 and step_index % probe_interval(len(decoding)) == 0:
+            probe = cap == 0 and step_index % probe_interval(len(decoding)) == 0
+            if probe:
                 cap = 1  # a rare probe keeps the acceptance and drafting-cost estimates fresh
                 keep = self._cheap_probes([r for r, _ in candidates])
                 candidates = [candidates[i] for i in keep]
@@ -596,6 +650,11 @@ class Speculator:
                 self.num_steps_off += 1
                 if not self.proposer.propose_is_free:  # (a lookup's finds change from step to step)
                     self._off = (step_index + OFF_RECHECK, tuple(r.request_id for r in decoding))
+            elif len(decoding) == 1 and not probe and not self.proposer.propose_is_free:
+                r = decoding[0]
+                k = self._explore(r, cap, step_index)
+                self.num_explored += k != cap
+                candidates = [(r, k)]
             else:
                 candidates = [(r, min(k, cap)) for r, k in candidates]
         if candidates and self.max_num_batched_tokens is not None:
@@ -620,6 +679,21 @@ class Speculator:
         else:
             drafts = [drafts[i] for i in keep]
         return {r.request_id: d for r, d in zip(requests, drafts, strict=True) if d.token_ids}
+
+    def _explore(self, request: Request, k: int, step_index: int) -> int:
+        """The k a lone decoding request drafts this step, given the policy's best k: a neighbour
+        (k + 1, then k - 1) whose calibration point has fewer than POINT_SAMPLES steps, every
+        EXPLORE_EVERY steps (every EXPLORE_REFRESH steps regardless of its samples, k + 1 and
+        k - 1 in turn); else k. A neighbour that measures faster than the start-up curve said
+        becomes the best k, and its own neighbour is measured next."""
+        if step_index % EXPLORE_EVERY:
+            return k
+        refresh = step_index % EXPLORE_REFRESH == 0
+        order = (k - 1, k + 1) if refresh and (step_index // EXPLORE_REFRESH) % 2 else (k + 1, k - 1)
+        for j in order:
+            if max(1, self.config.min_speculative_tokens) <= j <= self.max_k(request) and (refresh or self.calibration.samples(1, True, 1 + j) < POINT_SAMPLES):
+                return j
+        return k
 
     def _cheap_probes(self, requests: list[Request]) -> list[int]:
         """Indices of the requests a probe drafts for: those whose drafter is caught up to within

@@ -218,16 +218,18 @@ class BucketedMedians:
     def __init__(self, maxlen: int = 32) -> None:
         self.samples: list[deque[float]] = [deque(maxlen=maxlen) for _ in self.BUCKETS]
 
-    def _bucket(self, num_requests: int) -> int:
-        return max(i for i, b in enumerate(self.BUCKETS) if max(num_requests, 1) >= b)
+    @classmethod
+    def _bucket(cls, num_requests: int) -> int:
+        return max(i for i, b in enumerate(cls.BUCKETS) if max(num_requests, 1) >= b)
 
     def add(self, num_requests: int, value: float) -> None:
         self.samples[self._bucket(num_requests)].append(value)
 
-    def median(self, num_requests: int) -> float | None:
-        """The median of the nearest measured bucket, or None when nothing is measured."""
+    def median(self, num_requests: int, borrow: bool = True) -> float | None:
+        """The median of the nearest measured bucket (without `borrow`: of its own bucket), or None
+        when nothing is measured."""
         i = self._bucket(num_requests)
-        measured = [j for j, d in enumerate(self.samples) if d]
+        measured = [j for j, d in enumerate(self.samples) if d and (borrow or j == i)]
         if not measured:
             return None
         j = min(measured, key=lambda j: (abs(j - i), -j))
