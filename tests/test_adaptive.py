@@ -358,7 +358,7 @@ def test_calibration_points_take_over_from_their_side_once_measured():
     for _ in range(4):
         cal.add(1, True, 1.2, num_tokens=3)
     assert cal.ratio(1, True, 3) == pytest.approx(1.2)
-    for i in range(POINT_SAMPLES):
+    for _ in range(POINT_SAMPLES):
         assert cal.ratio(1, True, 6) == pytest.approx(1.2)  # the side's median until the point has enough
         cal.add(1, True, 0.7, num_tokens=6)
     assert cal.samples(1, True, 6) == POINT_SAMPLES
