@@ -73,10 +73,10 @@ class PrefillResult:
     sent_at: float  # time.time() when the handoff was put into the object store
 
 
-def _num_cached_tokens(engine: Any, prompt: list[int]) -> int:
-    """Prompt tokens the engine's prefix cache holds (run on the engine thread; not counted as
-    a prefix-cache query)."""
-    return len(engine.block_manager.lookup_prefix(prompt)) * engine.block_manager.block_size
+def _num_cached_tokens(engine: Any, prompt: list[int], params: Any) -> int:
+    """Prompt tokens the engine's prefix cache would give this request (run on the engine thread;
+    not counted as a prefix-cache query)."""
+    return engine.num_cached_prompt_tokens(prompt, params)
 
 
 def _fewer_tokens(params: Any, n: int) -> Any:
@@ -171,7 +171,7 @@ class SpecDecodeServer:
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
         trace = TraceMetadata(trace_metadata or [], route)
         yield Accepted(self.replica_id)
-        remote = self.prefill_pool is not None and await self.should_prefill_remotely(prompt)
+        remote = self.prefill_pool is not None and await self.should_prefill_remotely(prompt, params)
         busy = remote and prefill_locally_when_busy(self.inflight_prefills, self.busy_prefills,
                                                      self.config.disaggregation.max_inflight_prefills)
         if busy or not remote:
@@ -335,13 +335,15 @@ class SpecDecodeServer:
             self.latency.finish(request_id)
 
     # --- disaggregation (decode replicas) -------------------------------------------------------
-    async def should_prefill_remotely(self, prompt: list[int]) -> bool:
+    async def should_prefill_remotely(self, prompt: list[int], params: Any) -> bool:
         """Prefill in the prefill pool when at least `min_prompt_tokens` of the prompt are not in
-        this replica's prefix cache (the lookup runs on the engine thread, between steps)."""
+        this replica's prefix cache as this request would use it (a drafting request recomputes
+        blocks whose drafter KV was never filled; the lookup runs on the engine thread, between
+        steps)."""
         threshold = self.config.disaggregation.min_prompt_tokens
         if len(prompt) < threshold:
             return False
-        cached = await self.llm.call(_num_cached_tokens, self.llm.engine, prompt)
+        cached = await self.llm.call(_num_cached_tokens, self.llm.engine, prompt, params)
         return len(prompt) - cached >= threshold
 
     async def _remote_prefill(

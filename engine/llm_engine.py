@@ -477,6 +477,16 @@ class LLMEngine:
         st.num_bytes_exported += handoff.num_bytes
         st.num_blocks_exported += handoff.num_kv_blocks
 
+    def num_cached_prompt_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Prompt tokens a request admitted now would take from the prefix cache: the cached prefix
+        as admission filters it (a request that may draft with a feature drafter recomputes the
+        blocks whose drafter KV was never filled, `Speculator.usable_prefix`). A probe: not
+        counted as a prefix-cache query."""
+        blocks = self.block_manager.lookup_prefix(prompt_token_ids)
+        if self.speculator is not None:
+            blocks = self.speculator.usable_blocks(params.speculative, blocks)
+        return len(blocks) * self.block_manager.block_size
+
     def import_handoff(self, request_id: str, handoff: Handoff, *, with_drafter_state: bool = True) -> Request:
         """Continue a request another engine exported after its prefill; returns it, running.
 

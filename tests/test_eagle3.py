@@ -278,8 +278,12 @@ def test_a_cached_prefix_is_reused_only_where_the_midlayer_filled_its_kv(setup, 
     drafting(True)
     plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, speculative=False)
     assert run("a", prompt + [7], plain, check_drafts=False).num_cached_tokens == 0
+    # the disaggregation probe (engine.num_cached_prompt_tokens) says what admission then does
+    assert engine.num_cached_prompt_tokens(prompt + [8], GREEDY) == 0
+    assert engine.num_cached_prompt_tokens(prompt + [8], plain) == 32
     b = run("b", prompt + [8], GREEDY)  # a's blocks hold no midlayer KV: recomputed
     assert b.num_cached_tokens == 0 and engine.spec_stats.num_draft_tokens > 0
+    assert engine.num_cached_prompt_tokens(prompt + [9], GREEDY) == 32
     assert run("c", prompt + [9], GREEDY).num_cached_tokens == 32  # b's hold it: reused
     drafting(False)
     run("d", prompt[::-1] + [7], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))  # rows wait, then it ends

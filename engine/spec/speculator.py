@@ -416,8 +416,12 @@ class Speculator:
         """The leading blocks of a request's cached prefix it may reuse: all of them, except
         that a request that may draft with a feature drafter stops at the first block whose
         drafter KV was never filled (features.DrafterKVCoverage) and recomputes from there."""
+        return self.usable_blocks(request.sampling_params.speculative, cached_blocks)
+
+    def usable_blocks(self, speculative: bool, cached_blocks: list[int]) -> list[int]:
+        """`usable_prefix` for a request that may draft (`speculative`) or not."""
         coverage = self.proposer.kv_coverage
-        if coverage is None or not cached_blocks or not request.sampling_params.speculative:
+        if coverage is None or not cached_blocks or not speculative:
             return cached_blocks
         return coverage.prefix(cached_blocks)
 
