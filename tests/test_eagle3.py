@@ -250,6 +250,60 @@ def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
     assert_no_leaked_blocks(engine)
 
 
+def test_decode_rows_wait_unprojected_while_no_one_drafts(setup, monkeypatch):
+    """On the CPU row kernels a decode step's auxiliary rows wait (eagle3.DEFER_STEPS) until
+    something reads the buffers: with speculation off, fc runs once per DEFER_STEPS steps over the
+    waiting rows of the requests still running, never over those of a request that finished or
+    was preempted meanwhile; the buffers then hold every row (as without deferring), and turned
+    back on the drafts equal the reference's."""
+    from engine.spec.proposers.eagle3 import DEFER_STEPS
+    from kernels import cpu_kernels
+
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4, adaptive=True)
+    engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec, max_num_seqs=4)
+    proposer = engine.speculator.proposer
+    if not proposer.row_kernel:
+        pytest.skip("no CPU row kernels")
+    projected = []
+    real = cpu_kernels.packed_linear
+    monkeypatch.setattr(cpu_kernels, "packed_linear", lambda x, packed, *a: (projected.append(
+        x.shape[0]) if packed is proposer.packed_fc else None) or real(x, packed, *a))
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    engine.add_request("long", SPEC_PROMPTS[0], params)
+    engine.add_request("short", SPEC_PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    engine.step()  # both prompts' prefill: projected at once
+    assert len(projected) == 1
+    for _ in range(DEFER_STEPS - 1):
+        engine.step()
+    assert len(projected) == 1 and len(proposer._deferred) == DEFER_STEPS - 1
+    # short finished after 5 decode steps; a read projects the waiting rows of long only
+    assert "short" not in proposer.states and projected[1:] == [DEFER_STEPS - 1]
+    long = engine.scheduler.requests["long"]
+    assert proposer.states["long"].end == long.num_tokens - 1  # every row buffered, in order
+    projected.clear()
+    for _ in range(3):
+        engine.step()
+    assert projected == [] and len(proposer._deferred) == 3
+    engine.abort_request("long")
+    assert all(not entries for _, entries in proposer._deferred)
+    assert "long" not in proposer.states  # a read flushes: nothing left to project
+    assert projected == []
+    engine.add_request("again", SPEC_PROMPTS[0], params)
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
+    r = engine.scheduler.requests["again"]
+    for step in range(40):
+        if step == 10:
+            monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 4)
+            monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: max(ks))
+        engine.step()
+        assert len(proposer._deferred) < DEFER_STEPS  # (bounded: the DEFER_STEPS-th step projects them all)
+        if r.spec_token_ids and not r.is_finished:
+            assert r.spec_token_ids == reference_drafts(setup, "default", r.all_token_ids, len(r.spec_token_ids))[0]
+    assert engine.spec_stats.num_draft_tokens > 0
+    engine.speculator.check_no_leaks(engine.scheduler.running)
+
+
 def test_a_cached_prefix_is_reused_only_where_the_midlayer_filled_its_kv(setup, monkeypatch):
     """Prefix caching skips the target over cached blocks, so the midlayer (which runs only over
     the target's rows) must find its own KV there. A request that did not run it over them

@@ -60,6 +60,7 @@ from engine.spec.proposers.features import (
     buffer_rows,
     catch_up_rows,
     committed_hidden,
+    committed_ranges,
     import_hidden_rows,
     lazy_buffer_rows,
 )
@@ -69,6 +70,13 @@ from kernels.torch_attn import rows_kernel_inputs
 # (the catch-up of several requests included; more go through torch's path): as the target's
 # steps (stop 31: 16 concurrent requests 932 -> 982 tokens/s with the cap at 128 instead of 16).
 FUSED_MAX_ROWS = ROW_KERNEL_MAX_TOKENS
+# On the CPU row kernels, a decode step's auxiliary rows wait in `Eagle3Proposer._deferred` (the
+# step's tensor and each request's range of it), unprojected, until something reads the
+# buffers (a draft, a probe, a handoff: `states`) or DEFER_STEPS steps have waited; then fc runs
+# over all of them at once and each request appends its rows once. While speculation is off
+# (a batch too large to gain), a step then costs no fc and no per-request append (~0.5 ms a
+# step at 16 requests), and the rows of a request that finishes meanwhile are never projected.
+DEFER_STEPS = 16
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE3_BUFFER_ROWS = 16  # the steady bound of a request's buffered feature rows (k + 1 if larger)
@@ -228,6 +236,8 @@ class Eagle3Proposer(Proposer):
     feature_kv = True
 
     def __init__(self, model_dir: str, runner, num_speculative_tokens: int = 1, tree_width: int = 4) -> None:
+        # (the step's aux tensor, [(request, first position, first row, rows)]) of waiting steps
+        self._deferred: list[tuple[torch.Tensor, list[tuple[Request, int, int, int]]]] = []
         super().__init__()
         self.tree_width = tree_width  # children per expanded node, and nodes expanded per level
         self.states: dict[str, HiddenRows] = {}
@@ -392,6 +402,54 @@ class Eagle3Proposer(Proposer):
     def identity(self) -> DrafterIdentity:
         return self._identity
 
+    @property
+    def states(self) -> dict[str, HiddenRows]:
+        """Each request's buffered features, the deferred steps' rows appended first (DEFER_STEPS)."""
+        if self._deferred:
+            self._flush_deferred()
+        return self._states
+
+    @states.setter
+    def states(self, value: dict[str, HiddenRows]) -> None:
+        self._states = value
+
+    @torch.inference_mode()
+    def _flush_deferred(self) -> None:
+        """fc over every deferred row at once (the packed kernel: each row's bits as in a step
+        of its own), then each request's rows appended in one piece and the buffers bounded, as
+        `observe_step` does for a step."""
+        from kernels import cpu_kernels
+
+        pending, self._deferred = self._deferred, []
+        groups: dict[str, tuple[Request, int, list[torch.Tensor]]] = {}
+        for aux, entries in pending:
+            for r, start, lo, n in entries:
+                if r.is_finished:
+                    continue
+                group = groups.setdefault(r.request_id, (r, start, []))
+                if start != group[1] + sum(t.shape[0] for t in group[2]):
+                    raise RuntimeError(f"EAGLE-3: request {r.request_id!r}'s deferred rows are not contiguous")
+                group[2].append(aux[lo : lo + n])
+        if not groups:
+            return
+        rows = torch.cat([t for _, _, ts in groups.values() for t in ts])
+        feats = cpu_kernels.packed_linear(rows, self.packed_fc, self.arch.hidden_size, None)
+        committed, at = [], 0
+        for r, start, ts in groups.values():
+            n = sum(t.shape[0] for t in ts)
+            committed.append((r, start, feats[at : at + n]))
+            at += n
+        buffer_rows(self._states, committed, self._bound, self._forward, "EAGLE-3", self.max_buffered_rows + 1)
+        self._cover(r for r, _, _ in committed)
+
+    def free_request(self, request_id: str) -> None:
+        """Forget a request, its deferred rows too (without projecting anyone's)."""
+        if self._deferred:
+            self._deferred = [(aux, [e for e in entries if e[0].request_id != request_id]) for aux, entries in self._deferred]
+        self._states.pop(request_id, None)
+        if self.kv_coverage is not None:
+            self.kv_coverage.forget(request_id)
+
     def export_state(self, request_id: str) -> HiddenRows | None:
         """The buffered features (on the CPU) of the positions the midlayer has not run over yet;
         its KV of the others travels as the handoff's `drafter_kv`."""
@@ -444,6 +502,13 @@ class Eagle3Proposer(Proposer):
         (`max_buffered_rows`, features.LAZY_BUFFER_ROWS), all but the last."""
         aux = runner_out.aux_hidden_states
         if not any(may_draft(s.request) and not s.request.is_finished for s in sched.scheduled):
+            return
+        if (self.row_kernel and (self.fc_packed_all or aux.shape[0] <= FUSED_MAX_ROWS)
+                and all(s.num_new_tokens == 1 for s in sched.scheduled)):
+            # a decode step: its rows wait (DEFER_STEPS); a draft this step reads them at once
+            self._deferred.append((aux, [e for e in committed_ranges(sched, runner_out) if may_draft(e[0])]))
+            if len(self._deferred) >= DEFER_STEPS:
+                self._flush_deferred()
             return
         # fc over the step's every row (rejected drafts' too: fewer ops than gathering the rest)
         if self.row_kernel and (self.fc_packed_all or aux.shape[0] <= FUSED_MAX_ROWS):

@@ -66,13 +66,20 @@ def committed_hidden(sched, runner_out, hidden: torch.Tensor | None = None) -> I
     token and 2 drafts) of the request's 4 query rows; a partial prefill chunk commits all rows.
     """
     hidden = runner_out.hidden_states if hidden is None else hidden
+    for r, start, lo, n in committed_ranges(sched, runner_out):
+        yield r, start, hidden[lo : lo + n]
+
+
+def committed_ranges(sched, runner_out) -> Iterator[tuple[Request, int, int, int]]:
+    """`committed_hidden` as (request, position of its first row, first row in the step's
+    tensors, rows)."""
     cu = runner_out.cu_query_lens
     for i, (s, tokens) in enumerate(zip(sched.scheduled, runner_out.sampled_token_ids, strict=True)):
         r: Request = s.request
         if r.is_finished:
             continue
         committed = s.num_new_tokens + (len(tokens) - 1 if tokens else 0)
-        yield r, r.num_computed_tokens - committed, hidden[cu[i] : cu[i] + committed]
+        yield r, r.num_computed_tokens - committed, int(cu[i]), committed
 
 
 def append_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, int, torch.Tensor]],
