@@ -234,8 +234,9 @@ class AsyncLLM:
         if stream is None:
             return
         if closing is not None:
-            if stream is closing and not _call_soon(stream.loop, self._release, rid, closing):
-                self._release(rid, closing)  # its loop is closed (the consumer left with it): here
+            # here, not on its loop: a loop that is closing (asyncio.run returning) may take the
+            # callback and close without running it, and the stream would stay for good
+            self._release(rid, closing)
             return
         if request is not None:
             out = EngineOutput(rid, [], "abort", request.num_prompt_tokens, request.num_output_tokens,
@@ -243,7 +244,8 @@ class AsyncLLM:
             self._deliver(rid, stream.state.process(out)[0])
 
     def _release(self, rid: str, stream: _Stream) -> None:
-        """On the event loop: forget a closed stream (only that one, never a newer holder)."""
+        """Forget a closed stream (only that one, never a newer holder: `generate` refuses an id
+        while a stream holds it, so none can come between the check and the delete)."""
         if self._streams.get(rid) is stream:
             del self._streams[rid]
 
