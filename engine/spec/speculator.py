@@ -141,20 +141,20 @@ class StepCalibration:
     def __init__(self) -> None:
         self.sides = {False: BucketedMedians(), True: BucketedMedians(), "tree": BucketedMedians()}
         self.points: dict[tuple, collections.deque[float]] = {}
-        self._ratios: dict[tuple, float] = {}  # `ratio`'s answers since the last `add` (a step asks ~20)
+        self._point_medians: dict[tuple, float] = {}  # each point's median until its next step (a step asks ~12)
 
     @staticmethod
     def _point(num_requests: int, speculating: bool | str, num_tokens: int) -> tuple:
         return speculating, BucketedMedians._bucket(num_requests), round(num_tokens / max(num_requests, 1))
 
     def add(self, num_requests: int, speculating: bool | str, ratio: float, num_tokens: int | None = None) -> None:
-        self._ratios.clear()
         side = self.sides[speculating]
         level = side.median(num_requests, borrow=False) or ratio
         side.add(num_requests, ratio)
         if num_tokens is not None:
             key = self._point(num_requests, speculating, num_tokens)
             self.points.setdefault(key, collections.deque(maxlen=POINT_WINDOW)).append(ratio / level)
+            self._point_medians.pop(key, None)
 
     def samples(self, num_requests: int, speculating: bool | str, num_tokens: int) -> int:
         """Steps measured at the point of (num_requests, num_tokens) on this side."""
@@ -164,17 +164,14 @@ class StepCalibration:
               borrow: bool = True) -> float:
         """The point's own median when num_tokens is given and measured, else the side's (without
         `borrow`: only this batch-size bucket's measurements count, else 1)."""
-        key = (num_requests, speculating, num_tokens, borrow)
-        cached = self._ratios.get(key)
-        if cached is None:
-            cached = self._ratios[key] = self._ratio(num_requests, speculating, num_tokens, borrow)
-        return cached
-
-    def _ratio(self, num_requests: int, speculating: bool | str, num_tokens: int | None, borrow: bool) -> float:
         if num_tokens is not None:
-            point = self.points.get(self._point(num_requests, speculating, num_tokens))
+            key = self._point(num_requests, speculating, num_tokens)
+            point = self.points.get(key)
             if point is not None and len(point) >= POINT_SAMPLES:
-                return statistics.median(point) * self.sides[speculating].median(num_requests, borrow=False)
+                median = self._point_medians.get(key)
+                if median is None:
+                    median = self._point_medians[key] = statistics.median(point)
+                return median * self.sides[speculating].median(num_requests, borrow=False)
         for side in self.FALLBACK[speculating]:
             measured = self.sides[side].median(num_requests, borrow)
             if measured is not None:

@@ -15,6 +15,7 @@ as it was, and the request can draft again next step.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import statistics
@@ -217,23 +218,26 @@ class BucketedMedians:
 
     def __init__(self, maxlen: int = 32) -> None:
         self.samples: list[deque[float]] = [deque(maxlen=maxlen) for _ in self.BUCKETS]
+        self._medians: dict[tuple[int, bool], float | None] = {}  # `median`'s answers until the next add
 
     @classmethod
     def _bucket(cls, num_requests: int) -> int:
-        return max(i for i, b in enumerate(cls.BUCKETS) if max(num_requests, 1) >= b)
+        return bisect.bisect_right(cls.BUCKETS, max(num_requests, 1)) - 1
 
     def add(self, num_requests: int, value: float) -> None:
         self.samples[self._bucket(num_requests)].append(value)
+        self._medians.clear()
 
     def median(self, num_requests: int, borrow: bool = True) -> float | None:
         """The median of the nearest measured bucket (without `borrow`: of its own bucket), or None
         when nothing is measured."""
         i = self._bucket(num_requests)
-        measured = [j for j, d in enumerate(self.samples) if d and (borrow or j == i)]
-        if not measured:
-            return None
-        j = min(measured, key=lambda j: (abs(j - i), -j))
-        return statistics.median(self.samples[j])
+        key = (i, borrow)
+        if key not in self._medians:
+            measured = [j for j, d in enumerate(self.samples) if d and (borrow or j == i)]
+            j = min(measured, key=lambda j: (abs(j - i), -j)) if measured else None
+            self._medians[key] = None if j is None else statistics.median(self.samples[j])
+        return self._medians[key]
 
     def as_dict(self) -> dict[int, float]:
         return {b: statistics.median(d) for b, d in zip(self.BUCKETS, self.samples, strict=True) if d}
