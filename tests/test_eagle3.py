@@ -250,13 +250,13 @@ def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
     assert_no_leaked_blocks(engine)
 
 
-def test_decode_rows_wait_unprojected_while_no_one_drafts(setup, monkeypatch):
-    """On the CPU row kernels a decode step's auxiliary rows wait (eagle3.DEFER_STEPS) until
-    something reads the buffers: with speculation off, fc runs once per DEFER_STEPS steps over the
-    waiting rows of the requests still running, never over those of a request that finished or
-    was preempted meanwhile; the buffers then hold every row (as without deferring), and turned
-    back on the drafts equal the reference's."""
-    from engine.spec.proposers.eagle3 import DEFER_STEPS
+def test_decode_rows_wait_unprojected_until_their_request_is_read(setup, monkeypatch):
+    """On the CPU row kernels a decode step's auxiliary rows wait unprojected: with speculation
+    off no fc runs at all; a request that finishes or is aborted meanwhile leaves without its rows
+    ever projected; a read of one request's buffer (its draft) projects its rows only, the
+    others' keep waiting; a read of all (`states`) projects every live request's rows, which
+    are then buffered in order; the waiting steps never pass the buffer bound; turned back on,
+    the drafts equal the reference's."""
     from kernels import cpu_kernels
 
     spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4, adaptive=True)
@@ -268,40 +268,46 @@ def test_decode_rows_wait_unprojected_while_no_one_drafts(setup, monkeypatch):
     real = cpu_kernels.packed_linear
     monkeypatch.setattr(cpu_kernels, "packed_linear", lambda x, packed, *a: (projected.append(
         x.shape[0]) if packed is proposer.packed_fc else None) or real(x, packed, *a))
-    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
+    drafting: set[str] = set()
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 4 if request.request_id in drafting else 0)
+    monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: max(ks))
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     engine.add_request("long", SPEC_PROMPTS[0], params)
     engine.add_request("short", SPEC_PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    engine.step()  # both prompts' prefill: projected at once
+    engine.add_request("other", SPEC_PROMPTS[2], params)
+    engine.step()  # the prompts' prefill: projected at once
     assert len(projected) == 1
-    for _ in range(DEFER_STEPS - 1):
+    for _ in range(15):
         engine.step()
-    assert len(projected) == 1 and len(proposer._deferred) == DEFER_STEPS - 1
-    # short finished after 5 decode steps; a read projects the waiting rows of long only
-    assert "short" not in proposer.states and projected[1:] == [DEFER_STEPS - 1]
-    long = engine.scheduler.requests["long"]
-    assert proposer.states["long"].end == long.num_tokens - 1  # every row buffered, in order
+    long, other = engine.scheduler.requests["long"], engine.scheduler.requests["other"]
+    assert len(projected) == 1 and len(proposer._deferred) == 15
+    assert proposer.pending_rows(long) == long.num_tokens - 1 and len(projected) == 1  # counted, not projected
+    assert all(e[0].request_id != "short" for _, entries in proposer._deferred for e in entries)  # finished: dropped
+    drafting.add("long")
+    engine.step()  # long drafts: its 16 waiting rows are projected, other's keep waiting
+    assert projected[1:] == [16] and long.spec_token_ids
+    assert long.spec_token_ids == reference_drafts(setup, "default", long.all_token_ids, len(long.spec_token_ids))[0]
+    assert proposer.pending_rows(other) == other.num_tokens - 1 and len(proposer._deferred) == 16
+    engine.abort_request("other")
+    assert all(e[0].request_id != "other" for _, entries in proposer._deferred for e in entries)
+    drafting.clear()
     projected.clear()
     for _ in range(3):
         engine.step()
-    assert projected == [] and len(proposer._deferred) == 3
-    engine.abort_request("long")
-    assert all(not entries for _, entries in proposer._deferred)
-    assert "long" not in proposer.states  # a read flushes: nothing left to project
     assert projected == []
-    engine.add_request("again", SPEC_PROMPTS[0], params)
-    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
-    r = engine.scheduler.requests["again"]
-    for step in range(40):
-        if step == 10:
-            monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 4)
-            monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: max(ks))
+    assert proposer.states["long"].end == long.num_tokens - 1  # a read of all: every row, in order
+    assert projected == [3]
+    proposer.max_buffered_rows = 8  # the waiting steps stay within the bound
+    for _ in range(20):
         engine.step()
-        assert len(proposer._deferred) < DEFER_STEPS  # (bounded: the DEFER_STEPS-th step projects them all)
-        if r.spec_token_ids and not r.is_finished:
-            assert r.spec_token_ids == reference_drafts(setup, "default", r.all_token_ids, len(r.spec_token_ids))[0]
-    assert engine.spec_stats.num_draft_tokens > 0
+        assert len(proposer._deferred) < 8
+    drafting.add("long")
+    while engine.has_unfinished_requests():
+        engine.step()
+        if long.spec_token_ids and not long.is_finished:
+            assert long.spec_token_ids == reference_drafts(setup, "default", long.all_token_ids, len(long.spec_token_ids))[0]
     engine.speculator.check_no_leaks(engine.scheduler.running)
+    assert not proposer._deferred and not proposer.states
 
 
 def test_a_cached_prefix_is_reused_only_where_the_midlayer_filled_its_kv(setup, monkeypatch):

@@ -158,7 +158,7 @@ class Proposer:
     def pending_rows(self, request: Request) -> int:
         """Positions the drafter would catch up over before its next draft for `request` (its
         buffered rows): what drafting it once costs beyond a steady round."""
-        rows = getattr(self.states.get(request.request_id), "rows", None)  # (a feature drafter's HiddenRows)
+        rows = getattr(self._state(request.request_id), "rows", None)  # (a feature drafter's HiddenRows)
         return 0 if rows is None else rows.shape[0]
 
     def observe_step(self, sched, runner_out) -> None:
@@ -190,9 +190,13 @@ class Proposer:
         these requests (a feature drafter: `_kv_done`)."""
         if self.kv_coverage is not None:
             for r in requests:
-                state = self.states.get(r.request_id)
+                state = self._state(r.request_id)
                 if state is not None:
                     self.kv_coverage.mark(r, self._kv_done(state))
+
+    def _state(self, request_id: str):
+        """A request's state as the proposer reads it internally (`states.get`)."""
+        return self.states.get(request_id)
 
     def _kv_done(self, state) -> int:
         """Positions below which the drafter's KV holds a request's final elements."""

@@ -71,12 +71,14 @@ from kernels.torch_attn import rows_kernel_inputs
 # steps (stop 31: 16 concurrent requests 932 -> 982 tokens/s with the cap at 128 instead of 16).
 FUSED_MAX_ROWS = ROW_KERNEL_MAX_TOKENS
 # On the CPU row kernels, a decode step's auxiliary rows wait in `Eagle3Proposer._deferred` (the
-# step's tensor and each request's range of it), unprojected, until something reads the
-# buffers (a draft, a probe, a handoff: `states`) or DEFER_STEPS steps have waited; then fc runs
-# over all of them at once and each request appends its rows once. While speculation is off
-# (a batch too large to gain), a step then costs no fc and no per-request append (~0.5 ms a
-# step at 16 requests), and the rows of a request that finishes meanwhile are never projected.
-DEFER_STEPS = 16
+# step's tensor and each request's range of it), unprojected, until the request's buffer is read
+# (its draft, a probe of it, its handoff, a prefill chunk of it) or the waiting steps pass the
+# buffer bound (`max_buffered_rows`) or DEFER_BYTES; then fc runs over the waiting rows of the
+# requests read (all of them at the bound) at once and each appends its rows once. While
+# speculation is off (a batch too large to gain) a step then costs no fc (1/44 of the shipped
+# target's products a token) and no per-request append (~0.5 ms a step at 16 requests), and the
+# rows of a request that finishes before drafting again are never projected.
+DEFER_BYTES = 16 << 20
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE3_BUFFER_ROWS = 16  # the steady bound of a request's buffered feature rows (k + 1 if larger)
@@ -404,27 +406,47 @@ class Eagle3Proposer(Proposer):
 
     @property
     def states(self) -> dict[str, HiddenRows]:
-        """Each request's buffered features, the deferred steps' rows appended first (DEFER_STEPS)."""
+        """Each request's buffered features, every deferred row appended first (DEFER_BYTES)."""
         if self._deferred:
             self._flush_deferred()
         return self._states
+
+    def _state(self, request_id: str) -> HiddenRows | None:
+        return self._states.get(request_id)
+
+    def pending_rows(self, request: Request) -> int:
+        rid = request.request_id
+        state = self._states.get(rid)
+        deferred = sum(n for _, entries in self._deferred for r, _, _, n in entries if r.request_id == rid)
+        return (0 if state is None else state.rows.shape[0]) + deferred
 
     @states.setter
     def states(self, value: dict[str, HiddenRows]) -> None:
         self._states = value
 
     @torch.inference_mode()
-    def _flush_deferred(self) -> None:
-        """fc over every deferred row at once (the packed kernel: each row's bits as in a step
-        of its own), then each request's rows appended in one piece and the buffers bounded, as
-        `observe_step` does for a step."""
+    def _flush_deferred(self, only: set[str] | None = None) -> None:
+        """fc over the deferred rows of the requests in `only` (None: all) at once (the packed
+        kernel: each row's bits as in a step of its own), then each request's rows appended in one
+        piece and the buffers bounded, as `observe_step` does for a step."""
         from kernels import cpu_kernels
 
-        pending, self._deferred = self._deferred, []
+        if not self._deferred:
+            return
+
+        if only is None:
+            pending, self._deferred = self._deferred, []
+        else:
+            pending, kept = self._deferred, []
+            for aux, entries in pending:
+                rest = [e for e in entries if e[0].request_id not in only]
+                if rest:
+                    kept.append((aux, rest))
+            self._deferred = kept
         groups: dict[str, tuple[Request, int, list[torch.Tensor]]] = {}
         for aux, entries in pending:
             for r, start, lo, n in entries:
-                if r.is_finished:
+                if r.is_finished or (only is not None and r.request_id not in only):
                     continue
                 group = groups.setdefault(r.request_id, (r, start, []))
                 if start != group[1] + sum(t.shape[0] for t in group[2]):
@@ -453,13 +475,14 @@ class Eagle3Proposer(Proposer):
     def export_state(self, request_id: str) -> HiddenRows | None:
         """The buffered features (on the CPU) of the positions the midlayer has not run over yet;
         its KV of the others travels as the handoff's `drafter_kv`."""
-        state = self.states.get(request_id)
+        self._flush_deferred({request_id})
+        state = self._states.get(request_id)
         return None if state is None else state.to("cpu")
 
     def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
         if state is None:
             return
-        self.states[request_id] = import_hidden_rows(
+        self._states[request_id] = import_hidden_rows(
             "EAGLE-3", state, self.arch.hidden_size, num_computed_tokens, self.device, self.dtype
         )
 
@@ -505,9 +528,10 @@ class Eagle3Proposer(Proposer):
             return
         if (self.row_kernel and (self.fc_packed_all or aux.shape[0] <= FUSED_MAX_ROWS)
                 and all(s.num_new_tokens == 1 for s in sched.scheduled)):
-            # a decode step: its rows wait (DEFER_STEPS); a draft this step reads them at once
+            # a decode step: its rows wait (DEFER_BYTES); a draft this step reads them at once
             self._deferred.append((aux, [e for e in committed_ranges(sched, runner_out) if may_draft(e[0])]))
-            if len(self._deferred) >= DEFER_STEPS:
+            held = sum(a.numel() for a, _ in self._deferred) * aux.element_size()
+            if len(self._deferred) >= self.max_buffered_rows or held > DEFER_BYTES:
                 self._flush_deferred()
             return
         # fc over the step's every row (rejected drafts' too: fewer ops than gathering the rest)
@@ -518,7 +542,9 @@ class Eagle3Proposer(Proposer):
         else:
             feats = self.fc(aux)  # one product for the step
         committed = [c for c in committed_hidden(sched, runner_out, feats) if may_draft(c[0])]
-        buffer_rows(self.states, committed, self._bound, self._forward, "EAGLE-3", self.max_buffered_rows + 1)
+        if self._deferred:  # (their earlier rows first)
+            self._flush_deferred({r.request_id for r, _, _ in committed})
+        buffer_rows(self._states, committed, self._bound, self._forward, "EAGLE-3", self.max_buffered_rows + 1)
         self._cover(r for r, _, _ in committed)
 
     def check_no_leaks(self, live_ids: set[str]) -> None:
@@ -558,7 +584,7 @@ class Eagle3Proposer(Proposer):
         chunks, elem_tokens = [], []
         for r in requests:
             n = r.num_tokens
-            state = self.states.get(r.request_id)
+            state = self._states.get(r.request_id)
             if state is None or state.end != n - 1 or state.start == state.end:
                 raise RuntimeError(
                     f"EAGLE-3: request {r.request_id!r} cannot draft: it needs the features up to position "
@@ -578,6 +604,7 @@ class Eagle3Proposer(Proposer):
         tree and RoPE position by depth; each level runs its new nodes only (a partial tree)."""
         from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
 
+        self._flush_deferred({r.request_id for r in requests})
         t_start = time.perf_counter()
         widths = tree_widths(widths, len(requests), self.tree_width)
         chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
@@ -600,7 +627,7 @@ class Eagle3Proposer(Proposer):
         drafts, num_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._normed(last),
                                           context.generators_for(requests), run_level)
         for r in requests:  # every forward succeeded: the buffered elements are in the midlayer's KV
-            self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
+            self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
         self._cover(requests)
         catch_up = max(len(c.token_ids) for c in chunks)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + 1, catch_up, max(depths))
@@ -608,10 +635,11 @@ class Eagle3Proposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        self._flush_deferred({r.request_id for r in requests})  # (their rows first; not timed as drafting)
         t_start = time.perf_counter()
         chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
         if len(elem_tokens) > FUSED_MAX_ROWS:  # a long catch-up (after a prompt, or speculation off) first, on its own
-            catch_up_rows(self.states, [(r, self.states[r.request_id]) for r in requests], self._forward)
+            catch_up_rows(self._states, [(r, self._states[r.request_id]) for r in requests], self._forward)
             chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
             t_start = time.perf_counter()  # (a one-off: not the drafting cost the policy weighs)
         if self.row_kernel_chain and len(elem_tokens) <= FUSED_MAX_ROWS:
@@ -639,7 +667,7 @@ class Eagle3Proposer(Proposer):
             chunks = [SeqChunk([0], requests[i].num_tokens - 2 + step, requests[i].block_ids) for i in active]
             feats = self._forward(chunks, [tokens[i][-1] for i in active], feats)
         for r in requests:  # every forward succeeded: the buffered elements are in the midlayer's KV
-            self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
+            self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
         self._cover(requests)
         catch_up = max(len(c.token_ids) for c in first_chunks)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, step + 1, catch_up, max(num_tokens))
@@ -694,7 +722,7 @@ class Eagle3Proposer(Proposer):
         )
         drafts = drafts.tolist()
         for r in requests:  # the call succeeded: the buffered elements are in the midlayer's KV
-            self.states[r.request_id] = HiddenRows(r.num_tokens - 1, self.states[r.request_id].rows[:0].clone())
+            self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
         self._cover(requests)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, max(num_tokens),
                              max(len(c.token_ids) for c in chunks), max(num_tokens))
