@@ -411,18 +411,19 @@ class Eagle3Proposer(Proposer):
             self._flush_deferred()
         return self._states
 
+    @states.setter
+    def states(self, value: dict[str, HiddenRows]) -> None:
+        self._states = value
+
     def _state(self, request_id: str) -> HiddenRows | None:
         return self._states.get(request_id)
 
     def pending_rows(self, request: Request) -> int:
+        """Its buffered rows and its deferred ones (counted, not projected)."""
         rid = request.request_id
         state = self._states.get(rid)
         deferred = sum(n for _, entries in self._deferred for r, _, _, n in entries if r.request_id == rid)
         return (0 if state is None else state.rows.shape[0]) + deferred
-
-    @states.setter
-    def states(self, value: dict[str, HiddenRows]) -> None:
-        self._states = value
 
     @torch.inference_mode()
     def _flush_deferred(self, only: set[str] | None = None) -> None:
@@ -433,16 +434,12 @@ class Eagle3Proposer(Proposer):
 
         if not self._deferred:
             return
-
-        if only is None:
-            pending, self._deferred = self._deferred, []
-        else:
-            pending, kept = self._deferred, []
+        pending, kept = self._deferred, []
+        if only is not None:
             for aux, entries in pending:
                 rest = [e for e in entries if e[0].request_id not in only]
                 if rest:
                     kept.append((aux, rest))
-            self._deferred = kept
         groups: dict[str, tuple[Request, int, list[torch.Tensor]]] = {}
         for aux, entries in pending:
             for r, start, lo, n in entries:
@@ -453,9 +450,11 @@ class Eagle3Proposer(Proposer):
                     raise RuntimeError(f"EAGLE-3: request {r.request_id!r}'s deferred rows are not contiguous")
                 group[2].append(aux[lo : lo + n])
         if not groups:
+            self._deferred = kept
             return
         rows = torch.cat([t for _, _, ts in groups.values() for t in ts])
         feats = cpu_kernels.packed_linear(rows, self.packed_fc, self.arch.hidden_size, None)
+        self._deferred = kept  # (from here on the rows are the buffers')
         committed, at = [], 0
         for r, start, ts in groups.values():
             n = sum(t.shape[0] for t in ts)
