@@ -310,6 +310,55 @@ def test_decode_rows_wait_unprojected_until_their_request_is_read(setup, monkeyp
     assert not proposer._deferred and not proposer.states
 
 
+def test_a_draft_that_fails_after_its_waiting_rows_were_projected_leaves_them_buffered(setup, monkeypatch):
+    """Speculation off for 12 steps (the rows wait unprojected), then the first draft projects
+    them and its chain call raises: the step goes on without drafts, the rows stay buffered in
+    order (none lost, none twice), the next draft equals the reference's and the output equals
+    the target alone's."""
+    from kernels import cpu_kernels
+
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4, adaptive=True)
+    engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
+    plain = LLMEngine(setup["target"], dtype="float32", device="cpu")
+    proposer = engine.speculator.proposer
+    if not proposer.row_kernel:
+        pytest.skip("no CPU row kernels")
+    on = [False]
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 4 if on[0] else 0)
+    monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: max(ks))
+    real, failed = cpu_kernels.draft_chain, []
+
+    def fail_once(*a, **kw):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("injected drafting failure")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_kernels, "draft_chain", fail_once)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", SPEC_PROMPTS[0], params)
+    plain.add_request("r", SPEC_PROMPTS[0], params)
+    r = engine.scheduler.requests["r"]
+    tokens: list[int] = []
+    for _ in range(12):
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert proposer._deferred
+    on[0] = True
+    tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert failed and not r.spec_token_ids and not proposer._deferred
+    assert proposer.states["r"].end == r.num_tokens - 1
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+        if r.spec_token_ids and not r.is_finished:
+            assert r.spec_token_ids == reference_drafts(setup, "default", r.all_token_ids, len(r.spec_token_ids))[0]
+    assert engine.spec_stats.num_draft_tokens > 0
+    base: list[int] = []
+    while plain.has_unfinished_requests():
+        base += [t for out in plain.step() for t in out.new_token_ids]
+    assert tokens == base
+    engine.speculator.check_no_leaks(engine.scheduler.running)
+
+
 def test_a_cached_prefix_is_reused_only_where_the_midlayer_filled_its_kv(setup, monkeypatch):
     """Prefix caching skips the target over cached blocks, so the midlayer (which runs only over
     the target's rows) must find its own KV there. A request that did not run it over them
