@@ -200,6 +200,20 @@ def test_drafts_and_q_match_reference(setup, which):
     assert_no_leaked_blocks(engine)
 
 
+def finish_checking_drafts(setup, engine, plain, r, tokens: list[int]) -> None:
+    """Run `engine` to the end, each of r's drafts equal to the reference's; then the tokens it
+    made (with `tokens` before) equal `plain`'s (the target alone) and some drafts were made."""
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+        if r.spec_token_ids:
+            assert r.spec_token_ids == reference_drafts(setup, "default", r.all_token_ids, len(r.spec_token_ids))[0]
+    assert engine.spec_stats.num_draft_tokens > 0
+    base: list[int] = []
+    while plain.has_unfinished_requests():
+        base += [t for out in plain.step() for t in out.new_token_ids]
+    assert tokens == base
+
+
 @pytest.mark.parametrize("bound", [None, 24])
 def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
     """Speculation forced off for 30 steps after a prompt longer than the fused kernels take: with
@@ -238,15 +252,7 @@ def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
     assert (not forwards) if bound is None else forwards
     monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 4)
     monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: max(ks))
-    while engine.has_unfinished_requests():
-        tokens += [t for out in engine.step() for t in out.new_token_ids]
-        if r.spec_token_ids:
-            assert r.spec_token_ids == reference_drafts(setup, "default", r.all_token_ids, len(r.spec_token_ids))[0]
-    assert engine.spec_stats.num_draft_tokens > 0
-    base: list[int] = []
-    while plain.has_unfinished_requests():
-        base += [t for out in plain.step() for t in out.new_token_ids]
-    assert tokens == base
+    finish_checking_drafts(setup, engine, plain, r, tokens)
     assert_no_leaked_blocks(engine)
 
 
@@ -347,15 +353,7 @@ def test_a_draft_that_fails_after_its_waiting_rows_were_projected_leaves_them_bu
     tokens += [t for out in engine.step() for t in out.new_token_ids]
     assert failed and not r.spec_token_ids and not proposer._deferred
     assert proposer.states["r"].end == r.num_tokens - 1
-    while engine.has_unfinished_requests():
-        tokens += [t for out in engine.step() for t in out.new_token_ids]
-        if r.spec_token_ids and not r.is_finished:
-            assert r.spec_token_ids == reference_drafts(setup, "default", r.all_token_ids, len(r.spec_token_ids))[0]
-    assert engine.spec_stats.num_draft_tokens > 0
-    base: list[int] = []
-    while plain.has_unfinished_requests():
-        base += [t for out in plain.step() for t in out.new_token_ids]
-    assert tokens == base
+    finish_checking_drafts(setup, engine, plain, r, tokens)
     engine.speculator.check_no_leaks(engine.scheduler.running)
 
 
