@@ -120,8 +120,9 @@ def dot_bf16_available() -> bool:
 def pack_rows(weight: torch.Tensor, dot_bf16: bool | None = None) -> torch.Tensor:
     """weight [N, K] float32 or bfloat16 -> a copy in the packed layout of `packed_linear` and
     `rows_layer` (each block of 4 rows in the order the kernel reads it; [ceil(N / 4) * 4, K]);
-    `dot_bf16` (default: bfloat16 weights where `dot_bf16_available()`) the AVX512-BF16 layout,
-    [ceil(N / 4), 4 * ceil(K / 32) * 32], which the kernels tell apart by its shape."""
+    `dot_bf16` (default: bfloat16 weights where `dot_bf16_available()`) the AVX512-BF16 layout
+    (blocks of 64 outputs, pairs of K; [ceil(N / 64), 64 * ceil(K / 2) * 2]), which the kernels
+    tell apart by its shape."""
     if dot_bf16 is None:
         dot_bf16 = weight.dtype == torch.bfloat16 and dot_bf16_available()
     return _module().pack_rows(weight.detach(), dot_bf16)

@@ -243,18 +243,19 @@ constexpr int64_t M_TILE = 48;
 
 // The tiles of M_TILE rows of x, and in each the blocks of 4 weight rows split among threads:
 // f(m0, m1, blk, n0, nb) per block (rows n0 .. n0 + nb of y).
-template <typename F>
+template <int64_t BW = PACK, typename F>
 void over_tiles_and_blocks(int64_t M, int64_t N, int threads, F&& f) {
-  const int64_t blocks = (N + PACK - 1) / PACK;
+  const int64_t blocks = (N + BW - 1) / BW;
   for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
     const int64_t m1 = std::min(M, m0 + M_TILE);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t blk = 0; blk < blocks; ++blk) f(m0, m1, blk, blk * PACK, std::min<int64_t>(PACK, N - blk * PACK));
+    for (int64_t blk = 0; blk < blocks; ++blk) f(m0, m1, blk, blk * BW, std::min<int64_t>(BW, N - blk * BW));
   }
 }
 
 // y[m + i, n0 + j] = out[i][j] (+ b) for `rows` rows and nb columns.
-inline void store_block(float* y, int64_t N, int64_t m, int rows, int64_t n0, int64_t nb, const float (*out)[PACK],
+template <int64_t BW = PACK>
+inline void store_block(float* y, int64_t N, int64_t m, int rows, int64_t n0, int64_t nb, const float (*out)[BW],
                         const float* bias) {
   for (int i = 0; i < rows; ++i)
     for (int64_t j = 0; j < nb; ++j) y[(m + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
@@ -293,15 +294,24 @@ void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N,
 // several rows (a verification, a batch) is bound by. The activations are rounded to bfloat16
 // first (round to nearest even, as torch's `.to(torch.bfloat16)`), as a bfloat16 model's
 // products take them in torch; the weights are packed in their own layout (pack_block_dp), told
-// apart from the other by its shape ([ceil(N / 4), 4 * K32] instead of [ceil(N / 4) * 4, K]).
+// apart from the other by its shape ([ceil(N / 64), 64 * K2] instead of [ceil(N / 4) * 4, K]).
 //
-// The order of every output y[m, n] = bf16(x[m]) . w[n]: 16 float32 lanes, lane i accumulating
-// the pairs (32s + 2i, 32s + 2i + 1) over the 32-wide steps s of K (zero-padded to K32, a
-// multiple of 32: padded pairs add exact zeros), then one fixed horizontal sum. It depends on K
-// only: the same bits alone or next to other rows, as for the path above (not the same bits as
-// that path: the activations are rounded, and the sums run in another order).
+// The layout is "vertical": a block holds 64 outputs, and for each pair of k (2s, 2s + 1) the
+// pairs of its 64 weight rows side by side (4 registers, 256 bytes of the stream). A register's 16
+// lanes are 16 outputs: the pair (x[2s], x[2s + 1]) of a row of x is broadcast to every lane and
+// one `vdpbf16ps` adds its products to 16 outputs at once, so a sum never needs a horizontal
+// reduction (the layout before, 4 outputs of 16 lanes each, spent ~20% of a verification's
+// instructions on them; `python -m bench.bench_kernels --step`: 6 rows 1.1x faster, 16 rows 1.2x).
+//
+// The order of every output y[m, n] = bf16(x[m]) . w[n]: one float32 lane accumulating the pairs
+// (2s, 2s + 1) in k order, one `vdpbf16ps` per pair (K zero-padded to K2, even: a padded pair adds
+// exact zeros). It depends on K only: the same bits alone or next to other rows, as for the path
+// above (not the same bits as that path: the activations are rounded, and the sums run in
+// another order).
 constexpr int64_t KB = 32;  // bfloat16 values per 512-bit register
 inline int64_t k32(int64_t K) { return (K + KB - 1) / KB * KB; }
+inline int64_t k2(int64_t K) { return (K + 1) / 2 * 2; }
+constexpr int64_t VN = 64, VZ = VN / 16;  // outputs per block, registers of 16 outputs per block
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl")
@@ -325,13 +335,13 @@ inline void reduce4(const __m512* v, float* out) {
 
 #pragma GCC pop_options
 
-// Rows nb (<= 4) of w [nb, K] -> for each 32-wide step of K, the 32 weights of rows 0, 1, 2, 3
-// (zeros past K and for rows past N): one 256-byte stretch of the stream per step.
+// Rows nb (<= 64) of w [nb, K] -> for each pair (2s, 2s + 1) of K, that pair of rows 0 .. 63 in
+// row order (zeros past K and for rows past N): one 256-byte stretch of the stream per pair.
 void pack_block_dp(const uint16_t* w, int64_t nb, int64_t K, uint16_t* dst) {
   int64_t o = 0;
-  for (int64_t k = 0; k < k32(K); k += KB)
-    for (int64_t j = 0; j < PACK; ++j)
-      for (int64_t i = 0; i < KB; ++i) dst[o++] = (j < nb && k + i < K) ? w[j * K + k + i] : uint16_t(0);
+  for (int64_t k = 0; k < k2(K); k += 2)
+    for (int64_t j = 0; j < VN; ++j)
+      for (int64_t i = 0; i < 2; ++i) dst[o++] = (j < nb && k + i < K) ? w[j * K + k + i] : uint16_t(0);
 }
 
 #pragma GCC push_options
@@ -353,33 +363,36 @@ __attribute__((noinline)) void round_row_bf16(const float* x, int64_t K, uint16_
   }
 }
 
-// MB rows of bfloat16 x [K32] against the 4 weight rows of one dp-packed block.
-// The weights a block's first tile of rows reads DP_PREFETCH bytes ahead of it are prefetched into
-// L2. Without it the hardware prefetcher, which runs a short way ahead of the demand stream,
-// left the memory idle while a step of several rows computed: cold from DRAM (every step: a
-// step's weights are 80 MB), 6 rows took 1.5x one row and 16 took 3.3x, against 1.1x and 2.2x
-// here (`python -m bench.bench_kernels --step`; 3-8 KiB ahead alike; into L1 instead, or from
-// every tile: slower). Steps of 1-3 rows stream as fast without it (2-3 rows: 5-10% slower with).
+// MB rows of bfloat16 x [K2] (stride irrelevant) against the 64 weight rows of one dp-packed
+// block: out[m][n] = x[m] . w[n].
+// The weights a block's first group of rows reads DP_PREFETCH bytes ahead of it are prefetched
+// into L2. Without it the hardware prefetcher, which runs a short way ahead of the demand stream,
+// left the memory idle while a step of several rows computed (cold from DRAM: every step, a
+// step's weights are 80 MB); steps of 1-3 rows stream as fast without it.
 constexpr int64_t DP_PREFETCH = 6144, DP_PREFETCH_ROWS = 4;
 
 template <int MB>
-__attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t* p, int64_t K32, float (*out)[PACK], bool prefetch) {
-  __m512 acc[MB][PACK];
+__attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t* p, int64_t KP, float (*out)[VN],
+                                       bool prefetch) {
+  __m512 acc[MB][VZ];
   for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < PACK; ++j) acc[m][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K32; k += KB, p += KB * PACK) {
+    for (int j = 0; j < VZ; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < KP; ++s, p += 2 * VN) {
     if (prefetch) {
       const char* ahead = reinterpret_cast<const char*>(p) + DP_PREFETCH;
-      for (int o = 0; o < KB * PACK * 2; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T1);  // no fault past the end
+      for (int o = 0; o < 2 * VN * 2; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T1);  // no fault past the end
     }
-    __m512bh w[PACK];
-    for (int j = 0; j < PACK; ++j) w[j] = (__m512bh)_mm512_loadu_si512(p + KB * j);
+    __m512bh w[VZ];
+    for (int j = 0; j < VZ; ++j) w[j] = (__m512bh)_mm512_loadu_si512(p + 32 * j);
     for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[m] + k);
-      for (int j = 0; j < PACK; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
+      int32_t pair;
+      std::memcpy(&pair, x[m] + 2 * s, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < VZ; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, w[j]);
     }
   }
-  for (int m = 0; m < MB; ++m) reduce4(acc[m], out[m]);
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < VZ; ++j) _mm512_storeu_ps(out[m] + 16 * j, acc[m][j]);
 }
 
 #pragma GCC pop_options
@@ -388,32 +401,32 @@ __attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t*
 // 32 registers).
 constexpr int DP_ROWS = 6;
 
-void dots_dp_rows(int rows, const uint16_t* const* x, const uint16_t* p, int64_t K32, float (*out)[PACK], bool prefetch) {
+void dots_dp_rows(int rows, const uint16_t* const* x, const uint16_t* p, int64_t KP, float (*out)[VN], bool prefetch) {
   switch (rows) {
-    case 6: dots_dp<6>(x, p, K32, out, prefetch); break;
-    case 5: dots_dp<5>(x, p, K32, out, prefetch); break;
-    case 4: dots_dp<4>(x, p, K32, out, prefetch); break;
-    case 3: dots_dp<3>(x, p, K32, out, prefetch); break;
-    case 2: dots_dp<2>(x, p, K32, out, prefetch); break;
-    default: dots_dp<1>(x, p, K32, out, prefetch); break;
+    case 6: dots_dp<6>(x, p, KP, out, prefetch); break;
+    case 5: dots_dp<5>(x, p, KP, out, prefetch); break;
+    case 4: dots_dp<4>(x, p, KP, out, prefetch); break;
+    case 3: dots_dp<3>(x, p, KP, out, prefetch); break;
+    case 2: dots_dp<2>(x, p, KP, out, prefetch); break;
+    default: dots_dp<1>(x, p, KP, out, prefetch); break;
   }
 }
 
 // y[m, :N] = bf16(x[m]) @ w.T (+ b), w dp-packed, for M rows of x (tiles of M_TILE rows).
 void linear_dp(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, const float* bias, float* y,
                int threads) {
-  const int64_t K32 = k32(K);
+  const int64_t K32 = k32(K), K2 = k2(K);
   std::vector<uint16_t> xb(M * K32);
   for (int64_t m = 0; m < M; ++m) round_row_bf16(x + m * K, K, xb.data() + m * K32);
-  over_tiles_and_blocks(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
-    const uint16_t* p = wp + blk * PACK * K32;
-    float out[DP_ROWS][PACK];
+  over_tiles_and_blocks<VN>(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
+    const uint16_t* p = wp + blk * VN * K2;
+    alignas(64) float out[DP_ROWS][VN];
     for (int64_t m = m0; m < m1; m += DP_ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(DP_ROWS, m1 - m));
       const uint16_t* xs[DP_ROWS];
       for (int i = 0; i < rows; ++i) xs[i] = xb.data() + (m + i) * K32;
-      dots_dp_rows(rows, xs, p, K32, out, m == m0 && m1 - m0 >= DP_PREFETCH_ROWS);
-      store_block(y, N, m, rows, n0, nb, out, bias);
+      dots_dp_rows(rows, xs, p, K2 / 2, out, m == m0 && m1 - m0 >= DP_PREFETCH_ROWS);
+      store_block<VN>(y, N, m, rows, n0, nb, out, bias);
     }
   });
 }
@@ -731,7 +744,7 @@ static bool cpu_has_dot_bf16() {
 
 // w [N, K] float32 or bfloat16 -> the packed layout (see pack_block) as [ceil(N / 4) * 4, K];
 // dot_bf16 (bfloat16 w, a CPU with AVX512-BF16): the layout of linear_dp (pack_block_dp) as
-// [ceil(N / 4), 4 * K32].
+// [ceil(N / 64), 64 * K2].
 torch::Tensor pack_rows(torch::Tensor w, bool dot_bf16) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
               "pack_rows: w must be float32 or bfloat16 [N, K]");
@@ -740,12 +753,13 @@ torch::Tensor pack_rows(torch::Tensor w, bool dot_bf16) {
   if (dot_bf16) {
     TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "pack_rows: dot_bf16 needs bfloat16 weights");
     TORCH_CHECK(cpu_has_dot_bf16(), "pack_rows: dot_bf16 needs a CPU with AVX512-BF16");
-    auto out = torch::empty({blocks, PACK * k32(K)}, w.options());
+    const int64_t vblocks = (N + VN - 1) / VN;
+    auto out = torch::empty({vblocks, VN * k2(K)}, w.options());
     const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t n0 = blk * PACK;
-      pack_block_dp(src + n0 * K, std::min<int64_t>(PACK, N - n0), K, dst + blk * PACK * k32(K));
+    for (int64_t blk = 0; blk < vblocks; ++blk) {
+      const int64_t n0 = blk * VN;
+      pack_block_dp(src + n0 * K, std::min<int64_t>(VN, N - n0), K, dst + blk * VN * k2(K));
     }
     return out;
   }
@@ -771,7 +785,7 @@ static Packed check_packed(const torch::Tensor& wp, int64_t N, int64_t K, const 
                   (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kBFloat16),
               what, ": packed weights must be contiguous float32 or bfloat16 (pack_rows)");
   const int64_t blocks = (N + PACK - 1) / PACK;
-  if (wp.scalar_type() == torch::kBFloat16 && wp.size(0) == blocks && wp.size(1) == PACK * k32(K)) {
+  if (wp.scalar_type() == torch::kBFloat16 && wp.size(0) == (N + VN - 1) / VN && wp.size(1) == VN * k2(K)) {
     TORCH_CHECK(cpu_has_dot_bf16(), what, ": dot_bf16-packed weights need a CPU with AVX512-BF16");
     return Packed::dot_bf16;
   }

@@ -159,7 +159,7 @@ def test_the_512_bit_attention_has_the_256_bit_kernels_bits(cdtype, hkv, group, 
 
 # --- packed weights ---------------------------------------------------------------------------
 @pytest.mark.parametrize(("wdtype", "layout"), WEIGHTS)
-@pytest.mark.parametrize(("n", "k"), [(301, 77), (6, 5), (8, 16), (9, 64)])  # partial 4-row blocks; K tails; none
+@pytest.mark.parametrize(("n", "k"), [(301, 77), (6, 5), (8, 16), (9, 64), (128, 33)])  # partial blocks; K tails; none
 def test_packed_linear_matches_a_reference_for_any_grouping_of_rows(wdtype, layout, n, k):
     """Rows are computed several (plain: up to 3, dot_bf16: up to 6), fewer or one at a time
     against each weight load depending on M: a row's result must not depend on that (nor on its
@@ -169,8 +169,7 @@ def test_packed_linear_matches_a_reference_for_any_grouping_of_rows(wdtype, layo
     b = torch.randn(n, generator=g)
     x = torch.randn(13, k, generator=g)
     packed = pack(w, layout)
-    blocks = -(-n // 4)
-    shape = (blocks, 4 * (-(-k // 32) * 32)) if layout == "dot_bf16" else (blocks * 4, k)
+    shape = (-(-n // 64), 64 * (-(-k // 2) * 2)) if layout == "dot_bf16" else (-(-n // 4) * 4, k)
     assert packed.shape == shape and packed.dtype == wdtype
     y = cpu_kernels.packed_linear(x, packed, n, b)
     ref = torch.nn.functional.linear(x_ref(x, layout), w.double(), b.double()).float()
@@ -180,8 +179,8 @@ def test_packed_linear_matches_a_reference_for_any_grouping_of_rows(wdtype, layo
             assert torch.equal(cpu_kernels.packed_linear(x[start:stop].clone(), packed, n, b), y[start:stop])
     if layout == "plain":
         assert torch.equal(cpu_kernels.rows_linear(x, w, b), y)
-    with pytest.raises(RuntimeError, match="packed weights of"):
-        cpu_kernels.packed_linear(x, packed, n + 4, None)
+    with pytest.raises(RuntimeError, match="packed weights of"):  # n in another block (4 rows; dot_bf16: 64)
+        cpu_kernels.packed_linear(x, packed, n + (64 if layout == "dot_bf16" else 4), None)
 
 
 @pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.dot_bf16_available(), reason="no AVX512-BF16 on this CPU")
