@@ -552,35 +552,50 @@ inline __m512 load16(const uint16_t* p) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// Query tokens of one request are taken together (a group: consecutive tokens with the same block
+// table, each one position after the last, up to GROUP_TOKENS): each key and value row is loaded
+// and widened once for the group's G * tokens query rows instead of once per token, as a
+// verification's k + 1 tokens are. A row of a token that does not see a position (a later token's
+// key) gets -inf for its score there and skips it in the values, so each (token, head) keeps
+// exactly its own operations: the same bits alone or grouped (the exponentials of the skipped
+// scores are exact zeros added to a non-negative sum).
+constexpr int64_t GROUP_TOKENS = 8;
+
 template <int NZ, typename C>
 void attention_rows_512(const float* q, int64_t T, int64_t H, int64_t D, const C* kc, const C* vc, int64_t bs,
                         int64_t Hkv, const int64_t* tables, int64_t max_blocks, const int64_t* lens, float scale,
                         float* out, int threads) {
   constexpr int HB = NZ >= 16 ? 1 : 16 / NZ;  // heads per value pass: HB * NZ accumulators
   const int64_t G = H / Hkv, row_stride = Hkv * D;
-  int64_t S = 1;  // as attention_rows
-  while (S < Hkv && threads > 1 && ((T * S) % threads != 0 || T * S < threads)) ++S;
-  const int64_t items = T * S;
+  std::vector<int64_t> group_start{0};  // groups of tokens [group_start[i], group_start[i + 1])
+  for (int64_t t = 1; t < T; ++t) {
+    const bool same = t - group_start.back() < GROUP_TOKENS && lens[t] == lens[t - 1] + 1 &&
+                      std::memcmp(tables + t * max_blocks, tables + (t - 1) * max_blocks, sizeof(int64_t) * max_blocks) == 0;
+    if (!same) group_start.push_back(t);
+  }
+  group_start.push_back(T);
+  const int64_t NG = static_cast<int64_t>(group_start.size()) - 1;
+  int64_t S = 1;  // as attention_rows, over groups
+  while (S < Hkv && threads > 1 && ((NG * S) % threads != 0 || NG * S < threads)) ++S;
+  const int64_t items = NG * S;
   const int nt = (threads > 1 && items > 1) ? threads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-#ifdef _OPENMP
-    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-#else
-    const int64_t tid = 0, nth = 1;
-#endif
-    // a contiguous range of items per thread (as schedule(static)), so "the next item" is its own
-    const int64_t chunk = (items + nth - 1) / nth, it0 = std::min(items, tid * chunk),
+    const int tid = nt > 1 ? omp_get_thread_num() : 0;
+    const int64_t chunk = (items + nt - 1) / nt, it0 = std::min(items, tid * chunk),
                   it1 = std::min(items, it0 + chunk);
     std::vector<float> scores, acc, mx, sum;
+    std::vector<int64_t> row_len;
     for (int64_t it = it0; it < it1; ++it) {
-      const int64_t t = it / S, s = it % S, L = lens[t];
-      const int64_t k0 = s * Hkv / S, k1 = (s + 1) * Hkv / S, M = (k1 - k0) * G;
+      const int64_t gi = it / S, s = it % S, t0 = group_start[gi], n = group_start[gi + 1] - t0;
+      const int64_t k0 = s * Hkv / S, k1 = (s + 1) * Hkv / S, MT = (k1 - k0) * G, M = n * MT;
+      const int64_t L0 = lens[t0], L = lens[t0 + n - 1];  // token i sees positions [0, L0 + i)
       const int64_t Mp = (M + 7) / 8 * 8;  // a position's scores, padded to whole 8-lane registers
-      const float* qv = q + (t * H + k0 * G) * D;
       scores.resize(L * Mp);
       acc.resize(M * D);
-      const int64_t* table = tables + t * max_blocks;
+      row_len.resize(M);
+      for (int64_t j = 0; j < M; ++j) row_len[j] = L0 + j / MT;
+      const int64_t* table = tables + t0 * max_blocks;
       const int64_t span = (k1 - k0) * D * static_cast<int64_t>(sizeof(C));
       auto row_of = [&](const C* cache, const int64_t* tab, int64_t p) {
         return cache + (tab[p / bs] * bs + p % bs) * row_stride + k0 * D;
@@ -590,36 +605,49 @@ void attention_rows_512(const float* q, int64_t T, int64_t H, int64_t D, const C
         if (hint == 0) for (int64_t o = 0; o < span; o += 64) _mm_prefetch(b + o, _MM_HINT_T0);
         else for (int64_t o = 0; o < span; o += 64) _mm_prefetch(b + o, _MM_HINT_T1);
       };
-      // scores, position-major: scores[p * Mp + j] = (q_j . k_p) * scale; pad lanes -inf
+      // q row j: token t0 + j / MT, head k0 * G + j % MT
+      auto q_of = [&](int64_t j) { return q + ((t0 + j / MT) * H + k0 * G + j % MT) * D; };
+      // scores, position-major: scores[p * Mp + j] = (q_j . k_p) * scale; unseen and pad lanes -inf
       mx.assign(Mp, -INFINITY);
       for (int64_t p = 0; p < L; ++p) {
         if (p + bs < L) prefetch(row_of(kc, table, p + bs), 0);
         prefetch(row_of(vc, table, p), 1);
         const C* row = row_of(kc, table, p);
         float* sc = scores.data() + p * Mp;
+        const int64_t i0 = std::max<int64_t>(0, p - L0 + 1);  // the first token that sees p
+        for (int64_t j = 0; j < i0 * MT; ++j) sc[j] = -INFINITY;
         alignas(64) __m512 a[4];
+        int64_t dst[4];
         int na = 0;
-        int64_t j = 0;
         for (int64_t h = 0; h < k1 - k0; ++h) {
           __m512 w[NZ];
           for (int z = 0; z < NZ; ++z) w[z] = load16(row + h * D + 16 * z);
-          for (int64_t g = 0; g < G; ++g, ++j) {
-            const float* qq = qv + j * D;
-            __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(qq), w[0], _mm512_setzero_ps());  // as dots: 0 + q k
-            for (int z = 1; z < NZ; ++z) v = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * z), w[z], v);
-            a[na++] = v;
-            if (na == 4) reduce4(a, sc + j - 3), na = 0;
+          for (int64_t i = i0; i < n; ++i) {
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t j = i * MT + h * G + g;
+              const float* qq = q_of(j);
+              __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(qq), w[0], _mm512_setzero_ps());  // as dots: 0 + q k
+              for (int z = 1; z < NZ; ++z) v = _mm512_fmadd_ps(_mm512_loadu_ps(qq + 16 * z), w[z], v);
+              a[na] = v;
+              dst[na++] = j;
+              if (na == 4) {
+                alignas(16) float r4[4];
+                reduce4(a, r4);
+                for (int k = 0; k < 4; ++k) sc[dst[k]] = r4[k];
+                na = 0;
+              }
+            }
           }
         }
         if (na) {
-          alignas(16) float tail[4];
+          alignas(16) float r4[4];
           for (int i = na; i < 4; ++i) a[i] = _mm512_setzero_ps();
-          reduce4(a, tail);
-          for (int i = 0; i < na; ++i) sc[M - na + i] = tail[i];
+          reduce4(a, r4);
+          for (int k = 0; k < na; ++k) sc[dst[k]] = r4[k];
         }
         for (int64_t c = 0; c < Mp; c += 8) {
-          const int64_t n = std::min<int64_t>(8, M - c);
-          const __mmask8 live = n >= 8 ? __mmask8(0xFF) : __mmask8((1u << n) - 1u);
+          const int64_t live_n = std::min<int64_t>(8, M - c);
+          const __mmask8 live = live_n >= 8 ? __mmask8(0xFF) : __mmask8((1u << live_n) - 1u);
           __m256 v = _mm256_mul_ps(_mm256_maskz_loadu_ps(live, sc + c), _mm256_set1_ps(scale));
           v = _mm256_mask_blend_ps(live, _mm256_set1_ps(-INFINITY), v);
           _mm256_storeu_ps(sc + c, v);
@@ -631,7 +659,9 @@ void attention_rows_512(const float* q, int64_t T, int64_t H, int64_t D, const C
       for (int64_t c = 0; c < Mp; c += 8) {
         const __m256 m = _mm256_loadu_ps(mx.data() + c);
         __m256 total = _mm256_setzero_ps();
-        for (int64_t p = 0; p < L; ++p) {
+        // rows c.. see positions up to row_len; later ones' -inf scores give exact zeros
+        const int64_t pe = row_len[std::min(M, c + 8) - 1];
+        for (int64_t p = 0; p < pe; ++p) {
           float* sc = scores.data() + p * Mp + c;
           const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc), m));
           _mm256_storeu_ps(sc, e);
@@ -639,15 +669,18 @@ void attention_rows_512(const float* q, int64_t T, int64_t H, int64_t D, const C
         }
         _mm256_storeu_ps(sum.data() + c, total);
       }
-      // values: heads [j0, j0 + HB) per pass, their accumulators in registers
+      // values: rows [j0, j0 + HB) per pass, their accumulators in registers, each row over its
+      // own positions only
       const bool next = it + 1 < it1;
-      const int64_t tn = (it + 1) / S, Ln = next ? lens[tn] : 0;
+      const int64_t gn = (it + 1) / S, tn = next ? group_start[gn] : 0;
+      const int64_t Ln = next ? lens[group_start[gn + 1] - 1] : 0;
       for (int64_t j0 = 0; j0 < M; j0 += HB) {
         const int64_t hb = std::min<int64_t>(HB, M - j0);
         __m512 ac[HB][NZ];
         for (int h = 0; h < HB; ++h)
           for (int z = 0; z < NZ; ++z) ac[h][z] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < L; ++p) {
+        const int64_t pe = row_len[j0 + hb - 1];
+        for (int64_t p = 0; p < pe; ++p) {
           if (j0 == 0 && p < Ln) {
             const int64_t sn = (it + 1) % S, kn0 = sn * Hkv / S;
             const char* b = reinterpret_cast<const char*>(
@@ -661,7 +694,8 @@ void attention_rows_512(const float* q, int64_t T, int64_t H, int64_t D, const C
           int64_t prev = -1;
           for (int h = 0; h < HB; ++h) {
             if (h >= hb) break;
-            const int64_t kvh = (j0 + h) / G;
+            if (p >= row_len[j0 + h]) continue;  // (an earlier token's row: a later token's position)
+            const int64_t kvh = ((j0 + h) % MT) / G;
             if (kvh != prev) {
               for (int z = 0; z < NZ; ++z) w[z] = load16(row + kvh * D + 16 * z);
               prev = kvh;
@@ -675,7 +709,7 @@ void attention_rows_512(const float* q, int64_t T, int64_t H, int64_t D, const C
       }
       for (int64_t j = 0; j < M; ++j) {
         const float inv = 1.0f / sum[j];
-        float* o = out + (t * H + k0 * G + j) * D;
+        float* o = out + ((t0 + j / MT) * H + k0 * G + j % MT) * D;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[j * D + d] * inv;
       }
     }

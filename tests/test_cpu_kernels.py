@@ -129,15 +129,19 @@ def test_rows_attention_matches_a_dense_reference_and_is_row_invariant(cdtype):
 @pytest.mark.parametrize(("threads", "bs"), [(1, 16), (2, 16), (1, 1)])  # bs 1: slot tables (token trees)
 def test_the_512_bit_attention_has_the_256_bit_kernels_bits(cdtype, hkv, group, d, threads, bs):
     """The AVX-512 kernel (scores' reductions 4 at a time, position-major softmax, output in
-    registers, prefetches) must compute every (token, head) exactly as the AVX2 one: both serve the
-    same engine, and row exactness is stated against either."""
+    registers, prefetches, a request's consecutive tokens taken together) must compute every
+    (token, head) exactly as the AVX2 one, which takes each token alone: both serve the same
+    engine, and row exactness is stated against either."""
     g = torch.Generator().manual_seed(hkv * 100 + d)
     blocks, h = 640 // bs, hkv * group
     k_cache = (torch.randn(blocks, bs, hkv, d, generator=g) * 3).to(cdtype)
     v_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(cdtype)
-    t_ = 7
-    tables = torch.stack([torch.randperm(blocks, generator=g)[: 96 // bs] for _ in range(t_)])
-    lens = torch.tensor([1, 15, 16, 17, 40, 95, 96], dtype=torch.int64)
+    # seven lone tokens, then two verifications: 11 consecutive tokens of one request (more than a
+    # group holds) and 3 of another from its first position, next to a lone token at 40
+    table = [torch.randperm(blocks, generator=g)[: 96 // bs] for _ in range(10)]
+    tables = torch.stack(table[:7] + [table[7]] * 11 + [table[8]] * 3 + [table[9]])
+    lens = torch.tensor([1, 15, 16, 17, 40, 95, 96, *range(50, 61), 1, 2, 3, 40], dtype=torch.int64)
+    t_ = len(lens)
     q = torch.randn(t_, h, d, generator=g)
     q[2, 0] = 0.0  # every score 0 for one head
     scale = 1 / math.sqrt(d)
