@@ -93,8 +93,10 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def rows_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """query [T, H, D] -> [T, H, D] in query's dtype: each token over the first ctx_lens[t]
-    positions of its own block table row (block_tables [T, max_blocks] int64)."""
-    return _module().rows_attention(query.float(), k_cache, v_cache, block_tables, ctx_lens, scale).to(query.dtype)
+    positions of its own block table row (block_tables [T, max_blocks] int64). bfloat16 caches
+    on a CPU with AVX512-BF16 (`dot_bf16_available`): bfloat16 products (`dot_attention`)."""
+    return _module().rows_attention(query.float(), k_cache, v_cache, block_tables, ctx_lens, scale,
+                                    dot_bf16_available()).to(query.dtype)
 
 
 def wide_attention(on: bool) -> bool:
@@ -103,6 +105,15 @@ def wide_attention(on: bool) -> bool:
     to switch, where the kernels are not built)."""
     mod = _module()
     return mod.set_wide_attention(on) if mod is not None else False
+
+
+def dot_attention(on: bool) -> bool:
+    """Let bfloat16 caches' attention run on AVX512-BF16 dot products (cpu_rows.cpp
+    `attention_rows_dp`: q and the softmax weights rounded to bfloat16, as torch's bfloat16
+    attention takes them) where the CPU has them; off, the float32 kernels (`wide_attention`).
+    On by default unless `SPECDECODE_CPU_BF16_DOT` is "0". Returns the previous setting."""
+    mod = _module()
+    return mod.set_dot_attention(on) if mod is not None else False
 
 
 def has_avx512() -> bool:

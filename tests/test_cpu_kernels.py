@@ -102,8 +102,16 @@ def reference_attention(q, k_cache, v_cache, tables, lens, scale):
     return out
 
 
+@pytest.fixture
+def float32_attention():
+    """The float32 attention kernels for bfloat16 caches too (not `attention_rows_dp`)."""
+    before = cpu_kernels.dot_attention(False)
+    yield
+    cpu_kernels.dot_attention(before)
+
+
 @pytest.mark.parametrize("cdtype", [torch.float32, torch.bfloat16])
-def test_rows_attention_matches_a_dense_reference_and_is_row_invariant(cdtype):
+def test_rows_attention_matches_a_dense_reference_and_is_row_invariant(cdtype, float32_attention):
     g = torch.Generator().manual_seed(1)
     blocks, bs, hkv, d, h = 12, 4, 2, 32, 4
     k_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(cdtype)
@@ -127,7 +135,7 @@ def test_rows_attention_matches_a_dense_reference_and_is_row_invariant(cdtype):
 @pytest.mark.parametrize("cdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("hkv", "group", "d"), [(4, 2, 64), (2, 4, 32), (1, 8, 128), (3, 1, 16), (2, 3, 256), (5, 1, 64)])
 @pytest.mark.parametrize(("threads", "bs"), [(1, 16), (2, 16), (1, 1)])  # bs 1: slot tables (token trees)
-def test_the_512_bit_attention_has_the_256_bit_kernels_bits(cdtype, hkv, group, d, threads, bs):
+def test_the_512_bit_attention_has_the_256_bit_kernels_bits(cdtype, hkv, group, d, threads, bs, float32_attention):
     """The AVX-512 kernel (scores' reductions 4 at a time, position-major softmax, output in
     registers, prefetches, a request's consecutive tokens taken together) must compute every
     (token, head) exactly as the AVX2 one, which takes each token alone: both serve the same
@@ -136,11 +144,7 @@ def test_the_512_bit_attention_has_the_256_bit_kernels_bits(cdtype, hkv, group, 
     blocks, h = 640 // bs, hkv * group
     k_cache = (torch.randn(blocks, bs, hkv, d, generator=g) * 3).to(cdtype)
     v_cache = torch.randn(blocks, bs, hkv, d, generator=g).to(cdtype)
-    # seven lone tokens, then two verifications: 11 consecutive tokens of one request (more than a
-    # group holds) and 3 of another from its first position, next to a lone token at 40
-    table = [torch.randperm(blocks, generator=g)[: 96 // bs] for _ in range(10)]
-    tables = torch.stack(table[:7] + [table[7]] * 11 + [table[8]] * 3 + [table[9]])
-    lens = torch.tensor([1, 15, 16, 17, 40, 95, 96, *range(50, 61), 1, 2, 3, 40], dtype=torch.int64)
+    tables, lens = _tokens_and_groups(blocks, bs, g)
     t_ = len(lens)
     q = torch.randn(t_, h, d, generator=g)
     q[2, 0] = 0.0  # every score 0 for one head
@@ -159,6 +163,61 @@ def test_the_512_bit_attention_has_the_256_bit_kernels_bits(cdtype, hkv, group, 
     assert torch.equal(wide, narrow)
     ref = reference_attention(q, k_cache, v_cache, tables, lens, scale).float()
     torch.testing.assert_close(wide, ref, rtol=1e-5, atol=1e-5)
+
+
+def _tokens_and_groups(blocks: int, bs: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables and context lengths of lone tokens and of two verifications (a request's
+    consecutive tokens): 11 of one request (more than a work item takes) and 3 of another from its
+    first position."""
+    table = [torch.randperm(blocks, generator=g)[: 96 // bs] for _ in range(10)]
+    tables = torch.stack(table[:7] + [table[7]] * 11 + [table[8]] * 3 + [table[9]])
+    lens = torch.tensor([1, 15, 16, 17, 40, 95, 96, *range(50, 61), 1, 2, 3, 40], dtype=torch.int64)
+    return tables, lens
+
+
+@pytest.mark.skipif(not cpu_kernels.dot_bf16_available(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize(("hkv", "group", "d"), [(4, 2, 64), (2, 4, 32), (1, 8, 128), (2, 3, 256)])
+@pytest.mark.parametrize(("threads", "bs"), [(1, 16), (2, 16), (1, 1)])
+def test_dot_product_attention_matches_its_definition_and_is_row_invariant(hkv, group, d, threads, bs):
+    """bfloat16 caches on AVX512-BF16 (cpu_rows.cpp attention_rows_dp): scores from q rounded to
+    bfloat16, the softmax weights rounded to bfloat16 against the values and divided by the
+    unrounded sum, against that definition in float64; a token's result is bit-identical alone,
+    in a verification group, or next to other requests, with 1 or 2 threads; and it is not the
+    float32 kernels' result (the path ran)."""
+    g = torch.Generator().manual_seed(d + bs)
+    blocks, h = 640 // bs, hkv * group
+    k_cache = (torch.randn(blocks, bs, hkv, d, generator=g) * 3).bfloat16()
+    v_cache = torch.randn(blocks, bs, hkv, d, generator=g).bfloat16()
+    tables, lens = _tokens_and_groups(blocks, bs, g)
+    q = torch.randn(len(lens), h, d, generator=g)
+    scale = 1 / math.sqrt(d)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, scale)
+        alone = [cpu_kernels.rows_attention(q[t : t + 1].clone(), k_cache, v_cache, tables[t : t + 1], lens[t : t + 1], scale)
+                 for t in range(len(lens))]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(torch.cat(alone), out)
+    ref = torch.empty(q.shape, dtype=torch.float64)
+    qb = q.bfloat16().double()
+    for t in range(len(lens)):
+        n = int(lens[t])
+        slots = [int(tables[t, p // bs]) * bs + p % bs for p in range(n)]
+        k = k_cache.reshape(-1, hkv, d)[slots].double()
+        v = v_cache.reshape(-1, hkv, d)[slots].double()
+        for hh in range(h):
+            kv = hh // group
+            s_ = (k[:, kv] @ qb[t, hh]).float() * scale  # (the kernel scales the float32 score)
+            e = torch.exp(s_.double() - s_.double().max())
+            ref[t, hh] = (e.float().bfloat16().double() @ v[:, kv]) / e.sum()
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    before = cpu_kernels.dot_attention(False)
+    try:
+        assert not torch.equal(cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, scale), out)
+    finally:
+        cpu_kernels.dot_attention(before)
 
 
 # --- packed weights ---------------------------------------------------------------------------
