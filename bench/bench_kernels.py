@@ -19,6 +19,11 @@ head, 80 MB in bfloat16), so the weights come from DRAM as in the engine, e.g.
 
     python -m bench.bench_kernels --step --rows 1,2,4,5,6,8,12,16 --dtypes bfloat16 --layouts dp
 
+`--attention` times the rows path's attention of a step over the 12 layers' bfloat16 caches of the
+shipped target's shape (230 positions of context): one decode token, a verification of 5 drafts
+(6 tokens of one request), 16 requests' decode tokens; `attention_rows_dp` (AVX512-BF16 dot
+products) against the float32 kernel, interleaved (`--out` default bench/results/rows_attention.json).
+
 `--prefill-attention` times the torch backend's attention of prompt chunks (q_len query tokens
 after `context` cached ones, the shipped target's heads, bfloat16) through
 `cpu_kernels.prefill_attention` and through SDPA (the path before it), interleaved; then the
@@ -67,9 +72,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--step", action="store_true", help="time a whole step's products (cold weights)")
     ap.add_argument("--prefill-attention", action="store_true",
                     help="prefill_attention vs SDPA on prompt chunks, and a 1.5k-token prefill with each")
+    ap.add_argument("--attention", action="store_true",
+                    help="the rows path's attention of a step: dot products (bfloat16) vs the float32 kernel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.attention:
+        return rows_attention_bench(args.reps, args.out or str(RESULTS / "rows_attention.json"))
     if args.prefill_attention:
         return prefill_attention_bench(args.reps, args.out or str(RESULTS / "prefill_attention.json"))
     args.out = args.out or str(RESULTS / "kernels.json")
@@ -128,6 +137,37 @@ def main(argv=None) -> dict:
     results = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def rows_attention_bench(reps: int, out: str) -> dict:
+    """See the module docstring (`--attention`)."""
+    g = torch.Generator().manual_seed(0)
+    bs, hkv, d, h, blocks, ctx = 16, 4, 64, 8, 128, 230  # the shipped target's heads, bfloat16 caches
+    layers = [tuple(torch.randn(blocks, bs, hkv, d, generator=g).bfloat16() for _ in range(2)) for _ in range(12)]
+    mod = cpu_kernels._module()
+    rows = []
+    for name, tokens, requests in (("decode, 1 request", 1, 1), ("verification of 5 drafts", 6, 1),
+                                   ("decode, 16 requests", 16, 16)):
+        tables = torch.stack([torch.randperm(blocks, generator=g)[: -(-ctx // bs)] for _ in range(requests)])
+        tables = tables.repeat_interleave(tokens // requests, 0).contiguous()
+        lens = (torch.arange(ctx - tokens + 1, ctx + 1) if requests == 1 else torch.full((tokens,), ctx)).to(torch.int64)
+        q = torch.randn(tokens, h, d, generator=g)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(reps * 20):
+            for dot in ((True, False) if rep % 2 == 0 else (False, True)):
+                t0 = time.perf_counter()
+                for k, v in layers:
+                    mod.rows_attention(q, k, v, tables, lens, d**-0.5, dot)
+                times[dot].append(time.perf_counter() - t0)
+        row = {"step": name, "query_tokens": tokens, "context": ctx,
+               "float32_us": 1e6 * statistics.median(times[False]), "dot_us": 1e6 * statistics.median(times[True])}
+        row["speedup"] = row["float32_us"] / row["dot_us"]
+        rows.append(row)
+        print(row, flush=True)
+    print(table(rows, ["step", "query_tokens", "context", "float32_us", "dot_us", "speedup"]))
+    results = {"machine": machine_info(), "rows": rows}
+    Path(out).write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
