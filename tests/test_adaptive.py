@@ -204,6 +204,33 @@ def test_best_cap_uses_measured_calibration():
     assert spec.best_cap(1, [r], [1]) == 0
 
 
+@pytest.mark.parametrize("floor", [True, False])
+def test_a_batch_does_not_speculate_on_steps_with_drafts_measured_cheaper_than_steps_without(monkeypatch, floor):
+    """16 requests whose decode steps without drafts measured 1.5x the curve and with drafts
+    1.05x (stop 34's sustained load, where speculating ran slower): with several requests a
+    step with drafts is taken as at least as slow as the curve says steps without are
+    (FLOOR_ON_AT_OFF), so the batch stays off; without the floor (the control) it speculates. One
+    request keeps its own ratios."""
+    from engine.spec import speculator as spm
+
+    monkeypatch.setattr(spm, "FLOOR_ON_AT_OFF", floor)
+    spec = Speculator(SpeculativeConfig(method="draft", model="unused"), FixedCostProposer(0.0), 1000)
+    qs = [1, 2, 3, 5, 9]
+    spec.cost = StepCostModel([1, 16], qs, [[1.0 + 0.1 * (q - 1) for q in qs], [10.0 + 8.5 * (q - 1) for q in qs]])
+    rs = [request(i) for i in range(16)]
+    for i in range(1000):
+        for r in rs:
+            spec.acceptance.observe(r, 1, int(i % 10 < 8))  # 80% at position 1
+    for _ in range(8):
+        spec.calibration.add(16, False, 1.5, 16)
+        spec.calibration.add(16, True, 1.05, 32)
+        spec.calibration.add(1, False, 1.5, 1)
+        spec.calibration.add(1, True, 1.05, 2)
+    # raw: 16 * 1.8 tokens / (18.5 * 1.05) beats 16 / (10 * 1.5); floored: / (18.5 * 1.5) does not
+    assert (spec.best_cap(16, rs, [1] * 16) == 0) == floor
+    assert spec.best_cap(1, rs[:1], [1]) == 1
+
+
 class LookupProposer(Proposer):
     """Pretends to be n-gram lookup: drafts only for requests listed in `found`."""
 

@@ -48,6 +48,14 @@ REQUEST_PRIOR_TRIALS = 4.0  # weight of the engine-wide rate in a request's own 
 # predicted time of a step with drafts runs 2-5% short of the measured one (bench, batch 16), so
 # a smaller predicted gain is a coin flip that costs the variance of speculating.
 MIN_GAIN = 1.03
+# With several requests, a step with drafts is predicted at least as slow, relative to the
+# start-up curve, as the same batch's steps without (the on-side ratio floored at the off side's).
+# The calibrated ratios cover pure decode steps; what a batch's speculation also costs is not in
+# them: the drafter's catch-up over every admitted prompt, the steps that verify next to a
+# prefill. At 16 sustained requests (stop 34) decode steps without drafts measured 1.5x the curve
+# and with drafts 1.05x, so speculation looked 35% faster and ran 15-20% slower (560-590 vs
+# 660-710 tokens/s) until the floor. One request's steps keep their own ratios (the batch-1 k).
+FLOOR_ON_AT_OFF = True
 GLOBAL_DECAY = 1.0 / 256  # engine-wide counts forget with a horizon of ~256 verifications
 TREE_PROBE_EVERY = 16  # with adaptive trees, a step drafts trees this often even where chains pay more,
 TREE_PROBE_WITHIN = 0.8  # if the trees' predicted tokens/s is at least this fraction of the chain's
@@ -575,7 +583,8 @@ class Speculator:
         Rate(c) = (non-speculating tokens + sum_i E[tokens of request i | min(k_i, c) drafts]) /
         (target time for num_decoding + sum_i min(k_i, c) tokens + drafting time at c), the
         target times scaled by the measured calibration of steps without (c = 0) and with drafts
-        (per point where measured); a c > 0 must beat c = 0 by MIN_GAIN.
+        (per point where measured; with several requests at least the former, FLOOR_ON_AT_OFF);
+        a c > 0 must beat c = 0 by MIN_GAIN.
         """
         if self.cost is None:
             return max(ks), 0.0
@@ -583,11 +592,12 @@ class Speculator:
         off = cal.ratio(num_decoding, False, num_decoding)
         best_c, best_rate = 0, MIN_GAIN * num_decoding / (off * self.cost(num_decoding, num_decoding))
         probs = [self.acceptance.accept_probs(r, k) for r, k in zip(requests, ks, strict=True)]
+        floor = off if FLOOR_ON_AT_OFF and num_decoding > 1 else 0.0
         for c in range(1, max(ks) + 1):
             capped = [min(k, c) for k in ks]
             num_tokens = num_decoding + sum(capped)
-            time_s = (cal.ratio(num_decoding, True, num_tokens) * self.cost(num_decoding, num_tokens)
-                      + self.proposer.step_cost(len(ks), c))
+            on = max(floor, cal.ratio(num_decoding, True, num_tokens))
+            time_s = on * self.cost(num_decoding, num_tokens) + self.proposer.step_cost(len(ks), c)
             tokens = num_decoding + sum(sum(p[:k]) for p, k in zip(probs, capped, strict=True))
             if tokens / time_s > best_rate:
                 best_c, best_rate = c, tokens / time_s
