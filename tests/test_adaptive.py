@@ -21,6 +21,7 @@ from engine.spec.speculator import (
     Speculator,
     StepCalibration,
     StepCostModel,
+    monotone,
 )
 
 
@@ -229,6 +230,34 @@ def test_a_batch_does_not_speculate_on_steps_with_drafts_measured_cheaper_than_s
     # raw: 16 * 1.8 tokens / (18.5 * 1.05) beats 16 / (10 * 1.5); floored: / (18.5 * 1.5) does not
     assert (spec.best_cap(16, rs, [1] * 16) == 0) == floor
     assert spec.best_cap(1, rs[:1], [1]) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.1, 100.0), min_size=1, max_size=12))
+def test_monotone_is_the_least_squares_non_decreasing_fit(values):
+    """Pool adjacent violators: non-decreasing, the same sum, unchanged where already sorted, and
+    no worse in squared error than the running maximum (another non-decreasing fit)."""
+    fit = monotone(values)
+    assert len(fit) == len(values)
+    assert all(a <= b * (1 + 1e-12) for a, b in zip(fit, fit[1:]))
+    assert sum(fit) == pytest.approx(sum(values))
+    if values == sorted(values):
+        assert fit == pytest.approx(values)
+    running = [max(values[: i + 1]) for i in range(len(values))]
+    err = sum((f - v) ** 2 for f, v in zip(fit, values, strict=True))
+    assert err <= sum((r - v) ** 2 for r, v in zip(running, values, strict=True)) + 1e-9
+    assert monotone([3.0, 1.0, 2.0, 5.0, 4.0]) == pytest.approx([2.0, 2.0, 2.0, 4.5, 4.5])
+
+
+def test_a_lone_request_step_times_never_fall_with_more_drafts():
+    """A point measured slow among faster neighbours (k = 5 above k = 4 and 6, as stop 34 saw)
+    does not make its neighbours look cheaper than it: the times per k are non-decreasing."""
+    spec = speculator_with([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4])
+    for _ in range(8):
+        for tokens, ratio in ((1, 1.0), (2, 1.0), (5, 1.0), (6, 1.5), (7, 1.0)):
+            spec.calibration.add(1, tokens > 1, ratio, tokens)
+    times = spec._k_times(6, None)
+    assert all(a <= b for a, b in zip(times, times[1:])), times
 
 
 class LookupProposer(Proposer):

@@ -126,6 +126,19 @@ class StepCostModel:
                 for j, q in enumerate(self.tokens_per_request)}
 
 
+def monotone(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators: each run that
+    decreases is replaced by its mean, merging backwards while the means still decrease)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 class StepCalibration:
     """Measured step time / the cost model's prediction, for decode steps with drafts ("on"),
     without ("off") and with token trees ("tree": a tree's verification also pays its mask and
@@ -462,8 +475,10 @@ class Speculator:
     # --- cost model -------------------------------------------------------------------------
     @torch.inference_mode()
     def profile(self, runner, max_num_seqs: int, max_tokens: int) -> StepCostModel:
-        """Time the target on B requests x q tokens each (B = 1, 4, 16; q = 1, 2, 3, 4, 5, 7, 9:
-        one token, or k + 1 for k = 1, 2, 3, 4, 6, 8), each over 128 tokens of context, using free
+        """Time the target on B requests x q tokens each (B = 1, 4, 16; q = 1 .. 9: one token, or
+        k + 1 for k = 1 .. 8; q = 6 and 8 since stop 34: the CPU's packed products take up to 6
+        rows per pass over the weights, so 7 tokens cost a step over 6 that the line from 5 to 7
+        put at 6, and the policy, paying it for k = 5, drafted 4 or 6), each over 128 tokens of context, using free
         KV blocks. The points are timed in PROFILE_ROUNDS rounds, every point once per round, and
         each keeps its fastest round (the least disturbed by other work on the host): a burst of
         noise then costs one round of every point rather than all the samples of one (timed back
@@ -475,7 +490,7 @@ class Speculator:
         bs = runner.block_size
         num_blocks = runner.kv_caches[0][0].shape[0]
         batch_sizes = [b for b in (1, 4, 16) if b <= max_num_seqs] or [1]
-        per_request = [1, 2, 3, 4, 5, 7, 9]
+        per_request = [1, 2, 3, 4, 5, 6, 7, 8, 9]
         fits = [(b, q) for b in batch_sizes for q in per_request if b * q <= max_tokens]
         best: dict[tuple[int, int], float] = {}
         for rnd in range(PROFILE_ROUNDS + 1):  # (round 0 untimed: first calls of each shape)
@@ -546,14 +561,17 @@ class Speculator:
     def _k_times(self, k_max: int, step_index: int | None) -> list[float]:
         """[the target's one-token step] + [its step over 1 + k tokens + drafting k, k = 1..], a
         request alone: the start-up curve scaled by batch 1's measured calibration, per point where
-        measured (`StepCalibration`; none from other batch sizes). The same for every request of a
-        step, so made once per step (`step_index`)."""
+        measured (`StepCalibration`; none from other batch sizes), made non-decreasing in k
+        (`monotone`: a step of more tokens and drafts never costs less; each point's ratio is a
+        median of a few noisy steps, and stop 34 measured k = 5's above k = 4's and k = 6's, so
+        the policy drafted 4 or 6 and averaged 1.72x where a fixed k = 5 made 1.98x). The same for
+        every request of a step, so made once per step (`step_index`)."""
         cached = self._k_times_cache
         if step_index is None or cached is None or cached[0] != step_index or len(cached[1]) <= k_max:
             cal = self.calibration
-            times = [cal.ratio(1, False, 1, borrow=False) * self.cost(1, 1)] + [
+            times = monotone([cal.ratio(1, False, 1, borrow=False) * self.cost(1, 1)] + [
                 cal.ratio(1, True, 1 + k, borrow=False) * self.cost(1, 1 + k) + self.proposer.step_cost(1, k)
-                for k in range(1, k_max + 1)]
+                for k in range(1, k_max + 1)])
             if step_index is None:
                 return times
             self._k_times_cache = cached = (step_index, times)
