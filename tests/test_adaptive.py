@@ -5,6 +5,7 @@ measured by bench/bench_spec.py, not asserted here."""
 from __future__ import annotations
 
 import collections
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -239,7 +240,7 @@ def test_monotone_is_the_least_squares_non_decreasing_fit(values):
     no worse in squared error than the running maximum (another non-decreasing fit)."""
     fit = monotone(values)
     assert len(fit) == len(values)
-    assert all(a <= b * (1 + 1e-12) for a, b in zip(fit, fit[1:]))
+    assert all(a <= b * (1 + 1e-12) for a, b in itertools.pairwise(fit))
     assert sum(fit) == pytest.approx(sum(values))
     if values == sorted(values):
         assert fit == pytest.approx(values)
@@ -257,7 +258,7 @@ def test_a_lone_request_step_times_never_fall_with_more_drafts():
         for tokens, ratio in ((1, 1.0), (2, 1.0), (5, 1.0), (6, 1.5), (7, 1.0)):
             spec.calibration.add(1, tokens > 1, ratio, tokens)
     times = spec._k_times(6, None)
-    assert all(a <= b for a, b in zip(times, times[1:])), times
+    assert all(a <= b for a, b in itertools.pairwise(times)), times
 
 
 class LookupProposer(Proposer):
