@@ -8,7 +8,8 @@ Part 1: adaptive speculation, each model drafter over its shipped draft vocabula
 1, code) the same drafter over the whole vocabulary, under three loads: batch 1 (one request at a
 time), 16 at once (16 requests submitted together; the run ends with its slowest request), and 16
 sustained (64 requests through 16 slots: a finished request's slot takes the next one, as under
-steady load). Every configuration is loaded first, then the loads run `--repeats` times with the
+steady load). Every configuration is loaded and warmed up first (`--warm-up` untimed requests on
+other held-out prompts), then the loads run `--repeats` times with the
 configurations interleaved (order reversed every other repetition); a row reports the median
 tokens/s and the median of the per-repetition ratios to no speculation, so drift of the shared
 host hits both sides of a ratio alike. tokens/s counts each run end to end, prompts' prefill
@@ -138,8 +139,19 @@ def with_step_fraction(row: dict, target_step_ms: float | None) -> dict:
 LOADS = ("batch 1", "16 at once", "16 sustained")
 
 
+def warm_up(llm: LLM, warm_prompts, new_tokens: int) -> None:
+    """Each configuration's warm-up, untimed: the first calls of each shape, and the adaptive
+    policy's first steps, as a server has them behind it once it has served a few requests (the
+    drafter's per-length round times, the calibration of its steps, each draft position's
+    acceptance; until stop 35 the warm-up was one 8-token request, and the first timed repetition
+    paid the policy's first steps: in one run, 22 steps at k = 2). Held-out prompts other than the
+    measured ones, code then sampled text, one at a time."""
+    for i, p in enumerate(warm_prompts):
+        llm.generate([p], params_for("code" if i % 2 == 0 else "unpredictable", new_tokens, 1000 + i))
+
+
 def part1(prompts, batch_prompts, sustained_prompts, new_tokens: int, k: int, methods: list[str],
-          ablate_draft_vocab: bool, repeats: int) -> list[dict]:
+          ablate_draft_vocab: bool, repeats: int, warm_prompts=()) -> list[dict]:
     configs = [(m, None) for m in [None, *methods]]
     if ablate_draft_vocab:
         # (n-gram lookup has no LM head; an EAGLE-3 checkpoint's d2t fixes its draft vocabulary)
@@ -147,7 +159,7 @@ def part1(prompts, batch_prompts, sustained_prompts, new_tokens: int, k: int, me
     llms, names, step_ms = {}, {}, {}
     for method, dv in configs:
         llm = make_llm(method, k, adaptive=True, max_num_seqs=len(batch_prompts), draft_vocab_size=dv)
-        llm.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        warm_up(llm, warm_prompts or prompts[:1], new_tokens)
         vocab = draft_vocab_of(llm)
         name = f"ours, {method or 'no speculation'}" + (f" (adaptive, k<={k}" if method else "")
         if method:
@@ -273,6 +285,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--sustained-requests", type=int, default=64,
                     help="requests of the sustained load, run through --concurrency slots")
     ap.add_argument("--repeats", type=int, default=3, help="repetitions of part 1 (medians reported)")
+    ap.add_argument("--warm-up", type=int, default=4,
+                    help="untimed requests each configuration of part 1 serves first (`warm_up`)")
     ap.add_argument("-k", type=int, default=6, help="k cap for the adaptive runs of part 1")
     ap.add_argument("--methods", default="draft,ngram,eagle3,mtp")
     ap.add_argument("--sweep", action="store_true", help="also run the k = 1..8 sweep (part 2)")
@@ -295,10 +309,11 @@ def main(argv=None) -> dict:
     prompts = code_prompts(tokenizer, args.prompts, args.prompt_len, seed=1)
     batch_prompts = code_prompts(tokenizer, args.concurrency, args.prompt_len, seed=2)
     sustained_prompts = code_prompts(tokenizer, args.sustained_requests, args.prompt_len, seed=3)
+    warm_prompts = code_prompts(tokenizer, args.warm_up, args.prompt_len, seed=4)
     results: dict = {"machine": machine_info(), "args": vars(args)}
     if not args.skip_part1:
         rows = part1(prompts, batch_prompts, sustained_prompts, args.new_tokens, args.k, methods,
-                     not args.no_ablation, args.repeats)
+                     not args.no_ablation, args.repeats, warm_prompts)
         results["part1"] = rows
         results["part1_plot"] = plot_part1(rows, args.name)
         print(table(rows, ["workload", "load", "system", "tokens_per_s", "ratio_vs_no_spec", "tpot_ms", "tpot_ratio_vs_no_spec",

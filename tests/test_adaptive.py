@@ -18,6 +18,7 @@ from engine.request import Request
 from engine.spec.proposers.base import Draft, ProposeContext, Proposer
 from engine.spec.speculator import (
     MIN_GAIN,
+    POINT_SAMPLES,
     AcceptanceModel,
     Speculator,
     StepCalibration,
@@ -483,15 +484,42 @@ def test_a_lone_request_drafts_the_k_its_measured_steps_favour(monkeypatch, expl
         assert common == 2 and spec.num_explored == 0
 
 
-def test_a_point_measured_before_the_host_slowed_keeps_its_shape_not_its_level():
-    """Steps of 6 tokens measured at 0.8x the level of the 3-token steps around them; then the host
-    slows by 1.5x and only 3-token steps run. The 6-token point reads 0.8x the level now (1.2), not
-    the 0.8 it measured back then, which would make it look twice as cheap as it is."""
+def test_a_points_ratio_does_not_move_with_the_mix_of_other_points():
+    """Steps of 3 tokens measure 1.0x the curve and steps of 6 tokens 1.25x, first one 6-token
+    step in four, then three in four (the policy's k changed, the host did not). Each point reads
+    its own steps: 1.0 and 1.25 throughout. (Read relative to the side's median at the time, as
+    until stop 35, the 6-token point came out 1.25 / 1.0 * 1.25 = 1.56x once the mix changed.)"""
+    cal = StepCalibration()
+    for i in range(32):
+        six = i % 4 == 3
+        cal.add(1, True, 1.25 if six else 1.0, num_tokens=6 if six else 3)
+    assert cal.ratio(1, True, 6) == pytest.approx(1.25) and cal.ratio(1, True, 3) == pytest.approx(1.0)
+    for i in range(32):
+        six = i % 4 != 3
+        cal.add(1, True, 1.25 if six else 1.0, num_tokens=6 if six else 3)
+    assert cal.ratio(1, True, 6) == pytest.approx(1.25) and cal.ratio(1, True, 3) == pytest.approx(1.0)
+
+
+def test_a_point_not_measured_for_a_while_is_forgotten_and_explored_again():
+    """Steps of 6 tokens measured at 0.8 while the host was fast; then the host slows by 1.5x and
+    only 3-token steps run. Within POINT_HORIZON steps the 6-token point keeps its 0.8; after it,
+    it reads as unmeasured (its side's median, 1.5: the host's level now) and counts no samples,
+    so a lone request explores it again."""
+    from engine.spec.speculator import POINT_HORIZON
+
     cal = StepCalibration()
     for i in range(24):
         cal.add(1, True, 0.8 if i % 4 == 3 else 1.0, num_tokens=6 if i % 4 == 3 else 3)
-    assert cal.ratio(1, True, 6) == pytest.approx(0.8)
-    for _ in range(40):
+    for _ in range(POINT_HORIZON - 24):  # (the first 6-token step, the 4th, is POINT_HORIZON - 4 steps ago)
         cal.add(1, True, 1.5, num_tokens=3)
-    assert cal.ratio(1, True, 3) == pytest.approx(1.5)
-    assert cal.ratio(1, True, 6) == pytest.approx(1.2)
+    assert cal.ratio(1, True, 6) == pytest.approx(0.8) and cal.samples(1, True, 6) == 6
+    for _ in range(16):  # 4 of the 6 fall past the horizon
+        cal.add(1, True, 1.5, num_tokens=3)
+    assert cal.samples(1, True, 6) < POINT_SAMPLES
+    assert cal.ratio(1, True, 6) == pytest.approx(1.5)
+    # other sides and batch buckets keep their own clocks
+    for _ in range(3):
+        cal.add(16, False, 1.1, num_tokens=16)
+    for _ in range(2 * POINT_HORIZON):
+        cal.add(1, True, 1.5, num_tokens=3)
+    assert cal.ratio(16, False, 16) == pytest.approx(1.1)

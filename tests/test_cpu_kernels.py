@@ -76,6 +76,23 @@ def test_packed_linear_over_row_tiles_is_row_invariant(wdtype, layout):
         assert torch.equal(cpu_kernels.packed_linear(x[i : i + 1].clone(), packed, 70, None), y[i : i + 1])
 
 
+@pytest.mark.parametrize(("wdtype", "layout"), WEIGHTS)
+def test_packed_linear_gives_a_row_its_bits_at_every_row_count(wdtype, layout):
+    """Verification- and batch-sized products, 1..20 rows (the dot_bf16 layout runs more than 6
+    rows as groups taking turns over chunks of 64 pairs of k: 300 columns are 3 chunks, the last
+    partial), and a full 48-row tile: each row has the bits it gets alone, whatever group and
+    chunk it ran in, and the products match float64."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(130, 300, generator=g).to(wdtype)  # 130 outputs: 3 blocks of 64, the last partial
+    x = torch.randn(48, 300, generator=g)
+    packed = pack(w, layout)
+    alone = torch.cat([cpu_kernels.packed_linear(x[i : i + 1].clone(), packed, 130, None) for i in range(48)])
+    torch.testing.assert_close(alone, torch.nn.functional.linear(x_ref(x, layout), w.double()).float(),
+                               rtol=1e-5, atol=1e-4)
+    for m in [*range(2, 21), 48]:
+        assert torch.equal(cpu_kernels.packed_linear(x[:m], packed, 130, None), alone[:m]), m
+
+
 def test_rows_linear_keeps_the_input_dtype_and_refuses_bad_input():
     w = torch.randn(8, 16)
     assert cpu_kernels.rows_linear(torch.randn(2, 16, dtype=torch.bfloat16), w, None).dtype == torch.bfloat16

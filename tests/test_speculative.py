@@ -257,6 +257,34 @@ def test_drafting_cost_ignores_prompt_catch_up_rounds():
     assert timer.seconds(16) == pytest.approx(0.003)
 
 
+def test_drafting_rounds_are_priced_by_their_length_not_by_the_mean_forward():
+    """Rounds of a fused chain cost 0.37 ms + 0.19 ms per draft after the first (the shipped
+    EAGLE-3 head at batch 1). The mean per forward (0.26 ms at 5 drafts) prices 5 drafts right,
+    but 1 draft at 0.26 ms where it costs 0.37, and each further draft at 0.26 where it costs
+    0.19. The round model reads each measured length as measured and prices an unmeasured one
+    from its measured neighbours' slope, never above the mean per forward. Trees' rounds count
+    per forward only."""
+    from engine.spec.proposers.base import ROUND_SAMPLES, StepTimer
+
+    cost = {k: 0.37e-3 + 0.19e-3 * (k - 1) for k in range(1, 9)}
+    timer = StepTimer(1e-3)
+    assert timer.round_seconds(1, 5) == pytest.approx(5e-3)  # nothing measured: 5 x the initial guess
+    for _ in range(ROUND_SAMPLES):
+        timer.add_round(1, seconds=cost[5], num_forwards=5, catch_up=6, k_max=5)
+    per = cost[5] / 5
+    assert timer.round_seconds(1, 5) == pytest.approx(cost[5])
+    assert timer.round_seconds(1, 6) == pytest.approx(cost[5] + per)  # one length measured: the mean slope
+    for _ in range(ROUND_SAMPLES):
+        timer.add_round(1, seconds=cost[4], num_forwards=4, catch_up=5, k_max=4)
+    assert timer.round_seconds(1, 4) == pytest.approx(cost[4])
+    for k in (2, 3, 6, 7):  # extrapolated at the measured slope, 0.19 ms
+        assert timer.round_seconds(1, k) == pytest.approx(cost[k]), k
+    assert timer.round_seconds(1, 1) == pytest.approx(max(cost[1], timer.seconds(1)))
+    assert timer.round_seconds(16, 5) == pytest.approx(5 * timer.seconds(16))  # another batch bucket: unmeasured
+    timer.add_round(1, seconds=0.05, num_forwards=3, catch_up=2, k_max=3, chain=False)  # a tree round
+    assert timer.round_seconds(1, 3) == pytest.approx(cost[3])
+
+
 def test_adaptive_drafting_cost_is_steady_state_after_long_prompts(models):
     """End to end: after prompts of 40 tokens the drafter's estimate reflects its per-token rounds
     (a prompt-sized catch-up round would be several times more per forward)."""

@@ -74,6 +74,7 @@ POSITION_CONFIDENCE_Z = 1.0
 PROFILE_ROUNDS = 3  # the start-up step-cost profile times each point this often, interleaved
 POINT_SAMPLES = 3  # a (side, batch bucket, tokens per request) point's own calibration counts from this many steps
 POINT_WINDOW = 16  # the steps a point keeps (the last ones)
+POINT_HORIZON = 256  # a point forgets its steps older than this many steps of its side and batch bucket
 # One request decoding: a step this often drafts one more (or one fewer) than the best k while that
 # k's point has fewer than POINT_SAMPLES steps, and every EXPLORE_REFRESH steps regardless, so that
 # the policy's k follows measured steps rather than the start-up curve's shape (`StepCalibration`).
@@ -149,37 +150,48 @@ class StepCalibration:
     itself a measurement on a shared host, and it varies between engines of the same models (in
     one process, three profiles of the shipped target at batch 1: one token 3.8-4.3 ms, five
     tokens 5.2-5.5 ms, two tokens from 1.0x to 1.17x one), so a policy reading the curve alone
-    drafted 2-3 in one engine where another drafted 5. A point keeps each step's ratio relative to
-    its side's median in its bucket at the time (the level of the steps around it), and its ratio
-    is that relative median times the side's median now: a host that slows down for a while
-    (steps of one k timed then, another's before) moves the level of every point alike rather
-    than the curve's shape. An unmeasured point scales the curve by its side's ratio; a side with
-    no sample yet borrows another's ratio (tree: on, then off; on: off; off: on; then only the
-    model's shape decides); with none at all the ratio is 1."""
+    drafted 2-3 in one engine where another drafted 5. A point's ratio is the median of its own
+    last steps, as measured: each step is compared with the curve at its own point only. (Until
+    stop 35 a point kept each step's ratio relative to its side's median at the time, to follow a
+    host that slows down for a while; but that median mixes every k the policy drafts, so it moved
+    with the mix too: in a run of EAGLE-3 at batch 1 it read the 6-token point 1.21x and the
+    7-token point 0.88x their measured steps, and the policy drafted 6 where 5 paid more.) A point
+    drifts with the host through its recent steps: it forgets steps older than POINT_HORIZON steps
+    of its side and bucket, and a point left with fewer than POINT_SAMPLES reads as unmeasured (the
+    policy explores it again, `Speculator._explore`). An unmeasured point scales the curve by its
+    side's ratio; a side with no sample yet borrows another's ratio (tree: on, then off; on: off;
+    off: on; then only the model's shape decides); with none at all the ratio is 1."""
 
     FALLBACK = {False: (False, True), True: (True, False), "tree": ("tree", True, False)}
 
     def __init__(self) -> None:
         self.sides = {False: BucketedMedians(), True: BucketedMedians(), "tree": BucketedMedians()}
-        self.points: dict[tuple, collections.deque[float]] = {}
-        self._point_medians: dict[tuple, float] = {}  # each point's median until its next step (a step asks ~12)
+        # point -> its last POINT_WINDOW (step count of its side and bucket, ratio)
+        self.points: dict[tuple, collections.deque[tuple[int, float]]] = {}
+        self.clock: collections.Counter = collections.Counter()  # steps added per (side, bucket)
+        self._point_medians: dict[tuple, float | None] = {}  # each point's median until the next step (a step asks ~12)
 
     @staticmethod
     def _point(num_requests: int, speculating: bool | str, num_tokens: int) -> tuple:
         return speculating, BucketedMedians._bucket(num_requests), round(num_tokens / max(num_requests, 1))
 
     def add(self, num_requests: int, speculating: bool | str, ratio: float, num_tokens: int | None = None) -> None:
-        side = self.sides[speculating]
-        level = side.median(num_requests, borrow=False) or ratio
-        side.add(num_requests, ratio)
+        self.sides[speculating].add(num_requests, ratio)
+        where = (speculating, BucketedMedians._bucket(num_requests))
+        self.clock[where] += 1
+        self._point_medians.clear()
         if num_tokens is not None:
             key = self._point(num_requests, speculating, num_tokens)
-            self.points.setdefault(key, collections.deque(maxlen=POINT_WINDOW)).append(ratio / level)
-            self._point_medians.pop(key, None)
+            self.points.setdefault(key, collections.deque(maxlen=POINT_WINDOW)).append((self.clock[where], ratio))
+
+    def _recent(self, key: tuple) -> list[float]:
+        """The point's ratios from the last POINT_HORIZON steps of its side and bucket."""
+        now = self.clock[key[:2]]
+        return [r for t, r in self.points.get(key, ()) if now - t < POINT_HORIZON]
 
     def samples(self, num_requests: int, speculating: bool | str, num_tokens: int) -> int:
         """Steps measured at the point of (num_requests, num_tokens) on this side."""
-        return len(self.points.get(self._point(num_requests, speculating, num_tokens), ()))
+        return len(self._recent(self._point(num_requests, speculating, num_tokens)))
 
     def ratio(self, num_requests: int, speculating: bool | str, num_tokens: int | None = None,
               borrow: bool = True) -> float:
@@ -187,12 +199,11 @@ class StepCalibration:
         `borrow`: only this batch-size bucket's measurements count, else 1)."""
         if num_tokens is not None:
             key = self._point(num_requests, speculating, num_tokens)
-            point = self.points.get(key)
-            if point is not None and len(point) >= POINT_SAMPLES:
-                median = self._point_medians.get(key)
-                if median is None:
-                    median = self._point_medians[key] = statistics.median(point)
-                return median * self.sides[speculating].median(num_requests, borrow=False)
+            if key not in self._point_medians:
+                recent = self._recent(key)
+                self._point_medians[key] = statistics.median(recent) if len(recent) >= POINT_SAMPLES else None
+            if self._point_medians[key] is not None:
+                return self._point_medians[key]
         for side in self.FALLBACK[speculating]:
             measured = self.sides[side].median(num_requests, borrow)
             if measured is not None:
@@ -202,8 +213,8 @@ class StepCalibration:
     def as_dict(self) -> dict:
         names = {False: "off", True: "on", "tree": "tree"}
         out = {f"{names[k]}@{b}": m for k, side in self.sides.items() for b, m in side.as_dict().items()}
-        for (side, bucket, q), d in sorted(self.points.items(), key=lambda kv: (str(kv[0][0]), kv[0][1:])):
-            if len(d) >= POINT_SAMPLES:
+        for side, bucket, q in sorted(self.points, key=lambda key: (str(key[0]), key[1:])):
+            if len(self._recent((side, bucket, q))) >= POINT_SAMPLES:
                 n = BucketedMedians.BUCKETS[bucket]
                 out[f"{names[side]}@{n}x{q}"] = self.ratio(n, side, n * q)
         return out

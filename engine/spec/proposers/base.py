@@ -28,6 +28,9 @@ from engine.request import Request
 from engine.sampler import probs_from_logits, sample_from_probs
 from engine.spec.tree import DraftTree
 
+ROUND_SAMPLES = 3  # a drafting round length's own median counts from this many rounds (StepTimer)
+ROUND_WINDOW = 16  # the rounds of each length it keeps (the last ones)
+
 
 @dataclass
 class Draft:
@@ -248,29 +251,73 @@ class BucketedMedians:
 
 
 class StepTimer:
-    """Running estimate of one drafting step for a batch of n requests: `BucketedMedians` of
-    measured steps, `initial_s` until the first is measured."""
+    """Running estimate of a drafting round for a batch of n requests: `BucketedMedians` of the
+    time per forward of measured rounds (`seconds`, `initial_s` until the first is measured), and
+    the round time per number of forwards (`round_seconds`).
+
+    A round is not a forward times k: the first forward also catches up over the accepted tokens
+    and reads the drafter's weights back from DRAM (the target's step evicted them), the others
+    find them in cache; the shipped EAGLE-3 head's fused chain at batch 1 takes 0.37 ms for one
+    draft and 0.19 ms for each further one, where the mean per forward (0.24-0.39 ms) priced a
+    draft 1.2-2x its cost and a short chain at a fraction of it, so the policy drafted 2-4 where
+    5 paid more."""
 
     def __init__(self, initial_s: float) -> None:
         self.initial_s = initial_s
         self.medians = BucketedMedians()
+        # (batch bucket, drafts) -> the last ROUND_WINDOW chain rounds' seconds
+        self.rounds: dict[tuple[int, int], deque[float]] = {}
+        self._round_medians: dict[tuple[int, int], float] | None = None
 
     def add(self, num_requests: int, seconds: float) -> None:
         self.medians.add(num_requests, seconds)
 
-    def add_round(self, num_requests: int, seconds: float, num_forwards: int, catch_up: int, k_max: int) -> None:
+    def add_round(self, num_requests: int, seconds: float, num_forwards: int, catch_up: int, k_max: int,
+                  chain: bool = True) -> None:
         """Record a drafting round of `num_forwards` forwards whose first forward also caught up
         over `catch_up` committed tokens (of one request, at most). Steady-state rounds catch up
         over at most k_max + 1 tokens (accepted drafts + the bonus token); a round after a prefill
         or after speculation was off catches up over a whole prompt or more, a one-off cost that
         must not become the per-step estimate (at a large batch it would switch speculation off
-        and, with speculation off, never be measured again)."""
+        and, with speculation off, never be measured again). `chain`: a round of chains of at
+        most k_max drafts, also kept by k_max (`round_seconds`); a tree round counts per forward
+        only."""
         if num_forwards and catch_up <= k_max + 1:
             self.add(num_requests, seconds / num_forwards)
+            if chain:
+                key = (BucketedMedians._bucket(num_requests), k_max)
+                self.rounds.setdefault(key, deque(maxlen=ROUND_WINDOW)).append(seconds)
+                self._round_medians = None
 
     def seconds(self, num_requests: int = 1) -> float:
         measured = self.medians.median(num_requests)
         return self.initial_s if measured is None else measured
+
+    def round_seconds(self, num_requests: int, forwards: int) -> float:
+        """A round of chains of at most `forwards` drafts (a chain drafter: one forward each) for
+        num_requests requests: the median of such rounds where ROUND_SAMPLES were measured (in the
+        batch bucket); else from the nearest measured one, each draft more or fewer costing the
+        slope between it and the measured round nearest to it (at most the time per forward), or
+        the time per forward; with none measured, forwards x the time per forward."""
+        if forwards <= 0:
+            return 0.0
+        if self._round_medians is None:
+            self._round_medians = {key: statistics.median(d) for key, d in self.rounds.items()
+                                   if len(d) >= ROUND_SAMPLES}
+        bucket = BucketedMedians._bucket(num_requests)
+        measured = {f: t for (b, f), t in self._round_medians.items() if b == bucket}
+        per = self.seconds(num_requests)
+        if forwards in measured:
+            return measured[forwards]
+        if not measured:
+            return per * forwards
+        near = min(measured, key=lambda f: (abs(f - forwards), f))
+        slope = per
+        others = [f for f in measured if f != near]
+        if others:
+            other = min(others, key=lambda f: (abs(f - near), f))
+            slope = min(per, max(0.0, (measured[other] - measured[near]) / (other - near)))
+        return max(per, measured[near] + (forwards - near) * slope)
 
 
 def sample_drafts(

@@ -146,7 +146,7 @@ class ChainProposer(Proposer):
         self.max_buffered_rows = lazy_buffer_rows(self.steady_rows, max_num_seqs, self.feature_size * size, max_model_len)
 
     def step_cost(self, num_requests: int, k: int) -> float:
-        return self.timer.seconds(num_requests) * k
+        return self.timer.round_seconds(num_requests, k)
 
     # --- handoff --------------------------------------------------------------------------------
     def export_state(self, request_id: str) -> HiddenRows | None:
@@ -379,7 +379,7 @@ class ChainProposer(Proposer):
             self.states[r.request_id] = st
         self._cover(requests)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + level_forwards,
-                             catch_up, max(depths))
+                             catch_up, max(depths), chain=False)
         return drafts
 
     @torch.inference_mode()

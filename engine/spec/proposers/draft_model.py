@@ -110,7 +110,7 @@ class DraftModelProposer(Proposer):
         return self.model.cfg
 
     def step_cost(self, num_requests: int, k: int) -> float:
-        return self.timer.seconds(num_requests) * k
+        return self.timer.round_seconds(num_requests, k)
 
     def _forward(self, chunks: list[SeqChunk], num_last: int | list[int] = 1) -> torch.Tensor:
         """Final hidden states of each chunk's last `num_last` (or num_last[b]) tokens [sum, H],
@@ -151,7 +151,7 @@ class DraftModelProposer(Proposer):
         # Every forward succeeded: the committed tokens' draft KV is valid now.
         for r in requests:
             self.states[r.request_id] = DraftModelState(r.num_tokens)
-        self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + 1, catch_up, max(depths))
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + 1, catch_up, max(depths), chain=False)
         return drafts
 
     @torch.inference_mode()

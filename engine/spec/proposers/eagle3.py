@@ -515,7 +515,7 @@ class Eagle3Proposer(Proposer):
         return self.steady_rows if request.export_after_prefill else self.max_buffered_rows
 
     def step_cost(self, num_requests: int, k: int) -> float:
-        return self.timer.seconds(num_requests) * k
+        return self.timer.round_seconds(num_requests, k)
 
     @torch.inference_mode()
     def observe_step(self, sched, runner_out) -> None:
@@ -629,7 +629,7 @@ class Eagle3Proposer(Proposer):
             self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
         self._cover(requests)
         catch_up = max(len(c.token_ids) for c in chunks)
-        self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + 1, catch_up, max(depths))
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + 1, catch_up, max(depths), chain=False)
         return drafts
 
     @torch.inference_mode()
