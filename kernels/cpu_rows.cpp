@@ -429,9 +429,10 @@ constexpr int64_t DP_CHUNK = 64, DP_CHUNKED_GROUPS = 3;
 // read again from L1), their sums kept in `out` between chunks, every group prefetching its share
 // of the next chunk's lines. Before, groups of 6 ran over the whole block in turn and only the
 // first prefetched: the memory idled while the others re-read the block from L2 (7 rows: a
-// one-row pass after the 6-row one, ~1.3x a 6-row step; `python -m bench.bench_kernels --step`:
-// now 1.07-1.19x faster at 7 rows, 1.04-1.11x at 8-13). Larger tiles (prefill, batches) keep that
-// order: their groups are bound by the multiply-adds, and chunking cost them ~5%.
+// one-row pass after the 6-row one, ~1.2x a 6-row step; `python -m bench.bench_kernels --step
+// --reps 201`, two runs: 7 rows 1.01-1.02x faster, 8 rows 1.05-1.10x, 10 rows 1.03-1.07x, 12
+// rows 1.00-1.04x). Larger tiles (prefill, batches) keep that order: their groups are bound by
+// the multiply-adds, and chunking cost them ~5%.
 // The sums are the same either way: each output's lane adds its pairs in k order, whichever
 // rows run next to it, and a chunk's sums go to memory and back unchanged.
 void linear_dp(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, const float* bias, float* y,
