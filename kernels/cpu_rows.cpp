@@ -368,8 +368,11 @@ __attribute__((noinline)) void round_row_bf16(const float* x, int64_t K, uint16_
 // The weights a block's first group of rows reads DP_PREFETCH bytes ahead of it are prefetched
 // into L2. Without it the hardware prefetcher, which runs a short way ahead of the demand stream,
 // left the memory idle while a step of several rows computed (cold from DRAM: every step, a
-// step's weights are 80 MB); steps of 1-3 rows stream as fast without it.
-constexpr int64_t DP_PREFETCH = 6144, DP_PREFETCH_ROWS = 4;
+// step's weights are 80 MB); steps of 1-5 rows stream as fast without it or faster (stop 35, the
+// vertical layout, in-process toggle, 201 interleaved reps of a step's products, two runs: 4 rows
+// 4.30 -> 3.73 and 4.37 -> 4.18 ms without it, 5 rows 4.12 -> 3.89 and 4.07 -> 3.82; 6 rows
+// 3.87 vs 4.14 and 4.00 vs 3.95, kept; 2 rows 3.63 vs 5.05 with it).
+constexpr int64_t DP_PREFETCH = 6144, DP_PREFETCH_ROWS = 6;
 
 template <int MB>
 __attribute__((noinline)) void dots_dp(const uint16_t* const* x, const uint16_t* p, int64_t s0, int64_t s1,
