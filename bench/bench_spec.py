@@ -105,8 +105,10 @@ def run_hf(target_dir: str, prompts, workload: str, new_tokens: int, assistant_d
     return {"tokens_per_s": len(prompts) * new_tokens / total, "ms_per_token_per_stream": 1e3 * total / new_tokens / len(prompts)}
 
 
-def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int, draft_vocab_size: int | None = None) -> LLM:
-    """draft_vocab_size None: each drafter's shipped draft_vocab.json default; 0: whole vocabulary."""
+def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int, draft_vocab_size: int | None = None,
+             draft_weights: str = "auto") -> LLM:
+    """draft_vocab_size None: each drafter's shipped draft_vocab.json default; 0: whole vocabulary.
+    draft_weights: SpeculativeConfig.draft_weights (auto: an EAGLE-3 head's int8 where it runs)."""
     spec = None
     target = str(MODELS / "target")
     if method == "mtp":
@@ -115,7 +117,8 @@ def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int, draf
                                  draft_vocab_size=draft_vocab_size)
     elif method is not None:
         spec = SpeculativeConfig(method=method, model=METHODS[method], num_speculative_tokens=k, adaptive=adaptive,
-                                 draft_vocab_size=draft_vocab_size if method != "ngram" else None)
+                                 draft_vocab_size=draft_vocab_size if method != "ngram" else None,
+                                 draft_weights=draft_weights)
     # No prefix caching: the sweep runs the same prompts once per k, and cached prompts would skip
     # the prefill in every run after the first (flattering them against the baseline). A fixed
     # 256 MiB KV pool (about 10k tokens) so that every configuration fits in memory at once.

@@ -30,6 +30,7 @@ SOURCE = Path(__file__).with_name("cpu_rows.cpp")
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "torch_extensions"
 ENV_DISABLE = "SPECDECODE_CPU_KERNELS"  # "0": never build or use them
 ENV_BF16_DOT = "SPECDECODE_CPU_BF16_DOT"  # "0": no AVX512-BF16 products even where the CPU has them
+ENV_AMX = "SPECDECODE_CPU_AMX"  # "0": the dp-packed products on AVX512-BF16 even where the CPU has AMX
 ENV_HUGE_PAGES = "SPECDECODE_HUGE_PAGES"  # "0": packed weights and KV caches on ordinary pages
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -66,7 +67,7 @@ def _module():
 
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     try:
-        return load(
+        mod = load(
             name="specdecode_cpu_rows",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
@@ -77,6 +78,9 @@ def _module():
     except Exception as e:  # noqa: BLE001 - no compiler, no headers...: the torch path serves
         logger.warning("CPU row kernels unavailable (build failed: %s); using the torch path", e)
         return None
+    if os.environ.get(ENV_AMX, "1") == "0":
+        mod.set_amx(False)
+    return mod
 
 
 def available() -> bool:
@@ -114,6 +118,34 @@ def dot_attention(on: bool) -> bool:
     On by default unless `SPECDECODE_CPU_BF16_DOT` is "0". Returns the previous setting."""
     mod = _module()
     return mod.set_dot_attention(on) if mod is not None else False
+
+
+def amx_available() -> bool:
+    """True where the dp-packed products (`dot_bf16_available`) run on AMX tiles (cpu_rows.cpp
+    `linear_amx`: a CPU with AMX-BF16 whose kernel grants the tile state, and `SPECDECODE_CPU_AMX`
+    not "0"): a step of 1-16 rows then costs about one row's weight stream."""
+    return dot_bf16_available() and bool(_module().amx_on())
+
+
+def amx_products(on: bool) -> bool:
+    """Run the dp-packed products (K a multiple of 32) on AMX tiles where the CPU has them (on by
+    default unless `SPECDECODE_CPU_AMX` is "0"). Other bits than the AVX512-BF16 path: never
+    switch while an engine runs. Returns the previous setting (False where nothing is built)."""
+    mod = _module()
+    return mod.set_amx(on) if mod is not None else False
+
+
+def int8_available() -> bool:
+    """True where a drafter's weights can be packed as int8 (`pack_rows_int8`: AVX512-VNNI)."""
+    return available() and bool(_module().has_vnni())
+
+
+def pack_rows_int8(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 or bfloat16 -> int8 with one scale per row, packed for the int8
+    products (cpu_rows.cpp `linear_i8`: 16-bit activations, exact int32 sums; half the bytes of
+    bfloat16, lossy by ~1e-3 of a product's scale). Every function that takes packed weights takes
+    these; for drafters only (the target's products stay exact)."""
+    return _module().pack_rows_int8(weight.detach())
 
 
 def has_avx512() -> bool:

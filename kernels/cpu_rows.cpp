@@ -32,6 +32,9 @@
 #include <type_traits>
 #include <vector>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -425,6 +428,114 @@ void dots_dp_rows(int rows, const uint16_t* const* x, const uint16_t* p, int64_t
 // stay in L1 while every group of rows runs over them).
 constexpr int64_t DP_CHUNK = 64, DP_CHUNKED_GROUPS = 3;
 
+// ---- bfloat16 products on AMX tiles (Sapphire Rapids and later) ------------------------------
+// Where the CPU has AMX-BF16 (and Linux grants the tile state), the dp-packed products run as
+// `tdpbf16ps` on tiles instead: the dp layout is already AMX's B-tile layout (a pair of k for 16
+// outputs is one 64-byte tile row; a block's pairs lie 256 bytes apart, the tile's stride), so the
+// same packed weights serve both. A tile op multiplies up to 16 rows of x by 16 pairs of k for 16
+// outputs (8x the multiply-adds per instruction of `vdpbf16ps` at 16 rows): a step of 1-16 rows
+// then costs about what one row does, the weight stream (a 16-row step's products were 3.6x a
+// one-row step's with `vdpbf16ps` on this Sapphire Rapids host, compute-bound at ~54 GMAC/s).
+// The order of every output: one float32 accumulator tile over k in chunks of 16 pairs (32 k),
+// each chunk's 32 products added by the tile op in the hardware's own order. A row's outputs
+// depend on its own x row and the weights only: the same bits alone, with 16 rows or with padding
+// rows (tested), but not `vdpbf16ps`'s bits (another order of additions). A product takes this
+// path where amx_products() is on and its pairs are a multiple of 16 (K % 32 == 0 after the
+// pairing: every product of the shipped models), whatever its number of rows, so a one-token step
+// and a verification still agree bit for bit; other K keep the `vdpbf16ps` path, also for every M.
+static bool cpu_has_amx_bf16() {
+  static const bool yes = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16") ||
+        !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vl")) return false;
+    // Linux hands the 8 KB tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return yes;
+}
+
+// Whether dp-packed products run on AMX where the CPU has it (default on; SPECDECODE_CPU_AMX=0
+// turns it off at load, tests to compare). Switching it changes the products' bits: the engine
+// never switches while it runs.
+static bool g_amx = true;
+
+static bool amx_products() { return g_amx && cpu_has_amx_bf16(); }
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: the sums of `rows` rows x 16 outputs (float32); 4: `rows` rows of x, 16 pairs of k;
+// 5-7: 16 pairs of k x 16 outputs of the weights.
+static void amx_configure(int rows) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 5; ++t) c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = 64;
+  for (int t = 5; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// The configured rows of bfloat16 x (row stride xs bytes) against one dp-packed block (64 outputs,
+// KP pairs, KP % 16 == 0): out[m][n] = x[m] . w[n]. The block's weights are read as 16-pair
+// chunks of 4 KB, in stream order; each chunk's four tiles of 16 outputs rotate over three tile
+// registers, so a load never waits for the product that read its register last.
+static void block_amx(const uint16_t* x, int64_t xs, const uint16_t* p, int64_t KP, float (*out)[VN]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < KP; s += 16) {
+    const char* b = reinterpret_cast<const char*>(p + s * 2 * VN);
+    _tile_loadd(4, x + 2 * s, xs);
+    _tile_loadd(5, b, 2 * VN * 2);
+    _tile_loadd(6, b + 64, 2 * VN * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(7, b + 128, 2 * VN * 2);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, b + 192, 2 * VN * 2);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, &out[0][0], VN * 4);
+  _tile_stored(1, &out[0][16], VN * 4);
+  _tile_stored(2, &out[0][32], VN * 4);
+  _tile_stored(3, &out[0][48], VN * 4);
+}
+
+// y = xb @ w.T (+ b) on tiles: xb [M, K32] bfloat16 (rows rounded by linear_dp), w dp-packed.
+// Up to 16 rows are one tile of that many rows; more run as tiles of 16 over each block in turn
+// (the block, 64 x K weights, stays in L2 between them), the last one padded with zero rows.
+static void linear_amx(const uint16_t* xb, int64_t M, int64_t K32, const uint16_t* wp, int64_t N, int64_t KP,
+                       const float* bias, float* y, int threads) {
+  const int64_t blocks = (N + VN - 1) / VN, tile_rows = std::min<int64_t>(M, 16), tiles = (M + 15) / 16;
+  std::vector<uint16_t> padded;
+  if (M > 16 && M % 16 != 0) {
+    padded.assign(tiles * 16 * K32, 0);
+    std::memcpy(padded.data(), xb, sizeof(uint16_t) * M * K32);
+    xb = padded.data();
+  }
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+  {
+    amx_configure(static_cast<int>(tile_rows));
+    alignas(64) float out[16][VN];
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t n0 = blk * VN, nb = std::min<int64_t>(VN, N - n0);
+      for (int64_t t = 0; t < tiles; ++t) {
+        block_amx(xb + t * 16 * K32, K32 * 2, wp + blk * VN * 2 * KP, KP, out);
+        store_block<VN>(y, N, t * 16, static_cast<int>(std::min<int64_t>(16, M - t * 16)), n0, nb, out, bias);
+      }
+    }
+    _tile_release();
+  }
+}
+
+#pragma GCC pop_options
+
 // y[m, :N] = bf16(x[m]) @ w.T (+ b), w dp-packed, for M rows of x (tiles of M_TILE rows).
 // A tile of up to DP_ROWS rows runs over each block in one pass, prefetching its weights ahead.
 // One of 7-18 rows (a verification of 6-17 drafts, a few requests) splits into 2-3 groups as
@@ -443,6 +554,7 @@ void linear_dp(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t
   const int64_t K32 = k32(K), K2 = k2(K), KP = K2 / 2;
   std::vector<uint16_t> xb(M * K32);
   for (int64_t m = 0; m < M; ++m) round_row_bf16(x + m * K, K, xb.data() + m * K32);
+  if (KP % 16 == 0 && amx_products()) return linear_amx(xb.data(), M, K32, wp, N, KP, bias, y, threads);
   over_tiles_and_blocks<VN>(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
     const uint16_t* p = wp + blk * VN * K2;
     alignas(64) float out[M_TILE][VN];
@@ -471,6 +583,109 @@ void linear_dp(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t
       }
     }
     store_block<VN>(y, N, m0, static_cast<int>(rows), n0, nb, out, bias);
+  });
+}
+
+// ---- int8 weights, 16-bit activations (AVX512-VNNI): a drafter's products ------------------
+// A drafter's weights are read whole for every draft, one row at a time, from L3 (an EAGLE-3
+// head of 512 x 2048: 7.9 MB in bfloat16, past the 2 MB of L2), so a draft costs its weight
+// bytes. Packed as int8 with one float32 scale per output row (max |w| / 127, round to nearest),
+// they are half the bytes. The activations of each row are quantized to 16-bit integers with one
+// scale per row (max |x| / A, A the largest magnitude whose K products of 127 cannot overflow an
+// int32: A = min(32767, (2^31 - 1) / (127 * K2))), and `vpdpwssd` adds the products of a pair of k
+// for 16 outputs in int32, exactly; y[m, n] = float(sum) * (scale_x[m] * scale_w[n]) (+ b[n]).
+// The sums are integers, so every row's outputs are the same bits whatever rows run next to it.
+// Lossy (the drafter's logits move by ~1e-3 of their scale): for drafters only, whose drafts the
+// target verifies; the target's products never take this layout.
+// Layout: blocks of 64 outputs as the dp layout (for each pair of k, the block's 64 rows' pairs of
+// int8 side by side: 128 bytes), then the block's 64 float32 scales: [ceil(N / 64), 64 * K2 + 256]
+// int8.
+constexpr int64_t I8_TAIL = VN * 4;  // a block's scales, in bytes
+
+inline int64_t i8_row_bytes(int64_t K) { return VN * k2(K) + I8_TAIL; }
+
+template <typename W>
+void pack_block_i8(const W* w, int64_t nb, int64_t K, int8_t* dst) {
+  const int64_t K2 = k2(K);
+  std::memset(dst, 0, VN * K2 + I8_TAIL);
+  float* scales = reinterpret_cast<float*>(dst + VN * K2);
+  for (int64_t r = 0; r < nb; ++r) {
+    float mx = 0.0f;
+    for (int64_t k = 0; k < K; ++k) mx = std::max(mx, std::fabs(load1(w + r * K + k)));
+    const float sc = mx > 0.0f ? mx / 127.0f : 0.0f;
+    scales[r] = sc;
+    for (int64_t k = 0; k < K; ++k) {
+      const float q = sc > 0.0f ? std::nearbyint(load1(w + r * K + k) / sc) : 0.0f;
+      dst[((k / 2) * VN + r) * 2 + k % 2] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, q)));
+    }
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+
+// MB rows of int16 x [K2] against one int8 block: acc[m][n] = sum over pairs, int32.
+template <int MB>
+__attribute__((noinline)) void dots_i8(const int16_t* const* x, const int8_t* p, int64_t KP, int32_t (*acc)[VN]) {
+  __m512i a[MB][VZ];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < VZ; ++j) a[m][j] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < KP; ++s, p += 2 * VN) {
+    __m512i w[VZ];
+    for (int j = 0; j < VZ; ++j)
+      w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x[m] + 2 * s, sizeof(pair));
+      const __m512i xv = _mm512_set1_epi32(pair);
+      for (int j = 0; j < VZ; ++j) a[m][j] = _mm512_dpwssd_epi32(a[m][j], xv, w[j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < VZ; ++j) _mm512_storeu_si512(acc[m] + 16 * j, a[m][j]);
+}
+
+#pragma GCC pop_options
+
+void dots_i8_rows(int rows, const int16_t* const* x, const int8_t* p, int64_t KP, int32_t (*acc)[VN]) {
+  switch (rows) {
+    case 6: dots_i8<6>(x, p, KP, acc); break;
+    case 5: dots_i8<5>(x, p, KP, acc); break;
+    case 4: dots_i8<4>(x, p, KP, acc); break;
+    case 3: dots_i8<3>(x, p, KP, acc); break;
+    case 2: dots_i8<2>(x, p, KP, acc); break;
+    default: dots_i8<1>(x, p, KP, acc); break;
+  }
+}
+
+// y[m, :N] = x[m] @ w.T (+ b), w int8-packed, for M rows of x (tiles of M_TILE rows, groups of
+// up to 6 rows over each block in turn).
+void linear_i8(const float* x, int64_t M, int64_t K, const int8_t* wp, int64_t N, const float* bias, float* y,
+               int threads) {
+  const int64_t K2 = k2(K), KP = K2 / 2, row_bytes = i8_row_bytes(K);
+  const float A = std::min(32767.0f, std::floor(2147483647.0f / (127.0f * static_cast<float>(K2))));
+  std::vector<int16_t> xq(M * K2, 0);
+  std::vector<float> xs(M);
+  for (int64_t m = 0; m < M; ++m) {
+    float mx = 0.0f;
+    for (int64_t k = 0; k < K; ++k) mx = std::max(mx, std::fabs(x[m * K + k]));
+    xs[m] = mx > 0.0f ? mx / A : 0.0f;
+    if (mx > 0.0f)
+      for (int64_t k = 0; k < K; ++k) xq[m * K2 + k] = static_cast<int16_t>(std::nearbyint(x[m * K + k] / xs[m]));
+  }
+  over_tiles_and_blocks<VN>(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
+    const int8_t* p = wp + blk * row_bytes;
+    const float* ws = reinterpret_cast<const float*>(p + VN * K2);
+    alignas(64) int32_t acc[DP_ROWS][VN];
+    for (int64_t r0 = m0; r0 < m1; r0 += DP_ROWS) {
+      const int64_t n = std::min<int64_t>(DP_ROWS, m1 - r0);
+      const int16_t* rows[DP_ROWS];
+      for (int64_t i = 0; i < n; ++i) rows[i] = xq.data() + (r0 + i) * K2;
+      dots_i8_rows(static_cast<int>(n), rows, p, KP, acc);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < nb; ++j)
+          y[(r0 + i) * N + n0 + j] = static_cast<float>(acc[i][j]) * (xs[r0 + i] * ws[j]) + (bias ? bias[n0 + j] : 0.0f);
+    }
   });
 }
 
@@ -888,13 +1103,46 @@ torch::Tensor pack_rows(torch::Tensor w, bool dot_bf16) {
   return out;
 }
 
-// Which packed layout wp is in (pack_rows), checked against the product's N x K.
-enum class Packed { plain, dot_bf16 };
+static bool cpu_has_vnni() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// w [N, K] float32 or bfloat16 -> int8 with a scale per row (linear_i8's layout), [ceil(N / 64),
+// 64 * K2 + 256] int8: a drafter's weights at half the bytes of bfloat16.
+torch::Tensor pack_rows_int8(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+              "pack_rows_int8: w must be float32 or bfloat16 [N, K]");
+  TORCH_CHECK(cpu_has_vnni(), "pack_rows_int8: int8 products need a CPU with AVX512-VNNI");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + VN - 1) / VN;
+  auto out = torch::empty({blocks, i8_row_bytes(K)}, torch::TensorOptions().dtype(torch::kInt8));
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n0 = blk * VN, nb = std::min<int64_t>(VN, N - n0);
+    int8_t* dst = out.data_ptr<int8_t>() + blk * i8_row_bytes(K);
+    if (w.scalar_type() == torch::kBFloat16) {
+      pack_block_i8(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + n0 * K, nb, K, dst);
+    } else {
+      pack_block_i8(w.data_ptr<float>() + n0 * K, nb, K, dst);
+    }
+  }
+  return out;
+}
+
+// Which packed layout wp is in (pack_rows, pack_rows_int8), checked against the product's N x K.
+enum class Packed { plain, dot_bf16, int8 };
 
 static Packed check_packed(const torch::Tensor& wp, int64_t N, int64_t K, const char* what) {
+  if (wp.scalar_type() == torch::kInt8) {
+    TORCH_CHECK(wp.dim() == 2 && wp.is_contiguous() && wp.size(0) == (N + VN - 1) / VN && wp.size(1) == i8_row_bytes(K),
+                what, ": int8-packed weights of ", N, " x ", K, " expected (pack_rows_int8)");
+    TORCH_CHECK(cpu_has_vnni(), what, ": int8-packed weights need a CPU with AVX512-VNNI");
+    return Packed::int8;
+  }
   TORCH_CHECK(wp.dim() == 2 && wp.is_contiguous() &&
                   (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kBFloat16),
-              what, ": packed weights must be contiguous float32 or bfloat16 (pack_rows)");
+              what, ": packed weights must be contiguous float32 or bfloat16 (pack_rows) or int8 (pack_rows_int8)");
   const int64_t blocks = (N + PACK - 1) / PACK;
   if (wp.scalar_type() == torch::kBFloat16 && wp.size(0) == (N + VN - 1) / VN && wp.size(1) == VN * k2(K)) {
     TORCH_CHECK(cpu_has_dot_bf16(), what, ": dot_bf16-packed weights need a CPU with AVX512-BF16");
@@ -905,11 +1153,13 @@ static Packed check_packed(const torch::Tensor& wp, int64_t N, int64_t K, const 
   return Packed::plain;
 }
 
-// y = x @ w.T (+ b) over M rows with packed weights of either layout.
+// y = x @ w.T (+ b) over M rows with packed weights of any layout.
 static void packed_product(const float* x, int64_t M, int64_t K, const torch::Tensor& wp, Packed layout, int64_t N,
                            const float* bias, float* y, int threads) {
   if (layout == Packed::dot_bf16) {
     linear_dp(x, M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), N, bias, y, threads);
+  } else if (layout == Packed::int8) {
+    linear_i8(x, M, K, wp.data_ptr<int8_t>(), N, bias, y, threads);
   } else if (wp.scalar_type() == torch::kBFloat16) {
     linear_packed(x, M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), N, bias, y, threads);
   } else {
@@ -1183,6 +1433,12 @@ static bool set_wide_attention(bool on) {
 // float32 kernels.
 static bool g_dot_attention = true;
 
+static bool set_amx(bool on) {
+  const bool before = g_amx;
+  g_amx = on;
+  return before;
+}
+
 static bool set_dot_attention(bool on) {
   const bool before = g_dot_attention;
   g_dot_attention = on;
@@ -1339,7 +1595,7 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
   for (int64_t t = 0; t < T; ++t) std::memcpy(qbuf.data() + t * Q, qkv.data() + t * QKV, sizeof(float) * Q);
   // dot-product attention where the layer's products are (its weights packed for them)
   run_attention(qbuf.data(), T, H, D, k_cache, v_cache, block_tables, ctx_lens, static_cast<float>(scale), attn.data(), threads,
-                l_qkv == Packed::dot_bf16);
+                l_qkv != Packed::plain);
   linear(attn.data(), Q, w_o, l_o, E, bo, out.data_ptr<float>());
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < T * E; ++i) res[i] += op[i];
@@ -2002,6 +2258,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_attention", &rows_attention, "row-invariant paged attention of a few query tokens (AVX2/FMA)", nogil());
   m.def("pack_rows", &pack_rows, "weights [N, K] -> the packed layout of packed_linear / rows_layer",
         py::arg("w"), py::arg("dot_bf16") = false, nogil());
+  m.def("pack_rows_int8", &pack_rows_int8, "weights [N, K] -> int8 with a scale per row (a drafter's products)",
+        nogil());
+  m.def("has_vnni", &cpu_has_vnni, "whether this CPU runs the int8 products (AVX512-VNNI)");
   m.def("exp_f32", &exp_f32, "the kernels' vectorized exp (softmax, SiLU), element-wise", nogil());
   m.def("set_dot_attention", &set_dot_attention,
         "bfloat16 caches' attention by AVX512-BF16 dot products where the CPU has them (default on); returns the previous setting");
@@ -2009,6 +2268,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "use the 512-bit attention kernel where the CPU has AVX-512 (default on; the same bits as the 256-bit one); "
         "returns the previous setting");
   m.def("has_avx512", &cpu_has_avx512, "whether this CPU has AVX-512 F/BW/VL (the 512-bit attention kernel)");
+  m.def("has_amx", &cpu_has_amx_bf16, "whether this CPU (and the OS) run the dp-packed products on AMX tiles");
+  m.def("amx_on", &amx_products, "whether the dp-packed products run on AMX tiles now (has_amx and set_amx)");
+  m.def("set_amx", &set_amx,
+        "run the dp-packed products on AMX tiles where the CPU has them (default on; other bits than vdpbf16ps); "
+        "returns the previous setting");
   m.def("has_dot_bf16", &cpu_has_dot_bf16, "whether this CPU runs the AVX512-BF16 products (dot_bf16 layout)");
   m.def("packed_linear", &packed_linear, "rows_linear with packed weights (bit-identical results)", nogil());
   m.def("packed_linear_rows", &packed_linear_rows, "packed_linear over some rows of x (float32 or bfloat16), no bias",

@@ -93,6 +93,73 @@ def test_packed_linear_gives_a_row_its_bits_at_every_row_count(wdtype, layout):
         assert torch.equal(cpu_kernels.packed_linear(x[:m], packed, 130, None), alone[:m]), m
 
 
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX-BF16 on this CPU (or the OS refused the tile state)")
+def test_amx_products_give_a_row_its_bits_at_every_row_count():
+    """On an AMX CPU the dp-packed products whose K is a multiple of 32 run on tiles: a row has the
+    bits it gets alone at 1-20 rows (one tile), 33 and 101 rows (tiles of 16, the last padded with
+    zero rows) and with a bias; the products match float64; and the path really ran: its bits are
+    not the AVX512-BF16 path's (another order of additions), which a K off the multiple keeps."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(130, 320, generator=g).to(torch.bfloat16)  # 130 outputs: 3 blocks, the last partial
+    x, b = torch.randn(101, 320, generator=g), torch.randn(130, generator=g)
+    packed = pack(w, "dot_bf16")
+    alone = torch.cat([cpu_kernels.packed_linear(x[i : i + 1].clone(), packed, 130, b) for i in range(101)])
+    ref = torch.nn.functional.linear(x_ref(x, "dot_bf16"), w.double(), b.double()).float()
+    torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-4)
+    for m in [*range(2, 21), 33, 101]:
+        assert torch.equal(cpu_kernels.packed_linear(x[:m], packed, 130, b), alone[:m]), m
+    before = cpu_kernels.amx_products(False)
+    try:
+        avx512 = cpu_kernels.packed_linear(x, packed, 130, b)
+        odd_k = pack(w[:, :300], "dot_bf16")
+        odd_avx512 = cpu_kernels.packed_linear(x[:, :300], odd_k, 130, b)
+    finally:
+        cpu_kernels.amx_products(before)
+    assert before and not torch.equal(avx512, alone)
+    torch.testing.assert_close(avx512, alone, rtol=1e-5, atol=1e-4)
+    assert torch.equal(cpu_kernels.packed_linear(x[:, :300], odd_k, 130, b), odd_avx512)
+
+
+def int8_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """linear_i8 from its definition (cpu_rows.cpp): each weight row int8 at max|w| / 127, each
+    x row int16 at max|x| / A (A = min(32767, floor((2^31 - 1) / (127 K2)))), an exact integer
+    sum, times both scales (float32 arithmetic as the kernel's)."""
+    k2 = (w.shape[1] + 1) // 2 * 2
+    a = min(32767.0, math.floor(2147483647.0 / (127.0 * k2)))
+    sw = w.float().abs().amax(dim=1) / 127.0
+    qw = torch.round(w.float() / sw[:, None]).clamp(-127, 127)
+    sx = x.abs().amax(dim=1) / a
+    qx = torch.round(x / sx[:, None]).nan_to_num(0.0)  # a zero row: zeros
+    y = (qx.double() @ qw.double().T).float() * (sx[:, None] * sw[None, :])
+    return y + b if b is not None else y
+
+
+@pytest.mark.skipif(not cpu_kernels.int8_available(), reason="int8 products need AVX512-VNNI")
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_int8_products_follow_their_definition_and_are_row_invariant(wdtype):
+    """pack_rows_int8 + packed_linear (a drafter's int8 weights): the products of the definition
+    (to float32 rounding: the kernel may fuse the bias add), within 1.5% of the exact products for
+    Gaussian weights, each row the same bits alone or in groups of 1-20 rows (odd K: a padded
+    pair), a zero row gives the bias, and the int8 layout is told apart from the others."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(130, 301, generator=g).to(wdtype)
+    x, b = torch.randn(20, 301, generator=g), torch.randn(130, generator=g)
+    x[3] = 0.0
+    packed = cpu_kernels.pack_rows_int8(w)
+    assert packed.dtype == torch.int8 and packed.shape == (3, 64 * 302 + 256)
+    y = cpu_kernels.packed_linear(x, packed, 130, b)
+    torch.testing.assert_close(y, int8_reference(x, w, b), rtol=1e-6, atol=1e-5)
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+    assert ((y - exact).abs().max() / exact.abs().max()).item() < 0.015
+    assert torch.equal(y[3], b)
+    alone = torch.cat([cpu_kernels.packed_linear(x[i : i + 1].clone(), packed, 130, b) for i in range(20)])
+    assert torch.equal(alone, y)
+    for m in range(1, 21):
+        assert torch.equal(cpu_kernels.packed_linear(x[:m], packed, 130, b), y[:m]), m
+    with pytest.raises(RuntimeError, match="int8-packed weights of 130 x 300 expected"):
+        cpu_kernels.packed_linear(x[:, :300].contiguous(), packed, 130, b)
+
+
 def test_rows_linear_keeps_the_input_dtype_and_refuses_bad_input():
     w = torch.randn(8, 16)
     assert cpu_kernels.rows_linear(torch.randn(2, 16, dtype=torch.bfloat16), w, None).dtype == torch.bfloat16

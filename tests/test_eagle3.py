@@ -34,6 +34,7 @@ from engine import LLMEngine, SamplingParams, SpeculativeConfig
 from engine.errors import DrafterMismatchError
 from engine.model_runner import ModelRunner
 from engine.spec.proposers.eagle3 import Eagle3Proposer, resolve_aux_layer_ids
+from kernels import cpu_kernels
 
 NUM_LAYERS = 7  # default aux boundaries (2, L // 2, L - 3) = (2, 3, 4)
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, THETA = 64, 4, 2, 16, 128, 1e-5, 10000.0
@@ -540,9 +541,16 @@ def test_greedy_output_equals_target_float32(setup, k, adaptive):
         assert engine.spec_stats.num_draft_tokens > 0
 
 
-def test_greedy_output_equals_target_bfloat16(setup):
-    """Batch 1 (the exactness guarantee): one request at a time, token for token."""
-    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["explicit"], num_speculative_tokens=4, adaptive=False)
+INT8 = pytest.param("int8", marks=pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.int8_available()),
+                                                     reason="int8 drafter products need the CPU row kernels and AVX512-VNNI"))
+
+
+@pytest.mark.parametrize("draft_weights", ["model", INT8])
+def test_greedy_output_equals_target_bfloat16(setup, draft_weights):
+    """Batch 1 (the exactness guarantee): one request at a time, token for token; with the head's
+    weights as the checkpoint has them and as int8 (SpeculativeConfig.draft_weights)."""
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["explicit"], num_speculative_tokens=4, adaptive=False,
+                             draft_weights=draft_weights)
     plain = LLMEngine(setup["target"], dtype="bfloat16", device="cpu")
     spec_engine = LLMEngine(setup["target"], dtype="bfloat16", device="cpu", speculative=spec)
     for i, prompt in enumerate(SPEC_PROMPTS[:2]):
@@ -557,6 +565,25 @@ def test_greedy_output_equals_target_bfloat16(setup):
             results.append(tokens)
         assert results[0] == results[1]
     assert spec_engine.spec_stats.num_draft_tokens > 0
+    proposer = spec_engine.speculator.proposer
+    assert proposer.draft_weights == draft_weights
+    assert (proposer.head.packed.dtype == torch.int8) == (draft_weights == "int8")
+
+
+def test_draft_weights_are_checked(setup):
+    """Only "auto", "model" and "int8"; int8 for EAGLE-3 only; "auto" keeps a float32 head's dtype;
+    int8 where the kernels cannot run it is refused at start-up."""
+    with pytest.raises(ValueError, match="draft_weights must be one of"):
+        SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], draft_weights="fp8")
+    with pytest.raises(ValueError, match="applies to method 'eagle3' only"):
+        SpeculativeConfig(method="draft", model=setup["target"], draft_weights="int8")
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=2)
+    engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
+    assert engine.speculator.proposer.draft_weights == "model"
+    if not (cpu_kernels.available() and cpu_kernels.int8_available()):
+        with pytest.raises(ValueError, match="needs the CPU row kernels"):
+            LLMEngine(setup["target"], dtype="float32", device="cpu",
+                      speculative=SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], draft_weights="int8"))
 
 
 def test_packed_catch_up_matches_the_torch_midlayer_bfloat16(setup):
@@ -605,15 +632,18 @@ def test_mismatched_target_is_refused(setup, tmp_path):
                   speculative=SpeculativeConfig(method="eagle3", model=setup["heads"]["default"]))
 
 
-def test_sampled_distribution_matches_target(tmp_path):
+@pytest.mark.parametrize("draft_weights", ["model", INT8])
+def test_sampled_distribution_matches_target(tmp_path, draft_weights):
     """Chi-square test of 3000 samples of (x1..x4) against the exact target distribution; fails
-    when p < 1e-4 (false-failure probability 1e-4; fixed seed, so reproducible). The head drafts
-    over 2 of the 3 tokens (d2t), so q is zero on the third."""
+    when p < 1e-4 (false-failure probability 1e-4 per case; fixed seed, so reproducible). The head
+    drafts over 2 of the 3 tokens (d2t), so q is zero on the third. int8: the head's weights as
+    int8 (its q from those products; the target's distribution all the same)."""
     target = save_tiny_model(str(tmp_path / "t"), "llama", vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS)
     head = save_eagle3(str(tmp_path / "e3"), VOCAB, [0, 2], seed=3, scale=3.0)
     prompt = [0, 1, 2, 1, 0, 1, 2, 1, 0]
     params = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, top_k=2, ignore_eos=True)
-    spec = SpeculativeConfig(method="eagle3", model=head, num_speculative_tokens=3, adaptive=False)
+    spec = SpeculativeConfig(method="eagle3", model=head, num_speculative_tokens=3, adaptive=False,
+                             draft_weights=draft_weights)
     counts, stats = _sample_counts(target, spec, params, prompt)
     assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     p = _chi_square_p_value(counts, _exact_distribution(target, prompt, params), NUM_SAMPLES)

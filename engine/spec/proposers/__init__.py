@@ -24,7 +24,7 @@ def make_proposer(config: SpeculativeConfig, runner):
     if config.method == "eagle3":
         from engine.spec.proposers.eagle3 import Eagle3Proposer
 
-        return Eagle3Proposer(config.model, runner, config.num_speculative_tokens, config.tree_width)
+        return Eagle3Proposer(config.model, runner, config.num_speculative_tokens, config.tree_width, config.draft_weights)
     if config.method == "medusa":
         from engine.spec.proposers.medusa import MedusaProposer
 

@@ -232,12 +232,29 @@ def read_eagle3_config(model_dir: str) -> dict:
     return cfg
 
 
+def resolve_draft_weights(draft_weights: str, row_kernel: bool, dtype: torch.dtype) -> str:
+    """SpeculativeConfig.draft_weights -> "int8" or "model" for an EAGLE-3 head: "auto" is int8 for
+    a bfloat16 head on the CPU row kernels where the CPU has AVX512-VNNI; "int8" there only."""
+    from kernels import cpu_kernels
+
+    can = row_kernel and cpu_kernels.int8_available()
+    if draft_weights == "int8" and not can:
+        raise ValueError(
+            "draft_weights='int8' needs the CPU row kernels (the engine's row path) on a CPU with AVX512-VNNI; "
+            "use 'model' or 'auto' here"
+        )
+    if draft_weights == "auto":
+        return "int8" if can and dtype == torch.bfloat16 else "model"
+    return draft_weights
+
+
 class Eagle3Proposer(Proposer):
     method = "eagle3"
     supports_tree = True
     feature_kv = True
 
-    def __init__(self, model_dir: str, runner, num_speculative_tokens: int = 1, tree_width: int = 4) -> None:
+    def __init__(self, model_dir: str, runner, num_speculative_tokens: int = 1, tree_width: int = 4,
+                 draft_weights: str = "model") -> None:
         # (the step's aux tensor, [(request, first position, first row, rows)]) of waiting steps
         self._deferred: list[tuple[torch.Tensor, list[tuple[Request, int, int, int]]]] = []
         super().__init__()
@@ -337,6 +354,7 @@ class Eagle3Proposer(Proposer):
         self.rope_cos, self.rope_sin = rope_cos_sin(hf, runner.model.rope_cos.shape[0] + 1, self.dtype, self.device)
         # Small steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
         self.row_kernel = runner.row_kernel
+        self.draft_weights = resolve_draft_weights(draft_weights, self.row_kernel, self.dtype)
         if self.row_kernel:
             from kernels import cpu_kernels
 
@@ -352,6 +370,12 @@ class Eagle3Proposer(Proposer):
                 self.layer.use_packed_matmuls()
             # the head's packed matrices on 2 MiB pages, as the target's (CausalLM.prepare_rows)
             rw, keys = self.layer.row_weights(), ("w_qkv", "w_o", "w_gate_up", "w_down")
+            if self.draft_weights == "int8":  # the packed copies as int8 (SpeculativeConfig.draft_weights)
+                L = self.layer
+                for key, mod in zip(keys, (L.qkv_proj, L.o_proj, L.gate_up_proj, L.down_proj), strict=True):
+                    rw[key] = cpu_kernels.pack_rows_int8(mod.weight)
+                self.head.packed = cpu_kernels.pack_rows_int8(self.head.weight)
+                self.packed_fc = cpu_kernels.pack_rows_int8(self.fc.weight)
             *mats, self.head.packed, self.packed_fc = cpu_kernels.on_huge_pages(
                 [rw[k] for k in keys] + [self.head.packed, self.packed_fc])
             rw.update(zip(keys, mats, strict=True))
@@ -361,6 +385,8 @@ class Eagle3Proposer(Proposer):
         named = [(f"fc.{n}", p) for n, p in self.fc.named_parameters()]
         named += [(f"midlayer.{n}", p) for n, p in self.layer.named_parameters()]
         named += [("lm_head.weight", self.head.weight), (f"aux_layer_ids={self.aux_layer_ids}", self.norm)]
+        if self.draft_weights == "int8":  # other drafts and features than the checkpoint's dtype gives
+            named.append(("draft_weights=int8", self.norm))
         self._identity = DrafterIdentity(model_name(model_dir), weights_digest(named), draft_vocab)
         self._own_embedding = embed is not None
         self._chain_norms: dict[str, torch.Tensor] | None = None  # float32 norms of draft_chain
