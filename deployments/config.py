@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import EXACT_MODES, SPECULATIVE_METHODS
+from engine.config import DRAFT_WEIGHTS, EXACT_MODES, SPECULATIVE_METHODS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config.yaml"
@@ -112,6 +112,7 @@ class DrafterArgs:
     num_speculative_tokens: int = 4
     adaptive: bool = True
     draft_vocab_size: int | None = None
+    draft_weights: str = "auto"
 
     @classmethod
     def from_dict(cls, data: Any, where: str, check: _Checker) -> DrafterArgs | None:
@@ -133,16 +134,21 @@ class DrafterArgs:
         if len(check.errors) == before and method == "eagle3" and dv:
             check.fail(f"{where}.draft_vocab_size",
                        f"does not apply to method 'eagle3' (the head's checkpoint fixes its draft vocabulary), got {dv}")
+        before = len(check.errors)
+        dw = check.string(f"{where}.draft_weights", data.get("draft_weights", cls.draft_weights), DRAFT_WEIGHTS)
+        if len(check.errors) == before and dw == "int8" and method != "eagle3":
+            check.fail(f"{where}.draft_weights", f"'int8' applies to method 'eagle3' only, got method {method!r}")
         if len(check.errors) > n:
             return None
-        return cls(method=method, model=model, num_speculative_tokens=k, adaptive=adaptive, draft_vocab_size=dv)
+        return cls(method=method, model=model, num_speculative_tokens=k, adaptive=adaptive, draft_vocab_size=dv,
+                   draft_weights=dw)
 
     def to_engine(self, model_path: str | None) -> Any:
         from engine import SpeculativeConfig
 
         return SpeculativeConfig(
             method=self.method, model=model_path, num_speculative_tokens=self.num_speculative_tokens,
-            adaptive=self.adaptive, draft_vocab_size=self.draft_vocab_size,
+            adaptive=self.adaptive, draft_vocab_size=self.draft_vocab_size, draft_weights=self.draft_weights,
         )
 
 
