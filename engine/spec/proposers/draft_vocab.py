@@ -85,6 +85,8 @@ class DraftLMHead:
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor | None) -> None:
         self.packed: torch.Tensor | None = None  # the weight packed for the CPU row kernel
+        # (rows, packed): another packing (a drafter's int8 copy) for products of up to `rows` rows
+        self.packed_few: tuple[int, torch.Tensor] | None = None
         self.vocab_size = weight.shape[0]
         if token_ids is None:
             self.weight, self.token_ids = weight, None
@@ -113,7 +115,9 @@ class DraftLMHead:
         if self.packed is not None and hidden.dim() == 2 and hidden.shape[0] <= ROW_KERNEL_MAX_ROWS:
             from kernels import cpu_kernels
 
-            return cpu_kernels.packed_linear(hidden.float(), self.packed, self.size, None)
+            few = self.packed_few
+            packed = few[1] if few is not None and hidden.shape[0] <= few[0] else self.packed
+            return cpu_kernels.packed_linear(hidden.float(), packed, self.size, None)
         return torch.nn.functional.linear(hidden, self.weight).float()
 
     def sample(

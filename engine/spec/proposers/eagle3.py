@@ -79,6 +79,9 @@ FUSED_MAX_ROWS = ROW_KERNEL_MAX_TOKENS
 # target's products a token) and no per-request append (~0.5 ms a step at 16 requests), and the
 # rows of a request that finishes before drafting again are never projected.
 DEFER_BYTES = 16 << 20
+# Products of up to this many rows take an int8 head's int8 copies (SpeculativeConfig.draft_weights)
+# where the bfloat16 ones run on AMX tiles; more rows take the bfloat16 ones.
+INT8_MAX_ROWS = 8
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE3_BUFFER_ROWS = 16  # the steady bound of a request's buffered feature rows (k + 1 if larger)
@@ -124,6 +127,7 @@ class Eagle3LMHead(DraftLMHead):
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> None:
         self.packed = None
+        self.packed_few = None
         self.weight, self.token_ids, self.vocab_size = weight, token_ids, vocab_size
 
     @property
@@ -191,9 +195,11 @@ class Eagle3Layer(nn.Module):
             }
         return self._row_weights
 
-    def forward_rows(self, embeds, feats, cos, sin, k_cache, v_cache, attn_metadata) -> torch.Tensor:
+    def forward_rows(self, embeds, feats, cos, sin, k_cache, v_cache, attn_metadata, weights: dict | None = None
+                     ) -> torch.Tensor:
         """`forward` through the fused CPU row kernel (one call after the two input norms):
-        float32 activations, cos/sin float32 [T, head_dim]; metadata built with row_exact="kernel".
+        float32 activations, cos/sin float32 [T, head_dim]; metadata built with row_exact="kernel";
+        `weights`: packed matrices as `row_weights` (default) or their int8 copies.
         Returns the output features [T, H] float32."""
         from kernels import cpu_kernels
 
@@ -203,7 +209,7 @@ class Eagle3Layer(nn.Module):
         x_in = torch.cat([F.rms_norm(embeds.float(), (cfg.hidden_size,), self.input_layernorm.float(), eps), normed], -1)
         k_cache, v_cache, tables, lens = rows_kernel_inputs(attn_metadata, k_cache, v_cache)
         out, residual = cpu_kernels.rows_layer(
-            normed if self.norm_before_residual else feats, None, cos, sin, self.row_weights(), k_cache, v_cache,
+            normed if self.norm_before_residual else feats, None, cos, sin, weights or self.row_weights(), k_cache, v_cache,
             attn_metadata.slot_mapping, tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, eps,
             cfg.head_dim**-0.5, attn_in=x_in,
         )
@@ -355,6 +361,8 @@ class Eagle3Proposer(Proposer):
         # Small steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
         self.row_kernel = runner.row_kernel
         self.draft_weights = resolve_draft_weights(draft_weights, self.row_kernel, self.dtype)
+        self._int8: tuple[dict, torch.Tensor, torch.Tensor] | None = None  # (midlayer, LM head, fc) as int8
+        self.int8_max_rows = 0  # products of up to this many rows take the int8 copies
         if self.row_kernel:
             from kernels import cpu_kernels
 
@@ -370,15 +378,19 @@ class Eagle3Proposer(Proposer):
                 self.layer.use_packed_matmuls()
             # the head's packed matrices on 2 MiB pages, as the target's (CausalLM.prepare_rows)
             rw, keys = self.layer.row_weights(), ("w_qkv", "w_o", "w_gate_up", "w_down")
-            if self.draft_weights == "int8":  # the packed copies as int8 (SpeculativeConfig.draft_weights)
-                L = self.layer
-                for key, mod in zip(keys, (L.qkv_proj, L.o_proj, L.gate_up_proj, L.down_proj), strict=True):
-                    rw[key] = cpu_kernels.pack_rows_int8(mod.weight)
-                self.head.packed = cpu_kernels.pack_rows_int8(self.head.weight)
-                self.packed_fc = cpu_kernels.pack_rows_int8(self.fc.weight)
             *mats, self.head.packed, self.packed_fc = cpu_kernels.on_huge_pages(
                 [rw[k] for k in keys] + [self.head.packed, self.packed_fc])
             rw.update(zip(keys, mats, strict=True))
+            if self.draft_weights == "int8":  # int8 copies for the few-row products (SpeculativeConfig.draft_weights)
+                L = self.layer
+                *mats, head_i8, fc_i8 = cpu_kernels.on_huge_pages([cpu_kernels.pack_rows_int8(w) for w in (
+                    L.qkv_proj.weight, L.o_proj.weight, L.gate_up_proj.weight, L.down_proj.weight,
+                    self.head.weight, self.fc.weight)])
+                self._int8 = ({**rw, **dict(zip(keys, mats, strict=True))}, head_i8, fc_i8)
+                # past a few rows the int8 products are bound by their multiply-adds, the bfloat16
+                # ones on AMX tiles are not (a prompt's catch-up: 7.9 vs 4.8 ms for 128 rows)
+                self.int8_max_rows = INT8_MAX_ROWS if cpu_kernels.amx_available() else 1 << 30
+                self.head.packed_few = (self.int8_max_rows, head_i8)  # (the Python loop's logits too)
         self.backend = runner.backend
         self.block_size = 0
         self.timer = StepTimer(5e-4)  # one autoregressive step of the head
@@ -479,7 +491,7 @@ class Eagle3Proposer(Proposer):
             self._deferred = kept
             return
         rows = torch.cat([t for _, _, ts in groups.values() for t in ts])
-        feats = cpu_kernels.packed_linear(rows, self.packed_fc, self.arch.hidden_size, None)
+        feats = cpu_kernels.packed_linear(rows, self._packing(rows.shape[0])[2], self.arch.hidden_size, None)
         self._deferred = kept  # (from here on the rows are the buffers')
         committed, at = [], 0
         for r, start, ts in groups.values():
@@ -563,7 +575,7 @@ class Eagle3Proposer(Proposer):
         if self.row_kernel and (self.fc_packed_all or aux.shape[0] <= FUSED_MAX_ROWS):
             from kernels import cpu_kernels
 
-            feats = cpu_kernels.packed_linear(aux, self.packed_fc, self.arch.hidden_size, None)
+            feats = cpu_kernels.packed_linear(aux, self._packing(aux.shape[0])[2], self.arch.hidden_size, None)
         else:
             feats = self.fc(aux)  # one product for the step
         committed = [c for c in committed_hidden(sched, runner_out, feats) if may_draft(c[0])]
@@ -578,6 +590,13 @@ class Eagle3Proposer(Proposer):
         if over:
             raise AssertionError(f"EAGLE-3 buffers more than {self.max_buffered_rows} feature rows: {over}")
 
+    def _packing(self, rows: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """(midlayer weights for rows_layer, LM head, fc) packed for products of `rows` rows: the
+        int8 copies up to `int8_max_rows`, else the checkpoint dtype's."""
+        if self._int8 is not None and rows <= self.int8_max_rows:
+            return self._int8
+        return self.layer.row_weights(), self.head.packed, self.packed_fc
+
     def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor,
                  num_last: int | list[int] = 1) -> torch.Tensor:
         """Run the midlayer on elements (features[i], token_ids[i]) at the cache positions of
@@ -591,7 +610,8 @@ class Eagle3Proposer(Proposer):
         last = torch.tensor(last_rows(batch.cu_query_lens, num_last), device=self.device)
         if fused:  # float32 activations through the midlayer, one kernel call
             cos, sin = self.rope_f32[0][batch.positions], self.rope_f32[1][batch.positions]
-            out = self.layer.forward_rows(embeds, features, cos, sin, k_cache, v_cache, batch.attn_metadata)
+            out = self.layer.forward_rows(embeds, features, cos, sin, k_cache, v_cache, batch.attn_metadata,
+                                          self._packing(len(token_ids))[0])
             return out[last].to(self.dtype)
         cos, sin = self.rope_cos[batch.positions].unsqueeze(1), self.rope_sin[batch.positions].unsqueeze(1)
         out = self.layer(embeds, features.to(embeds.dtype), cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
@@ -663,10 +683,14 @@ class Eagle3Proposer(Proposer):
         self._flush_deferred({r.request_id for r in requests})  # (their rows first; not timed as drafting)
         t_start = time.perf_counter()
         chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
-        if len(elem_tokens) > FUSED_MAX_ROWS:  # a long catch-up (after a prompt, or speculation off) first, on its own
+        # a long catch-up (after a prompt, or speculation off) first, on its own; with int8 drafting
+        # weights also one past their rows (on the bfloat16 ones) when the chain itself stays within
+        if len(elem_tokens) > FUSED_MAX_ROWS or len(requests) <= self.int8_max_rows < len(elem_tokens):
+            long = len(elem_tokens) > FUSED_MAX_ROWS
             catch_up_rows(self._states, [(r, self._states[r.request_id]) for r in requests], self._forward)
             chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
-            t_start = time.perf_counter()  # (a one-off: not the drafting cost the policy weighs)
+            if long:
+                t_start = time.perf_counter()  # (a one-off: not the drafting cost the policy weighs)
         if self.row_kernel_chain and len(elem_tokens) <= FUSED_MAX_ROWS:
             return self._propose_chain_kernel(requests, num_tokens, chunks, elem_tokens, feats_in, t_start, context)
         tokens: list[list[int]] = [[] for _ in requests]
@@ -740,7 +764,7 @@ class Eagle3Proposer(Proposer):
             feats_in.float().contiguous(), torch.tensor(elem_tokens, dtype=torch.int64),
             torch.tensor(positions, dtype=torch.int64), torch.tensor(owner, dtype=torch.int64), tables,
             torch.tensor(num_tokens, dtype=torch.int64), self.embed_tokens.weight, self._chain_norms,
-            self.layer.norm_before_residual, self.layer.row_weights(), self.head.packed, self.head.size,
+            self.layer.norm_before_residual, *self._packing(len(elem_tokens))[:2], self.head.size,
             self.head.token_ids, self.rope_f32, k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads,
             cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5, self.dtype == torch.bfloat16,
             sampling, uniforms,
