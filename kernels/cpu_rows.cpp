@@ -476,6 +476,7 @@ static void amx_configure(int rows) {
   c.palette = 1;
   for (int t = 0; t < 5; ++t) c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = 64;
   for (int t = 5; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  __asm__ volatile("" : : "r"(&c) : "memory");  // (the stores are read by ldtilecfg, which GCC may not see)
   _tile_loadconfig(&c);
 }
 
