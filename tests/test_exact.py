@@ -15,7 +15,14 @@ import torch
 from helpers import save_perturbed_copy, save_tiny_heads, save_tiny_model
 
 from engine import LLM, SamplingParams, SpeculativeConfig
-from engine.model_runner import EXACT_ROWS, ROW_KERNEL_MAX_TOKENS, ModelRunner, SeqChunk, choose_exact_mode
+from engine.model_runner import (
+    EXACT_ROWS,
+    ROW_KERNEL_MAX_TOKENS,
+    ROW_KERNEL_MAX_TOKENS_AMX,
+    ModelRunner,
+    SeqChunk,
+    choose_exact_mode,
+)
 from engine.models.llama import ROW_KERNEL
 
 PROMPT = [5, 17, 33, 2, 71, 9, 40, 12, 88, 3, 61, 27, 14, 50, 6, 93, 21, 38, 7, 44]
@@ -95,6 +102,26 @@ def test_other_requests_in_the_step_change_nothing(models, mode):
             assert r.tile_rows([long_prefill, SeqChunk(TOKENS, 0, [11, 12])]) == ROW_KERNEL
             assert r.tile_rows([SeqChunk([1] * (ROW_KERNEL_MAX_TOKENS + 1), 0, [])]) == 0  # torch's path
         assert torch.equal(verified_at_once(r, [11, 12], [long_prefill]), alone)
+
+
+def test_row_steps_reach_further_for_bfloat16_on_amx(models):
+    """The row kernels serve steps of up to ROW_KERNEL_MAX_TOKENS_AMX tokens for a bfloat16 model
+    where AMX tiles run the products (ROW_KERNEL_MAX_TOKENS elsewhere and for float32), and such
+    a step is still row-exact: a request's verification alone or next to a long prefill."""
+    from kernels import cpu_kernels
+
+    f32 = make_runner(models["llama"], "float32", "rows")
+    if not f32.row_kernel:
+        pytest.skip("no CPU row kernels")
+    assert f32.row_kernel_max_tokens == ROW_KERNEL_MAX_TOKENS
+    bf16 = make_runner(models["llama"], "bfloat16", "rows")
+    bound = ROW_KERNEL_MAX_TOKENS_AMX if cpu_kernels.amx_available() else ROW_KERNEL_MAX_TOKENS
+    assert bf16.row_kernel_max_tokens == bound
+    assert bf16.tile_rows([SeqChunk([1] * bound, 0, [])]) == ROW_KERNEL
+    assert bf16.tile_rows([SeqChunk([1] * (bound + 1), 0, [])]) == 0  # torch's path
+    alone = verified_at_once(bf16, BLOCKS_A)
+    prefill = SeqChunk([(5 * i) % 90 + 1 for i in range(bound - 10)], 0, list(range(20, 20 + bound // 16)))
+    assert torch.equal(verified_at_once(bf16, BLOCKS_C, [prefill]), alone)
 
 
 def test_batch_invariant_prefill_does_not_depend_on_chunking(models):

@@ -360,6 +360,7 @@ class Eagle3Proposer(Proposer):
         self.rope_cos, self.rope_sin = rope_cos_sin(hf, runner.model.rope_cos.shape[0] + 1, self.dtype, self.device)
         # Small steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
         self.row_kernel = runner.row_kernel
+        self.fused_max_rows = max(FUSED_MAX_ROWS, runner.row_kernel_max_tokens)  # (the target's row-step bound)
         self.draft_weights = resolve_draft_weights(draft_weights, self.row_kernel, self.dtype)
         self._int8: tuple[dict, torch.Tensor, torch.Tensor] | None = None  # (midlayer, LM head, fc) as int8
         self.int8_max_rows = 0  # products of up to this many rows take the int8 copies
@@ -563,7 +564,7 @@ class Eagle3Proposer(Proposer):
         aux = runner_out.aux_hidden_states
         if not any(may_draft(s.request) and not s.request.is_finished for s in sched.scheduled):
             return
-        if (self.row_kernel and (self.fc_packed_all or aux.shape[0] <= FUSED_MAX_ROWS)
+        if (self.row_kernel and (self.fc_packed_all or aux.shape[0] <= self.fused_max_rows)
                 and all(s.num_new_tokens == 1 for s in sched.scheduled)):
             # a decode step: its rows wait (DEFER_BYTES); a draft this step reads them at once
             self._deferred.append((aux, [e for e in committed_ranges(sched, runner_out) if may_draft(e[0])]))
@@ -572,7 +573,7 @@ class Eagle3Proposer(Proposer):
                 self._flush_deferred()
             return
         # fc over the step's every row (rejected drafts' too: fewer ops than gathering the rest)
-        if self.row_kernel and (self.fc_packed_all or aux.shape[0] <= FUSED_MAX_ROWS):
+        if self.row_kernel and (self.fc_packed_all or aux.shape[0] <= self.fused_max_rows):
             from kernels import cpu_kernels
 
             feats = cpu_kernels.packed_linear(aux, self._packing(aux.shape[0])[2], self.arch.hidden_size, None)
@@ -602,7 +603,7 @@ class Eagle3Proposer(Proposer):
         """Run the midlayer on elements (features[i], token_ids[i]) at the cache positions of
         `chunks` (RoPE position = cache position, by depth in a tree); returns each chunk's last
         `num_last` (or num_last[b]) output features [sum, H], chunk after chunk."""
-        fused = self.row_kernel and len(token_ids) <= FUSED_MAX_ROWS
+        fused = self.row_kernel and len(token_ids) <= self.fused_max_rows
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
                                     row_exact="kernel" if fused else None)
         embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
@@ -685,13 +686,13 @@ class Eagle3Proposer(Proposer):
         chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
         # a long catch-up (after a prompt, or speculation off) first, on its own; with int8 drafting
         # weights also one past their rows (on the bfloat16 ones) when the chain itself stays within
-        if len(elem_tokens) > FUSED_MAX_ROWS or len(requests) <= self.int8_max_rows < len(elem_tokens):
-            long = len(elem_tokens) > FUSED_MAX_ROWS
+        if len(elem_tokens) > self.fused_max_rows or len(requests) <= self.int8_max_rows < len(elem_tokens):
+            long = len(elem_tokens) > self.fused_max_rows
             catch_up_rows(self._states, [(r, self._states[r.request_id]) for r in requests], self._forward)
             chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
             if long:
                 t_start = time.perf_counter()  # (a one-off: not the drafting cost the policy weighs)
-        if self.row_kernel_chain and len(elem_tokens) <= FUSED_MAX_ROWS:
+        if self.row_kernel_chain and len(elem_tokens) <= self.fused_max_rows:
             return self._propose_chain_kernel(requests, num_tokens, chunks, elem_tokens, feats_in, t_start, context)
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
