@@ -441,6 +441,39 @@ class ChainDrafter(Proposer):
         return [Draft([7] * k) for k in num_tokens]
 
 
+TRUE_STEP_S = [1.0, 1.05, 1.1, 1.15, 1.2, 1.8, 2.4, 3.0, 3.6]  # q tokens: one request's step, as measured
+
+
+def lone_request_ks(profile: list[float], true: list[float], host=lambda step: 1.0, steps: int = 400,
+                    accept: float = 0.85) -> tuple[Speculator, list[int]]:
+    """One request decoding alone through the adaptive policy for `steps` steps: the start-up
+    curve says `profile`, a step of q tokens takes true[q - 1] x host(step) (plus up to 1% noise),
+    each draft is accepted with probability `accept` given the one before, a draft costs 0.02.
+    Returns the speculator and the k drafted at each step."""
+    spec = Speculator(SpeculativeConfig(method="draft", model="unused", num_speculative_tokens=8),
+                      ChainDrafter(), 100_000)
+    spec.cost = StepCostModel([1], list(range(1, 10)), [profile])
+    spec.init_kv_cache(10_000, 16)
+    r = Request("r0", [1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0.0))
+    r.block_ids = list(range(1000))
+    r.num_computed_tokens = r.num_tokens - 1
+    rng = random.Random(0)
+    drafts: list[int] = []
+    ks = []
+    for step in range(1, steps):
+        accepted = 0
+        while accepted < len(drafts) and rng.random() < accept:
+            accepted += 1
+        s = SimpleNamespace(request=r, spec_token_ids=drafts, spec_tree=None, num_new_tokens=1)
+        sched = SimpleNamespace(scheduled=[s], num_batched_tokens=1 + len(drafts))
+        spec.observe_step_time(sched, (true[len(drafts)] + 0.01 * rng.random()) * host(step))
+        out = spec.propose_for_step([r], sched, SimpleNamespace(sampled_token_ids=[[0] * (accepted + 1)]), step,
+                                    ProposeContext({}))
+        drafts = list(out["r0"].token_ids) if "r0" in out else []
+        ks.append(len(drafts))
+    return spec, ks
+
+
 @pytest.mark.parametrize("explore", [True, False])
 def test_a_lone_request_drafts_the_k_its_measured_steps_favour(monkeypatch, explore):
     """The start-up curve overprices steps of 4 tokens and more by 1.6x (a profile disturbed on a
@@ -453,35 +486,36 @@ def test_a_lone_request_drafts_the_k_its_measured_steps_favour(monkeypatch, expl
     if not explore:
         monkeypatch.setattr(speculator_mod, "EXPLORE_EVERY", 10**9)
         monkeypatch.setattr(speculator_mod, "EXPLORE_REFRESH", 10**9)
-    true = [1.0, 1.05, 1.1, 1.15, 1.2, 1.8, 2.4, 3.0, 3.6]
-    profile = [t * (1.6 if q >= 4 else 1.0) for q, t in enumerate(true, 1)]
-    spec = Speculator(SpeculativeConfig(method="draft", model="unused", num_speculative_tokens=8),
-                      ChainDrafter(), 100_000)
-    spec.cost = StepCostModel([1], list(range(1, 10)), [profile])
-    spec.init_kv_cache(10_000, 16)
-    r = Request("r0", [1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0.0))
-    r.block_ids = list(range(1000))
-    r.num_computed_tokens = r.num_tokens - 1
-    rng = random.Random(0)
-    drafts: list[int] = []
-    ks = []
-    for step in range(1, 400):
-        accepted = 0
-        while accepted < len(drafts) and rng.random() < 0.85:
-            accepted += 1
-        s = SimpleNamespace(request=r, spec_token_ids=drafts, spec_tree=None, num_new_tokens=1)
-        sched = SimpleNamespace(scheduled=[s], num_batched_tokens=1 + len(drafts))
-        spec.observe_step_time(sched, true[len(drafts)] + 0.01 * rng.random())
-        out = spec.propose_for_step([r], sched, SimpleNamespace(sampled_token_ids=[[0] * (accepted + 1)]), step,
-                                    ProposeContext({}))
-        drafts = list(out["r0"].token_ids) if "r0" in out else []
-        ks.append(len(drafts))
+    profile = [t * (1.6 if q >= 4 else 1.0) for q, t in enumerate(TRUE_STEP_S, 1)]
+    spec, ks = lone_request_ks(profile, TRUE_STEP_S)
     common = max(set(ks[-200:]), key=ks[-200:].count)
     if explore:
         assert common == 4, sorted(collections.Counter(ks[-200:]).items())
         assert spec.num_explored <= 200 // speculator_mod.EXPLORE_EVERY  # a neighbour, at most every 4th step
     else:
         assert common == 2 and spec.num_explored == 0
+
+
+@pytest.mark.parametrize("drift", [True, False])
+def test_a_host_slowed_for_a_while_does_not_leave_the_policy_drafting_less(monkeypatch, drift):
+    """The start-up curve is right (k = 4 pays most), but the host runs 2.5x slower for 60 steps
+    while the policy drafts 4: the points it measures then read slow while the others keep their
+    earlier, fast steps, so k falls. With the host's speed read as a drift shared by every point,
+    the slowdown moves them all and k stays (or comes back) at 4 once the host recovers. Negative
+    control: without the drift (DRIFT_WINDOW = 0, each point its raw ratios, as until stop 37) the
+    points measured slow keep their ratios and the policy drafts less than 4 after the recovery."""
+    import engine.spec.speculator as speculator_mod
+
+    if not drift:
+        monkeypatch.setattr(speculator_mod, "DRIFT_WINDOW", 0)
+    spec, ks = lone_request_ks(TRUE_STEP_S, TRUE_STEP_S, host=lambda step: 2.5 if 100 <= step < 160 else 1.0)
+    after = ks[200:]
+    common = max(set(after), key=after.count)
+    if drift:
+        assert common == 4, sorted(collections.Counter(after).items())
+        assert spec.calibration.ratio(1, True, 5) == pytest.approx(1.0, abs=0.05)
+    else:
+        assert common < 4, sorted(collections.Counter(after).items())
 
 
 def test_a_points_ratio_does_not_move_with_the_mix_of_other_points():
@@ -502,9 +536,9 @@ def test_a_points_ratio_does_not_move_with_the_mix_of_other_points():
 
 def test_a_point_not_measured_for_a_while_is_forgotten_and_explored_again():
     """Steps of 6 tokens measured at 0.8 while the host was fast; then the host slows by 1.5x and
-    only 3-token steps run. Within POINT_HORIZON steps the 6-token point keeps its 0.8; after it,
-    it reads as unmeasured (its side's median, 1.5: the host's level now) and counts no samples,
-    so a lone request explores it again."""
+    only 3-token steps run. Within POINT_HORIZON steps the 6-token point keeps its shape and
+    follows the host (0.8 x 1.5); after it, it reads as unmeasured (its side's median shape, 1.0,
+    times the host's level now, 1.5) and counts no samples, so a lone request explores it again."""
     from engine.spec.speculator import POINT_HORIZON
 
     cal = StepCalibration()
@@ -512,12 +546,12 @@ def test_a_point_not_measured_for_a_while_is_forgotten_and_explored_again():
         cal.add(1, True, 0.8 if i % 4 == 3 else 1.0, num_tokens=6 if i % 4 == 3 else 3)
     for _ in range(POINT_HORIZON - 24):  # (the first 6-token step, the 4th, is POINT_HORIZON - 4 steps ago)
         cal.add(1, True, 1.5, num_tokens=3)
-    assert cal.ratio(1, True, 6) == pytest.approx(0.8) and cal.samples(1, True, 6) == 6
+    assert cal.ratio(1, True, 6) == pytest.approx(1.2) and cal.samples(1, True, 6) == 6
     for _ in range(16):  # 4 of the 6 fall past the horizon
         cal.add(1, True, 1.5, num_tokens=3)
     assert cal.samples(1, True, 6) < POINT_SAMPLES
     assert cal.ratio(1, True, 6) == pytest.approx(1.5)
-    # other sides and batch buckets keep their own clocks
+    # other sides and batch buckets keep their own clocks (and drifts)
     for _ in range(3):
         cal.add(16, False, 1.1, num_tokens=16)
     for _ in range(2 * POINT_HORIZON):

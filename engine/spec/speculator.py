@@ -75,6 +75,10 @@ PROFILE_ROUNDS = 3  # the start-up step-cost profile times each point this often
 POINT_SAMPLES = 3  # a (side, batch bucket, tokens per request) point's own calibration counts from this many steps
 POINT_WINDOW = 16  # the steps a point keeps (the last ones)
 POINT_HORIZON = 256  # a point forgets its steps older than this many steps of its side and batch bucket
+# The host's speed is read from a bucket's last DRIFT_WINDOW steps at measured points (their median
+# residual): a burst of a few slow steps (the first steps after a prefill run 1.5x) moves it little,
+# a slowdown that lasts shifts every point of the bucket within ~DRIFT_WINDOW / 2 steps.
+DRIFT_WINDOW = 9
 # One request decoding: a step this often drafts one more (or one fewer) than the best k while that
 # k's point has fewer than POINT_SAMPLES steps, and every EXPLORE_REFRESH steps regardless, so that
 # the policy's k follows measured steps rather than the start-up curve's shape (`StepCalibration`).
@@ -143,49 +147,84 @@ def monotone(values: list[float]) -> list[float]:
 class StepCalibration:
     """Measured step time / the cost model's prediction, for decode steps with drafts ("on"),
     without ("off") and with token trees ("tree": a tree's verification also pays its mask and
-    per-token attention tables), as `BucketedMedians` per side, and per point: (side, batch-size
-    bucket, tokens per request rounded), the last POINT_WINDOW steps of each.
+    per-token attention tables), split into the host's current speed (`drift`) and each point's
+    shape: a point is (side, batch-size bucket, tokens per request rounded).
 
-    A point's own ratio is used once it holds POINT_SAMPLES steps: the start-up curve's shape is
-    itself a measurement on a shared host, and it varies between engines of the same models (in
-    one process, three profiles of the shipped target at batch 1: one token 3.8-4.3 ms, five
-    tokens 5.2-5.5 ms, two tokens from 1.0x to 1.17x one), so a policy reading the curve alone
-    drafted 2-3 in one engine where another drafted 5. A point's ratio is the median of its own
-    last steps, as measured: each step is compared with the curve at its own point only. (Until
-    stop 35 a point kept each step's ratio relative to its side's median at the time, to follow a
-    host that slows down for a while; but that median mixes every k the policy drafts, so it moved
-    with the mix too: in a run of EAGLE-3 at batch 1 it read the 6-token point 1.21x and the
-    7-token point 0.88x their measured steps, and the policy drafted 6 where 5 paid more.) A point
-    drifts with the host through its recent steps: it forgets steps older than POINT_HORIZON steps
-    of its side and bucket, and a point left with fewer than POINT_SAMPLES reads as unmeasured (the
-    policy explores it again, `Speculator._explore`). An unmeasured point scales the curve by its
-    side's ratio; a side with no sample yet borrows another's ratio (tree: on, then off; on: off;
-    off: on; then only the model's shape decides); with none at all the ratio is 1."""
+    A step's log ratio is modelled as drift(bucket, now) + shape(point) + noise. The drift of a
+    bucket is the median of its last DRIFT_WINDOW residuals (a step's log ratio less its point's
+    shape, from measured points only); a step is stored at its point as its log ratio less the
+    drift at the time, and a point's shape is the median of its last POINT_WINDOW such values,
+    used once it holds POINT_SAMPLES of them. `ratio` answers exp(drift now + shape). So a host
+    that slows down for a while moves every point of the bucket together, measured or not: only
+    relative costs decide k, and they stay as measured. (Until stop 37 each point kept its raw
+    ratios: a second of a slowed host, 2.4-2.8x the curve, measured while k = 4-6 were drafted,
+    stayed with those points after the host recovered, and since the policy no longer drafted them
+    nothing corrected them: k = 2 for the next ~140 steps, 1.42x where fixed k = 5 made 1.88x.)
+
+    Why points: the start-up curve's shape is itself a measurement on a shared host, and it
+    varies between engines of the same models (in one process, three profiles of the shipped
+    target at batch 1: one token 3.8-4.3 ms, five tokens 5.2-5.5 ms, two tokens from 1.0x to 1.17x
+    one), so a policy reading the curve alone drafted 2-3 in one engine where another drafted 5.
+    Each step is compared with the curve at its own point only, and the drift is estimated from
+    residuals against each step's own point, so it does not move with the mix of k the policy
+    drafts. (Until stop 35 a point kept each step's ratio relative to its side's median at the time,
+    a median that mixes every k drafted: in a run of EAGLE-3 at batch 1 it read the 6-token point
+    1.21x and the 7-token point 0.88x their measured steps, and the policy drafted 6 where 5 paid
+    more.) A point forgets steps older than POINT_HORIZON steps of its side and bucket (a shape can
+    change too: contexts grow), and a point left with fewer than POINT_SAMPLES reads as unmeasured
+    (the policy explores it again, `Speculator._explore`). An unmeasured point reads its side's
+    median shape (`BucketedMedians` of the drift-free ratios) times the drift; a side with no
+    sample yet borrows another's (tree: on, then off; on: off; off: on); with none at all the
+    shape is 1."""
 
     FALLBACK = {False: (False, True), True: (True, False), "tree": ("tree", True, False)}
 
     def __init__(self) -> None:
         self.sides = {False: BucketedMedians(), True: BucketedMedians(), "tree": BucketedMedians()}
-        # point -> its last POINT_WINDOW (step count of its side and bucket, ratio)
+        # point -> its last POINT_WINDOW (step count of its side and bucket, log ratio less the drift)
         self.points: dict[tuple, collections.deque[tuple[int, float]]] = {}
         self.clock: collections.Counter = collections.Counter()  # steps added per (side, bucket)
-        self._point_medians: dict[tuple, float | None] = {}  # each point's median until the next step (a step asks ~12)
+        self.residuals = [collections.deque(maxlen=DRIFT_WINDOW) for _ in BucketedMedians.BUCKETS]
+        self._drift: list[float | None] = [None] * len(BucketedMedians.BUCKETS)  # median of residuals, cached
+        self._shapes: dict[tuple, float | None] = {}  # each point's shape until the next step (a step asks ~12)
 
     @staticmethod
     def _point(num_requests: int, speculating: bool | str, num_tokens: int) -> tuple:
         return speculating, BucketedMedians._bucket(num_requests), round(num_tokens / max(num_requests, 1))
 
+    def drift(self, num_requests: int) -> float:
+        """The bucket's log drift: the median of its recent residuals (0 before any)."""
+        i = BucketedMedians._bucket(num_requests)
+        if self._drift[i] is None:
+            self._drift[i] = statistics.median(self.residuals[i]) if self.residuals[i] else 0.0
+        return self._drift[i]
+
+    def _shape(self, key: tuple) -> float | None:
+        """The point's log shape: the median of its recent drift-free values, None while it holds
+        fewer than POINT_SAMPLES."""
+        if key not in self._shapes:
+            recent = self._recent(key)
+            self._shapes[key] = statistics.median(recent) if len(recent) >= POINT_SAMPLES else None
+        return self._shapes[key]
+
     def add(self, num_requests: int, speculating: bool | str, ratio: float, num_tokens: int | None = None) -> None:
-        self.sides[speculating].add(num_requests, ratio)
-        where = (speculating, BucketedMedians._bucket(num_requests))
+        bucket = BucketedMedians._bucket(num_requests)
+        log_ratio = math.log(max(ratio, 1e-9))
+        drift = self.drift(num_requests)
+        key = None if num_tokens is None else self._point(num_requests, speculating, num_tokens)
+        shape = None if key is None else self._shape(key)
+        if shape is not None:
+            self.residuals[bucket].append(log_ratio - shape)
+        self.sides[speculating].add(num_requests, math.exp(log_ratio - drift))
+        where = (speculating, bucket)
         self.clock[where] += 1
-        self._point_medians.clear()
-        if num_tokens is not None:
-            key = self._point(num_requests, speculating, num_tokens)
-            self.points.setdefault(key, collections.deque(maxlen=POINT_WINDOW)).append((self.clock[where], ratio))
+        self._shapes.clear()
+        self._drift[bucket] = None
+        if key is not None:
+            self.points.setdefault(key, collections.deque(maxlen=POINT_WINDOW)).append((self.clock[where], log_ratio - drift))
 
     def _recent(self, key: tuple) -> list[float]:
-        """The point's ratios from the last POINT_HORIZON steps of its side and bucket."""
+        """The point's drift-free log ratios from the last POINT_HORIZON steps of its side and bucket."""
         now = self.clock[key[:2]]
         return [r for t, r in self.points.get(key, ()) if now - t < POINT_HORIZON]
 
@@ -195,24 +234,24 @@ class StepCalibration:
 
     def ratio(self, num_requests: int, speculating: bool | str, num_tokens: int | None = None,
               borrow: bool = True) -> float:
-        """The point's own median when num_tokens is given and measured, else the side's (without
-        `borrow`: only this batch-size bucket's measurements count, else 1)."""
+        """exp(the bucket's drift now + the point's shape) when num_tokens is given and its point
+        measured, else the drift times the side's median shape (without `borrow`: only this
+        batch-size bucket's measurements count, else the shape is 1)."""
+        drift = self.drift(num_requests)
         if num_tokens is not None:
-            key = self._point(num_requests, speculating, num_tokens)
-            if key not in self._point_medians:
-                recent = self._recent(key)
-                self._point_medians[key] = statistics.median(recent) if len(recent) >= POINT_SAMPLES else None
-            if self._point_medians[key] is not None:
-                return self._point_medians[key]
+            shape = self._shape(self._point(num_requests, speculating, num_tokens))
+            if shape is not None:
+                return math.exp(drift + shape)
         for side in self.FALLBACK[speculating]:
             measured = self.sides[side].median(num_requests, borrow)
             if measured is not None:
-                return measured
-        return 1.0
+                return math.exp(drift) * measured
+        return math.exp(drift)
 
     def as_dict(self) -> dict:
         names = {False: "off", True: "on", "tree": "tree"}
-        out = {f"{names[k]}@{b}": m for k, side in self.sides.items() for b, m in side.as_dict().items()}
+        out = {f"{names[k]}@{b}": math.exp(self.drift(b)) * m for k, side in self.sides.items() for b, m in side.as_dict().items()}
+        out.update({f"drift@{b}": math.exp(self.drift(b)) for i, b in enumerate(BucketedMedians.BUCKETS) if self.residuals[i]})
         for side, bucket, q in sorted(self.points, key=lambda key: (str(key[0]), key[1:])):
             if len(self._recent((side, bucket, q))) >= POINT_SAMPLES:
                 n = BucketedMedians.BUCKETS[bucket]
