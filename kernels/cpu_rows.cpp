@@ -336,6 +336,33 @@ inline void reduce4(const __m512* v, float* out) {
   _mm_storeu_ps(out, _mm512_castps512_ps128(packed));
 }
 
+// reduce4's tree for up to 16 vectors at once (n <= 16; v[n..] are not read): out[r] = the sum of
+// v[r]'s lanes, each one's adds in reduce4's order (lane l + lane l + 8, then + 4, + 2, + 1), so the
+// same bits; the vectors stay in registers and the sums come out together (one contiguous store,
+// no spill and scatter per 4).
+__attribute__((always_inline)) inline void reduce16(const __m512* v, int n, float* out) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 w[8], x[4], z[2];
+  const int nw = (n + 1) / 2, nx = (n + 3) / 4;
+  for (int k = 0; k < nw; ++k) {  // rows 2k (lanes 0-7), 2k + 1 (8-15): l + (l + 8)
+    const __m512 a = v[2 * k], b = 2 * k + 1 < n ? v[2 * k + 1] : zero;
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)));
+  }
+  for (int k = nw; k < 2 * nx; ++k) w[k] = zero;
+  for (int k = 0; k < nx; ++k)  // rows 4k .. 4k + 3, one per quarter: l + (l + 4)
+    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                         _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  for (int k = nx; k < 4; ++k) x[k] = zero;
+  for (int m = 0; m < 2; ++m)  // quarter q: rows 8m + q (lanes 0, 1), 8m + 4 + q (2, 3): l + (l + 2)
+    z[m] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * m], x[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * m], x[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // quarter q: rows q, 4 + q, 8 + q, 12 + q: l + (l + 1)
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 sums = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), sums);
+}
+
 #pragma GCC pop_options
 
 // Rows nb (<= 64) of w [nb, K] -> for each pair (2s, 2s + 1) of K, that pair of rows 0 .. 63 in
@@ -1259,8 +1286,9 @@ void attention_rows_dp(const float* q, int64_t T, int64_t H, int64_t D, const ui
     const int64_t chunk = (items + nt - 1) / nt, it0 = std::min(items, tid * chunk),
                   it1 = std::min(items, it0 + chunk);
     std::vector<float> scores, mx, sum;
-    std::vector<uint16_t> qb, eb;
-    std::vector<int64_t> row_len;
+    std::vector<uint16_t> qb;
+    std::vector<uint32_t> eb;
+    std::vector<int64_t> row_len, kofs;
     for (int64_t it = it0; it < it1; ++it) {
       const int64_t gi = it / S, s = it % S, t0 = group_start[gi], n = group_start[gi + 1] - t0;
       const int64_t k0 = s * Hkv / S, k1 = (s + 1) * Hkv / S, MT = (k1 - k0) * G, M = n * MT;
@@ -1268,10 +1296,12 @@ void attention_rows_dp(const float* q, int64_t T, int64_t H, int64_t D, const ui
       const int64_t Mp = (M + 7) / 8 * 8;
       const int64_t* table = tables + t0 * max_blocks;
       scores.resize(L * Mp);
-      eb.assign((L + 1) * Mp, 0);
+      eb.assign((L / 2 + 1) * Mp, 0);
       row_len.resize(M);
       qb.resize(M * D);
+      kofs.resize(M);
       for (int64_t j = 0; j < M; ++j) {
+        kofs[j] = (j % MT) / G * D;  // row j's kv head, within a cache row's heads k0 ..
         row_len[j] = L0 + j / MT;
         const float* qq = q + ((t0 + j / MT) * H + k0 * G + j % MT) * D;
         for (int64_t d = 0; d < D; ++d) qb[j * D + d] = f32_to_bf16(qq[d]);
@@ -1289,30 +1319,52 @@ void attention_rows_dp(const float* q, int64_t T, int64_t H, int64_t D, const ui
         const uint16_t* row = row_of(kc, p);
         float* sc = scores.data() + p * Mp;
         const int64_t i0 = unseen_rows(sc, p, L0, MT);
-        ScoreBatch batch{sc};
-        for (int64_t h = 0; h < k1 - k0; ++h) {
-          __m512bh w[NQ];
-          for (int z = 0; z < NQ; ++z) w[z] = (__m512bh)_mm512_loadu_si512(row + h * D + 32 * z);
-          for (int64_t i = i0; i < n; ++i) {
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t j = i * MT + h * G + g;
-              const uint16_t* qq = qb.data() + j * D;
-              __m512 v = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qq), w[0]);
-              for (int z = 1; z < NQ; ++z) v = _mm512_dpbf16_ps(v, (__m512bh)_mm512_loadu_si512(qq + 32 * z), w[z]);
-              batch.add(v, j);
-            }
-          }
+        // the rows that see p, 16 at a time in row order (row j: token j / MT, head j % MT)
+        auto dot = [&](int64_t j) {
+          const uint16_t* kk = row + kofs[j];
+          const uint16_t* qq = qb.data() + j * D;
+          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qq),
+                                      (__m512bh)_mm512_loadu_si512(kk));
+          for (int z = 1; z < NQ; ++z)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qq + 32 * z), (__m512bh)_mm512_loadu_si512(kk + 32 * z));
+          return a;
+        };
+        int64_t j0 = i0 * MT;
+        for (; j0 + 16 <= M; j0 += 16) {  // (a constant count: the 16 stay in registers)
+          __m512 v[16];
+#pragma GCC unroll 16
+          for (int r = 0; r < 16; ++r) v[r] = dot(j0 + r);
+          reduce16(v, 16, sc + j0);
         }
-        batch.flush();
+        if (j0 + 8 <= M) {
+          __m512 v[8];
+#pragma GCC unroll 8
+          for (int r = 0; r < 8; ++r) v[r] = dot(j0 + r);
+          reduce16(v, 8, sc + j0);
+          j0 += 8;
+        }
+        if (j0 < M) {
+          __m512 v[8];
+          const int nj = static_cast<int>(M - j0);
+          for (int r = 0; r < nj; ++r) v[r] = dot(j0 + r);
+          reduce16(v, nj, sc + j0);
+        }
         scale_and_max(sc, M, Mp, scale, mx.data());
       }
       // exponentials: float32 sums in position order, the weights rounded to bfloat16 (eb)
       sum.resize(Mp);
       softmax_exps(scores.data(), M, Mp, mx.data(), row_len.data(), sum.data());
-      for (int64_t c = 0; c < Mp; c += 8) {  // (past a chunk's positions eb stays 0)
-        for (int64_t p = 0; p < row_len[std::min(M, c + 8) - 1]; ++p) {
-          const __m256 e = _mm256_loadu_ps(scores.data() + p * Mp + c);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(eb.data() + p * Mp + c), (__m128i)_mm256_cvtneps_pbh(e));
+      // eb holds them by pairs of positions: word (p / 2) * Mp + j = row j's weights of p (low half)
+      // and p + 1 (high), one broadcast per row and pair in the values (past a chunk's positions 0)
+      for (int64_t c = 0; c < Mp; c += 8) {
+        const int64_t pe = row_len[std::min(M, c + 8) - 1];
+        for (int64_t p = 0; p < pe; p += 2) {
+          const __m128i e0 = (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(scores.data() + p * Mp + c));
+          const __m128i e1 = p + 1 < pe ? (__m128i)_mm256_cvtneps_pbh(_mm256_loadu_ps(scores.data() + (p + 1) * Mp + c))
+                                        : _mm_setzero_si128();
+          uint32_t* w = eb.data() + (p / 2) * Mp + c;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(w), _mm_unpacklo_epi16(e0, e1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(w + 4), _mm_unpackhi_epi16(e0, e1));
         }
       }
       // values: per kv head, its rows (every token's G heads) RB at a time, pairs of positions
@@ -1329,7 +1381,9 @@ void attention_rows_dp(const float* q, int64_t T, int64_t H, int64_t D, const ui
           __m512 ac[RB][NV];
           for (int r = 0; r < RB; ++r)
             for (int z = 0; z < NV; ++z) ac[r][z] = _mm512_setzero_ps();
-          const int64_t pe = row_len[js[rb - 1]];
+          const int64_t pe = row_len[js[rb - 1]], pall = row_len[js[0]];  // (rows in token order)
+          int64_t rl[RB];
+          for (int r = 0; r < rb; ++r) rl[r] = row_len[js[r]];
           for (int64_t p = 0; p < pe; p += 2) {
             if (h == 0 && r0 == 0 && next) {
               for (int64_t pn = p; pn < std::min(p + 2, Ln); ++pn) {
@@ -1348,10 +1402,10 @@ void attention_rows_dp(const float* q, int64_t T, int64_t H, int64_t D, const ui
               vp[2 * z] = (__m512bh)_mm512_permutex2var_epi16(a, ilo, b);
               vp[2 * z + 1] = (__m512bh)_mm512_permutex2var_epi16(a, ihi, b);
             }
+            const uint32_t* ew = eb.data() + (p / 2) * Mp;
             for (int r = 0; r < rb; ++r) {
-              if (p >= row_len[js[r]]) continue;  // (an earlier token's row: a later token's position)
-              const uint32_t pair = uint32_t(eb[p * Mp + js[r]]) | (uint32_t(eb[(p + 1) * Mp + js[r]]) << 16);
-              const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+              if (p >= pall && p >= rl[r]) continue;  // (an earlier token's row: a later token's position)
+              const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(ew[js[r]]));
               for (int z = 0; z < NV; ++z) ac[r][z] = _mm512_dpbf16_ps(ac[r][z], x, vp[z]);
             }
           }
