@@ -22,7 +22,10 @@ head, 80 MB in bfloat16), so the weights come from DRAM as in the engine, e.g.
 `--attention` times the rows path's attention of a step over the 12 layers' bfloat16 caches of the
 shipped target's shape (230 positions of context): one decode token, a verification of 5 drafts
 (6 tokens of one request), 16 requests' decode tokens; `attention_rows_dp` (AVX512-BF16 dot
-products) against the float32 kernel, interleaved (`--out` default bench/results/rows_attention.json).
+products) against the float32 kernel, interleaved (`--out` default bench/results/rows_attention.json);
+with `--baseline`, also `attention_rows_dp` of the other source, interleaved, bits required equal:
+
+    python -m bench.bench_kernels --attention --baseline /tmp/cpu_rows_before.cpp
 
 `--prefill-attention` times the torch backend's attention of prompt chunks (q_len query tokens
 after `context` cached ones, the shipped target's heads, bfloat16) through
@@ -78,7 +81,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.attention:
-        return rows_attention_bench(args.reps, args.out or str(RESULTS / "rows_attention.json"))
+        return rows_attention_bench(args.reps, args.out or str(RESULTS / "rows_attention.json"),
+                                    build("baseline", args.baseline) if args.baseline else None)
     if args.prefill_attention:
         return prefill_attention_bench(args.reps, args.out or str(RESULTS / "prefill_attention.json"))
     args.out = args.out or str(RESULTS / "kernels.json")
@@ -140,8 +144,9 @@ def main(argv=None) -> dict:
     return results
 
 
-def rows_attention_bench(reps: int, out: str) -> dict:
-    """See the module docstring (`--attention`)."""
+def rows_attention_bench(reps: int, out: str, baseline=None) -> dict:
+    """See the module docstring (`--attention`); `baseline`: another build's module, whose dot
+    kernel is timed too (and must give the same bits)."""
     g = torch.Generator().manual_seed(0)
     bs, hkv, d, h, blocks, ctx = 16, 4, 64, 8, 128, 230  # the shipped target's heads, bfloat16 caches
     layers = [tuple(torch.randn(blocks, bs, hkv, d, generator=g).bfloat16() for _ in range(2)) for _ in range(12)]
@@ -153,19 +158,31 @@ def rows_attention_bench(reps: int, out: str) -> dict:
         tables = tables.repeat_interleave(tokens // requests, 0).contiguous()
         lens = (torch.arange(ctx - tokens + 1, ctx + 1) if requests == 1 else torch.full((tokens,), ctx)).to(torch.int64)
         q = torch.randn(tokens, h, d, generator=g)
-        times: dict[bool, list[float]] = {True: [], False: []}
+        variants = {"dot": (mod, True), "float32": (mod, False)}
+        if baseline is not None:
+            variants["baseline_dot"] = (baseline, True)
+            k, v = layers[0]
+            ours, theirs = (m.rows_attention(q, k, v, tables, lens, d**-0.5, True) for m in (mod, baseline))
+            if not torch.equal(ours, theirs):
+                raise SystemExit(f"{name}: the baseline's attention_rows_dp gives other bits")
+        times: dict[str, list[float]] = {key: [] for key in variants}
         for rep in range(reps * 20):
-            for dot in ((True, False) if rep % 2 == 0 else (False, True)):
+            for key in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
+                m, dot = variants[key]
                 t0 = time.perf_counter()
                 for k, v in layers:
-                    mod.rows_attention(q, k, v, tables, lens, d**-0.5, dot)
-                times[dot].append(time.perf_counter() - t0)
+                    m.rows_attention(q, k, v, tables, lens, d**-0.5, dot)
+                times[key].append(time.perf_counter() - t0)
         row = {"step": name, "query_tokens": tokens, "context": ctx,
-               "float32_us": 1e6 * statistics.median(times[False]), "dot_us": 1e6 * statistics.median(times[True])}
+               "float32_us": 1e6 * statistics.median(times["float32"]), "dot_us": 1e6 * statistics.median(times["dot"])}
         row["speedup"] = row["float32_us"] / row["dot_us"]
+        if baseline is not None:
+            row["baseline_dot_us"] = 1e6 * statistics.median(times["baseline_dot"])
+            row["speedup_over_baseline"] = row["baseline_dot_us"] / row["dot_us"]
         rows.append(row)
         print(row, flush=True)
-    print(table(rows, ["step", "query_tokens", "context", "float32_us", "dot_us", "speedup"]))
+    print(table(rows, ["step", "query_tokens", "context", "float32_us", "dot_us", "speedup"]
+                + (["baseline_dot_us", "speedup_over_baseline"] if baseline is not None else [])))
     results = {"machine": machine_info(), "rows": rows}
     Path(out).write_text(json.dumps(results, indent=2) + "\n")
     return results
