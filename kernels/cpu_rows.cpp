@@ -1548,6 +1548,19 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
 //   g, u = h2 @ w_gate_up.T + b; out = (silu(g) * u) @ w_down.T + b_down.
 // Returns (out, residual'') [T, E] float32. Weights packed (pack_rows), float32 or bfloat16 (one
 // dtype); I the intermediate size; norm weights and biases float32.
+// A thread's scratch floats for rows_layer, kept across calls (grown, never shrunk or zeroed).
+inline float* scratch_floats(int64_t n) {
+  static thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// A pointer into that scratch with std::vector's data() spelling.
+struct RowSpan {
+  float* p;
+  float* data() const { return p; }
+};
+
 std::tuple<torch::Tensor, torch::Tensor> rows_layer(
     torch::Tensor x, torch::Tensor residual, torch::Tensor cos, torch::Tensor sin, torch::Tensor in_norm,
     torch::Tensor post_norm, torch::Tensor w_qkv, torch::Tensor b_qkv, torch::Tensor w_o, torch::Tensor b_o,
@@ -1609,7 +1622,11 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
   } else {
     std::memcpy(res, xp, sizeof(float) * T * E);
   }
-  std::vector<float> h(T * std::max(E, I)), qkv(T * QKV), attn(T * Q), gu(T * I2);
+  // scratch rows, each written before it is read: one thread's buffer kept across calls (zeroing
+  // and allocating ~140 KB a layer for a verification's 6 rows was ~2% of a step)
+  const int64_t n_h = T * std::max(E, I), n_qkv = T * QKV, n_attn = T * Q, n_gu = T * I2;
+  float* const scratch = scratch_floats(n_h + n_qkv + n_attn + n_gu + T * Q);
+  const RowSpan h{scratch}, qkv{scratch + n_h}, attn{qkv.p + n_qkv}, gu{attn.p + n_attn}, qbuf{gu.p + n_gu};
   if (!has_in) {
     for (int64_t t = 0; t < T; ++t) {
       if (in_w) rms_norm_row(res + t * E, in_w, E, feps, h.data() + t * E);
@@ -1646,7 +1663,6 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
     }
   }
   // queries [T, H, D] gathered out of the qkv rows
-  std::vector<float> qbuf(T * Q);
   for (int64_t t = 0; t < T; ++t) std::memcpy(qbuf.data() + t * Q, qkv.data() + t * QKV, sizeof(float) * Q);
   // dot-product attention where the layer's products are (its weights packed for them)
   run_attention(qbuf.data(), T, H, D, k_cache, v_cache, block_tables, ctx_lens, static_cast<float>(scale), attn.data(), threads,
