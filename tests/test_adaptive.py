@@ -124,6 +124,15 @@ class FixedCostProposer:
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.seconds * k
 
+    pending = 0  # buffered rows of every request
+    row_s = 0.0  # a row's catch-up
+
+    def pending_rows_of(self, requests) -> list[int]:
+        return [self.pending] * len(requests)
+
+    def catch_up_seconds(self, rows: int) -> float:
+        return rows * self.row_s
+
 
 def speculator_with(step_s: list[float], draft_s: float = 0.0) -> Speculator:
     """A linear cost model: one request's step takes step_s[q - 1] for q tokens."""
@@ -232,6 +241,34 @@ def test_a_batch_does_not_speculate_on_steps_with_drafts_measured_cheaper_than_s
     # raw: 16 * 1.8 tokens / (18.5 * 1.05) beats 16 / (10 * 1.5); floored: / (18.5 * 1.5) does not
     assert (spec.best_cap(16, rs, [1] * 16) == 0) == floor
     assert spec.best_cap(1, rs[:1], [1]) == 1
+
+
+def test_a_catch_up_debt_is_weighed_over_the_steps_left():
+    """16 requests whose drafts pay 15% a step (1 draft, accepted 80%; the step of 32 tokens 1.5x
+    the step of 16), each with 200 buffered rows its drafter must first run (a catch-up of 3,200
+    rows at 25 us: 80 ms). With 90 tokens left each (~50 steps at 1.8 tokens), 1.6 ms a step of
+    debt still leaves a gain: speculate. With 10 left (~6 steps), 14 ms a step does not: stay off.
+    Rows within a steady round (k + 1) are no debt; without a recorded catch-up cost there is none
+    (the decision as before)."""
+    spec = Speculator(SpeculativeConfig(method="draft", model="unused"), FixedCostProposer(0.0), 1000)
+    qs = [1, 2, 3, 5, 9]
+    spec.cost = StepCostModel([16], qs, [[0.010 + 0.005 * (q - 1) for q in qs]])
+    rs = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0)) for i in range(16)]
+    for i in range(1000):
+        for r in rs:
+            spec.acceptance.observe(r, 1, int(i % 10 < 8))
+    spec.proposer.pending, spec.proposer.row_s = 200, 25e-6
+    for r in rs:
+        r.output_token_ids = [5] * 10  # 90 left
+    assert spec.catch_up_debt(rs, [1] * 16) == pytest.approx(16 * 198 * 25e-6)
+    assert spec.best_cap(16, rs, [1] * 16) == 1
+    for r in rs:
+        r.output_token_ids = [5] * 90  # 10 left
+    assert spec.best_cap(16, rs, [1] * 16) == 0
+    spec.proposer.pending = 2  # a steady round's rows
+    assert spec.catch_up_debt(rs, [1] * 16) == 0.0 and spec.best_cap(16, rs, [1] * 16) == 1
+    spec.proposer.pending, spec.proposer.row_s = 200, 0.0  # nothing recorded: no debt
+    assert spec.best_cap(16, rs, [1] * 16) == 1
 
 
 @settings(max_examples=200, deadline=None)
@@ -400,7 +437,7 @@ def test_a_probe_drafts_only_for_requests_caught_up_or_the_closest_one():
 
     spec = speculator_with([1.0] * 9)
     waiting = {"a": 200, "b": PROBE_CATCH_UP_ROWS, "c": 3, "d": 90}
-    spec.proposer.pending_rows = lambda r: waiting[r.request_id]
+    spec.proposer.pending_rows_of = lambda rs: [waiting[r.request_id] for r in rs]
     reqs = [Request(rid, [1, 2, 3], SamplingParams()) for rid in waiting]
     assert spec._cheap_probes(reqs) == [1, 2]
     waiting.update(b=40, c=30)

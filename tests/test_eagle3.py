@@ -222,7 +222,7 @@ def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
     buffers every row; with a small bound (24) it catches up whenever the buffer passes it. Turned
     back on, the first round catches up over what waits (a long catch-up first, on its own) and
     its drafts equal the reference's over the whole context, then each later round's do too, and
-    the output equals the target alone's."""
+    the output equals the target alone's; that catch-up's time is recorded (`record_catch_up`)."""
     from engine.spec.proposers.eagle3 import FUSED_MAX_ROWS
     from engine.spec.proposers.features import LAZY_BUFFER_ROWS
 
@@ -253,8 +253,11 @@ def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
     assert (not forwards) if bound is None else forwards
     monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 4)
     monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: max(ks))
+    recorded = len(proposer._catch_up_row_s or ())
     finish_checking_drafts(setup, engine, plain, r, tokens)
     assert_no_leaked_blocks(engine)
+    if bound is None:  # the long catch-up was timed: the policy prices the next one by it (a debt)
+        assert len(proposer._catch_up_row_s) == recorded + 1 and proposer.catch_up_seconds(100) > 0
 
 
 def test_decode_rows_wait_unprojected_until_their_request_is_read(setup, monkeypatch):
@@ -295,6 +298,7 @@ def test_decode_rows_wait_unprojected_until_their_request_is_read(setup, monkeyp
     assert projected[1:] == [16] and long.spec_token_ids
     assert long.spec_token_ids == reference_drafts(setup, "default", long.all_token_ids, len(long.spec_token_ids))[0]
     assert proposer.pending_rows(other) == other.num_tokens - 1 and len(proposer._deferred) == 16
+    assert proposer.pending_rows_of([other, long]) == [proposer.pending_rows(other), proposer.pending_rows(long)]
     engine.abort_request("other")
     assert all(e[0].request_id != "other" for _, entries in proposer._deferred for e in entries)
     drafting.clear()

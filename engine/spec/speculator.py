@@ -83,6 +83,12 @@ DRIFT_WINDOW = 9
 # k's point has fewer than POINT_SAMPLES steps, and every EXPLORE_REFRESH steps regardless, so that
 # the policy's k follows measured steps rather than the start-up curve's shape (`StepCalibration`).
 EXPLORE_EVERY = 4
+# A step that would start speculating for requests whose drafter must first catch up over many rows
+# (their prompts, or the rows left while speculation was off) pays that catch-up once: the decision
+# spreads it over the steps the requests are expected to go on (their tokens left / expected tokens
+# a step), at most this many. 16 requests at once: with it unweighed, a step 79 of 96 turned drafts
+# on for all 16 (an 87 ms catch-up over 3,300 rows) to speculate for 3 steps; the run lost 10%.
+CATCH_UP_HORIZON = 64
 EXPLORE_REFRESH = 64
 
 
@@ -529,7 +535,7 @@ class Speculator:
         k + 1 for k = 1 .. 8; q = 6 and 8 since stop 34: the CPU's packed products take up to 6
         rows per pass over the weights, so 7 tokens cost a step over 6 that the line from 5 to 7
         put at 6, and the policy, paying it for k = 5, drafted 4 or 6), each over 128 tokens of context, using free
-        KV blocks. The points are timed in PROFILE_ROUNDS rounds, every point once per round, and
+        KV blocks (each request its own since stop 37). The points are timed in PROFILE_ROUNDS rounds, every point once per round, and
         each keeps its fastest round (the least disturbed by other work on the host): a burst of
         noise then costs one round of every point rather than all the samples of one (timed back
         to back, 3 per point, one noisy point made 2 drafts look 1.4x a one-token step and the
@@ -546,8 +552,12 @@ class Speculator:
         for rnd in range(PROFILE_ROUNDS + 1):  # (round 0 untimed: first calls of each shape)
             for b, q in fits:
                 ctx = min(128, num_blocks * bs - q)
-                blocks = list(range(-(-(ctx + q) // bs)))  # shared by the b requests: timing only
-                chunks = [SeqChunk([0] * q, ctx, blocks) for _ in range(b)]
+                nb = -(-(ctx + q) // bs)
+                # each request its own blocks where the pool has room (else shared: timing only),
+                # so that attention reads b contexts as a real step does: over shared blocks it
+                # found them in cache, and 16 requests' 2-token steps were priced ~1.4x too low
+                chunks = [SeqChunk([0] * q, ctx, list(range(i * nb, (i + 1) * nb)) if b * nb <= num_blocks
+                                   else list(range(nb))) for i in range(b)]
                 t0 = time.perf_counter()
                 _, h = runner.forward(chunks)  # the path (and row invariance) steps take
                 runner.logits(h, runner.tile_rows(chunks))
@@ -642,6 +652,13 @@ class Speculator:
                 best_k, best_rate = k, rate
         return best_k
 
+    def catch_up_debt(self, requests: list[Request], ks: list[int]) -> float:
+        """Seconds the drafter would spend catching up before these requests' first drafts: their
+        buffered rows beyond a steady round's (k + 1 each: a prompt's, or those left while
+        speculation was off), priced by the drafter's recorded catch-ups (`catch_up_seconds`)."""
+        rows = self.proposer.pending_rows_of(requests)
+        return self.proposer.catch_up_seconds(sum(max(0, n - k - 1) for n, k in zip(rows, ks, strict=True)))
+
     def best_cap(self, num_decoding: int, requests: list[Request], ks: list[int]) -> int:
         return self.best_chain(num_decoding, requests, ks)[0]
 
@@ -661,11 +678,16 @@ class Speculator:
         best_c, best_rate = 0, MIN_GAIN * num_decoding / (off * self.cost(num_decoding, num_decoding))
         probs = [self.acceptance.accept_probs(r, k) for r, k in zip(requests, ks, strict=True)]
         floor = off if FLOOR_ON_AT_OFF and num_decoding > 1 else 0.0
+        debt = self.catch_up_debt(requests, ks)
+        left = [r.sampling_params.max_tokens - r.num_output_tokens for r in requests]
         for c in range(1, max(ks) + 1):
             capped = [min(k, c) for k in ks]
             num_tokens = num_decoding + sum(capped)
             on = max(floor, cal.ratio(num_decoding, True, num_tokens))
             time_s = on * self.cost(num_decoding, num_tokens) + self.proposer.step_cost(len(ks), c)
+            if debt:  # spread over the steps these requests are expected to go on speculating
+                steps = statistics.mean(n / (1.0 + sum(p[:k])) for n, p, k in zip(left, probs, capped, strict=True))
+                time_s += debt / min(CATCH_UP_HORIZON, max(1.0, steps))
             tokens = num_decoding + sum(sum(p[:k]) for p, k in zip(probs, capped, strict=True))
             if tokens / time_s > best_rate:
                 best_c, best_rate = c, tokens / time_s
@@ -788,7 +810,7 @@ class Speculator:
         PROBE_CATCH_UP_ROWS positions, or else the one closest. While speculation is off a layer
         drafter's rows wait un-run (features.LAZY_BUFFER_ROWS); a probe of every request would
         run them all at once, a stall of the whole batch to refresh an estimate."""
-        pending = [self.proposer.pending_rows(r) for r in requests]
+        pending = self.proposer.pending_rows_of(requests)
         keep = [i for i, p in enumerate(pending) if p <= PROBE_CATCH_UP_ROWS]
         return keep or [min(range(len(requests)), key=pending.__getitem__)]
 

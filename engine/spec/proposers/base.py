@@ -164,6 +164,28 @@ class Proposer:
         rows = getattr(self._state(request.request_id), "rows", None)  # (a feature drafter's HiddenRows)
         return 0 if rows is None else rows.shape[0]
 
+    def pending_rows_of(self, requests: list[Request]) -> list[int]:
+        """`pending_rows` of each request."""
+        return [self.pending_rows(r) for r in requests]
+
+    # seconds a buffered row cost the drafter's last long catch-ups (`record_catch_up`)
+    _catch_up_row_s: deque | None = None
+
+    def record_catch_up(self, rows: int, seconds: float) -> None:
+        """Note a catch-up over `rows` buffered rows (a prompt's, or those left while speculation
+        was off) that took `seconds`; `catch_up_seconds` prices the next ones by it."""
+        if rows > 0:
+            if self._catch_up_row_s is None:
+                self._catch_up_row_s = deque(maxlen=ROUND_WINDOW)
+            self._catch_up_row_s.append(seconds / rows)
+
+    def catch_up_seconds(self, rows: int) -> float:
+        """What catching up over `rows` buffered rows would take: rows x the median seconds a row
+        of the recorded catch-ups (0 before one is recorded, and for proposers that record none)."""
+        if not rows or not self._catch_up_row_s:
+            return 0.0
+        return rows * statistics.median(self._catch_up_row_s)
+
     def observe_step(self, sched, runner_out) -> None:
         """Called after every step with its `SchedulerOutput` and `ModelRunnerOutput`, before any
         drafting; the proposers that read the target's hidden states keep what they need here."""

@@ -26,6 +26,7 @@ output (H wide, not 3 * target hidden), computed once per committed row in `obse
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -464,6 +465,15 @@ class Eagle3Proposer(Proposer):
         deferred = sum(n for _, entries in self._deferred for r, _, _, n in entries if r.request_id == rid)
         return (0 if state is None else state.rows.shape[0]) + deferred
 
+    def pending_rows_of(self, requests: list[Request]) -> list[int]:
+        """`pending_rows` of each request, the deferred entries counted in one pass."""
+        deferred: collections.Counter = collections.Counter()
+        for _, entries in self._deferred:
+            for r, _, _, n in entries:
+                deferred[r.request_id] += n
+        return [(0 if (st := self._states.get(r.request_id)) is None else st.rows.shape[0]) + deferred[r.request_id]
+                for r in requests]
+
     @torch.inference_mode()
     def _flush_deferred(self, only: set[str] | None = None) -> None:
         """fc over the deferred rows of the requests in `only` (None: all) at once (the packed
@@ -687,11 +697,13 @@ class Eagle3Proposer(Proposer):
         # a long catch-up (after a prompt, or speculation off) first, on its own; with int8 drafting
         # weights also one past their rows (on the bfloat16 ones) when the chain itself stays within
         if len(elem_tokens) > self.fused_max_rows or len(requests) <= self.int8_max_rows < len(elem_tokens):
-            long = len(elem_tokens) > self.fused_max_rows
+            rows, longest = len(elem_tokens), max(len(c.token_ids) for c in chunks)
             catch_up_rows(self._states, [(r, self._states[r.request_id]) for r in requests], self._forward)
             chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
-            if long:
-                t_start = time.perf_counter()  # (a one-off: not the drafting cost the policy weighs)
+            if longest > max(num_tokens) + 1:  # a prompt's rows or a paused request's: a one-off,
+                now = time.perf_counter()       # not a round's cost; the policy weighs it as a debt
+                self.record_catch_up(rows - len(elem_tokens), now - t_start)
+                t_start = now
         if self.row_kernel_chain and len(elem_tokens) <= self.fused_max_rows:
             return self._propose_chain_kernel(requests, num_tokens, chunks, elem_tokens, feats_in, t_start, context)
         tokens: list[list[int]] = [[] for _ in requests]
@@ -720,11 +732,22 @@ class Eagle3Proposer(Proposer):
             self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
         self._cover(requests)
         catch_up = max(len(c.token_ids) for c in first_chunks)
-        self.timer.add_round(len(requests), time.perf_counter() - t_start, step + 1, catch_up, max(num_tokens))
+        self._add_round(requests, time.perf_counter() - t_start, step + 1, catch_up,
+                        sum(len(c.token_ids) for c in first_chunks), max(num_tokens))
         return [
             Draft(t, torch.stack(pr) if pr and not r.sampling_params.is_greedy else None)
             for t, pr, r in zip(tokens, probs, requests, strict=True)
         ]
+
+    def _add_round(self, requests: list[Request], seconds: float, forwards: int, catch_up: int, rows: int,
+                   k_max: int) -> None:
+        """Record a drafting round (`StepTimer.add_round`); one that also caught up over a long
+        stretch (a prompt's rows, where it ran in the same call) records that part, its time
+        beyond a steady round of as many drafts, as a catch-up (`record_catch_up`)."""
+        if catch_up > k_max + 1:
+            steady = self.timer.round_seconds(len(requests), forwards)
+            self.record_catch_up(rows - len(requests), max(0.0, seconds - steady))
+        self.timer.add_round(len(requests), seconds, forwards, catch_up, k_max)
 
     def _propose_chain_kernel(self, requests: list[Request], num_tokens: list[int], chunks: list[SeqChunk],
                               elem_tokens: list[int], feats_in: torch.Tensor, t_start: float,
@@ -774,8 +797,8 @@ class Eagle3Proposer(Proposer):
         for r in requests:  # the call succeeded: the buffered elements are in the midlayer's KV
             self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
         self._cover(requests)
-        self.timer.add_round(len(requests), time.perf_counter() - t_start, max(num_tokens),
-                             max(len(c.token_ids) for c in chunks), max(num_tokens))
+        self._add_round(requests, time.perf_counter() - t_start, max(num_tokens),
+                        max(len(c.token_ids) for c in chunks), len(elem_tokens), max(num_tokens))
         out = []
         for b, (d, k, g) in enumerate(zip(drafts, num_tokens, greedy, strict=True)):
             probs = None
