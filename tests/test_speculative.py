@@ -285,6 +285,24 @@ def test_drafting_rounds_are_priced_by_their_length_not_by_the_mean_forward():
     assert timer.round_seconds(1, 3) == pytest.approx(cost[3])
 
 
+def test_a_larger_batchs_unmeasured_drafting_is_priced_per_request():
+    """Rounds measured at batch 1 only: a batch of n is priced n times a request's (each request's
+    catch-up, attention and bookkeeping; borrowed as is, 16 requests' rounds were priced at 1/6-1/9
+    of their measured 1.4-2.1 ms); once its own bucket is measured, its own median; a smaller
+    batch borrows a larger one's as is."""
+    from engine.spec.proposers.base import StepTimer
+
+    timer = StepTimer(1e-3)
+    for _ in range(3):
+        timer.add_round(1, seconds=0.5e-3, num_forwards=2, catch_up=3, k_max=2)
+    assert timer.seconds(1) == pytest.approx(0.25e-3)
+    assert timer.seconds(16) == pytest.approx(16 * 0.25e-3) and timer.seconds(5) == pytest.approx(5 * 0.25e-3)
+    assert timer.round_seconds(16, 2) == pytest.approx(2 * 16 * 0.25e-3)
+    timer.add_round(16, seconds=3e-3, num_forwards=2, catch_up=3, k_max=2)
+    assert timer.seconds(16) == pytest.approx(1.5e-3) and timer.seconds(20) == pytest.approx(1.5e-3)
+    assert timer.seconds(8) == pytest.approx(1.5e-3)  # (the nearest measured: 16's, on a tie the larger)
+
+
 def test_adaptive_drafting_cost_is_steady_state_after_long_prompts(models):
     """End to end: after prompts of 40 tokens the drafter's estimate reflects its per-token rounds
     (a prompt-sized catch-up round would be several times more per forward)."""
