@@ -460,10 +460,7 @@ class Eagle3Proposer(Proposer):
 
     def pending_rows(self, request: Request) -> int:
         """Its buffered rows and its deferred ones (counted, not projected)."""
-        rid = request.request_id
-        state = self._states.get(rid)
-        deferred = sum(n for _, entries in self._deferred for r, _, _, n in entries if r.request_id == rid)
-        return (0 if state is None else state.rows.shape[0]) + deferred
+        return self.pending_rows_of([request])[0]
 
     def pending_rows_of(self, requests: list[Request]) -> list[int]:
         """`pending_rows` of each request, the deferred entries counted in one pass."""
