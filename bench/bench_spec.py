@@ -25,8 +25,10 @@ tokens/s vs k and accepted length vs k.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -44,6 +46,10 @@ METHODS = {
     "eagle": str(MODELS / "eagle-head"),
     "medusa": str(MODELS / "medusa-heads"),
 }
+
+
+# where every system runs: "cpu" (the default), or "cuda" (--device)
+DEVICE = "cpu"
 
 
 def params_for(workload: str, new_tokens: int, seed: int, k: int | None = None) -> SamplingParams:
@@ -86,11 +92,12 @@ def run_ours(llm: LLM, prompts, workload: str, new_tokens: int, concurrent: bool
 def run_hf(target_dir: str, prompts, workload: str, new_tokens: int, assistant_dir: str | None) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=torch.bfloat16).eval() if assistant_dir else None
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    assistant = (AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+                 if assistant_dir else None)
     total = 0.0
     for i, p in enumerate(prompts):
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=DEVICE)
         kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
         if workload == "code":
             kw["do_sample"] = False
@@ -122,7 +129,7 @@ def make_llm(method: str | None, k: int, adaptive: bool, max_num_seqs: int, draf
     # No prefix caching: the sweep runs the same prompts once per k, and cached prompts would skip
     # the prefill in every run after the first (flattering them against the baseline). A fixed
     # 256 MiB KV pool (about 10k tokens) so that every configuration fits in memory at once.
-    return LLM(target, dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=max_num_seqs,
+    return LLM(target, dtype="bfloat16", device=DEVICE, speculative=spec, max_num_seqs=max_num_seqs,
                enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20)
 
 
@@ -279,6 +286,12 @@ def plot_part1(rows: list[dict], name: str = "spec") -> str:
     return str(path)
 
 
+def bench_prompts(tokenizer, num: int, concurrency: int, sustained: int, warm: int, prompt_len: int) -> tuple:
+    """Part 1's prompt sets: batch 1, 16 at once, sustained, warm-up (held-out code, fixed seeds)."""
+    return tuple(code_prompts(tokenizer, n, prompt_len, seed=seed)
+                 for n, seed in ((num, 1), (concurrency, 2), (sustained, 3), (warm, 4)))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompts", type=int, default=4)
@@ -303,16 +316,24 @@ def main(argv=None) -> dict:
                     help="skip the batch-1 code rows of each model drafter over the whole vocabulary")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for every system measured (1: steady on a shared 2-core host)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--prompts-from", default=None,
+                    help="a JSON file of token-id prompts ({prompts, batch, sustained, warm}, as "
+                         "`bench.bench_gpu pack` writes) instead of windows of the held-out files")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = args.device
     methods = [m for m in args.methods.split(",") if m and (METHODS[m] is None or os.path.isdir(METHODS[m]))]
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
-    prompts = code_prompts(tokenizer, args.prompts, args.prompt_len, seed=1)
-    batch_prompts = code_prompts(tokenizer, args.concurrency, args.prompt_len, seed=2)
-    sustained_prompts = code_prompts(tokenizer, args.sustained_requests, args.prompt_len, seed=3)
-    warm_prompts = code_prompts(tokenizer, args.warm_up, args.prompt_len, seed=4)
+    if args.prompts_from is not None:
+        sets = json.loads(Path(args.prompts_from).read_text())
+        prompts, batch_prompts, sustained_prompts, warm_prompts = (sets[k] for k in ("prompts", "batch", "sustained", "warm"))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
+        prompts, batch_prompts, sustained_prompts, warm_prompts = bench_prompts(
+            tokenizer, args.prompts, args.concurrency, args.sustained_requests, args.warm_up, args.prompt_len)
     results: dict = {"machine": machine_info(), "args": vars(args)}
     if not args.skip_part1:
         rows = part1(prompts, batch_prompts, sustained_prompts, args.new_tokens, args.k, methods,

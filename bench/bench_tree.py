@@ -17,10 +17,13 @@ target's verify time (forward + sampling) and the drafting time.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+from pathlib import Path
 
 import torch
 
+import bench.bench_spec as bench_spec
 from bench.bench_spec import METHODS, params_for
 from bench.common import MODELS, RESULTS, code_prompts, machine_info, table, timed, write_results
 from engine import LLM, SamplingParams, SpeculativeConfig
@@ -49,7 +52,7 @@ def configs(methods: list[str]) -> dict[str, tuple[str | None, dict]]:
 
 def make(method: str | None, kw: dict, max_num_seqs: int) -> LLM:
     spec = SpeculativeConfig(method=method, model=METHODS[method], **kw) if method else None
-    return LLM(str(MODELS / "target"), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=max_num_seqs,
+    return LLM(str(MODELS / "target"), dtype="bfloat16", device=bench_spec.DEVICE, speculative=spec, max_num_seqs=max_num_seqs,
                enable_prefix_caching=False, kv_cache_memory_bytes=96 << 20)
 
 
@@ -107,24 +110,32 @@ def main(argv=None) -> dict:
     ap.add_argument("--methods", default="draft,eagle3,mtp")
     ap.add_argument("--loads", default=",".join(LOADS))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--prompts-from", default=None,
+                    help="token-id prompts from a JSON file (`bench.bench_gpu pack`): its batch-1 set and the "
+                         "first n of its concurrent set")
     ap.add_argument("--name", default="spec_tree")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the configurations whose name has "
                     "one (no speculation and each drafter's adaptive chain, the references, always run)")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from results/<name>.json")
     args = ap.parse_args(argv)
     if args.replot:
-        import json
-
         out = json.loads((RESULTS / f"{args.name}.json").read_text())
         plot(out["rows"], RESULTS / f"{args.name}.png")
         return out
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
+    bench_spec.DEVICE = args.device
     loads = [load for load in args.loads.split(",") if load]
-    prompts = {load: code_prompts(tokenizer, args.prompts if LOADS[load] == 1 else LOADS[load], args.prompt_len,
-                                  seed=1 if LOADS[load] == 1 else 2) for load in loads}
+    if args.prompts_from is not None:
+        sets = json.loads(Path(args.prompts_from).read_text())
+        prompts = {load: sets["prompts"] if LOADS[load] == 1 else sets["batch"][: LOADS[load]] for load in loads}
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
+        # (code_prompts draws in order: the first n of seed 2's 16 are its n)
+        prompts = {load: code_prompts(tokenizer, args.prompts if LOADS[load] == 1 else LOADS[load], args.prompt_len,
+                                      seed=1 if LOADS[load] == 1 else 2) for load in loads}
     cfgs = configs([m for m in args.methods.split(",") if m])
     if args.only:
         keep = [s for s in args.only.split(",") if s]

@@ -34,6 +34,23 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
+def gpu_kv_budget(total: int, free: int, utilization: float, buffers: int) -> int:
+    """Bytes of KV cache an engine sized automatically takes on a GPU: `utilization` of the card's
+    total memory, less what is already in use on it (this engine's weights, other engines in this
+    process, other processes) and the drafter's buffers. As in vLLM, the fraction is of the whole
+    card, so engines sharing one GPU must split it between them."""
+    used = total - free
+    budget = int(total * utilization) - used - buffers
+    if budget <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} of this GPU's {total / gib:.1f} GiB leaves no room for a KV "
+            f"cache: {used / gib:.1f} GiB are already in use on it (this engine's weights, other engines or "
+            f"processes) and the drafter's buffers take {buffers / gib:.2f} GiB; give each engine sharing the "
+            "GPU its share (a lower gpu_memory_utilization than the first engine's) or set kv_cache_memory_bytes")
+    return budget
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -237,8 +254,7 @@ class LLMEngine:
                 sc.max_num_seqs, sc.max_num_batched_tokens)
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
-                used = total - free
-                budget = int(total * cc.gpu_memory_utilization) - used - buffers
+                budget = gpu_kv_budget(total, free, cc.gpu_memory_utilization, buffers)
             else:  # what max_num_seqs full-length requests need, buffers beside it within the default
                 want = sc.max_num_seqs * max_model_len * self.kv_bytes_per_token
                 budget = min(want, CPU_DEFAULT_KV_BYTES - buffers)

@@ -261,3 +261,16 @@ def test_async_llm_outlives_a_consumer_whose_event_loop_closed(model_dir, refere
         assert not llm._streams
     finally:
         llm.shutdown()
+
+
+def test_gpu_kv_budget_is_the_cards_share_and_refuses_a_full_card_actionably():
+    """Sized automatically on a GPU, the KV cache is gpu_memory_utilization of the whole card less
+    what is already in use on it; a second engine on a card the first filled is refused with the
+    numbers and the two ways out (found on an H200: engines made one after another in one process)."""
+    from engine.llm_engine import gpu_kv_budget
+
+    gib = 1 << 30
+    assert gpu_kv_budget(100 * gib, 90 * gib, 0.85, gib) == 85 * gib - 10 * gib - gib
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.85 .* 100.0 GiB .* 86.0 GiB are already in use"
+                       r".*kv_cache_memory_bytes"):
+        gpu_kv_budget(100 * gib, 14 * gib, 0.85, 0)

@@ -293,13 +293,15 @@ def test_export_without_drafter_state_is_smaller_and_exact(models, method):
 def test_kv_exported_on_the_gpu_stays_there_and_imports_exactly(models, method):
     """`export_kv_on_device` (set when the transport is NIXL, which moves GPU memory itself): the
     handoff's target and drafter KV are CUDA tensors, and the importer continues exactly."""
-    a = make_engine(models, method, device="cuda")
+    # three engines in one process: each its own KV size (sized automatically, the first would
+    # take gpu_memory_utilization of the whole card and leave the others none)
+    a = make_engine(models, method, device="cuda", kv_cache_memory_bytes=64 << 20)
     a.export_kv_on_device = True
     h, _ = prefill(a, GREEDY)
     assert h.kv.is_cuda and h.drafter_kv.is_cuda
-    b = make_engine(models, method, device="cuda")
+    b = make_engine(models, method, device="cuda", kv_cache_memory_bytes=64 << 20)
     tokens, _ = decode(b, h)
-    reference = make_engine(models, method, device="cuda")
+    reference = make_engine(models, method, device="cuda", kv_cache_memory_bytes=64 << 20)
     reference.add_request("c", PROMPT, GREEDY)
     outs: dict[str, list[int]] = {}
     run_to_end(reference, outs)

@@ -368,13 +368,13 @@ def naive_tree_attention(case: Case, tree_masks: list) -> torch.Tensor:  # [num_
         slots = [bt[p // bs] * bs + p % bs for p in range(ctx)]
         k = torch.cat([k_flat[slots], case.key[t : t + q].float()])  # [s, Hkv, D]
         v = torch.cat([v_flat[slots], case.value[t : t + q].float()])
-        visible = torch.ones(q, s, dtype=torch.bool).tril(ctx)  # [q, s] causal
+        visible = torch.ones(q, s, dtype=torch.bool, device=k.device).tril(ctx)  # [q, s] causal
         if tree is not None:
             m = tree.shape[0]
             r = min(m, q)  # query rows under the tree: its last r nodes (the others are cached)
             visible[q - r :, s - m :] = tree[m - r :]
         qq = case.query[t : t + q].float()
-        out = torch.empty(q, h, d)
+        out = torch.empty(q, h, d, device=k.device)
         for head in range(h):
             kvh = head // (h // hkv)
             scores = (qq[:, head] @ k[:, kvh].T * case.scale).masked_fill(~visible, float("-inf"))
@@ -385,14 +385,14 @@ def naive_tree_attention(case: Case, tree_masks: list) -> torch.Tensor:  # [num_
 
 
 def run_with_trees(backend: str, case: Case, tree_masks: list | None, row_exact: str | None = None,
-                   caches: list | None = None) -> torch.Tensor:
+                   caches: list | None = None, device: str = "cpu") -> torch.Tensor:
     """The backend's attention output for the case's step (caches: a list that receives the
-    (k, v) caches after the step's KV write)."""
-    be = get_attention_backend("cpu", backend)
+    (k, v) caches after the step's KV write); the case's tensors must be on `device`."""
+    be = get_attention_backend(device, backend)
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
     extra = {"row_exact": row_exact} if row_exact else {}
     md = be.build_metadata(case.query_lens, case.seq_lens, case.block_tables, case.slot_mapping, case.block_size,
-                           torch.device("cpu"), tree_masks=tree_masks, **extra)
+                           torch.device(device), tree_masks=tree_masks, **extra)
     be.write_kv(case.key, case.value, kc, vc, md)
     if caches is not None:
         caches.append((kc, vc))
@@ -400,12 +400,12 @@ def run_with_trees(backend: str, case: Case, tree_masks: list | None, row_exact:
 
 
 def one_token_step_mismatches(backend: str, case: Case, masks: list, out: torch.Tensor, kc: torch.Tensor,
-                              vc: torch.Tensor, row_exact: str) -> tuple[int, list[int]]:
+                              vc: torch.Tensor, row_exact: str, device: str = "cpu") -> tuple[int, list[int]]:
     """(tokens checked, tokens whose output differs): each query token's attention output `out`
     against the backend's one-token decode step at the end of its path, bit for bit (a tree
     token's path: its context, then its ancestors and itself in depth order, moved into
     consecutive positions as after acceptance; a causal token's: its context)."""
-    be = get_attention_backend("cpu", backend)
+    be = get_attention_backend(device, backend)
     bs, (hkv, d) = case.block_size, kc.shape[2:]
     flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
     t, checked, bad = 0, 0, []
@@ -419,11 +419,11 @@ def one_token_step_mismatches(backend: str, case: Case, masks: list, out: torch.
             else:
                 path = slots[: s - m] + [slots[s - m + a] for a in tree[j].nonzero().flatten().tolist()]
             nblk = -(-len(path) // bs)
-            ref_k = torch.zeros(nblk * bs, hkv, d, dtype=kc.dtype)  # the path in consecutive slots
+            ref_k = torch.zeros(nblk * bs, hkv, d, dtype=kc.dtype, device=kc.device)  # the path in consecutive slots
             ref_v = torch.zeros_like(ref_k)
             ref_k[: len(path)], ref_v[: len(path)] = flat_k[path], flat_v[path]
             one = be.build_metadata([1], [len(path)], [list(range(nblk))], [len(path) - 1], bs,
-                                    torch.device("cpu"), row_exact=row_exact)
+                                    torch.device(device), row_exact=row_exact)
             ref = be.attention(case.query[t + i : t + i + 1], ref_k.view(nblk, bs, hkv, d),
                                ref_v.view(nblk, bs, hkv, d), one, case.scale)
             checked += 1
@@ -529,9 +529,10 @@ def _interpret_main() -> None:
     print("RESULTS " + json.dumps(results))
 
 
-def _triton_engine_trees() -> dict:
-    """The engine on the Triton backend (interpreted), bf16, exact="pad": greedy text with tree
-    speculation vs without, and how many attention calls went through the row-exact kernel."""
+def _triton_engine_trees(device: str = "cpu") -> dict:
+    """The engine on the Triton backend (interpreted on the CPU, compiled on CUDA), bf16,
+    exact="pad": greedy text with tree speculation vs without, and how many attention calls went
+    through the row-exact kernel."""
     import tempfile
 
     from helpers import save_perturbed_copy, save_tiny_model
@@ -554,7 +555,8 @@ def _triton_engine_trees() -> dict:
     prompts = [[(5 * i + j * j) % 60 + 2 for j in range(7 + 3 * i)] for i in range(2)]
 
     def run(spec) -> dict:
-        engine = LLMEngine(target, dtype="bfloat16", device="cpu", attention_backend="triton", exact="pad",
+        engine = LLMEngine(target, dtype="bfloat16", device=device, attention_backend="triton", exact="pad",
+                           kv_cache_memory_bytes=32 << 20,
                            speculative=spec)
         outs: dict[str, list[int]] = {}
         for i, p in enumerate(prompts):
@@ -564,8 +566,12 @@ def _triton_engine_trees() -> dict:
                 outs.setdefault(o.request_id, []).extend(o.new_token_ids)
         return outs
 
-    plain = run(None)
-    trees = run(SpeculativeConfig(method="draft", model=close, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3))
+    try:
+        plain = run(None)
+        trees = run(SpeculativeConfig(method="draft", model=close, adaptive=False, tree_nodes=6, tree_width=2,
+                                      tree_depth=3))
+    finally:
+        triton_attn.rows_attention = rows_attention
     return {"equal": plain == trees, "rows_calls": calls["rows"]}
 
 
@@ -597,6 +603,35 @@ def test_triton_engine_trees_equal_target_in_bf16(interpreter_results):
     """The engine on the Triton backend (interpreted), bfloat16, exact="pad": tree speculation's
     greedy text equals no speculation, its steps' attention through the row-exact kernel."""
     r = interpreter_results["engine"]
+    assert r["equal"] and r["rows_calls"] > 0, r
+
+
+# ---- the same on a GPU, compiled (skipped without one) -------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name,dtype_name", INTERPRET_TREE_CASES)
+def test_triton_tree_attention_compiled_cuda(name, dtype_name):
+    """Tree-mask attention of the compiled Triton kernel vs the dense reference, and the row-exact
+    kernel's tree tokens bit for bit their one-token steps (as the interpreter shows above)."""
+    case, masks = tree_case(name, dtype=_DTYPES[dtype_name])
+    case = case.to("cuda")
+    out = run_with_trees("triton", case, masks, device="cuda")
+    tol = {"float32": 1e-4, "bfloat16": 3e-2}[dtype_name]
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), naive_tree_attention(case, masks), atol=tol, rtol=tol)
+    caches = []
+    rows = run_with_trees("triton", case, masks, row_exact="kernel", caches=caches, device="cuda")
+    torch.testing.assert_close(rows.float(), naive_tree_attention(case, masks), atol=tol, rtol=tol)
+    checked, bad = one_token_step_mismatches("triton", case, masks, rows, *caches[0], row_exact="kernel",
+                                             device="cuda")
+    assert checked >= 1 and not bad, (name, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_engine_trees_equal_target_in_bf16_on_cuda():
+    r = _triton_engine_trees("cuda")
     assert r["equal"] and r["rows_calls"] > 0, r
 
 
