@@ -19,6 +19,7 @@ from engine.model_runner import (
     EXACT_ROWS,
     ROW_KERNEL_MAX_TOKENS,
     ROW_KERNEL_MAX_TOKENS_AMX,
+    ROW_KERNEL_SHORT_CHUNK,
     ModelRunner,
     SeqChunk,
     choose_exact_mode,
@@ -122,6 +123,16 @@ def test_row_steps_reach_further_for_bfloat16_on_amx(models):
     alone = verified_at_once(bf16, BLOCKS_A)
     prefill = SeqChunk([(5 * i) % 90 + 1 for i in range(bound - 10)], 0, list(range(20, 20 + bound // 16)))
     assert torch.equal(verified_at_once(bf16, BLOCKS_C, [prefill]), alone)
+    # with AMX, also a longer step of short chunks (prompts admitted next to decoding requests)
+    short = [SeqChunk([(3 * i + j) % 90 + 1 for i in range(ROW_KERNEL_SHORT_CHUNK)], 0,
+                      list(range(40 + 8 * j, 40 + 8 * j + ROW_KERNEL_SHORT_CHUNK // 16))) for j in range(3)]
+    many = sum(len(c.token_ids) for c in short) + len(TOKENS)
+    assert many > bound
+    if bound == ROW_KERNEL_MAX_TOKENS_AMX:
+        assert bf16.tile_rows(short + [SeqChunk(TOKENS, 0, [11, 12])]) == ROW_KERNEL
+        assert torch.equal(verified_at_once(bf16, BLOCKS_C, short), alone)
+    long_chunk = [SeqChunk([1] * (ROW_KERNEL_SHORT_CHUNK + 1), 0, []), *short]
+    assert bf16.tile_rows(long_chunk) == 0  # a longer chunk in it: torch's path
 
 
 def test_batch_invariant_prefill_does_not_depend_on_chunking(models):

@@ -74,7 +74,28 @@ POSITION_CONFIDENCE_Z = 1.0
 PROFILE_ROUNDS = 3  # the start-up step-cost profile times each point this often, interleaved
 POINT_SAMPLES = 3  # a (side, batch bucket, tokens per request) point's own calibration counts from this many steps
 POINT_WINDOW = 16  # the steps a point keeps (the last ones)
-POINT_HORIZON = 256  # a point forgets its steps older than this many steps of its side and batch bucket
+POINT_HORIZON = 256  # a point forgets its steps older than this many steps of its batch bucket (both sides)
+# ... this many with several requests: a batch's steps come in bursts of one side (its policy stays on
+# or off for many steps), and its first steps after the prompts' prefill run slow (1.5-3x the
+# curve). At 16 sustained requests of sampled text (stop 38) the only steps without drafts were
+# the run's first 9, at 2.6-3.1x the curve; the policy, pricing a step without drafts from them at
+# 20 ms where it took 8.5, speculated every step after and ran 0.82-0.84x no speculation.
+BATCH_POINT_HORIZON = 64
+# While a batch of several requests speculates, one step in this many goes without drafts if the
+# batch's point without drafts has fewer than POINT_SAMPLES recent steps (within
+# BATCH_POINT_HORIZON), so that the cost the decision compares against stays measured.
+OFF_PROBE_EVERY = 16
+# With several requests, a step's predicted tokens/s with drafts is scaled by how the batch's recent
+# steps with drafts measured against their prediction: the median, over its last REALIZED_WINDOW
+# decode steps with drafts (from REALIZED_MIN of them), of (tokens made / (the step's time + the
+# drafting that made its drafts)) / (the tokens/s `best_chain` predicted for it), within
+# REALIZED_CLAMP. The prediction leaves out the drafter's bookkeeping of the verified rows and
+# the policy's own time (3.7-3.8 ms of drafting at 16 requests x 2 drafts where the drafting
+# rounds said 2.4) and reads acceptance optimistically (`POSITION_CONFIDENCE_Z`): at 16 sustained
+# requests of sampled text (stop 38) it predicted 8% over no drafts where the steps ran 7% under.
+REALIZED_WINDOW = 16
+REALIZED_MIN = 4
+REALIZED_CLAMP = (0.5, 1.5)
 # The host's speed is read from a bucket's last DRIFT_WINDOW steps at measured points (their median
 # residual): a burst of a few slow steps (the first steps after a prefill run 1.5x) moves it little,
 # a slowdown that lasts shifts every point of the bucket within ~DRIFT_WINDOW / 2 steps.
@@ -176,9 +197,11 @@ class StepCalibration:
     drafts. (Until stop 35 a point kept each step's ratio relative to its side's median at the time,
     a median that mixes every k drafted: in a run of EAGLE-3 at batch 1 it read the 6-token point
     1.21x and the 7-token point 0.88x their measured steps, and the policy drafted 6 where 5 paid
-    more.) A point forgets steps older than POINT_HORIZON steps of its side and bucket (a shape can
-    change too: contexts grow), and a point left with fewer than POINT_SAMPLES reads as unmeasured
-    (the policy explores it again, `Speculator._explore`). An unmeasured point reads its side's
+    more.) A point forgets steps older than POINT_HORIZON steps of its bucket, both sides counted
+    (BATCH_POINT_HORIZON with several requests; a shape can change too: contexts grow, and a
+    point's first steps can carry a transient the drift did not see yet), and a point left with
+    fewer than POINT_SAMPLES reads as unmeasured (the policy explores it again,
+    `Speculator._explore`; a batch's point without drafts is probed, `OFF_PROBE_EVERY`). An unmeasured point reads its side's
     median shape (`BucketedMedians` of the drift-free ratios) times the drift; a side with no
     sample yet borrows another's (tree: on, then off; on: off; off: on); with none at all the
     shape is 1."""
@@ -189,7 +212,7 @@ class StepCalibration:
         self.sides = {False: BucketedMedians(), True: BucketedMedians(), "tree": BucketedMedians()}
         # point -> its last POINT_WINDOW (step count of its side and bucket, log ratio less the drift)
         self.points: dict[tuple, collections.deque[tuple[int, float]]] = {}
-        self.clock: collections.Counter = collections.Counter()  # steps added per (side, bucket)
+        self.clock: collections.Counter = collections.Counter()  # steps added per bucket (both sides)
         self.residuals = [collections.deque(maxlen=DRIFT_WINDOW) for _ in BucketedMedians.BUCKETS]
         self._drift: list[float | None] = [None] * len(BucketedMedians.BUCKETS)  # median of residuals, cached
         self._shapes: dict[tuple, float | None] = {}  # each point's shape until the next step (a step asks ~12)
@@ -222,17 +245,19 @@ class StepCalibration:
         if shape is not None:
             self.residuals[bucket].append(log_ratio - shape)
         self.sides[speculating].add(num_requests, math.exp(log_ratio - drift))
-        where = (speculating, bucket)
-        self.clock[where] += 1
+        self.clock[bucket] += 1
         self._shapes.clear()
         self._drift[bucket] = None
         if key is not None:
-            self.points.setdefault(key, collections.deque(maxlen=POINT_WINDOW)).append((self.clock[where], log_ratio - drift))
+            self.points.setdefault(key, collections.deque(maxlen=POINT_WINDOW)).append((self.clock[bucket], log_ratio - drift))
 
     def _recent(self, key: tuple) -> list[float]:
-        """The point's drift-free log ratios from the last POINT_HORIZON steps of its side and bucket."""
-        now = self.clock[key[:2]]
-        return [r for t, r in self.points.get(key, ()) if now - t < POINT_HORIZON]
+        """The point's drift-free log ratios from the last POINT_HORIZON steps of its bucket
+        (BATCH_POINT_HORIZON for buckets of several requests)."""
+        bucket = key[1]
+        now = self.clock[bucket]
+        horizon = POINT_HORIZON if BucketedMedians.BUCKETS[bucket] == 1 else BATCH_POINT_HORIZON
+        return [r for t, r in self.points.get(key, ()) if now - t < horizon]
 
     def samples(self, num_requests: int, speculating: bool | str, num_tokens: int) -> int:
         """Steps measured at the point of (num_requests, num_tokens) on this side."""
@@ -472,6 +497,14 @@ class Speculator:
         self.num_steps_on = 0
         self._off: tuple[int, tuple[str, ...]] | None = None  # (step to weigh again, the requests) after cap 0
         self.num_explored = 0  # steps of one request whose k was a neighbour of the best (`_explore`)
+        self.num_off_probes = 0  # steps a speculating batch went without drafts to measure them (OFF_PROBE_EVERY)
+        # realized / predicted tokens per second of a batch's decode steps with drafts, by batch bucket
+        self.realized = [collections.deque(maxlen=REALIZED_WINDOW) for _ in BucketedMedians.BUCKETS]
+        self._prediction: tuple[int, float] | None = None  # (requests, tokens/s) predicted for the next step
+        self._last_execute_s = 0.0  # the last step's time before drafting (`observe_step_time`)
+        self._last_draft_s = 0.0  # the last `propose_for_step`'s time (observing and drafting)
+        self._chain_rate: float | None = None  # the last `best_cap`'s predicted tokens/s
+        self._last_off_probe = 0  # (none in the first OFF_PROBE_EVERY steps: nothing is measured yet)
         self.num_tree_steps = 0  # steps whose drafts were trees (also counted in num_steps_on)
         # the tree widths the adaptive policy planned (per request, at each trees-or-chains decision)
         self.width_counts: collections.Counter[int] = collections.Counter()
@@ -581,6 +614,7 @@ class Speculator:
     def observe_step_time(self, sched, seconds: float) -> None:
         """Calibrate with one step's measured time (schedule, forward, sample/verify, commit).
         Steps that prefill are skipped: the curve is for decode steps."""
+        self._last_execute_s = seconds
         if self.cost is None or not sched.scheduled or any(s.num_new_tokens > 1 for s in sched.scheduled):
             return
         predicted = self.cost(len(sched.scheduled), sched.num_batched_tokens)
@@ -660,7 +694,8 @@ class Speculator:
         return self.proposer.catch_up_seconds(sum(max(0, n - k - 1) for n, k in zip(rows, ks, strict=True)))
 
     def best_cap(self, num_decoding: int, requests: list[Request], ks: list[int]) -> int:
-        return self.best_chain(num_decoding, requests, ks)[0]
+        cap, self._chain_rate = self.best_chain(num_decoding, requests, ks)
+        return cap
 
     def best_chain(self, num_decoding: int, requests: list[Request], ks: list[int]) -> tuple[int, float]:
         """The uniform cap c on k (0 = no drafts this step) that maximizes expected tokens/s.
@@ -675,6 +710,7 @@ class Speculator:
             return max(ks), 0.0
         cal = self.calibration
         off = cal.ratio(num_decoding, False, num_decoding)
+        realized = self.realized_ratio(num_decoding)
         best_c, best_rate = 0, MIN_GAIN * num_decoding / (off * self.cost(num_decoding, num_decoding))
         probs = [self.acceptance.accept_probs(r, k) for r, k in zip(requests, ks, strict=True)]
         floor = off if FLOOR_ON_AT_OFF and num_decoding > 1 else 0.0
@@ -689,9 +725,33 @@ class Speculator:
                 steps = statistics.mean(n / (1.0 + sum(p[:k])) for n, p, k in zip(left, probs, capped, strict=True))
                 time_s += debt / min(CATCH_UP_HORIZON, max(1.0, steps))
             tokens = num_decoding + sum(sum(p[:k]) for p, k in zip(probs, capped, strict=True))
-            if tokens / time_s > best_rate:
-                best_c, best_rate = c, tokens / time_s
+            if realized * tokens / time_s > best_rate:
+                best_c, best_rate = c, realized * tokens / time_s
         return best_c, best_rate
+
+    def realized_ratio(self, num_decoding: int) -> float:
+        """How a batch's recent decode steps with drafts measured against their predicted tokens/s
+        (REALIZED_WINDOW); 1 for one request (its k has its own calibration and exploration) and
+        before REALIZED_MIN such steps."""
+        recent = self.realized[BucketedMedians._bucket(num_decoding)]
+        if num_decoding <= 1 or len(recent) < REALIZED_MIN:
+            return 1.0
+        return min(max(statistics.median(recent), REALIZED_CLAMP[0]), REALIZED_CLAMP[1])
+
+    def _observe_realized(self, sched, runner_out) -> None:
+        """Compare the step just run with the tokens/s predicted when its drafts were decided
+        (`_prediction`): a decode step of the same requests with drafts, its time before drafting
+        plus the drafting that made them."""
+        prediction, self._prediction = self._prediction, None
+        if prediction is None or not sched.scheduled or any(s.num_new_tokens > 1 for s in sched.scheduled):
+            return
+        num_requests, rate = prediction
+        if len(sched.scheduled) != num_requests or not any(s.spec_token_ids for s in sched.scheduled):
+            return
+        seconds = self._last_execute_s + self._last_draft_s
+        tokens = sum(len(t) for t in runner_out.sampled_token_ids)
+        if seconds > 0 and rate > 0:
+            self.realized[BucketedMedians._bucket(num_requests)].append(tokens / seconds / rate)
 
     # --- the per-step entry point -----------------------------------------------------------
     def observe_verifications(self, sched, runner_out) -> None:
@@ -722,6 +782,15 @@ class Speculator:
         of all running requests together fit in the next step's token budget next to one token
         for each running request, in scheduling order, so the scheduler verifies what was drafted.
         """
+        t_start = time.perf_counter()
+        try:
+            return self._propose_for_step(running, sched, runner_out, step_index, context)
+        finally:
+            self._last_draft_s = time.perf_counter() - t_start
+
+    def _propose_for_step(self, running: list[Request], sched, runner_out, step_index: int,
+                          context: ProposeContext) -> dict[str, Draft]:
+        self._observe_realized(sched, runner_out)
         self.proposer.observe_step(sched, runner_out)
         self.observe_verifications(sched, runner_out)
         scheduled_ids = {s.request.request_id for s in sched.scheduled}
@@ -748,7 +817,9 @@ class Speculator:
             candidates = [(r, k) for r, k, _ in found]
             drafts = [d for _, _, d in found]
         if candidates and self.config.adaptive:
+            self._chain_rate = None
             cap = self.best_cap(len(decoding), [r for r, _ in candidates], [k for _, k in candidates])
+            rate = self._chain_rate
             probe = cap == 0 and step_index % probe_interval(len(decoding)) == 0
             if probe:
                 cap = 1  # a rare probe keeps the acceptance and drafting-cost estimates fresh
@@ -760,6 +831,12 @@ class Speculator:
                 self.num_steps_off += 1
                 if not self.proposer.propose_is_free:  # (a lookup's finds change from step to step)
                     self._off = (step_index + OFF_RECHECK, tuple(r.request_id for r in decoding))
+            elif (len(decoding) > 1 and not probe and step_index - self._last_off_probe >= OFF_PROBE_EVERY
+                  and self.calibration.samples(len(decoding), False, len(decoding)) < POINT_SAMPLES):
+                # a step without drafts, so that the batch's cost without them stays measured
+                self._last_off_probe = step_index
+                self.num_off_probes += 1
+                candidates, drafts = [], None
             elif len(decoding) == 1 and not probe and not self.proposer.propose_is_free:
                 r = decoding[0]
                 k = self._explore(r, cap, step_index)
@@ -767,6 +844,9 @@ class Speculator:
                 candidates = [(r, k)]
             else:
                 candidates = [(r, min(k, cap)) for r, k in candidates]
+                if len(decoding) > 1 and not probe and rate is not None:
+                    # (scaled by the realized ratio already: what it measures is the unscaled one)
+                    self._prediction = (len(decoding), rate / self.realized_ratio(len(decoding)))
         if candidates and self.max_num_batched_tokens is not None:
             pending = sum(len(r.spec_token_ids) for r in running if r.request_id not in scheduled_ids)
             room = self.max_num_batched_tokens - len(running) - pending
