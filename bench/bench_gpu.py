@@ -17,6 +17,8 @@ records the exact mode the engine chose there and the start-up profile of its st
     python -m bench.bench_gpu pack --out gpupack                  # here
     python -m bench.bench_gpu unpack --pack gpupack --out /tmp/m  # there
     SPECDECODE_MODELS=/tmp/m python -m bench.bench_gpu exact --prompts gpupack/prompts.json --out exact.json
+
+`graphs` measures the engine with and without CUDA graphs of its steps (engine/step_graph.py).
 """
 
 from __future__ import annotations
@@ -153,6 +155,86 @@ def exact(prompts_file: Path, out_file: Path, device: str, new_tokens: int) -> d
     return result
 
 
+def graphs(prompts_file: Path, out_file: Path, device: str, new_tokens: int, repeats: int) -> dict:
+    """The engine with and without CUDA graphs (engine/step_graph.py), interleaved: no speculation,
+    EAGLE-3's adaptive chain (k <= 6) and a fixed 8/2/5 EAGLE-3 tree, batch 1 (greedy held-out code,
+    one request at a time) and 16 at once; tokens/s, and the median decode step's time (verify,
+    sampling, drafting) from the step records. Greedy text with graphs must equal without (checked)."""
+    import statistics
+    import time
+
+    from bench.bench_spec import METHODS
+    from bench.common import MODELS, machine_info
+    from engine import LLM, SamplingParams, SpeculativeConfig
+
+    sets = json.loads(prompts_file.read_text())
+    one, many, warm = sets["prompts"], sets["batch"], sets["warm"]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    specs = {"no speculation": None,
+             "eagle3 adaptive chain": dict(num_speculative_tokens=6, adaptive=True),
+             "eagle3 tree 8/2/5": dict(num_speculative_tokens=5, adaptive=False, tree_nodes=8, tree_width=2,
+                                       tree_depth=5)}
+    llms = {}
+    for name, kw in specs.items():
+        for graph in (True, False):
+            spec = None if kw is None else SpeculativeConfig(method="eagle3", model=METHODS["eagle3"], **kw)
+            t0 = time.perf_counter()
+            llm = LLM(str(MODELS / "target"), dtype="bfloat16", device=device, speculative=spec, max_num_seqs=16,
+                      enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20, cuda_graphs=graph)
+            start = time.perf_counter() - t0
+            for p in warm:
+                llm.generate([p], params)
+            llms[name, graph] = (llm, start)
+    runs: dict = {}
+    texts: dict = {}
+    for rep in range(repeats):
+        order = list(llms) if rep % 2 == 0 else list(llms)[::-1]
+        for key in order:
+            llm = llms[key][0]
+            recs: list = []
+            llm.engine.step_listeners.append(recs.append)
+            before = llm.engine.spec_stats.as_dict()
+            t0 = time.perf_counter()
+            outs = [llm.generate([p], params)[0] for p in one]
+            b1 = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            together = llm.generate(many, [params] * len(many))
+            b16 = time.perf_counter() - t0
+            llm.engine.step_listeners.remove(recs.append)
+            after = llm.engine.spec_stats.as_dict()
+            steps = after["num_verify_steps"] - before["num_verify_steps"]
+            dec = [r for r in recs if not r.prefill_request_ids and r.num_requests == 1]
+            med = (lambda f, dec=dec: 1e3 * statistics.median(f(r) for r in dec)) if dec else (lambda f: None)
+            runs.setdefault(key, []).append({
+                "batch1_tokens_per_s": len(one) * new_tokens / b1, "16_at_once_tokens_per_s": len(many) * new_tokens / b16,
+                "step_ms": med(lambda r: r.duration_s), "verify_ms": med(lambda r: r.verify_time_s),
+                "sample_ms": med(lambda r: r.sample_time_s), "draft_ms": med(lambda r: r.draft_time_s),
+                "mean_accepted_length": (after["num_accepted_tokens"] - before["num_accepted_tokens"] + steps) / steps
+                if steps else None,
+            })
+            texts[key] = ([o.token_ids for o in outs], [o.token_ids for o in together])
+        print(f"repetition {rep + 1}/{repeats} done", flush=True)
+    rows = []
+    base = {g: statistics.median(r["batch1_tokens_per_s"] for r in runs["no speculation", g]) for g in (True, False)}
+    for (name, graph), results in runs.items():
+        row = {"config": name, "cuda_graphs": graph, "start_up_s": llms[name, graph][1]}
+        for k in results[0]:
+            vals = [r[k] for r in results if r[k] is not None]
+            row[k] = statistics.median(vals) if vals else None
+        row["batch1_vs_no_spec_same_graphs"] = row["batch1_tokens_per_s"] / base[graph]
+        row["batch1_vs_no_spec_eager"] = row["batch1_tokens_per_s"] / base[False]
+        row["text_equal_to_eager"] = texts[name, graph] == texts[name, False]
+        row["text_equal_to_no_spec"] = texts[name, graph] == texts["no speculation", graph]
+        sp = llms[name, graph][0].engine.speculator
+        if sp is not None and sp.cost is not None:
+            row["profile_step_ms"] = {n: round(1e3 * sp.cost(1, n), 3) for n in (1, 7, 9, 16)}
+        rows.append(row)
+        print(row, flush=True)
+    result = {"machine": machine_info(), "new_tokens": new_tokens, "repeats": repeats, "rows": rows}
+    out_file.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -167,11 +249,19 @@ def main(argv=None) -> None:
     e.add_argument("--out", type=Path, required=True)
     e.add_argument("--device", default="cuda")
     e.add_argument("--new-tokens", type=int, default=64)
+    g = sub.add_parser("graphs")
+    g.add_argument("--prompts", type=Path, required=True)
+    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--device", default="cuda")
+    g.add_argument("--new-tokens", type=int, default=96)
+    g.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     if args.cmd == "pack":
         pack(args.models, args.out)
     elif args.cmd == "unpack":
         unpack(args.pack, args.out)
+    elif args.cmd == "graphs":
+        graphs(args.prompts, args.out, args.device, args.new_tokens, args.repeats)
     else:
         exact(args.prompts, args.out, args.device, args.new_tokens)
 

@@ -144,12 +144,17 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.85,
         num_threads: int | None = None,
         exact: str = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
         """`exact` (engine.model_runner.EXACT_MODES): how a step keeps each token's logits
         independent of how many tokens it computes, so that speculation never changes greedy
         output at batch 1 (k < 16) in any dtype: "auto" (default: "pad" or "rows", whichever
         this device does cheaply), "rows", "pad", "batch_invariant" (a request's output never
-        depends on the rest of the batch; costly) or "off"."""
+        depends on the rest of the batch; costly) or "off".
+        `cuda_graphs`: on a CUDA device with the Triton backend and `exact` "pad" (what "auto"
+        picks there) or "batch_invariant", run the target's steps of up to 16 tokens (decode,
+        verification) as one captured CUDA graph (engine/step_graph.py; the same bits as
+        without); False runs every step eagerly."""
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         self.cache_config = CacheConfig(block_size, kv_cache_memory_bytes, gpu_memory_utilization, enable_prefix_caching)
@@ -203,6 +208,10 @@ class LLMEngine:
         if max_model_len < 2:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {block_size} tokens")
         self.max_model_len = max_model_len
+        if cuda_graphs and self.device.type == "cuda" and self.runner.capture_step_graph(max_model_len + num_lookahead):
+            logger.info("target steps of up to %d tokens run as a CUDA graph", self.runner.step_graph.tokens)
+            if self.speculator is not None and self.speculator.proposer.capture_step_graph(max_model_len + num_lookahead):
+                logger.info("the drafter's forwards run as a CUDA graph")
         if self.speculator is not None:
             self.speculator.max_model_len = max_model_len
             if speculative.adaptive:

@@ -284,6 +284,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.keep_hidden_states = False
+        self.step_graph = None  # engine.step_graph.StepGraph (`capture_step_graph`)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, made at first sampling
         # q [k, vocab] of a request's pending drafts; none for deterministic drafts (one-hot q)
         self.draft_probs: dict[str, torch.Tensor] = {}
@@ -390,10 +391,36 @@ class ModelRunner:
             sample_time_s=t2 - t1,
         )
 
+    def capture_step_graph(self, max_positions: int, capture: bool = True) -> bool:
+        """Run the steps of up to EXACT_ROWS tokens as one CUDA graph (engine/step_graph.py)
+        where they take the Triton backend's row-exact path on EXACT_ROWS-row products: CUDA,
+        `exact` "pad" or "batch_invariant". `capture=False` runs the same static buffers eagerly
+        (tests, on the CPU under Triton's interpreter). Whether it is on."""
+        from engine.step_graph import StepGraph
+
+        if (self.exact not in ("pad", "batch_invariant") or getattr(self.backend, "name", "") != "triton"
+                or (capture and self.device.type != "cuda")):
+            return False
+        model = self.model
+
+        def forward(g: StepGraph) -> tuple:
+            hidden = model(g.input_ids, g.positions, self.kv_caches, g.metadata, self.backend, tile_rows=EXACT_ROWS)
+            return hidden, (model.aux_hidden_states if model.aux_layer_ids else None)
+
+        self.step_graph = StepGraph(forward, self.backend, self.block_size, max_positions, EXACT_ROWS, self.device,
+                                    capture)  # (EXACT_ROWS: engine.step_graph.STEP_GRAPH_TOKENS)
+        return True
+
     def forward(self, chunks: list[SeqChunk]) -> tuple[ForwardBatch, torch.Tensor]:
         """One target forward over the chunks: (the batch, final-norm hidden [num_tokens, hidden]),
-        with the row invariance of `self.exact` (`tile_rows`)."""
+        with the row invariance of `self.exact` (`tile_rows`); through the step graph where it
+        serves the step."""
         tile = self.tile_rows(chunks)
+        if self.step_graph is not None and tile == EXACT_ROWS and self.step_graph.fits(chunks):
+            batch, (hidden, aux) = self.step_graph.run(chunks, build_forward_batch)
+            if aux is not None:
+                self.model.aux_hidden_states = aux
+            return batch, hidden
         row_exact = None
         if tile != 0 and getattr(self.backend, "supports_row_exact", False):
             row_exact = "kernel" if self.row_kernel else "sdpa"

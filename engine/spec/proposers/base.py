@@ -128,6 +128,11 @@ class Proposer:
     kv_coverage = None
     feature_kv = False  # make `kv_coverage` at init_kv_cache
 
+    def capture_step_graph(self, max_positions: int, capture: bool = True) -> bool:
+        """Run the drafter's own small forwards as a CUDA graph where it can (engine/step_graph.py;
+        after `init_kv_cache`). Whether it does: here never."""
+        return False
+
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the proposer's own paged KV cache (same block tables as the target's), if any:
         `kv_arch`'s layers."""

@@ -395,6 +395,7 @@ class Eagle3Proposer(Proposer):
                 self.head.packed_few = (self.int8_max_rows, head_i8)  # (the Python loop's logits too)
         self.backend = runner.backend
         self.block_size = 0
+        self.step_graph = None  # `capture_step_graph`
         self.timer = StepTimer(5e-4)  # one autoregressive step of the head
         named = [(f"fc.{n}", p) for n, p in self.fc.named_parameters()]
         named += [(f"midlayer.{n}", p) for n, p in self.layer.named_parameters()]
@@ -605,12 +606,36 @@ class Eagle3Proposer(Proposer):
             return self._int8
         return self.layer.row_weights(), self.head.packed, self.packed_fc
 
+    def capture_step_graph(self, max_positions: int, capture: bool = True) -> bool:
+        """The midlayer's forwards of up to STEP_GRAPH_TOKENS elements (a round's catch-up, each
+        draft, each tree level) as one CUDA graph (engine/step_graph.py) on the Triton backend;
+        not where the CPU's fused path runs them. `capture=False`: the same static buffers run
+        eagerly (tests, under Triton's interpreter)."""
+        from engine.step_graph import STEP_GRAPH_TOKENS, StepGraph
+
+        if self.row_kernel or getattr(self.backend, "name", "") != "triton" or (capture and self.device.type != "cuda"):
+            return False
+        k_cache, v_cache = self.kv_caches[0]
+
+        def forward(g: StepGraph) -> torch.Tensor:
+            cos, sin = self.rope_cos[g.positions].unsqueeze(1), self.rope_sin[g.positions].unsqueeze(1)
+            return self.layer(self.embed_tokens(g.input_ids), g.floats["features"], cos, sin, k_cache, v_cache,
+                              g.metadata, self.backend)
+
+        self.step_graph = StepGraph(forward, self.backend, self.block_size, max_positions, STEP_GRAPH_TOKENS,
+                                    self.device, capture, {"features": (self.arch.hidden_size, self.dtype)})
+        return True
+
     def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor,
                  num_last: int | list[int] = 1) -> torch.Tensor:
         """Run the midlayer on elements (features[i], token_ids[i]) at the cache positions of
         `chunks` (RoPE position = cache position, by depth in a tree); returns each chunk's last
         `num_last` (or num_last[b]) output features [sum, H], chunk after chunk."""
         fused = self.row_kernel and len(token_ids) <= self.fused_max_rows
+        if not fused and self.step_graph is not None and self.step_graph.fits(chunks):
+            batch, (out,) = self.step_graph.run(chunks, build_forward_batch, token_ids,
+                                                {"features": features.to(self.dtype)})
+            return out[torch.tensor(last_rows(batch.cu_query_lens, num_last), device=self.device)]
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
                                     row_exact="kernel" if fused else None)
         embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
