@@ -407,8 +407,13 @@ class ModelRunner:
             hidden = model(g.input_ids, g.positions, self.kv_caches, g.metadata, self.backend, tile_rows=EXACT_ROWS)
             return hidden, (model.aux_hidden_states if model.aux_layer_ids else None)
 
-        self.step_graph = StepGraph(forward, self.backend, self.block_size, max_positions, EXACT_ROWS, self.device,
-                                    capture)  # (EXACT_ROWS: engine.step_graph.STEP_GRAPH_TOKENS)
+        try:
+            self.step_graph = StepGraph(forward, self.backend, self.block_size, max_positions, EXACT_ROWS, self.device,
+                                        capture)  # (EXACT_ROWS: engine.step_graph.STEP_GRAPH_TOKENS)
+        except Exception as e:  # a device or driver that cannot capture: every step runs eagerly
+            logger.warning("no CUDA graph of the target's steps (%s: %s); they run eagerly", type(e).__name__, e)
+            self.step_graph = None
+            return False
         return True
 
     def forward(self, chunks: list[SeqChunk]) -> tuple[ForwardBatch, torch.Tensor]:

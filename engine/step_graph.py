@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 STEP_GRAPH_TOKENS = 16
 
 
+class StepGraphError(RuntimeError):
+    """A step graph failed its start-up check."""
+
+
 class StepGraph:
     """A forward over `tokens` tokens through the Triton backend's row-exact attention, on static
     buffers: `forward(graph)` reads `graph.input_ids`, `.positions`, `.metadata` and the float
@@ -99,6 +103,34 @@ class StepGraph:
         with torch.cuda.graph(self.graph):
             self.outputs = self._run_forward()
         torch.cuda.synchronize()
+        self._self_check()
+
+    def _self_check(self) -> None:
+        """Replay once on a batch of real-looking tokens (ids, positions 0..tokens-1, each token
+        attending to the keys before it in the first request's table, no KV written) and require
+        the eager forward's bits: a capture that baked in a value of the capture-time inputs
+        fails here, at start-up, not in a request (StepGraphError: the engine runs eagerly)."""
+        t = self.tokens
+        g = torch.Generator().manual_seed(0)
+        h64, h32 = self.host64, self.host32
+        h64[:t] = torch.randint(0, 256, (t,), generator=g)
+        h64[t : 2 * t] = torch.arange(t)
+        h32[t : 2 * t] = torch.arange(1, t + 1)
+        for buf in self.floats.values():
+            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+        self.dev64.copy_(h64)
+        self.dev32.copy_(h32)
+        eager = [None if o is None else o.clone() for o in self._run_forward()]
+        self.graph.replay()
+        if self.dev64.is_cuda:
+            torch.cuda.synchronize()
+        same = all((a is None) == (b is None) and (a is None or torch.equal(a, b))
+                   for a, b in zip(eager, self.outputs, strict=True))
+        self._fill_padding(0)
+        self.dev64.copy_(h64)
+        self.dev32.copy_(h32)
+        if not same:
+            raise StepGraphError("the captured step graph's outputs differ from the eager forward's")
 
     def fits(self, chunks) -> bool:
         return (sum(len(c.token_ids) for c in chunks) <= self.tokens

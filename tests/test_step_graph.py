@@ -134,6 +134,33 @@ def test_step_graph_is_off_where_it_cannot_serve(tiny_llama):
     assert pad.runner.step_graph is None
 
 
+def test_step_graph_start_up_check_refuses_a_graph_that_replays_other_bits():
+    """The check after capture: a replay that recomputes the eager outputs passes, one whose
+    outputs differ (here by one unit) raises, and the buffers go back to padding (no KV written)."""
+    pytest.importorskip("triton")
+    from engine.step_graph import StepGraph, StepGraphError
+
+    def forward(g):
+        return g.floats["x"] * 2 + g.positions[:, None].float() + g.ctx_lens[:, None].float(), None
+
+    g = StepGraph(forward, None, 16, 64, 16, torch.device("cpu"), capture=False, float_inputs={"x": (4, torch.float32)})
+
+    class Replay:  # stands in for a captured CUDA graph: writes into the captured outputs
+        def __init__(self, off: float) -> None:
+            self.off = off
+
+        def replay(self) -> None:
+            g.outputs[0].copy_(forward(g)[0] + self.off)
+
+    g.outputs = (torch.zeros(16, 4), None)
+    g.graph = Replay(0.0)
+    g._self_check()
+    assert g.slots.tolist() == [-1] * 16 and g.ctx_lens.tolist() == [1] * 16 and g.input_ids.tolist() == [0] * 16
+    g.graph = Replay(1.0)
+    with pytest.raises(StepGraphError, match="differ"):
+        g._self_check()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_step_graph_on_cuda_gives_the_eager_engines_tokens():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import time
 
@@ -66,6 +67,8 @@ from engine.spec.proposers.features import (
     lazy_buffer_rows,
 )
 from kernels.torch_attn import rows_kernel_inputs
+
+logger = logging.getLogger(__name__)
 
 # Rows (elements) up to which the midlayer's forwards and drafting chains run the fused CPU kernels
 # (the catch-up of several requests included; more go through torch's path): as the target's
@@ -622,8 +625,13 @@ class Eagle3Proposer(Proposer):
             return self.layer(self.embed_tokens(g.input_ids), g.floats["features"], cos, sin, k_cache, v_cache,
                               g.metadata, self.backend)
 
-        self.step_graph = StepGraph(forward, self.backend, self.block_size, max_positions, STEP_GRAPH_TOKENS,
-                                    self.device, capture, {"features": (self.arch.hidden_size, self.dtype)})
+        try:
+            self.step_graph = StepGraph(forward, self.backend, self.block_size, max_positions, STEP_GRAPH_TOKENS,
+                                        self.device, capture, {"features": (self.arch.hidden_size, self.dtype)})
+        except Exception as e:  # as the target's (ModelRunner.capture_step_graph): drafting runs eagerly
+            logger.warning("no CUDA graph of EAGLE-3's forwards (%s: %s); they run eagerly", type(e).__name__, e)
+            self.step_graph = None
+            return False
         return True
 
     def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor,
