@@ -157,7 +157,8 @@ def exact(prompts_file: Path, out_file: Path, device: str, new_tokens: int) -> d
 
 def graphs(prompts_file: Path, out_file: Path, device: str, new_tokens: int, repeats: int) -> dict:
     """The engine with and without CUDA graphs (engine/step_graph.py), interleaved: no speculation,
-    EAGLE-3's adaptive chain (k <= 6) and a fixed 8/2/5 EAGLE-3 tree, batch 1 (greedy held-out code,
+    EAGLE-3's adaptive chain (k <= 6) and a fixed 8/2/5 EAGLE-3 tree, MTP's and the draft model's
+    adaptive chains, batch 1 (greedy held-out code,
     one request at a time) and 16 at once; tokens/s, and the median decode step's time (verify,
     sampling, drafting) from the step records. Greedy text with graphs must equal without (checked)."""
     import statistics
@@ -170,16 +171,23 @@ def graphs(prompts_file: Path, out_file: Path, device: str, new_tokens: int, rep
     sets = json.loads(prompts_file.read_text())
     one, many, warm = sets["prompts"], sets["batch"], sets["warm"]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    specs = {"no speculation": None,
-             "eagle3 adaptive chain": dict(num_speculative_tokens=6, adaptive=True),
-             "eagle3 tree 8/2/5": dict(num_speculative_tokens=5, adaptive=False, tree_nodes=8, tree_width=2,
-                                       tree_depth=5)}
+    adaptive = dict(num_speculative_tokens=6, adaptive=True)
+    specs = {"no speculation": (None, None),
+             "eagle3 adaptive chain": ("eagle3", adaptive),
+             "eagle3 tree 8/2/5": ("eagle3", dict(num_speculative_tokens=5, adaptive=False, tree_nodes=8, tree_width=2,
+                                                  tree_depth=5)),
+             "mtp adaptive chain": ("mtp", adaptive),
+             "draft adaptive chain": ("draft", adaptive)}
     llms = {}
-    for name, kw in specs.items():
+    for name, (method, kw) in specs.items():
         for graph in (True, False):
-            spec = None if kw is None else SpeculativeConfig(method="eagle3", model=METHODS["eagle3"], **kw)
+            spec, target = None, str(MODELS / "target")
+            if method == "mtp":  # (the MTP layer is in the target's checkpoint)
+                spec, target = SpeculativeConfig(method="mtp", **kw), METHODS["mtp"]
+            elif method is not None:
+                spec = SpeculativeConfig(method=method, model=METHODS[method], **kw)
             t0 = time.perf_counter()
-            llm = LLM(str(MODELS / "target"), dtype="bfloat16", device=device, speculative=spec, max_num_seqs=16,
+            llm = LLM(target, dtype="bfloat16", device=device, speculative=spec, max_num_seqs=16,
                       enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20, cuda_graphs=graph)
             start = time.perf_counter() - t0
             for p in warm:

@@ -396,25 +396,19 @@ class ModelRunner:
         where they take the Triton backend's row-exact path on EXACT_ROWS-row products: CUDA,
         `exact` "pad" or "batch_invariant". `capture=False` runs the same static buffers eagerly
         (tests, on the CPU under Triton's interpreter). Whether it is on."""
-        from engine.step_graph import StepGraph
+        from engine.step_graph import can_capture, make_step_graph
 
-        if (self.exact not in ("pad", "batch_invariant") or getattr(self.backend, "name", "") != "triton"
-                or (capture and self.device.type != "cuda")):
+        if self.exact not in ("pad", "batch_invariant") or not can_capture(False, self.backend, self.device, capture):
             return False
         model = self.model
 
-        def forward(g: StepGraph) -> tuple:
+        def forward(g) -> tuple:
             hidden = model(g.input_ids, g.positions, self.kv_caches, g.metadata, self.backend, tile_rows=EXACT_ROWS)
             return hidden, (model.aux_hidden_states if model.aux_layer_ids else None)
 
-        try:
-            self.step_graph = StepGraph(forward, self.backend, self.block_size, max_positions, EXACT_ROWS, self.device,
-                                        capture)  # (EXACT_ROWS: engine.step_graph.STEP_GRAPH_TOKENS)
-        except Exception as e:  # a device or driver that cannot capture: every step runs eagerly
-            logger.warning("no CUDA graph of the target's steps (%s: %s); they run eagerly", type(e).__name__, e)
-            self.step_graph = None
-            return False
-        return True
+        self.step_graph = make_step_graph("the target's steps", forward, self.backend, self.block_size, max_positions,
+                                          self.device, capture, tokens=EXACT_ROWS)
+        return self.step_graph is not None
 
     def forward(self, chunks: list[SeqChunk]) -> tuple[ForwardBatch, torch.Tensor]:
         """One target forward over the chunks: (the batch, final-norm hidden [num_tokens, hidden]),

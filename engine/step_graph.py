@@ -183,3 +183,20 @@ class StepGraph:
             outputs = self._run_forward()
         self.replays += 1
         return batch, tuple(None if o is None else o[:n].clone() for o in outputs)
+
+
+def can_capture(row_kernel: bool, backend, device: torch.device, capture: bool) -> bool:
+    """Whether a forward that would take the Triton backend (not the CPU's fused row path) can
+    have a step graph: on CUDA, or (`capture=False`) anywhere."""
+    return not row_kernel and getattr(backend, "name", "") == "triton" and (not capture or device.type == "cuda")
+
+
+def make_step_graph(what: str, forward, backend, block_size: int, max_positions: int, device: torch.device,
+                    capture: bool, float_inputs: dict | None = None, tokens: int = STEP_GRAPH_TOKENS) -> StepGraph | None:
+    """A StepGraph, or None when capture raises or its self-check fails (logged): those forwards
+    then run eagerly, as on a device that cannot capture."""
+    try:
+        return StepGraph(forward, backend, block_size, max_positions, tokens, device, capture, float_inputs)
+    except Exception as e:
+        logger.warning("no CUDA graph of %s (%s: %s); they run eagerly", what, type(e).__name__, e)
+        return None

@@ -20,12 +20,17 @@ from kernels import triton_available
 
 
 def _graph_engines(device: str) -> dict:
-    """Engines on the Triton backend, exact="pad", bfloat16, with the step graph (captured on CUDA,
-    the static path run eagerly on the CPU) and without: greedy and seeded sampled requests, no
-    speculation, a chain drafter and a tree drafter. Outputs, and how many steps the graph ran."""
+    """Engines on the Triton backend, exact="pad", bfloat16, with step graphs (captured on CUDA;
+    on the CPU the static path run eagerly) and without: greedy and seeded sampled requests.
+    (1) The target's graph alone (drafters eager), no speculation, a draft model's chains and
+    trees: every request's tokens equal the engine without graphs. (2) The drafters' graphs too
+    (the draft model, EAGLE-3, EAGLE-1, a 2-module MTP; chains and trees): greedy text equals the
+    target alone (their drafts may differ from the eager drafter's: another attention kernel)."""
     import tempfile
 
-    from helpers import save_perturbed_copy, save_tiny_model
+    from helpers import save_perturbed_copy, save_tiny_heads, save_tiny_model
+    from test_eagle3 import save_eagle3
+    from test_mtp_native import add_mtp_layers
 
     from engine import LLMEngine, SamplingParams, SpeculativeConfig
     from engine.step_graph import StepGraph
@@ -41,26 +46,35 @@ def _graph_engines(device: str) -> dict:
     root = tempfile.mkdtemp()
     target = save_tiny_model(os.path.join(root, "target"), "llama")
     close = save_perturbed_copy(target, os.path.join(root, "close"), noise=0.05)
-    # a 7-token prompt (prefilled through the graph), a 20-token one (eagerly), a sampled one
+    eagle, _ = save_tiny_heads(root, target)
+    # an EAGLE-3 head over 64 of the target's 97 tokens
+    eagle3 = save_eagle3(os.path.join(root, "eagle3"), 97, sorted(list(range(0, 97, 3))[:32] + list(range(1, 97, 3))[:32]),
+                         aux_ids=[0, 1, 2])  # (inputs of layers 0 and 1, the last output: 2 layers)
+    mtp_target = add_mtp_layers(save_tiny_model(os.path.join(root, "mtp"), "llama"), "deepseek", 2)
+    # a 7-token prompt, a 20-token one, a sampled one (the first step prefills 36 tokens: eagerly)
     prompts = [[(5 * i + j * j) % 60 + 2 for j in range(n)] for i, n in enumerate((7, 20, 9))]
     params = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=1.0, seed=3, ignore_eos=True)]
+    drafter_replays: dict[str, int] = {}
 
-    def run(spec, graph: bool) -> dict:
-        engine = LLMEngine(target, dtype="bfloat16", device=device, attention_backend="triton", exact="pad",
+    def run(spec, graph: bool, drafter_graph: bool = False, model: str = target, name: str = "") -> dict:
+        engine = LLMEngine(model, dtype="bfloat16", device=device, attention_backend="triton", exact="pad",
                            kv_cache_memory_bytes=32 << 20, speculative=spec, cuda_graphs=graph)
         proposer = engine.speculator.proposer if spec is not None else None
-        if device == "cpu" and spec is not None and spec.method == "eagle3":
-            proposer.row_kernel = proposer.row_kernel_chain = False  # the GPU's path: no fused CPU kernels
+        if device == "cpu" and proposer is not None:
+            for attr in ("row_kernel", "row_kernel_chain"):  # the GPU's path: no fused CPU kernels
+                if hasattr(proposer, attr):
+                    setattr(proposer, attr, False)
         if graph and device == "cpu":
             assert engine.runner.capture_step_graph(engine.max_model_len + 16, capture=False)
-            if spec is not None:
-                proposer.capture_step_graph(engine.max_model_len + 16, capture=False)
+            if drafter_graph:
+                assert proposer.capture_step_graph(engine.max_model_len + 16, capture=False)
+        if graph and device != "cpu" and proposer is not None and not drafter_graph:
+            proposer.step_graph, proposer.step_graphs = None, []  # the target's graph alone
         assert (engine.runner.step_graph is not None) == graph
-        if spec is not None and spec.method == "eagle3":
-            assert (proposer.step_graph is not None) == graph
-            drafter_graphs.append(proposer.step_graph)
+        graphs = [g for g in [getattr(proposer, "step_graph", None), *getattr(proposer, "step_graphs", [])] if g]
+        assert bool(graphs) == drafter_graph
         outs: dict[str, list[int]] = {}
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             engine.add_request(f"r{i}", p, sp)
@@ -68,37 +82,37 @@ def _graph_engines(device: str) -> dict:
             for o in engine.step():
                 outs.setdefault(o.request_id, []).extend(o.new_token_ids)
         engine.check_no_leaks()
+        if graphs:
+            drafter_replays[name] = sum(g.replays for g in graphs)
         return outs
 
-    from test_eagle3 import save_eagle3
+    def greedy(outs: dict) -> list:
+        return [outs["r0"], outs["r1"]]
 
-    # an EAGLE-3 head over 64 of the target's 97 tokens
-    head = save_eagle3(os.path.join(root, "eagle3"), 97, sorted(list(range(0, 97, 3))[:32] + list(range(1, 97, 3))[:32]),
-                       aux_ids=[0, 1, 2])  # (inputs of layers 0 and 1, the last output: 2 layers)
-    drafter_graphs: list = []
     chain = SpeculativeConfig(method="draft", model=close, num_speculative_tokens=3, adaptive=False)
     tree = SpeculativeConfig(method="draft", model=close, adaptive=False, tree_nodes=6, tree_width=2, tree_depth=3)
+    results = {}
     try:
         plain = run(None, False)
-        results = {"plain": plain == run(None, True)}
-        graph_runs = runs["graph"]
+        results["plain"] = plain == run(None, True)
+        results["graph_runs_plain"] = runs["graph"]
         results["chain"] = run(chain, False) == run(chain, True)
-        results["tree"] = run(tree, True)
-        results["tree_greedy_equal"] = all(results["tree"][f"r{i}"] == plain[f"r{i}"] for i in (0, 1))
-        results["tree"] = results["tree"] == run(tree, False)
-        # EAGLE-3, its midlayer's forwards through its own graph: greedy text the target's (its
-        # drafts may differ from the eager path's: another attention kernel, so sampled text too)
-        for name, spec in (("eagle3_chain", SpeculativeConfig(method="eagle3", model=head, num_speculative_tokens=3,
-                                                               adaptive=False)),
-                           ("eagle3_tree", SpeculativeConfig(method="eagle3", model=head, adaptive=False, tree_nodes=6,
-                                                              tree_width=2, tree_depth=3))):
-            out = run(spec, True)
-            results[name] = all(out[f"r{i}"] == plain[f"r{i}"] for i in (0, 1))
-        results["drafter_graph_runs"] = [g.replays for g in drafter_graphs]
+        results["tree"] = run(tree, False) == run(tree, True)
+        drafters = {
+            "draft_chain": chain, "draft_tree": tree,
+            "eagle3_chain": SpeculativeConfig(method="eagle3", model=eagle3, num_speculative_tokens=3, adaptive=False),
+            "eagle3_tree": SpeculativeConfig(method="eagle3", model=eagle3, adaptive=False, tree_nodes=6,
+                                             tree_width=2, tree_depth=3),
+            "eagle_chain": SpeculativeConfig(method="eagle", model=eagle, num_speculative_tokens=3, adaptive=False),
+        }
+        for name, spec in drafters.items():
+            results[name] = greedy(run(spec, True, True, name=name)) == greedy(plain)
+        mtp = SpeculativeConfig(method="mtp", num_speculative_tokens=3, adaptive=False)
+        results["mtp_chain"] = (greedy(run(mtp, True, True, model=mtp_target, name="mtp_chain"))
+                                == greedy(run(None, False, model=mtp_target)))
     finally:
         StepGraph.run = graph_run
-    results["graph_runs_plain"] = graph_runs
-    results["graph_runs"] = runs["graph"]
+    results["drafter_graph_replays"] = drafter_replays
     return results
 
 
@@ -111,14 +125,20 @@ def interpreted() -> dict:
     return run_triton_interpreter(os.path.abspath(__file__), timeout=600)
 
 
-def test_static_step_buffers_give_the_eager_engines_tokens(interpreted):
-    """The graph's static path (run eagerly, interpreted): no speculation, chains and trees, greedy
-    and seeded sampled, token for token the engine without it; trees' greedy text the target's."""
-    r = interpreted
-    assert r["plain"] and r["chain"] and r["tree"] and r["tree_greedy_equal"], r
-    assert r["eagle3_chain"] and r["eagle3_tree"] and min(r["drafter_graph_runs"]) >= 8, r
+def _check_graph_engines(r: dict) -> None:
+    assert r["plain"] and r["chain"] and r["tree"], r
     # every decode step of the plain run went through it (the first step prefills 36 tokens: eagerly)
-    assert r["graph_runs_plain"] >= 8 and r["graph_runs"] > r["graph_runs_plain"], r
+    assert r["graph_runs_plain"] >= 8, r
+    names = ("draft_chain", "draft_tree", "eagle3_chain", "eagle3_tree", "eagle_chain", "mtp_chain")
+    assert all(r[n] for n in names), r
+    assert all(r["drafter_graph_replays"].get(n, 0) >= 8 for n in names), r
+
+
+def test_static_step_buffers_give_the_eager_engines_tokens(interpreted):
+    """The graphs' static path (run eagerly, interpreted): the target's, token for token the engine
+    without it (no speculation, chains, trees; greedy and seeded sampled); the drafters' too (draft
+    model, EAGLE-3, EAGLE-1, MTP; chains and trees), greedy text the target's."""
+    _check_graph_engines(interpreted)
 
 
 def test_step_graph_is_off_where_it_cannot_serve(tiny_llama):
@@ -164,10 +184,7 @@ def test_step_graph_start_up_check_refuses_a_graph_that_replays_other_bits():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_step_graph_on_cuda_gives_the_eager_engines_tokens():
-    r = _graph_engines("cuda")
-    assert r["plain"] and r["chain"] and r["tree"] and r["tree_greedy_equal"], r
-    assert r["eagle3_chain"] and r["eagle3_tree"] and min(r["drafter_graph_runs"]) >= 8, r
-    assert r["graph_runs_plain"] >= 8, r
+    _check_graph_engines(_graph_engines("cuda"))
 
 
 if __name__ == "__main__" and "--interpret-check" in sys.argv:

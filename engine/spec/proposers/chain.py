@@ -85,6 +85,7 @@ class ChainProposer(Proposer):
         self.block_size = 0
         self.timer = StepTimer(5e-4)  # one autoregressive step of a layer
         self._identity = DrafterIdentity()
+        self.step_graphs: list = []  # per module (`capture_step_graph`; None: eager)
 
     # --- what a subclass defines --------------------------------------------------------------
     def _inputs(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -211,12 +212,44 @@ class ChainProposer(Proposer):
             raise AssertionError(f"{self.name} buffers more than {self.max_buffered_rows} rows: {over}")
 
     # --- the layers -----------------------------------------------------------------------------
+    def capture_step_graph(self, max_positions: int, capture: bool = True) -> bool:
+        """Each module's forwards of up to 16 elements as one CUDA graph (engine/step_graph.py)
+        where they take the Triton backend; module m's features are feature_size wide for m = 0
+        and hidden_size after (a forward of other widths runs eagerly)."""
+        from engine.step_graph import can_capture, make_step_graph
+
+        if not can_capture(self.row_kernel, self.backend, self.device, capture):
+            return False
+
+        def forward_of(m: int):
+            def forward(g) -> torch.Tensor:
+                x = self._inputs(m, self.embed_tokens(g.input_ids), g.floats["features"], False)
+                rope_pos = g.positions + self.rope_offset
+                cos, sin = self.rope_cos[rope_pos].unsqueeze(1), self.rope_sin[rope_pos].unsqueeze(1)
+                k_cache, v_cache = self.kv_caches[m]
+                out, residual = self.layers[m](x, None, cos, sin, k_cache, v_cache, g.metadata, self.backend)
+                return self._output(m, residual + out)
+            return forward
+
+        self.step_graphs = [
+            make_step_graph(f"{self.name} module {m}'s forwards", forward_of(m), self.backend, self.block_size,
+                            max_positions, self.device, capture,
+                            {"features": (self.feature_size if m == 0 else self.arch.hidden_size, self.dtype)})
+            for m in range(len(self.layers))
+        ]
+        return any(g is not None for g in self.step_graphs)
+
     def _forward(
         self, m: int, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor
     ) -> torch.Tensor:
         """Run module m on elements (features[i], token_ids[i]) at the cache positions of
         `chunks`; returns every element's output feature [T, H]."""
         fused = self.row_kernel and len(token_ids) <= EXACT_ROWS
+        graph = self.step_graphs[m] if m < len(self.step_graphs) else None
+        if (not fused and graph is not None and graph.fits(chunks)
+                and features.shape[1] == graph.floats["features"].shape[1]):
+            _, (out,) = graph.run(chunks, build_forward_batch, token_ids, {"features": features.to(self.dtype)})
+            return out
         batch = build_forward_batch(
             chunks, self.block_size, self.backend, self.device, row_exact="kernel" if fused else None
         )

@@ -78,6 +78,7 @@ class DraftModelProposer(Proposer):
             self.head.use_row_kernel(self.model.packed_lm_head())
         self.block_size = 0
         self.timer = StepTimer(1e-3)  # one draft forward, averaged over a round
+        self.step_graph = None  # `capture_step_graph`
         self._identity = DrafterIdentity(
             model_name(model_dir), weights_digest(self.model.named_parameters()), self.head.size
         )
@@ -112,10 +113,29 @@ class DraftModelProposer(Proposer):
     def step_cost(self, num_requests: int, k: int) -> float:
         return self.timer.round_seconds(num_requests, k)
 
+    def capture_step_graph(self, max_positions: int, capture: bool = True) -> bool:
+        """The draft model's forwards of up to 16 tokens (each draft, a short catch-up, each tree
+        level) as one CUDA graph (engine/step_graph.py), where they take the Triton backend."""
+        from engine.step_graph import can_capture, make_step_graph
+
+        if not can_capture(self.row_kernel, self.backend, self.device, capture):
+            return False
+        model = self.model
+
+        def forward(g) -> torch.Tensor:
+            return model(g.input_ids, g.positions, self.kv_caches, g.metadata, self.backend)
+
+        self.step_graph = make_step_graph("the draft model's forwards", forward, self.backend, self.block_size,
+                                          max_positions, self.device, capture)
+        return self.step_graph is not None
+
     def _forward(self, chunks: list[SeqChunk], num_last: int | list[int] = 1) -> torch.Tensor:
         """Final hidden states of each chunk's last `num_last` (or num_last[b]) tokens [sum, H],
         chunk after chunk."""
         fused = self.row_kernel and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS
+        if not fused and self.step_graph is not None and self.step_graph.fits(chunks):
+            batch, (hidden,) = self.step_graph.run(chunks, build_forward_batch)
+            return hidden[torch.tensor(last_rows(batch.cu_query_lens, num_last), device=self.device)]
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device,
                                     row_exact="kernel" if fused else None)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import json
-import logging
 import os
 import time
 
@@ -67,8 +66,6 @@ from engine.spec.proposers.features import (
     lazy_buffer_rows,
 )
 from kernels.torch_attn import rows_kernel_inputs
-
-logger = logging.getLogger(__name__)
 
 # Rows (elements) up to which the midlayer's forwards and drafting chains run the fused CPU kernels
 # (the catch-up of several requests included; more go through torch's path): as the target's
@@ -610,29 +607,24 @@ class Eagle3Proposer(Proposer):
         return self.layer.row_weights(), self.head.packed, self.packed_fc
 
     def capture_step_graph(self, max_positions: int, capture: bool = True) -> bool:
-        """The midlayer's forwards of up to STEP_GRAPH_TOKENS elements (a round's catch-up, each
+        """The midlayer's forwards of up to STEP_GRAPH_TOKENS (16) elements (a round's catch-up, each
         draft, each tree level) as one CUDA graph (engine/step_graph.py) on the Triton backend;
         not where the CPU's fused path runs them. `capture=False`: the same static buffers run
         eagerly (tests, under Triton's interpreter)."""
-        from engine.step_graph import STEP_GRAPH_TOKENS, StepGraph
+        from engine.step_graph import can_capture, make_step_graph
 
-        if self.row_kernel or getattr(self.backend, "name", "") != "triton" or (capture and self.device.type != "cuda"):
+        if not can_capture(self.row_kernel, self.backend, self.device, capture):
             return False
         k_cache, v_cache = self.kv_caches[0]
 
-        def forward(g: StepGraph) -> torch.Tensor:
+        def forward(g) -> torch.Tensor:
             cos, sin = self.rope_cos[g.positions].unsqueeze(1), self.rope_sin[g.positions].unsqueeze(1)
             return self.layer(self.embed_tokens(g.input_ids), g.floats["features"], cos, sin, k_cache, v_cache,
                               g.metadata, self.backend)
 
-        try:
-            self.step_graph = StepGraph(forward, self.backend, self.block_size, max_positions, STEP_GRAPH_TOKENS,
-                                        self.device, capture, {"features": (self.arch.hidden_size, self.dtype)})
-        except Exception as e:  # as the target's (ModelRunner.capture_step_graph): drafting runs eagerly
-            logger.warning("no CUDA graph of EAGLE-3's forwards (%s: %s); they run eagerly", type(e).__name__, e)
-            self.step_graph = None
-            return False
-        return True
+        self.step_graph = make_step_graph("EAGLE-3's forwards", forward, self.backend, self.block_size, max_positions,
+                                          self.device, capture, {"features": (self.arch.hidden_size, self.dtype)})
+        return self.step_graph is not None
 
     def _forward(self, chunks: list[SeqChunk], token_ids: list[int], features: torch.Tensor,
                  num_last: int | list[int] = 1) -> torch.Tensor:
