@@ -198,6 +198,11 @@ def part1(prompts, batch_prompts, sustained_prompts, new_tokens: int, k: int, me
             row = {"workload": workload, "load": load, "batch": 1 if load == LOADS[0] else len(batch_prompts),
                    "system": names[cfg], "repeats": len(results), "ratio_vs_no_spec": statistics.median(ratios),
                    "ratio_min": min(ratios), "ratio_max": max(ratios),
+                   # per repetition: the ratio and no speculation's time per output token (the
+                   # host's memory speed drifts between minutes: a 1-token step took 3.6-7.5 ms
+                   # here within an hour in stop 39, and the ratio with it)
+                   "ratios": [round(x, 3) for x in ratios],
+                   "no_spec_tpot_ms": [round(b["tpot_ms"], 3) for b in base],
                    "tpot_ratio_vs_no_spec": statistics.median(tpot_ratios)}
             for key in results[0]:
                 vals = [r[key] for r in results if r[key] is not None]
