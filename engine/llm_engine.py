@@ -153,8 +153,9 @@ class LLMEngine:
         depends on the rest of the batch; costly) or "off".
         `cuda_graphs`: on a CUDA device with the Triton backend and `exact` "pad" (what "auto"
         picks there) or "batch_invariant", run the target's steps of up to 16 tokens (decode,
-        verification) as one captured CUDA graph (engine/step_graph.py; the same bits as
-        without); False runs every step eagerly."""
+        verification) and the model drafters' small forwards as captured CUDA graphs
+        (engine/step_graph.py; the target's tokens the same bits as without); False runs
+        everything eagerly."""
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         self.cache_config = CacheConfig(block_size, kv_cache_memory_bytes, gpu_memory_utilization, enable_prefix_caching)

@@ -100,7 +100,9 @@ class StepGraph:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # (thread_local: another thread of a serving process that touches CUDA meanwhile is not
+        # an error of this capture)
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = self._run_forward()
         torch.cuda.synchronize()
         self._self_check()
