@@ -140,6 +140,7 @@ def with_args(**changes) -> dict:
         ({"max_queued_requests": -2}, "applications[0].args.max_queued_requests: must be >= 0"),
         ({"torch_threads": 0}, "applications[0].args.torch_threads: must be in [1, 1024], got 0"),
         ({"torch_threads": "4"}, "applications[0].args.torch_threads: must be an integer or null"),
+        ({"cuda_graphs": "no"}, "applications[0].args.cuda_graphs: must be true or false"),
     ],
 )
 def test_validator_names_the_bad_field(changes: dict, message: str) -> None:
@@ -223,6 +224,11 @@ def test_engine_threads_follow_the_config() -> None:
     assert AppConfig.from_dict({"torch_threads": 3}).engine_kwargs()["num_threads"] == 3
     assert AppConfig.from_dict({"num_cpus": 2}).engine_kwargs()["num_threads"] == default_torch_threads(2)
     assert 1 <= available_cpus() <= (os.cpu_count() or 1)
+
+
+def test_cuda_graphs_reach_the_engine() -> None:
+    assert AppConfig.from_dict({}).engine_kwargs()["cuda_graphs"] is True
+    assert AppConfig.from_dict({"cuda_graphs": False}).engine_kwargs()["cuda_graphs"] is False
 
 
 def test_replica_wait_timeout_is_validated() -> None:
