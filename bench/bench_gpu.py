@@ -192,7 +192,10 @@ def graphs(prompts_file: Path, out_file: Path, device: str, new_tokens: int, rep
             start = time.perf_counter() - t0
             for p in warm:
                 llm.generate([p], params)
-            llms[name, graph] = (llm, start)
+            proposer = llm.engine.speculator.proposer if llm.engine.speculator else None
+            on = {"target": llm.engine.runner.step_graph is not None,  # (False where capture fell back)
+                  "drafter": bool(getattr(proposer, "step_graph", None) or any(getattr(proposer, "step_graphs", [])))}
+            llms[name, graph] = (llm, start, on)
     runs: dict = {}
     texts: dict = {}
     for rep in range(repeats):
@@ -225,7 +228,8 @@ def graphs(prompts_file: Path, out_file: Path, device: str, new_tokens: int, rep
     rows = []
     base = {g: statistics.median(r["batch1_tokens_per_s"] for r in runs["no speculation", g]) for g in (True, False)}
     for (name, graph), results in runs.items():
-        row = {"config": name, "cuda_graphs": graph, "start_up_s": llms[name, graph][1]}
+        row = {"config": name, "cuda_graphs": graph, "start_up_s": llms[name, graph][1],
+               "graphs_on": llms[name, graph][2]}
         for k in results[0]:
             vals = [r[k] for r in results if r[k] is not None]
             row[k] = statistics.median(vals) if vals else None

@@ -504,6 +504,9 @@ class Speculator:
         self._last_execute_s = 0.0  # the last step's time before drafting (`observe_step_time`)
         self._last_draft_s = 0.0  # the last `propose_for_step`'s time (observing and drafting)
         self._chain_rate: float | None = None  # the last `best_cap`'s predicted tokens/s
+        # (step index, decoding ids, ks, best_chain over the ks > 0): the chain decision
+        # `_trees_pay` made for the step, reused when chains win it
+        self._chain_memo: tuple | None = None
         self._last_off_probe = 0  # (none in the first OFF_PROBE_EVERY steps: nothing is measured yet)
         self.num_tree_steps = 0  # steps whose drafts were trees (also counted in num_steps_on)
         # the tree widths the adaptive policy planned (per request, at each trees-or-chains decision)
@@ -806,7 +809,10 @@ class Speculator:
                 self.num_steps_off += 1
                 return {}
             self._off = None
-        ks = [self.choose_k(r, step_index) for r in decoding]
+        memo, self._chain_memo = self._chain_memo, None
+        if memo is not None and memo[:2] != (step_index, tuple(r.request_id for r in decoding)):
+            memo = None
+        ks = memo[2] if memo is not None else [self.choose_k(r, step_index) for r in decoding]
         candidates = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         drafts = None
         if candidates and self.proposer.propose_is_free:
@@ -818,7 +824,10 @@ class Speculator:
             drafts = [d for _, _, d in found]
         if candidates and self.config.adaptive:
             self._chain_rate = None
-            cap = self.best_cap(len(decoding), [r for r, _ in candidates], [k for _, k in candidates])
+            if memo is not None and memo[3] is not None and not self.proposer.propose_is_free:
+                cap, self._chain_rate = memo[3]  # (the same requests and ks: `_trees_pay`'s)
+            else:
+                cap = self.best_cap(len(decoding), [r for r, _ in candidates], [k for _, k in candidates])
             rate = self._chain_rate
             probe = cap == 0 and step_index % probe_interval(len(decoding)) == 0
             if probe:
@@ -917,9 +926,10 @@ class Speculator:
         nodes = min(self.config.tree_nodes, self.max_model_len - r.num_tokens - 1)
         if self.config.adaptive and self.cost is not None and depth > 1:
             reach = self.acceptance.accept_probs(r, depth)
-            levels = max(1, sum(p > self._level_cost(width) for p in reach))
-            mean_reach = sum([1.0, *reach[: levels - 1]]) / levels
             token_cost = self._verify_token_cost()
+            level_cost = self._level_cost(width, token_cost)
+            levels = max(1, sum(p > level_cost for p in reach))
+            mean_reach = sum([1.0, *reach[: levels - 1]]) / levels
             miss = 1.0 - reach[0]  # the top child rejected
             width = 1
             for j in range(1, self.config.tree_width):
@@ -928,7 +938,8 @@ class Speculator:
                     break
                 width += 1
                 miss *= 1.0 - s_j
-            depth = max(1, sum(p > self._level_cost(width) for p in reach))
+            level_cost = self._level_cost(width, token_cost)
+            depth = max(1, sum(p > level_cost for p in reach))
             nodes = min(nodes, width * depth)
         return nodes, min(depth, nodes), width
 
@@ -937,10 +948,12 @@ class Speculator:
         base = self.cost(1, 1)
         return (self.cost(1, 9) - base) / 8 / base
 
-    def _level_cost(self, width: int) -> float:
+    def _level_cost(self, width: int, token_cost: float | None = None) -> float:
         """Cost of one more tree level (`width` more verified tokens and one drafting forward),
-        as a fraction of a one-token target step."""
-        return width * self._verify_token_cost() + self.proposer.step_cost(1, 1) / self.cost(1, 1)
+        as a fraction of a one-token target step (`token_cost`: `_verify_token_cost()`)."""
+        if token_cost is None:
+            token_cost = self._verify_token_cost()
+        return width * token_cost + self.proposer.step_cost(1, 1) / self.cost(1, 1)
 
     def _trees_pay(self, decoding: list[Request], step_index: int) -> bool:
         """The adaptive choice between trees and chains (`SpeculativeConfig.tree_nodes` with
@@ -976,10 +989,13 @@ class Speculator:
                   + (self.proposer.step_cost(len(narrow), max(n for _, n in narrow)) if narrow else 0.0))
         ks = [self.choose_k(r, step_index) for r in decoding]
         chain_ks = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
+        chain = None
         if chain_ks:
-            _, chain_rate = self.best_chain(b, [r for r, _ in chain_ks], [k for _, k in chain_ks])
+            chain = self.best_chain(b, [r for r, _ in chain_ks], [k for _, k in chain_ks])
+            chain_rate = chain[1]
         else:
             chain_rate = b / (self.calibration.ratio(b, False) * self.cost(b, b))
+        self._chain_memo = (step_index, tuple(r.request_id for r in decoding), ks, chain)
         tree_rate = tokens / time_s
         probe = step_index % TREE_PROBE_EVERY == 0 and tree_rate > TREE_PROBE_WITHIN * chain_rate
         return tree_rate > chain_rate or probe
