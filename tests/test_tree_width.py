@@ -10,7 +10,13 @@ from test_tree_engine import GREEDY, MIXED_PROMPTS, PLAIN, models, run_mixed  # 
 from engine import LLMEngine, SamplingParams, SpeculativeConfig
 from engine.request import Request
 from engine.spec.proposers.tree_drafting import grow_trees, tree_widths
-from engine.spec.speculator import SIBLING_PRIOR, SiblingAcceptance, StepCostModel, top_chain_observation
+from engine.spec.speculator import (
+    SIBLING_PRIOR,
+    TREE_PROBE_EVERY,
+    SiblingAcceptance,
+    StepCostModel,
+    top_chain_observation,
+)
 from engine.spec.tree import DraftTree
 
 VOCAB, HIDDEN = 11, 8
@@ -223,7 +229,8 @@ def test_a_step_where_chains_beat_trees_decides_its_chain_once(models):  # noqa:
     chains win, the step drafts that chain without pricing it again (the second pricing, and the
     per-level costs of each request's tree plan recomputed per depth, were ~0.3 ms of Python a
     batch-1 step: the adaptive tree configurations ran 0.91-0.92x the adaptive chain in stop 39's
-    bench_tree while drafting chains). Same drafts either way: the engine's greedy text is the
+    bench_tree while drafting chains), and trees priced far below chains are not priced again
+    before the next TREE_PROBE_EVERY step. Same drafts either way: the engine's greedy text is the
     target's, and it still speculates."""
     engine = LLMEngine(models["target"], dtype="float32", device="cpu",
                        speculative=SpeculativeConfig(model=models["target"], method="draft", adaptive=True,
@@ -238,6 +245,14 @@ def test_a_step_where_chains_beat_trees_decides_its_chain_once(models):  # noqa:
         return best_chain(*args, **kwargs)
 
     sp.best_chain = counted
+    priced: list[int] = []
+    trees_pay = sp._trees_pay
+
+    def priced_trees(decoding, step_index):
+        priced.append(step_index)
+        return trees_pay(decoding, step_index)
+
+    sp._trees_pay = priced_trees
     arrivals = [0] * len(MIXED_PROMPTS)
     outs, _ = run_mixed(engine, MIXED_PROMPTS, [GREEDY] * len(MIXED_PROMPTS), arrivals)
     plain, _ = run_mixed(LLMEngine(models["target"], dtype="float32", device="cpu"), MIXED_PROMPTS,
@@ -245,3 +260,6 @@ def test_a_step_where_chains_beat_trees_decides_its_chain_once(models):  # noqa:
     assert outs == plain
     assert calls and len(calls) == len(set(calls)), sorted(calls)
     assert sp.num_steps_on > 0 and engine.spec_stats.as_dict()["num_verify_steps"] > 0
+    # trees priced far below chains are priced again only every TREE_PROBE_EVERY steps, or when
+    # the decoding requests change (a request finished)
+    assert priced and len(priced) <= engine.step_index // TREE_PROBE_EVERY + 1 + len(MIXED_PROMPTS), priced

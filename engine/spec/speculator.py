@@ -59,6 +59,8 @@ FLOOR_ON_AT_OFF = True
 GLOBAL_DECAY = 1.0 / 256  # engine-wide counts forget with a horizon of ~256 verifications
 TREE_PROBE_EVERY = 16  # with adaptive trees, a step drafts trees this often even where chains pay more,
 TREE_PROBE_WITHIN = 0.8  # if the trees' predicted tokens/s is at least this fraction of the chain's
+# Trees predicted below TREE_PROBE_WITHIN of the chain are not priced again for the same decoding
+# requests until the next TREE_PROBE_EVERY step (pricing them was ~0.2 ms of Python a batch-1 step).
 TREE_PRIOR_ACCEPTED = 3.0  # accepted drafts per tree verification assumed before the first one
 # P(a node's j-th drafted child is accepted | its earlier children were not), j >= 2, assumed
 # before the first tree verification measures it (weight PRIOR_TRIALS): optimistic enough that
@@ -507,6 +509,7 @@ class Speculator:
         # (step index, decoding ids, ks, best_chain over the ks > 0): the chain decision
         # `_trees_pay` made for the step, reused when chains win it
         self._chain_memo: tuple | None = None
+        self._trees_far: tuple | None = None  # (step, decoding ids): trees priced far below chains
         self._last_off_probe = 0  # (none in the first OFF_PROBE_EVERY steps: nothing is measured yet)
         self.num_tree_steps = 0  # steps whose drafts were trees (also counted in num_steps_on)
         # the tree widths the adaptive policy planned (per request, at each trees-or-chains decision)
@@ -800,7 +803,7 @@ class Speculator:
         decoding = [r for r in running if r.request_id in scheduled_ids and r.is_decoding]
         if not decoding:
             return {}
-        if self.config.uses_tree and (not self.config.adaptive or self._trees_pay(decoding, step_index)):
+        if self.config.uses_tree and (not self.config.adaptive or self._trees_may_pay(decoding, step_index)):
             return self._propose_trees(running, decoding, scheduled_ids, context)
         if self._off is not None:
             until, ids = self._off
@@ -955,6 +958,15 @@ class Speculator:
             token_cost = self._verify_token_cost()
         return width * token_cost + self.proposer.step_cost(1, 1) / self.cost(1, 1)
 
+    def _trees_may_pay(self, decoding: list[Request], step_index: int) -> bool:
+        """`_trees_pay`, except that trees it priced below TREE_PROBE_WITHIN of the best chain for
+        the same decoding requests are not priced again before the next TREE_PROBE_EVERY step."""
+        far = self._trees_far
+        if (far is not None and step_index % TREE_PROBE_EVERY and step_index - far[0] < TREE_PROBE_EVERY
+                and far[1] == tuple(r.request_id for r in decoding)):
+            return False
+        return self._trees_pay(decoding, step_index)
+
     def _trees_pay(self, decoding: list[Request], step_index: int) -> bool:
         """The adaptive choice between trees and chains (`SpeculativeConfig.tree_nodes` with
         `adaptive`): trees for this step's decoding requests iff their predicted tokens/s beat the
@@ -978,7 +990,8 @@ class Speculator:
         plans = [(r, n, d, w) for r, n, d, w in plans if n > 0 and d > 0]
         wide = [(r, n, d) for r, n, d, w in plans if w > 1]
         narrow = [(r, n) for r, n, _, w in plans if w == 1]
-        if not wide:
+        if not wide:  # (every plan a chain: priced again at the next TREE_PROBE_EVERY step)
+            self._trees_far = (step_index, tuple(r.request_id for r in decoding))
             return False
         b = len(decoding)
         engine_rate = max(self.acceptance.engine_rate(), 1e-6)
@@ -997,7 +1010,9 @@ class Speculator:
             chain_rate = b / (self.calibration.ratio(b, False) * self.cost(b, b))
         self._chain_memo = (step_index, tuple(r.request_id for r in decoding), ks, chain)
         tree_rate = tokens / time_s
-        probe = step_index % TREE_PROBE_EVERY == 0 and tree_rate > TREE_PROBE_WITHIN * chain_rate
+        far = tree_rate <= TREE_PROBE_WITHIN * chain_rate
+        self._trees_far = (step_index, tuple(r.request_id for r in decoding)) if far else None
+        probe = step_index % TREE_PROBE_EVERY == 0 and not far
         return tree_rate > chain_rate or probe
 
     def tree_draft_time(self, num_requests: int, depth: int) -> float:
