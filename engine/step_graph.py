@@ -108,14 +108,15 @@ class StepGraph:
         self._self_check()
 
     def _self_check(self) -> None:
-        """Replay once on a batch of real-looking tokens (ids, positions 0..tokens-1, each token
-        attending to the keys before it in the first request's table, no KV written) and require
+        """Replay once on a batch of real-looking tokens (ids 0 and 1, positions 0..tokens-1, each
+        token attending to the keys before it in the first request's table, random float inputs,
+        no KV written) and require
         the eager forward's bits: a capture that baked in a value of the capture-time inputs
         fails here, at start-up, not in a request (StepGraphError: the engine runs eagerly)."""
         t = self.tokens
         g = torch.Generator().manual_seed(0)
         h64, h32 = self.host64, self.host32
-        h64[:t] = torch.randint(0, 256, (t,), generator=g)
+        h64[:t] = torch.arange(t) % 2  # (token ids every vocabulary has)
         h64[t : 2 * t] = torch.arange(t)
         h32[t : 2 * t] = torch.arange(1, t + 1)
         for buf in self.floats.values():
