@@ -2,8 +2,11 @@
 # One device call (written in stop 39, not run yet: no GPU was lent): the CUDA graphs of the engine's
 # steps -- GPU tests, timings with and
 # without graphs, exactness of every drafter with graphs on (bench/bench_gpu.py). Needs
-# `python -m bench.bench_gpu pack --out gpupack` first (the models as int8, prompts), and on the
-# device: bash bench/gpu_check.sh (writes under $OUT).
+# `python -m bench.bench_gpu pack --out gpupack` first (the models as int8, prompts; git-ignored,
+# so the device call carries it: carry ["gpupack"]; the tracked models/ and bench/results/ exceed
+# the 64 MiB a call takes: untrack them for the call, `git rm --cached -r -q models bench/results`
+# with both in .git/info/exclude, and `git reset -q` after), then on the device:
+# bash bench/gpu_check.sh (writes under $OUT; ~5 of its 15 minutes).
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
