@@ -190,3 +190,18 @@ def test_step_graph_on_cuda_gives_the_eager_engines_tokens():
 if __name__ == "__main__" and "--interpret-check" in sys.argv:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     print("RESULTS " + json.dumps(_graph_engines("cpu")))
+
+
+def test_a_capture_that_fails_leaves_the_forwards_eager(caplog):
+    """A device that cannot capture (here: CUDA calls on a host without CUDA) gives no graph and
+    a warning naming what runs eagerly, instead of failing the engine's start-up."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("a host without CUDA: the capture must fail")
+    from engine.step_graph import make_step_graph
+
+    with caplog.at_level("WARNING", logger="engine.step_graph"):
+        graph = make_step_graph("the test's forwards", lambda g: g.positions.float(), None, 16, 64,
+                                torch.device("cpu"), capture=True)
+    assert graph is None
+    assert "no CUDA graph of the test's forwards" in caplog.text and "run eagerly" in caplog.text
