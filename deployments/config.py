@@ -136,8 +136,8 @@ class DrafterArgs:
                        f"does not apply to method 'eagle3' (the head's checkpoint fixes its draft vocabulary), got {dv}")
         before = len(check.errors)
         dw = check.string(f"{where}.draft_weights", data.get("draft_weights", cls.draft_weights), DRAFT_WEIGHTS)
-        if len(check.errors) == before and dw == "int8" and method != "eagle3":
-            check.fail(f"{where}.draft_weights", f"'int8' applies to method 'eagle3' only, got method {method!r}")
+        if len(check.errors) == before and dw in ("int8", "int4") and method != "eagle3":
+            check.fail(f"{where}.draft_weights", f"{dw!r} applies to method 'eagle3' only, got method {method!r}")
         if len(check.errors) > n:
             return None
         return cls(method=method, model=model, num_speculative_tokens=k, adaptive=adaptive, draft_vocab_size=dv,

@@ -148,6 +148,15 @@ def pack_rows_int8(weight: torch.Tensor) -> torch.Tensor:
     return _module().pack_rows_int8(weight.detach())
 
 
+def pack_rows_int4(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 or bfloat16, K a multiple of 32 -> int4 with a bfloat16 scale per row
+    and group of 32 k, packed for the int4 products (cpu_rows.cpp `linear_i4`: 16-bit activations,
+    exact int32 sums per group; 4.5 bits a weight, a quarter of bfloat16's bytes). Lossy (~9% of
+    a matrix's norm): for drafters only, as pack_rows_int8. Every function that takes packed
+    weights takes these (uint8)."""
+    return _module().pack_rows_int4(weight.detach())
+
+
 def has_avx512() -> bool:
     return available() and _module().has_avx512()
 

@@ -717,6 +717,144 @@ void linear_i8(const float* x, int64_t M, int64_t K, const int8_t* wp, int64_t N
   });
 }
 
+// ---- int4 weights, 16-bit activations (AVX512-VNNI): a drafter's products at a quarter of
+// bfloat16's bytes ---------------------------------------------------------------------------
+// linear_i8's scheme with 4-bit weights and a scale per group of 32 k of each output row: a draft
+// reads half of int8's bytes (an EAGLE-3 head's draft: 3.75 MB as int8, 2.1 MB as int4), and
+// the drafts of a chain are bound by those bytes (cold from L3 after each target forward). Each
+// weight w = s * q, q in [-7, 7] the nearest integer to w / s, s = max |w| / 7 over its group
+// (s rounded to bfloat16 first, so q uses the scale the kernel reads); per-row int4 scales cost
+// the shipped head 10% of its accepted length, groups of 32 none (bench/eval in the model card).
+// Stored as q + 8 in [1, 15], a nibble. The activations of a row are int16 with one scale per row
+// (max |x| / 32767); per group, `vpdpwssd` adds x * (q + 8) in int32, exactly, and the group's sum
+// of x times 8 is taken off (exact: |sum| <= 32 * 7 * 32767 < 2^24, so its float is exact too);
+// then y += float(group sum) * s in float32, group by group in k order, and y * scale_x (+ b).
+// Every output's operations depend on its own row of x and the weights only: the same bits alone
+// or next to other rows. Layout per block of 64 outputs, K a multiple of 32: for each pair of k
+// (k, k + 1), 64 bytes: byte b < 32 holds (low nibble) row b / 2 and (high) row 16 + b / 2,
+// byte 32 + b rows 32 + b / 2 and 48 + b / 2, k + b % 2 (vpmovzxbw, an and and a shift make the
+// four registers of 16 rows' pairs linear_i8 reads); then per group of 32 k the 64 rows'
+// scales as bfloat16: [ceil(N / 64), 36 * K] uint8. Rows past N are zeros (q = 0, s = 0).
+constexpr int64_t I4_GROUP = 32;
+
+inline uint16_t f32_to_bf16(float f);  // (below: round to nearest even)
+
+inline int64_t i4_row_bytes(int64_t K) { return 32 * K + VN * 2 * (K / I4_GROUP); }
+
+template <typename W>
+void pack_block_i4(const W* w, int64_t nb, int64_t K, uint8_t* dst) {
+  const int64_t KP = K / 2, KG = K / I4_GROUP;
+  std::memset(dst, 0x88, 64 * KP);  // q = 0 everywhere (rows past nb)
+  uint16_t* scales = reinterpret_cast<uint16_t*>(dst + 64 * KP);
+  std::memset(scales, 0, sizeof(uint16_t) * VN * KG);
+  for (int64_t r = 0; r < nb; ++r) {
+    for (int64_t g = 0; g < KG; ++g) {
+      float mx = 0.0f;
+      for (int64_t k = g * I4_GROUP; k < (g + 1) * I4_GROUP; ++k) mx = std::max(mx, std::fabs(load1(w + r * K + k)));
+      const uint16_t sb = f32_to_bf16(mx / 7.0f);
+      const float sc = bf16_to_f32(sb);
+      scales[g * VN + r] = sb;
+      for (int64_t k = g * I4_GROUP; k < (g + 1) * I4_GROUP; ++k) {
+        const float q = sc > 0.0f ? std::max(-7.0f, std::min(7.0f, std::nearbyint(load1(w + r * K + k) / sc))) : 0.0f;
+        const uint8_t u = static_cast<uint8_t>(static_cast<int>(q) + 8);
+        // row r's pair lane within its register of 16 rows: byte (r % 16) * 2 + k % 2 of the
+        // 32-byte half (r / 32), low nibble for r % 32 < 16, high nibble otherwise
+        uint8_t& byte = dst[(k / 2) * 64 + (r / 32) * 32 + (r % 16) * 2 + k % 2];
+        byte = (r % 32) < 16 ? static_cast<uint8_t>((byte & 0xF0) | u) : static_cast<uint8_t>((byte & 0x0F) | (u << 4));
+      }
+    }
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+
+// MB rows of int16 x [K] against one int4 block: out[m][n] = sum over groups g (in order) of
+// float(sum_k x[m][k] * q[n][k] over g) * s[n][g]. xsum[m][g]: the sum of x[m] over group g.
+template <int MB>
+__attribute__((noinline)) void dots_i4(const int16_t* const* x, const int32_t* const* xsum, const uint8_t* p,
+                                       int64_t KG, float (*out)[VN]) {
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(p + 64 * (KG * I4_GROUP / 2));
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < VZ; ++j) _mm512_storeu_ps(out[m] + 16 * j, _mm512_setzero_ps());
+  for (int64_t g = 0; g < KG; ++g) {
+    __m512i a[MB][VZ];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < VZ; ++j) a[m][j] = _mm512_setzero_si512();
+    for (int64_t s = g * (I4_GROUP / 2); s < (g + 1) * (I4_GROUP / 2); ++s, p += 64) {
+      const __m512i u0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      const __m512i u1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+      const __m512i w[VZ] = {_mm512_and_si512(u0, low), _mm512_srli_epi16(u0, 4), _mm512_and_si512(u1, low),
+                             _mm512_srli_epi16(u1, 4)};
+      for (int m = 0; m < MB; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x[m] + 2 * s, sizeof(pair));
+        const __m512i xv = _mm512_set1_epi32(pair);
+        for (int j = 0; j < VZ; ++j) a[m][j] = _mm512_dpwssd_epi32(a[m][j], xv, w[j]);
+      }
+    }
+    __m512 sv[VZ];
+    for (int j = 0; j < VZ; ++j)
+      sv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * VN + 16 * j))), 16));
+    for (int m = 0; m < MB; ++m) {
+      const __m512i off = _mm512_set1_epi32(8 * xsum[m][g]);
+      for (int j = 0; j < VZ; ++j) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][j], off));
+        _mm512_storeu_ps(out[m] + 16 * j, _mm512_fmadd_ps(v, sv[j], _mm512_loadu_ps(out[m] + 16 * j)));
+      }
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+void dots_i4_rows(int rows, const int16_t* const* x, const int32_t* const* xsum, const uint8_t* p, int64_t KG,
+                  float (*out)[VN]) {
+  switch (rows) {
+    case 6: dots_i4<6>(x, xsum, p, KG, out); break;
+    case 5: dots_i4<5>(x, xsum, p, KG, out); break;
+    case 4: dots_i4<4>(x, xsum, p, KG, out); break;
+    case 3: dots_i4<3>(x, xsum, p, KG, out); break;
+    case 2: dots_i4<2>(x, xsum, p, KG, out); break;
+    default: dots_i4<1>(x, xsum, p, KG, out); break;
+  }
+}
+
+// y[m, :N] = x[m] @ w.T (+ b), w int4-packed (K a multiple of 32), for M rows of x.
+void linear_i4(const float* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const float* bias, float* y,
+               int threads) {
+  const int64_t KG = K / I4_GROUP, row_bytes = i4_row_bytes(K);
+  std::vector<int16_t> xq(M * K, 0);
+  std::vector<int32_t> xg(M * KG, 0);
+  std::vector<float> xs(M);
+  for (int64_t m = 0; m < M; ++m) {
+    float mx = 0.0f;
+    for (int64_t k = 0; k < K; ++k) mx = std::max(mx, std::fabs(x[m * K + k]));
+    xs[m] = mx > 0.0f ? mx / 32767.0f : 0.0f;
+    if (mx > 0.0f)
+      for (int64_t k = 0; k < K; ++k) {
+        xq[m * K + k] = static_cast<int16_t>(std::nearbyint(x[m * K + k] / xs[m]));
+        xg[m * KG + k / I4_GROUP] += xq[m * K + k];
+      }
+  }
+  over_tiles_and_blocks<VN>(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
+    const uint8_t* p = wp + blk * row_bytes;
+    alignas(64) float acc[DP_ROWS][VN];
+    for (int64_t r0 = m0; r0 < m1; r0 += DP_ROWS) {
+      const int64_t n = std::min<int64_t>(DP_ROWS, m1 - r0);
+      const int16_t* rows[DP_ROWS];
+      const int32_t* sums[DP_ROWS];
+      for (int64_t i = 0; i < n; ++i) rows[i] = xq.data() + (r0 + i) * K, sums[i] = xg.data() + (r0 + i) * KG;
+      dots_i4_rows(static_cast<int>(n), rows, sums, p, KG, acc);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < nb; ++j)
+          y[(r0 + i) * N + n0 + j] = acc[i][j] * xs[r0 + i] + (bias ? bias[n0 + j] : 0.0f);
+    }
+  });
+}
+
 // Paged attention of T query tokens [T, H, D], each over exactly its own context (see
 // rows_attention). The G = H / Hkv query heads of one kv head are computed together, each key
 // and value row read (and widened) once for all G; every (token, head) keeps its own fixed
@@ -1137,29 +1275,50 @@ static bool cpu_has_vnni() {
   return yes;
 }
 
+// w [N, K] float32 or bfloat16 -> blocks of VN rows of row_bytes (type T) each, packed by
+// pack(src rows (float32 or bfloat16), rows in the block, K, dst): the quantized layouts' packing.
+template <typename T, typename F>
+torch::Tensor pack_quantized(torch::Tensor w, int64_t row_bytes, torch::ScalarType dtype, F&& pack) {
+  w = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + VN - 1) / VN;
+  auto out = torch::empty({blocks, row_bytes}, torch::TensorOptions().dtype(dtype));
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n0 = blk * VN, nb = std::min<int64_t>(VN, N - n0);
+    T* dst = out.data_ptr<T>() + blk * row_bytes;
+    if (w.scalar_type() == torch::kBFloat16) {
+      pack(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + n0 * K, nb, K, dst);
+    } else {
+      pack(w.data_ptr<float>() + n0 * K, nb, K, dst);
+    }
+  }
+  return out;
+}
+
 // w [N, K] float32 or bfloat16 -> int8 with a scale per row (linear_i8's layout), [ceil(N / 64),
 // 64 * K2 + 256] int8: a drafter's weights at half the bytes of bfloat16.
 torch::Tensor pack_rows_int8(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
               "pack_rows_int8: w must be float32 or bfloat16 [N, K]");
   TORCH_CHECK(cpu_has_vnni(), "pack_rows_int8: int8 products need a CPU with AVX512-VNNI");
-  w = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), blocks = (N + VN - 1) / VN;
-  auto out = torch::empty({blocks, i8_row_bytes(K)}, torch::TensorOptions().dtype(torch::kInt8));
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t n0 = blk * VN, nb = std::min<int64_t>(VN, N - n0);
-    int8_t* dst = out.data_ptr<int8_t>() + blk * i8_row_bytes(K);
-    if (w.scalar_type() == torch::kBFloat16) {
-      pack_block_i8(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + n0 * K, nb, K, dst);
-    } else {
-      pack_block_i8(w.data_ptr<float>() + n0 * K, nb, K, dst);
-    }
-  }
-  return out;
+  return pack_quantized<int8_t>(w, i8_row_bytes(w.size(1)), torch::kInt8,
+                                [](const auto* src, int64_t nb, int64_t K, int8_t* dst) { pack_block_i8(src, nb, K, dst); });
 }
 
-// Which packed layout wp is in (pack_rows, pack_rows_int8), checked against the product's N x K.
-enum class Packed { plain, dot_bf16, int8 };
+// w [N, K] float32 or bfloat16 (K a multiple of 32) -> int4 with a bfloat16 scale per row and
+// group of 32 k (linear_i4's layout), [ceil(N / 64), 36 * K] uint8: a quarter of bfloat16's bytes
+// and an eighth more than a half of int8's.
+torch::Tensor pack_rows_int4(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16),
+              "pack_rows_int4: w must be float32 or bfloat16 [N, K]");
+  TORCH_CHECK(w.size(1) % I4_GROUP == 0, "pack_rows_int4: K must be a multiple of ", I4_GROUP, ", got ", w.size(1));
+  TORCH_CHECK(cpu_has_vnni(), "pack_rows_int4: int4 products need a CPU with AVX512-VNNI");
+  return pack_quantized<uint8_t>(w, i4_row_bytes(w.size(1)), torch::kUInt8,
+                                 [](const auto* src, int64_t nb, int64_t K, uint8_t* dst) { pack_block_i4(src, nb, K, dst); });
+}
+
+// Which packed layout wp is in (pack_rows, pack_rows_int8, pack_rows_int4), checked against the
+// product's N x K.
+enum class Packed { plain, dot_bf16, int8, int4 };
 
 static Packed check_packed(const torch::Tensor& wp, int64_t N, int64_t K, const char* what) {
   if (wp.scalar_type() == torch::kInt8) {
@@ -1168,9 +1327,16 @@ static Packed check_packed(const torch::Tensor& wp, int64_t N, int64_t K, const 
     TORCH_CHECK(cpu_has_vnni(), what, ": int8-packed weights need a CPU with AVX512-VNNI");
     return Packed::int8;
   }
+  if (wp.scalar_type() == torch::kUInt8) {
+    TORCH_CHECK(K % I4_GROUP == 0 && wp.dim() == 2 && wp.is_contiguous() && wp.size(0) == (N + VN - 1) / VN &&
+                    wp.size(1) == i4_row_bytes(K),
+                what, ": int4-packed weights of ", N, " x ", K, " expected (pack_rows_int4)");
+    TORCH_CHECK(cpu_has_vnni(), what, ": int4-packed weights need a CPU with AVX512-VNNI");
+    return Packed::int4;
+  }
   TORCH_CHECK(wp.dim() == 2 && wp.is_contiguous() &&
                   (wp.scalar_type() == torch::kFloat32 || wp.scalar_type() == torch::kBFloat16),
-              what, ": packed weights must be contiguous float32 or bfloat16 (pack_rows) or int8 (pack_rows_int8)");
+              what, ": packed weights must be contiguous float32 or bfloat16 (pack_rows), int8 (pack_rows_int8) or uint8 (pack_rows_int4)");
   const int64_t blocks = (N + PACK - 1) / PACK;
   if (wp.scalar_type() == torch::kBFloat16 && wp.size(0) == (N + VN - 1) / VN && wp.size(1) == VN * k2(K)) {
     TORCH_CHECK(cpu_has_dot_bf16(), what, ": dot_bf16-packed weights need a CPU with AVX512-BF16");
@@ -1188,6 +1354,8 @@ static void packed_product(const float* x, int64_t M, int64_t K, const torch::Te
     linear_dp(x, M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), N, bias, y, threads);
   } else if (layout == Packed::int8) {
     linear_i8(x, M, K, wp.data_ptr<int8_t>(), N, bias, y, threads);
+  } else if (layout == Packed::int4) {
+    linear_i4(x, M, K, wp.data_ptr<uint8_t>(), N, bias, y, threads);
   } else if (wp.scalar_type() == torch::kBFloat16) {
     linear_packed(x, M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), N, bias, y, threads);
   } else {
@@ -2330,6 +2498,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_rows", &pack_rows, "weights [N, K] -> the packed layout of packed_linear / rows_layer",
         py::arg("w"), py::arg("dot_bf16") = false, nogil());
   m.def("pack_rows_int8", &pack_rows_int8, "weights [N, K] -> int8 with a scale per row (a drafter's products)",
+        nogil());
+  m.def("pack_rows_int4", &pack_rows_int4,
+        "weights [N, K] (K % 32 == 0) -> int4 with a bfloat16 scale per row and group of 32 k (a drafter's products)",
         nogil());
   m.def("has_vnni", &cpu_has_vnni, "whether this CPU runs the int8 products (AVX512-VNNI)");
   m.def("exp_f32", &exp_f32, "the kernels' vectorized exp (softmax, SiLU), element-wise", nogil());

@@ -545,14 +545,16 @@ def test_greedy_output_equals_target_float32(setup, k, adaptive):
         assert engine.spec_stats.num_draft_tokens > 0
 
 
-INT8 = pytest.param("int8", marks=pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.int8_available()),
-                                                     reason="int8 drafter products need the CPU row kernels and AVX512-VNNI"))
+INT8, INT4 = (pytest.param(q, marks=pytest.mark.skipif(
+    not (cpu_kernels.available() and cpu_kernels.int8_available()),
+    reason=f"{q} drafter products need the CPU row kernels and AVX512-VNNI")) for q in ("int8", "int4"))
+QUANT_DTYPE = {"int8": torch.int8, "int4": torch.uint8}
 
 
-@pytest.mark.parametrize("draft_weights", ["model", INT8])
+@pytest.mark.parametrize("draft_weights", ["model", INT8, INT4])
 def test_greedy_output_equals_target_bfloat16(setup, draft_weights):
     """Batch 1 (the exactness guarantee): one request at a time, token for token; with the head's
-    weights as the checkpoint has them and as int8 (SpeculativeConfig.draft_weights)."""
+    weights as the checkpoint has them, as int8 and as int4 (SpeculativeConfig.draft_weights)."""
     spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["explicit"], num_speculative_tokens=4, adaptive=False,
                              draft_weights=draft_weights)
     plain = LLMEngine(setup["target"], dtype="bfloat16", device="cpu")
@@ -572,18 +574,20 @@ def test_greedy_output_equals_target_bfloat16(setup, draft_weights):
     proposer = spec_engine.speculator.proposer
     assert proposer.draft_weights == draft_weights
     one_row, many_rows = proposer._packing(1), proposer._packing(64)
-    assert (one_row[1].dtype == torch.int8) == (one_row[0]["w_qkv"].dtype == torch.int8) == (draft_weights == "int8")
+    quant = QUANT_DTYPE.get(draft_weights)
+    assert one_row[1].dtype == one_row[0]["w_qkv"].dtype == one_row[2].dtype == (quant or torch.bfloat16)
     # past a few rows the bfloat16 copies where AMX tiles run them (a prompt's catch-up)
-    assert (many_rows[1].dtype == torch.int8) == (draft_weights == "int8" and not cpu_kernels.amx_available())
+    assert many_rows[1].dtype == (quant if quant and not cpu_kernels.amx_available() else torch.bfloat16)
 
 
 def test_draft_weights_are_checked(setup):
-    """Only "auto", "model" and "int8"; int8 for EAGLE-3 only; "auto" keeps a float32 head's dtype;
-    int8 where the kernels cannot run it is refused at start-up."""
+    """Only "auto", "model", "int8" and "int4"; the quantized ones for EAGLE-3 only; "auto" keeps a
+    float32 head's dtype; int8 or int4 where the kernels cannot run them is refused at start-up."""
     with pytest.raises(ValueError, match="draft_weights must be one of"):
         SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], draft_weights="fp8")
-    with pytest.raises(ValueError, match="applies to method 'eagle3' only"):
-        SpeculativeConfig(method="draft", model=setup["target"], draft_weights="int8")
+    for quant in ("int8", "int4"):
+        with pytest.raises(ValueError, match=f"draft_weights='{quant}' applies to method 'eagle3' only"):
+            SpeculativeConfig(method="draft", model=setup["target"], draft_weights=quant)
     spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=2)
     engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
     assert engine.speculator.proposer.draft_weights == "model"
@@ -639,12 +643,12 @@ def test_mismatched_target_is_refused(setup, tmp_path):
                   speculative=SpeculativeConfig(method="eagle3", model=setup["heads"]["default"]))
 
 
-@pytest.mark.parametrize("draft_weights", ["model", INT8])
+@pytest.mark.parametrize("draft_weights", ["model", INT8, INT4])
 def test_sampled_distribution_matches_target(tmp_path, draft_weights):
     """Chi-square test of 3000 samples of (x1..x4) against the exact target distribution; fails
     when p < 1e-4 (false-failure probability 1e-4 per case; fixed seed, so reproducible). The head
-    drafts over 2 of the 3 tokens (d2t), so q is zero on the third. int8: the head's weights as
-    int8 (its q from those products; the target's distribution all the same)."""
+    drafts over 2 of the 3 tokens (d2t), so q is zero on the third. int8 / int4: the head's weights
+    quantized (its q from those products; the target's distribution all the same)."""
     target = save_tiny_model(str(tmp_path / "t"), "llama", vocab_size=VOCAB, num_hidden_layers=NUM_LAYERS)
     head = save_eagle3(str(tmp_path / "e3"), VOCAB, [0, 2], seed=3, scale=3.0)
     prompt = [0, 1, 2, 1, 0, 1, 2, 1, 0]

@@ -80,9 +80,11 @@ FUSED_MAX_ROWS = ROW_KERNEL_MAX_TOKENS
 # target's products a token) and no per-request append (~0.5 ms a step at 16 requests), and the
 # rows of a request that finishes before drafting again are never projected.
 DEFER_BYTES = 16 << 20
-# Products of up to this many rows take an int8 head's int8 copies (SpeculativeConfig.draft_weights)
+# Products of up to this many rows take a quantized head's int8 or int4 copies (SpeculativeConfig.draft_weights)
 # where the bfloat16 ones run on AMX tiles; more rows take the bfloat16 ones.
-INT8_MAX_ROWS = 8
+QUANT_MAX_ROWS = 8
+# what draft_weights='auto' packs a bfloat16 head as where the CPU row kernels run it
+AUTO_DRAFT_WEIGHTS = "int4"
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 EAGLE3_BUFFER_ROWS = 16  # the steady bound of a request's buffered feature rows (k + 1 if larger)
@@ -240,18 +242,20 @@ def read_eagle3_config(model_dir: str) -> dict:
 
 
 def resolve_draft_weights(draft_weights: str, row_kernel: bool, dtype: torch.dtype) -> str:
-    """SpeculativeConfig.draft_weights -> "int8" or "model" for an EAGLE-3 head: "auto" is int8 for
-    a bfloat16 head on the CPU row kernels where the CPU has AVX512-VNNI; "int8" there only."""
+    """SpeculativeConfig.draft_weights -> "int4", "int8" or "model" for an EAGLE-3 head: "auto" is
+    AUTO_DRAFT_WEIGHTS for a bfloat16 head on the CPU row kernels where the CPU has AVX512-VNNI
+    (and its matrices' inputs are multiples of 32 wide, which every EAGLE-3 head's are); "int8"
+    and "int4" there only."""
     from kernels import cpu_kernels
 
     can = row_kernel and cpu_kernels.int8_available()
-    if draft_weights == "int8" and not can:
+    if draft_weights in ("int8", "int4") and not can:
         raise ValueError(
-            "draft_weights='int8' needs the CPU row kernels (the engine's row path) on a CPU with AVX512-VNNI; "
-            "use 'model' or 'auto' here"
+            f"draft_weights={draft_weights!r} needs the CPU row kernels (the engine's row path) on a CPU with "
+            "AVX512-VNNI; use 'model' or 'auto' here"
         )
     if draft_weights == "auto":
-        return "int8" if can and dtype == torch.bfloat16 else "model"
+        return AUTO_DRAFT_WEIGHTS if can and dtype == torch.bfloat16 else "model"
     return draft_weights
 
 
@@ -363,8 +367,8 @@ class Eagle3Proposer(Proposer):
         self.row_kernel = runner.row_kernel
         self.fused_max_rows = max(FUSED_MAX_ROWS, runner.row_kernel_max_tokens)  # (the target's row-step bound)
         self.draft_weights = resolve_draft_weights(draft_weights, self.row_kernel, self.dtype)
-        self._int8: tuple[dict, torch.Tensor, torch.Tensor] | None = None  # (midlayer, LM head, fc) as int8
-        self.int8_max_rows = 0  # products of up to this many rows take the int8 copies
+        self._quant: tuple[dict, torch.Tensor, torch.Tensor] | None = None  # (midlayer, LM head, fc) as int8 or int4
+        self.quant_max_rows = 0  # products of up to this many rows take the quantized copies
         if self.row_kernel:
             from kernels import cpu_kernels
 
@@ -383,16 +387,25 @@ class Eagle3Proposer(Proposer):
             *mats, self.head.packed, self.packed_fc = cpu_kernels.on_huge_pages(
                 [rw[k] for k in keys] + [self.head.packed, self.packed_fc])
             rw.update(zip(keys, mats, strict=True))
-            if self.draft_weights == "int8":  # int8 copies for the few-row products (SpeculativeConfig.draft_weights)
+            if self.draft_weights in ("int8", "int4"):  # quantized copies for the few-row products
                 L = self.layer
-                *mats, head_i8, fc_i8 = cpu_kernels.on_huge_pages([cpu_kernels.pack_rows_int8(w) for w in (
-                    L.qkv_proj.weight, L.o_proj.weight, L.gate_up_proj.weight, L.down_proj.weight,
-                    self.head.weight, self.fc.weight)])
-                self._int8 = ({**rw, **dict(zip(keys, mats, strict=True))}, head_i8, fc_i8)
+                mats_in = (L.qkv_proj.weight, L.o_proj.weight, L.gate_up_proj.weight, L.down_proj.weight,
+                           self.head.weight, self.fc.weight)
+                if self.draft_weights == "int4" and any(w.shape[1] % 32 for w in mats_in):
+                    if draft_weights == "auto":
+                        self.draft_weights = "int8"
+                    else:
+                        raise ValueError(
+                            f"draft_weights='int4' needs every matrix of the head to be a multiple of 32 wide, got "
+                            f"{tuple(w.shape[1] for w in mats_in)}; use 'int8'"
+                        )
+                pack = cpu_kernels.pack_rows_int8 if self.draft_weights == "int8" else cpu_kernels.pack_rows_int4
+                *mats, head_i8, fc_i8 = cpu_kernels.on_huge_pages([pack(w) for w in mats_in])
+                self._quant = ({**rw, **dict(zip(keys, mats, strict=True))}, head_i8, fc_i8)
                 # past a few rows the int8 products are bound by their multiply-adds, the bfloat16
                 # ones on AMX tiles are not (a prompt's catch-up: 7.9 vs 4.8 ms for 128 rows)
-                self.int8_max_rows = INT8_MAX_ROWS if cpu_kernels.amx_available() else 1 << 30
-                self.head.packed_few = (self.int8_max_rows, head_i8)  # (the Python loop's logits too)
+                self.quant_max_rows = QUANT_MAX_ROWS if cpu_kernels.amx_available() else 1 << 30
+                self.head.packed_few = (self.quant_max_rows, head_i8)  # (the Python loop's logits too)
         self.backend = runner.backend
         self.block_size = 0
         self.step_graph = None  # `capture_step_graph`
@@ -400,8 +413,8 @@ class Eagle3Proposer(Proposer):
         named = [(f"fc.{n}", p) for n, p in self.fc.named_parameters()]
         named += [(f"midlayer.{n}", p) for n, p in self.layer.named_parameters()]
         named += [("lm_head.weight", self.head.weight), (f"aux_layer_ids={self.aux_layer_ids}", self.norm)]
-        if self.draft_weights == "int8":  # other drafts and features than the checkpoint's dtype gives
-            named.append(("draft_weights=int8", self.norm))
+        if self.draft_weights != "model":  # other drafts and features than the checkpoint's dtype gives
+            named.append((f"draft_weights={self.draft_weights}", self.norm))
         self._identity = DrafterIdentity(model_name(model_dir), weights_digest(named), draft_vocab)
         self._own_embedding = embed is not None
         self._chain_norms: dict[str, torch.Tensor] | None = None  # float32 norms of draft_chain
@@ -602,8 +615,8 @@ class Eagle3Proposer(Proposer):
     def _packing(self, rows: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
         """(midlayer weights for rows_layer, LM head, fc) packed for products of `rows` rows: the
         int8 copies up to `int8_max_rows`, else the checkpoint dtype's."""
-        if self._int8 is not None and rows <= self.int8_max_rows:
-            return self._int8
+        if self._quant is not None and rows <= self.quant_max_rows:
+            return self._quant
         return self.layer.row_weights(), self.head.packed, self.packed_fc
 
     def capture_step_graph(self, max_positions: int, capture: bool = True) -> bool:
@@ -718,7 +731,7 @@ class Eagle3Proposer(Proposer):
         chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
         # a long catch-up (after a prompt, or speculation off) first, on its own; with int8 drafting
         # weights also one past their rows (on the bfloat16 ones) when the chain itself stays within
-        if len(elem_tokens) > self.fused_max_rows or len(requests) <= self.int8_max_rows < len(elem_tokens):
+        if len(elem_tokens) > self.fused_max_rows or len(requests) <= self.quant_max_rows < len(elem_tokens):
             rows, longest = len(elem_tokens), max(len(c.token_ids) for c in chunks)
             catch_up_rows(self._states, [(r, self._states[r.request_id]) for r in requests], self._forward)
             chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
