@@ -31,6 +31,7 @@ BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "torch_extensions"
 ENV_DISABLE = "SPECDECODE_CPU_KERNELS"  # "0": never build or use them
 ENV_BF16_DOT = "SPECDECODE_CPU_BF16_DOT"  # "0": no AVX512-BF16 products even where the CPU has them
 ENV_AMX = "SPECDECODE_CPU_AMX"  # "0": the dp-packed products on AVX512-BF16 even where the CPU has AMX
+ENV_AMX_ATTENTION = "SPECDECODE_CPU_AMX_ATTENTION"  # "0": rows attention by dot products even where AMX tiles can run it
 ENV_HUGE_PAGES = "SPECDECODE_HUGE_PAGES"  # "0": packed weights and KV caches on ordinary pages
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
@@ -80,6 +81,8 @@ def _module():
         return None
     if os.environ.get(ENV_AMX, "1") == "0":
         mod.set_amx(False)
+    if os.environ.get(ENV_AMX_ATTENTION, "1") == "0":
+        mod.set_amx_attention(False)
     return mod
 
 
@@ -118,6 +121,17 @@ def dot_attention(on: bool) -> bool:
     On by default unless `SPECDECODE_CPU_BF16_DOT` is "0". Returns the previous setting."""
     mod = _module()
     return mod.set_dot_attention(on) if mod is not None else False
+
+
+def amx_attention(on: bool) -> bool:
+    """Let bfloat16 caches' rows attention run on AMX tiles where it can (cpu_rows.cpp
+    `attention_rows_amx`: an AMX CPU with the tile products on (`amx_products`) and
+    `dot_attention` on, head_dim 64, 128 or 256, at most 16 query heads per kv head, blocks of a
+    multiple of 16 positions); off, `attention_rows_dp`.
+    On by default unless `SPECDECODE_CPU_AMX_ATTENTION` is "0". Other bits than the dot-product
+    kernel: never switch while an engine runs. Returns the previous setting."""
+    mod = _module()
+    return mod.set_amx_attention(on) if mod is not None else False
 
 
 def amx_available() -> bool:

@@ -1604,6 +1604,241 @@ bool attention_dp_any(const float* q, int64_t T, int64_t H, int64_t D, const uin
   }
 }
 
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+
+// exp8's operations on 16 lanes (the same bits per lane as exp8).
+inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), y, _mm512_castsi512_ps(e));
+}
+
+#pragma GCC pop_options
+
+// ---- rows attention on AMX tiles (bfloat16 caches, blocks of a multiple of 16 positions) ------
+// attention_rows_dp's work with the products on tiles: per (group of a request's tokens, kv head),
+// the R = tokens x G query rows (R <= 16; a larger group is split) against the context in chunks
+// of 16 positions. Scores S = Q K^T: A = the rows of q rounded to bfloat16 (32 of D per tile),
+// B = the chunk's 16 key rows transposed as pairs of k (`transpose16_epi32`; the 16 positions of
+// a chunk are consecutive rows of one block), `tdpbf16ps` into S [R, 16]. Each row's softmax over
+// its own positions (scaled, max, exponentials `exp8` and their float32 sum 16 lanes at a time in
+// position order, then `_mm512_reduce_add_ps`), the exponentials rounded to bfloat16 as P [R, L],
+// zeros past the row's context; then O = P V: A = P (32 positions a tile), B = the value rows of
+// positions 2i and 2i + 1 interleaved (16 dims a tile, zeros past the group's last position),
+// 16 dims at a time; the output O / sum. Each (token, head)'s operations depend on its own q, its
+// positions and the cache only: a tile's output element reads its own row and column, a row's
+// masked positions weigh exactly 0 against finite values, a chunk's garbage keys past the context
+// (the block's unwritten rows) never reach a kept score; so the same bits alone, grouped or next
+// to other requests. Not attention_rows_dp's bits (another order of the products' sums). ~5x
+// faster for a verification's 7 tokens over 220 positions (bench_kernels --attention).
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+
+// 16 rows of 16 dwords (row i at src + i * stride bytes) -> dst[j][i] = row i's dword j.
+static inline void transpose16_epi32(const char* src, int64_t stride, uint32_t* dst) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * stride);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + 16 * j, r[j]);
+}
+
+// Tiles 0, 3, 4, 5: R rows x 16 float32 (four chunks of S, four chunks of 16 dims of O: four
+// products in flight instead of a chain through one accumulator), 1: R rows x 32 bfloat16 (Q or
+// P), 2 and 6: 16 x 32 bfloat16 (K^T or V).
+static void amx_attention_configure(int R) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t : {0, 1, 3, 4, 5}) c.rows[t] = static_cast<uint8_t>(R), c.colsb[t] = 64;
+  for (int t : {2, 6}) c.rows[t] = 16, c.colsb[t] = 64;
+  __asm__ volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+void attention_rows_amx(const float* q, int64_t T, int64_t H, int64_t D, const uint16_t* kc, const uint16_t* vc,
+                        int64_t bs, int64_t Hkv, const int64_t* tables, int64_t max_blocks, const int64_t* lens,
+                        float scale, float* out, int threads) {
+  const int64_t G = H / Hkv, row_stride = Hkv * D, DC = D / 32, DV = D / 16;
+  const int64_t per = std::max<int64_t>(1, 16 / G);  // tokens per item (R = per * G <= 16)
+  const std::vector<int64_t> group_start = token_groups(T, tables, max_blocks, lens);
+  std::vector<std::pair<int64_t, int64_t>> parts;  // (first token, tokens)
+  for (size_t g = 0; g + 1 < group_start.size(); ++g)
+    for (int64_t t0 = group_start[g]; t0 < group_start[g + 1]; t0 += per)
+      parts.emplace_back(t0, std::min(per, group_start[g + 1] - t0));
+  const int64_t items = static_cast<int64_t>(parts.size()) * Hkv;
+  const int nt = (threads > 1 && items > 1) ? threads : 1;
+  alignas(64) uint16_t lo_idx[32], hi_idx[32];
+  for (int i = 0; i < 16; ++i) {
+    lo_idx[2 * i] = static_cast<uint16_t>(i), lo_idx[2 * i + 1] = static_cast<uint16_t>(32 + i);
+    hi_idx[2 * i] = static_cast<uint16_t>(16 + i), hi_idx[2 * i + 1] = static_cast<uint16_t>(48 + i);
+  }
+  const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    static thread_local std::vector<float> S, O;
+    static thread_local std::vector<uint16_t> Qb, P;
+    alignas(64) uint16_t Vc[4 * 512];
+    static thread_local std::vector<const uint16_t*> kb, vb16;
+    static thread_local std::vector<uint32_t> Ktv;
+    O.resize(16 * D), Qb.resize(16 * D), Ktv.resize(4 * (D / 32) * 256);
+    uint32_t* const Kt = Ktv.data();
+    int configured = -1;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; ++it) {
+      const auto [t0, n] = parts[it / Hkv];
+      const int64_t h = it % Hkv, R = n * G, L0 = lens[t0], L = lens[t0 + n - 1];
+      const int64_t L16 = (L + 15) / 16 * 16, L32 = (L + 31) / 32 * 32, L64 = (L + 63) / 64 * 64;
+      const int64_t* table = tables + t0 * max_blocks;
+      if (configured != R) amx_attention_configure(static_cast<int>(R)), configured = static_cast<int>(R);
+      // each chunk of 16 positions: consecutive rows of one block (bs % 16 == 0)
+      kb.resize(L16 / 16), vb16.resize(L16 / 16);
+      for (int64_t c = 0; c < L16 / 16; ++c) {
+        const int64_t off = (table[16 * c / bs] * bs + (16 * c) % bs) * row_stride + h * D;
+        kb[c] = kc + off, vb16[c] = vc + off;
+      }
+      // Q rows (row r: token r / G, head h * G + r % G) in bfloat16
+      for (int64_t r = 0; r < R; ++r) {
+        const float* qq = q + ((t0 + r / G) * H + h * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) Qb[r * D + d] = f32_to_bf16(qq[d]);
+      }
+      // scores S [R, L64] (row stride L64): four chunks of 16 positions at a time (past the
+      // context, the last chunk's rows again: computed, never read)
+      S.resize(R * L64);
+      for (int64_t p0 = 0; p0 < L64; p0 += 64) {
+        for (int64_t j = 0; j < 4; ++j) {
+          const char* k0 = reinterpret_cast<const char*>(kb[std::min(p0 / 16 + j, L16 / 16 - 1)]);
+          for (int64_t c = 0; c < DC; ++c) transpose16_epi32(k0 + 64 * c, row_stride * 2, Kt + (j * DC + c) * 256);
+        }
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int64_t c = 0; c < DC; ++c) {
+          _tile_loadd(1, Qb.data() + 32 * c, D * 2);
+          _tile_loadd(2, Kt + (0 * DC + c) * 256, 64);
+          _tile_dpbf16ps(0, 1, 2);
+          _tile_loadd(6, Kt + (1 * DC + c) * 256, 64);
+          _tile_dpbf16ps(3, 1, 6);
+          _tile_loadd(2, Kt + (2 * DC + c) * 256, 64);
+          _tile_dpbf16ps(4, 1, 2);
+          _tile_loadd(6, Kt + (3 * DC + c) * 256, 64);
+          _tile_dpbf16ps(5, 1, 6);
+        }
+        _tile_stored(0, S.data() + p0, L64 * 4);
+        _tile_stored(3, S.data() + p0 + 16, L64 * 4);
+        _tile_stored(4, S.data() + p0 + 32, L64 * 4);
+        _tile_stored(5, S.data() + p0 + 48, L64 * 4);
+      }
+      // each row's softmax over its positions [0, L0 + r / G); P [R, L32] bfloat16, zeros after
+      P.resize(R * L32);
+      float inv[16];
+      const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t len = L0 + r / G;
+        float* sr = S.data() + r * L64;
+        uint16_t* pr = P.data() + r * L32;
+        __m512 mx = ninf;
+        int64_t p = 0;
+        for (; p + 16 <= len; p += 16) {
+          const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + p), vscale);
+          _mm512_storeu_ps(sr + p, v);
+          mx = _mm512_max_ps(mx, v);
+        }
+        const __mmask16 tail = static_cast<__mmask16>((1u << (len - p)) - 1u);  // (len - p < 16)
+        if (tail) {
+          const __m512 v = _mm512_mask_blend_ps(tail, ninf, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sr + p), vscale));
+          _mm512_storeu_ps(sr + p, v);
+          mx = _mm512_max_ps(mx, v);
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 total = _mm512_setzero_ps();
+        const int64_t lend = tail ? p + 16 : p;
+        for (p = 0; p < lend; p += 16) {  // (the tail's -inf lanes: exact zeros)
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + p), m));
+          total = _mm512_add_ps(total, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        for (; p < L32; p += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p), _mm256_setzero_si256());
+        inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+      }
+      // O = P V, 64 dims at a time (four accumulators) over chunks of 32 positions; each chunk's
+      // values as B tiles (16 pairs of positions x 16 dims x 2: positions 2i and 2i + 1
+      // interleaved, zeros past the group's last position) made just before its products
+      const __m512i zero = _mm512_setzero_si512();
+      for (int64_t dv = 0; dv < DV; dv += 4) {
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int64_t p0 = 0; p0 < L32; p0 += 32) {
+          for (int64_t i = 0; i < 16; ++i) {
+            const int64_t p = p0 + 2 * i;
+            const uint16_t* va = p < L ? vb16[p / 16] + (p % 16) * row_stride + dv * 16 : nullptr;
+            const uint16_t* vn = p + 1 < L ? vb16[p / 16] + (p % 16 + 1) * row_stride + dv * 16 : nullptr;
+            for (int64_t z = 0; z < 2; ++z) {
+              const __m512i a = va ? _mm512_loadu_si512(va + 32 * z) : zero, b = vn ? _mm512_loadu_si512(vn + 32 * z) : zero;
+              _mm512_storeu_si512(Vc + (2 * z) * 512 + 32 * i, _mm512_permutex2var_epi16(a, ilo, b));
+              _mm512_storeu_si512(Vc + (2 * z + 1) * 512 + 32 * i, _mm512_permutex2var_epi16(a, ihi, b));
+            }
+          }
+          _tile_loadd(1, P.data() + p0, L32 * 2);
+          _tile_loadd(2, Vc, 64);
+          _tile_dpbf16ps(0, 1, 2);
+          _tile_loadd(6, Vc + 512, 64);
+          _tile_dpbf16ps(3, 1, 6);
+          _tile_loadd(2, Vc + 1024, 64);
+          _tile_dpbf16ps(4, 1, 2);
+          _tile_loadd(6, Vc + 1536, 64);
+          _tile_dpbf16ps(5, 1, 6);
+        }
+        _tile_stored(0, O.data() + dv * 16, D * 4);
+        _tile_stored(3, O.data() + dv * 16 + 16, D * 4);
+        _tile_stored(4, O.data() + dv * 16 + 32, D * 4);
+        _tile_stored(5, O.data() + dv * 16 + 48, D * 4);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* o = out + ((t0 + r / G) * H + h * G + r % G) * D;
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + d), iv));
+      }
+    }
+    if (configured >= 0) _tile_release();
+  }
+}
+
+#pragma GCC pop_options
+
 // Paged attention for a few query tokens, each over exactly its own context, in a fixed order:
 // out[t, h] = sum_p softmax_p(scale * q[t, h] . k[p]) v[p] over positions p < ctx_lens[t] of the
 // token's request (keys at block_tables[t, p / block_size], row p % block_size; kv head h / G).
@@ -1662,6 +1897,17 @@ static bool set_amx(bool on) {
   return before;
 }
 
+// Whether bfloat16 caches' rows attention runs on AMX tiles where it can (attention_rows_amx:
+// AMX products on, dot-product attention on, head_dim 64, 128 or 256, at most 16 query heads per
+// kv head, blocks of a multiple of 16 positions; default on).
+static bool g_amx_attention = true;
+
+static bool set_amx_attention(bool on) {
+  const bool before = g_amx_attention;
+  g_amx_attention = on;
+  return before;
+}
+
 static bool set_dot_attention(bool on) {
   const bool before = g_dot_attention;
   g_dot_attention = on;
@@ -1675,6 +1921,14 @@ static void run_attention(const float* q, int64_t T, int64_t H, int64_t D, const
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const bool wide = g_wide_attention && cpu_has_avx512();
+  if (dot && k_cache.scalar_type() == torch::kBFloat16 && g_dot_attention && g_amx_attention && amx_products() &&
+      D % 32 == 0 &&
+      D <= 256 && D % 64 == 0 && bs % 16 == 0 && H / Hkv <= 16) {
+    attention_rows_amx(q, T, H, D, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                       reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), bs, Hkv, tables, max_blocks,
+                       lens, scale, out, threads);
+    return;
+  }
   if (dot && k_cache.scalar_type() == torch::kBFloat16 && g_dot_attention && cpu_has_dot_bf16() &&
       attention_dp_any(q, T, H, D, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), bs, Hkv, tables,
@@ -2232,26 +2486,6 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 
-// exp8's polynomial on 16 lanes.
-inline __m512 exp16(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365f);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), y, _mm512_castsi512_ps(e));
-}
-
 constexpr int64_t PF_TOKENS = 16;  // query tokens per work item
 constexpr int PF_QK_ROWS = 8;      // rows per score tile (x 32 keys: 16 accumulators)
 constexpr int PF_PV_ROWS = 4;      // rows per value tile (x up to 64 of D: 16 accumulators)
@@ -2504,6 +2738,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil());
   m.def("has_vnni", &cpu_has_vnni, "whether this CPU runs the int8 products (AVX512-VNNI)");
   m.def("exp_f32", &exp_f32, "the kernels' vectorized exp (softmax, SiLU), element-wise", nogil());
+  m.def("set_amx_attention", &set_amx_attention,
+        "bfloat16 caches' rows attention on AMX tiles where it can run (default on; other bits than the dot-product "
+        "kernel: never switch while an engine runs); returns the previous setting");
   m.def("set_dot_attention", &set_dot_attention,
         "bfloat16 caches' attention by AVX512-BF16 dot products where the CPU has them (default on); returns the previous setting");
   m.def("set_wide_attention", &set_wide_attention,

@@ -312,15 +312,9 @@ def _tokens_and_groups(blocks: int, bs: int, g: torch.Generator) -> tuple[torch.
     return tables, lens
 
 
-@pytest.mark.skipif(not cpu_kernels.dot_bf16_available(), reason="no AVX512-BF16 on this CPU")
-@pytest.mark.parametrize(("hkv", "group", "d"), [(4, 2, 64), (2, 4, 32), (1, 8, 128), (2, 3, 256)])
-@pytest.mark.parametrize(("threads", "bs"), [(1, 16), (2, 16), (1, 1)])
-def test_dot_product_attention_matches_its_definition_and_is_row_invariant(hkv, group, d, threads, bs):
-    """bfloat16 caches on AVX512-BF16 (cpu_rows.cpp attention_rows_dp): scores from q rounded to
-    bfloat16, the softmax weights rounded to bfloat16 against the values and divided by the
-    unrounded sum, against that definition in float64; a token's result is bit-identical alone,
-    in a verification group, or next to other requests, with 1 or 2 threads; and it is not the
-    float32 kernels' result (the path ran)."""
+def _bf16_attention_against_its_definition(hkv, group, d, threads, bs):
+    """(the kernel's output, the definition's in float64, the float32 kernels' output) over
+    `_tokens_and_groups`, after checking that each token's result is the same bits alone."""
     g = torch.Generator().manual_seed(d + bs)
     blocks, h = 640 // bs, hkv * group
     k_cache = (torch.randn(blocks, bs, hkv, d, generator=g) * 3).bfloat16()
@@ -349,12 +343,56 @@ def test_dot_product_attention_matches_its_definition_and_is_row_invariant(hkv, 
             s_ = (k[:, kv] @ qb[t, hh]).float() * scale  # (the kernel scales the float32 score)
             e = torch.exp(s_.double() - s_.double().max())
             ref[t, hh] = (e.float().bfloat16().double() @ v[:, kv]) / e.sum()
-    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
     before = cpu_kernels.dot_attention(False)
     try:
-        assert not torch.equal(cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, scale), out)
+        float32 = cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, scale)
     finally:
         cpu_kernels.dot_attention(before)
+    return out, ref, float32
+
+
+@pytest.mark.skipif(not cpu_kernels.dot_bf16_available(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize(("hkv", "group", "d"), [(4, 2, 64), (2, 4, 32), (1, 8, 128), (2, 3, 256)])
+@pytest.mark.parametrize(("threads", "bs"), [(1, 16), (2, 16), (1, 1)])
+def test_dot_product_attention_matches_its_definition_and_is_row_invariant(hkv, group, d, threads, bs):
+    """bfloat16 caches on AVX512-BF16 (cpu_rows.cpp attention_rows_dp; the AMX tiles' kernel off):
+    scores from q rounded to bfloat16, the softmax weights rounded to bfloat16 against the values
+    and divided by the unrounded sum, against that definition in float64; a token's result is
+    bit-identical alone, in a verification group, or next to other requests, with 1 or 2 threads;
+    and it is not the float32 kernels' result (the path ran)."""
+    before = cpu_kernels.amx_attention(False)
+    try:
+        out, ref, float32 = _bf16_attention_against_its_definition(hkv, group, d, threads, bs)
+    finally:
+        cpu_kernels.amx_attention(before)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    assert not torch.equal(float32, out)
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX tiles on this CPU (or SPECDECODE_CPU_AMX=0)")
+@pytest.mark.parametrize(("hkv", "group", "d"), [(4, 2, 64), (1, 8, 128), (2, 3, 256), (1, 16, 64), (2, 1, 64)])
+@pytest.mark.parametrize(("threads", "bs"), [(1, 16), (2, 16), (1, 32)])
+def test_amx_attention_matches_its_definition_and_is_row_invariant(hkv, group, d, threads, bs):
+    """bfloat16 caches on AMX tiles (cpu_rows.cpp attention_rows_amx): the same definition as the
+    dot-product kernel's, with the scores' float32 sums in the tiles' order. A score a few float32
+    ulps away can round a softmax weight to the neighbouring bfloat16 (2^-8 of it), so the bound is
+    that of one such weight per output (4e-3 for these unit values), and the error is that small
+    almost everywhere (99% within 2e-5: a flipped weight moves its head's whole row); a token's result is
+    bit-identical alone, grouped (11 tokens: parts of 16 / group query rows) or next to other
+    requests, with 1 or 2 threads; it is neither the dot-product kernel's bits (the path ran) nor
+    further from it than from the definition."""
+    before = cpu_kernels.amx_attention(True)
+    try:
+        out, ref, _ = _bf16_attention_against_its_definition(hkv, group, d, threads, bs)
+        cpu_kernels.amx_attention(False)
+        dp, _, _ = _bf16_attention_against_its_definition(hkv, group, d, threads, bs)
+    finally:
+        cpu_kernels.amx_attention(before)
+    err = (out.double() - ref).abs()
+    assert err.max().item() < 4e-3
+    assert (err < 2e-5).double().mean().item() > 0.99
+    assert not torch.equal(out, dp)
+    assert (out - dp).abs().max().item() < 4e-3
 
 
 # --- packed weights ---------------------------------------------------------------------------
