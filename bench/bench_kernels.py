@@ -22,7 +22,7 @@ head, 80 MB in bfloat16), so the weights come from DRAM as in the engine, e.g.
 `--attention` times the rows path's attention of a step over the 12 layers' bfloat16 caches of the
 shipped target's shape (230 positions of context): one decode token, a verification of 5 drafts
 (6 tokens of one request), 16 requests' decode tokens; `attention_rows_dp` (AVX512-BF16 dot
-products) against the float32 kernel, interleaved (`--out` default bench/results/rows_attention.json);
+products) against the float32 kernel and, on an AMX CPU, `attention_rows_amx` (tiles), interleaved (`--out` default bench/results/rows_attention.json);
 with `--baseline`, also `attention_rows_dp` of the other source, interleaved, bits required equal:
 
     python -m bench.bench_kernels --attention --baseline /tmp/cpu_rows_before.cpp
@@ -158,17 +158,26 @@ def rows_attention_bench(reps: int, out: str, baseline=None) -> dict:
         tables = tables.repeat_interleave(tokens // requests, 0).contiguous()
         lens = (torch.arange(ctx - tokens + 1, ctx + 1) if requests == 1 else torch.full((tokens,), ctx)).to(torch.int64)
         q = torch.randn(tokens, h, d, generator=g)
-        variants = {"dot": (mod, True), "float32": (mod, False)}
+        # (module, dot products, AMX tiles where they run)
+        variants = {"dot": (mod, True, False), "float32": (mod, False, False)}
+        if cpu_kernels.amx_available():
+            variants["amx"] = (mod, True, True)
         if baseline is not None:
-            variants["baseline_dot"] = (baseline, True)
+            variants["baseline_dot"] = (baseline, True, False)
+            if cpu_kernels.amx_available() and hasattr(baseline, "set_amx_attention"):
+                variants["baseline_amx"] = (baseline, True, True)
+                baseline.set_amx_attention(False)
             k, v = layers[0]
+            mod.set_amx_attention(False)
             ours, theirs = (m.rows_attention(q, k, v, tables, lens, d**-0.5, True) for m in (mod, baseline))
             if not torch.equal(ours, theirs):
                 raise SystemExit(f"{name}: the baseline's attention_rows_dp gives other bits")
         times: dict[str, list[float]] = {key: [] for key in variants}
         for rep in range(reps * 20):
             for key in (list(variants) if rep % 2 == 0 else list(variants)[::-1]):
-                m, dot = variants[key]
+                m, dot, amx = variants[key]
+                if hasattr(m, "set_amx_attention"):
+                    m.set_amx_attention(amx)
                 t0 = time.perf_counter()
                 for k, v in layers:
                     m.rows_attention(q, k, v, tables, lens, d**-0.5, dot)
@@ -176,13 +185,21 @@ def rows_attention_bench(reps: int, out: str, baseline=None) -> dict:
         row = {"step": name, "query_tokens": tokens, "context": ctx,
                "float32_us": 1e6 * statistics.median(times["float32"]), "dot_us": 1e6 * statistics.median(times["dot"])}
         row["speedup"] = row["float32_us"] / row["dot_us"]
+        if "amx" in times:
+            row["amx_us"] = 1e6 * statistics.median(times["amx"])
+            row["amx_speedup_over_dot"] = row["dot_us"] / row["amx_us"]
         if baseline is not None:
             row["baseline_dot_us"] = 1e6 * statistics.median(times["baseline_dot"])
             row["speedup_over_baseline"] = row["baseline_dot_us"] / row["dot_us"]
+            if "baseline_amx" in times:
+                row["baseline_amx_us"] = 1e6 * statistics.median(times["baseline_amx"])
         rows.append(row)
         print(row, flush=True)
+    mod.set_amx_attention(True)  # (the default)
     print(table(rows, ["step", "query_tokens", "context", "float32_us", "dot_us", "speedup"]
-                + (["baseline_dot_us", "speedup_over_baseline"] if baseline is not None else [])))
+                + (["amx_us", "amx_speedup_over_dot"] if cpu_kernels.amx_available() else [])
+                + (["baseline_dot_us", "speedup_over_baseline"] if baseline is not None else [])
+                + (["baseline_amx_us"] if rows and "baseline_amx_us" in rows[0] else [])))
     results = {"machine": machine_info(), "rows": rows}
     Path(out).write_text(json.dumps(results, indent=2) + "\n")
     return results

@@ -1630,9 +1630,9 @@ inline __m512 exp16(__m512 x) {
 #pragma GCC pop_options
 
 // ---- rows attention on AMX tiles (bfloat16 caches, blocks of a multiple of 16 positions) ------
-// attention_rows_dp's work with the products on tiles: per (group of a request's tokens, kv head),
-// the R = tokens x G query rows (R <= 16; a larger group is split) against the context in chunks
-// of 16 positions. Scores S = Q K^T: A = the rows of q rounded to bfloat16 (32 of D per tile),
+// attention_rows_dp's work with the products on tiles: per (group of a request's tokens, range of
+// kv heads), each head's R = tokens x G query rows (R <= 16; a larger group is split) against the
+// context in chunks of 16 positions, the chunk's keys for up to four heads at once. Scores S = Q K^T: A = the rows of q rounded to bfloat16 (32 of D per tile),
 // B = the chunk's 16 key rows transposed as pairs of k (`transpose16_epi32`; the 16 positions of
 // a chunk are consecutive rows of one block), `tdpbf16ps` into S [R, 16]. Each row's softmax over
 // its own positions (scaled, max, exponentials `exp8` and their float32 sum 16 lanes at a time in
@@ -1643,8 +1643,10 @@ inline __m512 exp16(__m512 x) {
 // positions and the cache only: a tile's output element reads its own row and column, a row's
 // masked positions weigh exactly 0 against finite values, a chunk's garbage keys past the context
 // (the block's unwritten rows) never reach a kept score; so the same bits alone, grouped or next
-// to other requests. Not attention_rows_dp's bits (another order of the products' sums). ~5x
-// faster for a verification's 7 tokens over 220 positions (bench_kernels --attention).
+// to other requests. Not attention_rows_dp's bits (another order of the products' sums). A
+// verification's 6 tokens over 230 positions 2.2x faster than attention_rows_dp, 16 requests'
+// decode tokens 1.03x, one token 0.88x (the keys' transposes cost what one row's dot products do;
+// `python -m bench.bench_kernels --attention`).
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 
@@ -1690,13 +1692,20 @@ void attention_rows_amx(const float* q, int64_t T, int64_t H, int64_t D, const u
                         int64_t bs, int64_t Hkv, const int64_t* tables, int64_t max_blocks, const int64_t* lens,
                         float scale, float* out, int threads) {
   const int64_t G = H / Hkv, row_stride = Hkv * D, DC = D / 32, DV = D / 16;
-  const int64_t per = std::max<int64_t>(1, 16 / G);  // tokens per item (R = per * G <= 16)
+  const int64_t per = std::max<int64_t>(1, 16 / G);  // tokens per part (R = per * G <= 16)
   const std::vector<int64_t> group_start = token_groups(T, tables, max_blocks, lens);
   std::vector<std::pair<int64_t, int64_t>> parts;  // (first token, tokens)
   for (size_t g = 0; g + 1 < group_start.size(); ++g)
     for (int64_t t0 = group_start[g]; t0 < group_start[g + 1]; t0 += per)
       parts.emplace_back(t0, std::min(per, group_start[g + 1] - t0));
-  const int64_t items = static_cast<int64_t>(parts.size()) * Hkv;
+  // Work items: a part and a range of kv heads (all of them unless the threads need more items,
+  // as attention_rows_dp): the keys of a chunk of positions are read for every head of the range
+  // together, whole cache rows in sequence, which the hardware prefetcher follows (one head's
+  // 1 / Hkv of each row from a cold cache was 1.35x the dot-product kernel's decode step).
+  const int64_t NP = static_cast<int64_t>(parts.size());
+  int64_t S = 1;
+  while (S < Hkv && threads > 1 && ((NP * S) % threads != 0 || NP * S < threads)) ++S;
+  const int64_t items = NP * S;
   const int nt = (threads > 1 && items > 1) ? threads : 1;
   alignas(64) uint16_t lo_idx[32], hi_idx[32];
   for (int i = 0; i < 16; ++i) {
@@ -1706,131 +1715,150 @@ void attention_rows_amx(const float* q, int64_t T, int64_t H, int64_t D, const u
   const __m512i ilo = _mm512_load_si512(lo_idx), ihi = _mm512_load_si512(hi_idx);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    static thread_local std::vector<float> S, O;
+    static thread_local std::vector<float> S_, O;
     static thread_local std::vector<uint16_t> Qb, P;
-    alignas(64) uint16_t Vc[4 * 512];
     static thread_local std::vector<const uint16_t*> kb, vb16;
     static thread_local std::vector<uint32_t> Ktv;
-    O.resize(16 * D), Qb.resize(16 * D), Ktv.resize(4 * (D / 32) * 256);
+    alignas(64) uint16_t Vc[4 * 512];
+    O.resize(16 * D), Ktv.resize(4 * (D / 32) * 256);
     uint32_t* const Kt = Ktv.data();
     int configured = -1;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
-      const auto [t0, n] = parts[it / Hkv];
-      const int64_t h = it % Hkv, R = n * G, L0 = lens[t0], L = lens[t0 + n - 1];
-      const int64_t L16 = (L + 15) / 16 * 16, L32 = (L + 31) / 32 * 32, L64 = (L + 63) / 64 * 64;
+      const auto [t0, n] = parts[it / S];
+      const int64_t s = it % S, k0 = s * Hkv / S, k1 = (s + 1) * Hkv / S, NH = k1 - k0;
+      const int64_t R = n * G, L0 = lens[t0], L = lens[t0 + n - 1];
+      const int64_t L16 = (L + 15) / 16 * 16, L32 = (L + 31) / 32 * 32;
       const int64_t* table = tables + t0 * max_blocks;
       if (configured != R) amx_attention_configure(static_cast<int>(R)), configured = static_cast<int>(R);
-      // each chunk of 16 positions: consecutive rows of one block (bs % 16 == 0)
+      // each chunk of 16 positions: consecutive rows of one block (bs % 16 == 0); pointers at head k0
       kb.resize(L16 / 16), vb16.resize(L16 / 16);
       for (int64_t c = 0; c < L16 / 16; ++c) {
-        const int64_t off = (table[16 * c / bs] * bs + (16 * c) % bs) * row_stride + h * D;
+        const int64_t off = (table[16 * c / bs] * bs + (16 * c) % bs) * row_stride + k0 * D;
         kb[c] = kc + off, vb16[c] = vc + off;
       }
-      // Q rows (row r: token r / G, head h * G + r % G) in bfloat16
-      for (int64_t r = 0; r < R; ++r) {
-        const float* qq = q + ((t0 + r / G) * H + h * G + r % G) * D;
-        for (int64_t d = 0; d < D; ++d) Qb[r * D + d] = f32_to_bf16(qq[d]);
-      }
-      // scores S [R, L64] (row stride L64): four chunks of 16 positions at a time (past the
-      // context, the last chunk's rows again: computed, never read)
-      S.resize(R * L64);
-      for (int64_t p0 = 0; p0 < L64; p0 += 64) {
-        for (int64_t j = 0; j < 4; ++j) {
-          const char* k0 = reinterpret_cast<const char*>(kb[std::min(p0 / 16 + j, L16 / 16 - 1)]);
-          for (int64_t c = 0; c < DC; ++c) transpose16_epi32(k0 + 64 * c, row_stride * 2, Kt + (j * DC + c) * 256);
+      // Q rows of each head of the range (head hl, row r: token r / G, query head (k0 + hl) * G + r % G)
+      Qb.resize(NH * R * D);
+      for (int64_t hl = 0; hl < NH; ++hl)
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qq = q + ((t0 + r / G) * H + (k0 + hl) * G + r % G) * D;
+          for (int64_t d = 0; d < D; ++d) Qb[(hl * R + r) * D + d] = f32_to_bf16(qq[d]);
         }
-        _tile_zero(0);
-        _tile_zero(3);
-        _tile_zero(4);
-        _tile_zero(5);
-        for (int64_t c = 0; c < DC; ++c) {
-          _tile_loadd(1, Qb.data() + 32 * c, D * 2);
-          _tile_loadd(2, Kt + (0 * DC + c) * 256, 64);
-          _tile_dpbf16ps(0, 1, 2);
-          _tile_loadd(6, Kt + (1 * DC + c) * 256, 64);
-          _tile_dpbf16ps(3, 1, 6);
-          _tile_loadd(2, Kt + (2 * DC + c) * 256, 64);
-          _tile_dpbf16ps(4, 1, 2);
-          _tile_loadd(6, Kt + (3 * DC + c) * 256, 64);
-          _tile_dpbf16ps(5, 1, 6);
-        }
-        _tile_stored(0, S.data() + p0, L64 * 4);
-        _tile_stored(3, S.data() + p0 + 16, L64 * 4);
-        _tile_stored(4, S.data() + p0 + 32, L64 * 4);
-        _tile_stored(5, S.data() + p0 + 48, L64 * 4);
-      }
-      // each row's softmax over its positions [0, L0 + r / G); P [R, L32] bfloat16, zeros after
-      P.resize(R * L32);
-      float inv[16];
-      const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t len = L0 + r / G;
-        float* sr = S.data() + r * L64;
-        uint16_t* pr = P.data() + r * L32;
-        __m512 mx = ninf;
-        int64_t p = 0;
-        for (; p + 16 <= len; p += 16) {
-          const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + p), vscale);
-          _mm512_storeu_ps(sr + p, v);
-          mx = _mm512_max_ps(mx, v);
-        }
-        const __mmask16 tail = static_cast<__mmask16>((1u << (len - p)) - 1u);  // (len - p < 16)
-        if (tail) {
-          const __m512 v = _mm512_mask_blend_ps(tail, ninf, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sr + p), vscale));
-          _mm512_storeu_ps(sr + p, v);
-          mx = _mm512_max_ps(mx, v);
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 total = _mm512_setzero_ps();
-        const int64_t lend = tail ? p + 16 : p;
-        for (p = 0; p < lend; p += 16) {  // (the tail's -inf lanes: exact zeros)
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + p), m));
-          total = _mm512_add_ps(total, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p), (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        for (; p < L32; p += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p), _mm256_setzero_si256());
-        inv[r] = 1.0f / _mm512_reduce_add_ps(total);
-      }
-      // O = P V, 64 dims at a time (four accumulators) over chunks of 32 positions; each chunk's
-      // values as B tiles (16 pairs of positions x 16 dims x 2: positions 2i and 2i + 1
-      // interleaved, zeros past the group's last position) made just before its products
-      const __m512i zero = _mm512_setzero_si512();
-      for (int64_t dv = 0; dv < DV; dv += 4) {
-        _tile_zero(0);
-        _tile_zero(3);
-        _tile_zero(4);
-        _tile_zero(5);
-        for (int64_t p0 = 0; p0 < L32; p0 += 32) {
-          for (int64_t i = 0; i < 16; ++i) {
-            const int64_t p = p0 + 2 * i;
-            const uint16_t* va = p < L ? vb16[p / 16] + (p % 16) * row_stride + dv * 16 : nullptr;
-            const uint16_t* vn = p + 1 < L ? vb16[p / 16] + (p % 16 + 1) * row_stride + dv * 16 : nullptr;
-            for (int64_t z = 0; z < 2; ++z) {
-              const __m512i a = va ? _mm512_loadu_si512(va + 32 * z) : zero, b = vn ? _mm512_loadu_si512(vn + 32 * z) : zero;
-              _mm512_storeu_si512(Vc + (2 * z) * 512 + 32 * i, _mm512_permutex2var_epi16(a, ilo, b));
-              _mm512_storeu_si512(Vc + (2 * z + 1) * 512 + 32 * i, _mm512_permutex2var_epi16(a, ihi, b));
+      // scores S [NH, R, L16] (row stride L16), a chunk of 16 positions for up to four heads at
+      // once (four accumulators in flight; asking for the chunk's value rows into L2 meanwhile
+      // made it slower)
+      S_.resize(NH * R * L16);
+      for (int64_t p0 = 0; p0 < L16; p0 += 16) {
+        const char* k0p = reinterpret_cast<const char*>(kb[p0 / 16]);
+        for (int64_t hg = 0; hg < NH; hg += 4) {
+          const int64_t nh = std::min<int64_t>(4, NH - hg);
+          _tile_zero(0);
+          _tile_zero(3);
+          _tile_zero(4);
+          _tile_zero(5);
+          for (int64_t c = 0; c < DC; ++c) {
+            for (int64_t j = 0; j < nh; ++j)
+              transpose16_epi32(k0p + (hg + j) * D * 2 + 64 * c, row_stride * 2, Kt + (j * DC + c) * 256);
+            const uint16_t* qc = Qb.data() + hg * R * D + 32 * c;
+            _tile_loadd(1, qc, D * 2);
+            _tile_loadd(2, Kt + (0 * DC + c) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+            if (nh > 1) {
+              _tile_loadd(1, qc + R * D, D * 2);
+              _tile_loadd(6, Kt + (1 * DC + c) * 256, 64);
+              _tile_dpbf16ps(3, 1, 6);
+            }
+            if (nh > 2) {
+              _tile_loadd(1, qc + 2 * R * D, D * 2);
+              _tile_loadd(2, Kt + (2 * DC + c) * 256, 64);
+              _tile_dpbf16ps(4, 1, 2);
+            }
+            if (nh > 3) {
+              _tile_loadd(1, qc + 3 * R * D, D * 2);
+              _tile_loadd(6, Kt + (3 * DC + c) * 256, 64);
+              _tile_dpbf16ps(5, 1, 6);
             }
           }
-          _tile_loadd(1, P.data() + p0, L32 * 2);
-          _tile_loadd(2, Vc, 64);
-          _tile_dpbf16ps(0, 1, 2);
-          _tile_loadd(6, Vc + 512, 64);
-          _tile_dpbf16ps(3, 1, 6);
-          _tile_loadd(2, Vc + 1024, 64);
-          _tile_dpbf16ps(4, 1, 2);
-          _tile_loadd(6, Vc + 1536, 64);
-          _tile_dpbf16ps(5, 1, 6);
+          float* sp = S_.data() + hg * R * L16 + p0;
+          _tile_stored(0, sp, L16 * 4);
+          if (nh > 1) _tile_stored(3, sp + R * L16, L16 * 4);
+          if (nh > 2) _tile_stored(4, sp + 2 * R * L16, L16 * 4);
+          if (nh > 3) _tile_stored(5, sp + 3 * R * L16, L16 * 4);
         }
-        _tile_stored(0, O.data() + dv * 16, D * 4);
-        _tile_stored(3, O.data() + dv * 16 + 16, D * 4);
-        _tile_stored(4, O.data() + dv * 16 + 32, D * 4);
-        _tile_stored(5, O.data() + dv * 16 + 48, D * 4);
       }
-      for (int64_t r = 0; r < R; ++r) {
-        float* o = out + ((t0 + r / G) * H + h * G + r % G) * D;
-        const __m512 iv = _mm512_set1_ps(inv[r]);
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + d), iv));
+      const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+      const __m512i zero = _mm512_setzero_si512();
+      P.resize(R * L32);
+      for (int64_t hl = 0; hl < NH; ++hl) {
+        // each row's softmax over its positions [0, L0 + r / G); P [R, L32] bfloat16, zeros after
+        float inv[16];
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t len = L0 + r / G;
+          float* sr = S_.data() + (hl * R + r) * L16;
+          uint16_t* pr = P.data() + r * L32;
+          __m512 mx = ninf;
+          int64_t p = 0;
+          for (; p + 16 <= len; p += 16) {
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + p), vscale);
+            _mm512_storeu_ps(sr + p, v);
+            mx = _mm512_max_ps(mx, v);
+          }
+          const __mmask16 tail = static_cast<__mmask16>((1u << (len - p)) - 1u);  // (len - p < 16)
+          if (tail) {
+            const __m512 v = _mm512_mask_blend_ps(tail, ninf, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sr + p), vscale));
+            _mm512_storeu_ps(sr + p, v);
+            mx = _mm512_max_ps(mx, v);
+          }
+          const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+          __m512 total = _mm512_setzero_ps();
+          const int64_t lend = tail ? p + 16 : p;
+          for (p = 0; p < lend; p += 16) {  // (the tail's -inf lanes: exact zeros)
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + p), m));
+            total = _mm512_add_ps(total, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p), (__m256i)_mm512_cvtneps_pbh(e));
+          }
+          for (; p < L32; p += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p), _mm256_setzero_si256());
+          inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+        }
+        // O = P V, 64 dims at a time (four accumulators) over chunks of 32 positions; each
+        // chunk's values as B tiles (16 pairs of positions x 16 dims x 2: positions 2i and
+        // 2i + 1 interleaved, zeros past the part's last position) made just before its products
+        for (int64_t dv = 0; dv < DV; dv += 4) {
+          _tile_zero(0);
+          _tile_zero(3);
+          _tile_zero(4);
+          _tile_zero(5);
+          for (int64_t p0 = 0; p0 < L32; p0 += 32) {
+            for (int64_t i = 0; i < 16; ++i) {
+              const int64_t p = p0 + 2 * i;
+              const uint16_t* va = p < L ? vb16[p / 16] + (p % 16) * row_stride + hl * D + dv * 16 : nullptr;
+              const uint16_t* vn = p + 1 < L ? vb16[p / 16] + (p % 16 + 1) * row_stride + hl * D + dv * 16 : nullptr;
+              for (int64_t z = 0; z < 2; ++z) {
+                const __m512i a = va ? _mm512_loadu_si512(va + 32 * z) : zero, b = vn ? _mm512_loadu_si512(vn + 32 * z) : zero;
+                _mm512_storeu_si512(Vc + (2 * z) * 512 + 32 * i, _mm512_permutex2var_epi16(a, ilo, b));
+                _mm512_storeu_si512(Vc + (2 * z + 1) * 512 + 32 * i, _mm512_permutex2var_epi16(a, ihi, b));
+              }
+            }
+            _tile_loadd(1, P.data() + p0, L32 * 2);
+            _tile_loadd(2, Vc, 64);
+            _tile_dpbf16ps(0, 1, 2);
+            _tile_loadd(6, Vc + 512, 64);
+            _tile_dpbf16ps(3, 1, 6);
+            _tile_loadd(2, Vc + 1024, 64);
+            _tile_dpbf16ps(4, 1, 2);
+            _tile_loadd(6, Vc + 1536, 64);
+            _tile_dpbf16ps(5, 1, 6);
+          }
+          _tile_stored(0, O.data() + dv * 16, D * 4);
+          _tile_stored(3, O.data() + dv * 16 + 16, D * 4);
+          _tile_stored(4, O.data() + dv * 16 + 32, D * 4);
+          _tile_stored(5, O.data() + dv * 16 + 48, D * 4);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          float* o = out + ((t0 + r / G) * H + (k0 + hl) * G + r % G) * D;
+          const __m512 iv = _mm512_set1_ps(inv[r]);
+          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(O.data() + r * D + d), iv));
+        }
       }
     }
     if (configured >= 0) _tile_release();
