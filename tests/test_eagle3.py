@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -595,6 +596,22 @@ def test_draft_weights_are_checked(setup):
         with pytest.raises(ValueError, match="needs the CPU row kernels"):
             LLMEngine(setup["target"], dtype="float32", device="cpu",
                       speculative=SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], draft_weights="int8"))
+
+
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.int8_available()),
+                    reason="quantized drafter products need the CPU row kernels and AVX512-VNNI")
+def test_int4_needs_matrices_a_multiple_of_32_wide(setup, tmp_path, monkeypatch):
+    """A head whose MLP is 80 wide (down_proj's inputs): draft_weights='int4' is refused at
+    start-up naming the widths; 'auto' (int4 where it can) packs it as int8 instead."""
+    monkeypatch.setattr(sys.modules[__name__], "INTER", 80)
+    head = save_eagle3(str(tmp_path / "e3_80"), 97, list(range(0, 96, 3)))
+    with pytest.raises(ValueError, match=r"int4.*multiple of 32 wide, got .*80"):
+        LLMEngine(setup["target"], dtype="bfloat16", device="cpu",
+                  speculative=SpeculativeConfig(method="eagle3", model=head, draft_weights="int4"))
+    engine = LLMEngine(setup["target"], dtype="bfloat16", device="cpu",
+                       speculative=SpeculativeConfig(method="eagle3", model=head, draft_weights="auto"))
+    assert engine.speculator.proposer.draft_weights == "int8"
+    assert engine.speculator.proposer._packing(1)[1].dtype == torch.int8
 
 
 def test_packed_catch_up_matches_the_torch_midlayer_bfloat16(setup):
