@@ -244,8 +244,8 @@ def read_eagle3_config(model_dir: str) -> dict:
 def resolve_draft_weights(draft_weights: str, row_kernel: bool, dtype: torch.dtype) -> str:
     """SpeculativeConfig.draft_weights -> "int4", "int8" or "model" for an EAGLE-3 head: "auto" is
     AUTO_DRAFT_WEIGHTS for a bfloat16 head on the CPU row kernels where the CPU has AVX512-VNNI
-    (and its matrices' inputs are multiples of 32 wide, which every EAGLE-3 head's are); "int8"
-    and "int4" there only."""
+    (the proposer takes int8 instead where a matrix is not a multiple of 32 wide); "int8" and
+    "int4" there only."""
     from kernels import cpu_kernels
 
     can = row_kernel and cpu_kernels.int8_available()
