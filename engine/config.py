@@ -75,8 +75,14 @@ class SpeculativeConfig:
     default): chains. The tree is a dynamic tree of `tree_depth` levels, each expanding the
     `tree_width` most probable nodes of the previous level into `tree_width` children each (a
     greedy request: the drafter's top-k, then EAGLE-2's `tree_nodes` most probable candidates by
-    cumulative draft probability; a sampled request: draws from the drafter's q without
-    replacement, the first `tree_nodes` in level order).
+    cumulative draft probability at `tree_temperature`; a sampled request: draws from the
+    drafter's q without replacement, the first `tree_nodes` in deviation order).
+    tree_temperature: greedy trees rank candidates by the draft's log-probabilities at this
+    temperature (a calibration: the drafter's top token is the target's argmax more often than its
+    probability says, so at 1, EAGLE-2's ranking, deep nodes of the likely path lose to shallow
+    siblings). None (default): the drafter folder's tree_calibration.json (`python -m
+    bench.tree_ceiling --calibrate --write`; the shipped EAGLE-3 head's: 0.244), 1.0 where it has
+    none. It changes which nodes are drafted, never the output.
     Trees need method "draft", "eagle", "eagle3", "mtp" (each path drafted as that chain would
     be: module d at depth d, the last applied recursively) or "ngram" (the continuations after the `tree_width` latest matches, merged into a trie). With
     `adaptive`, each step chooses trees, chains (their adaptive k) or no drafts by predicted
@@ -108,6 +114,7 @@ class SpeculativeConfig:
     tree_nodes: int = 0
     tree_width: int = 4
     tree_depth: int = 4
+    tree_temperature: float | None = None
     draft_weights: str = "auto"
 
     @property
@@ -162,6 +169,9 @@ class SpeculativeConfig:
             raise ValueError(f"tree_width must be an integer in [1, 8], got {self.tree_width!r}")
         if not isinstance(self.tree_depth, int) or not 1 <= self.tree_depth <= 16:
             raise ValueError(f"tree_depth must be an integer in [1, 16], got {self.tree_depth!r}")
+        t = self.tree_temperature
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+            raise ValueError(f"tree_temperature must be a number > 0 (or None: the drafter's calibration), got {t!r}")
         if self.uses_tree:
             if self.method not in TREE_METHODS:
                 raise ValueError(

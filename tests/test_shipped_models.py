@@ -244,3 +244,27 @@ def test_shipped_eagle3_kernel_chain_drafts_equal_the_python_loop(snippets):
         rounds.append(seen)
     assert rounds[0] == rounds[1]
     assert sum(len(d or []) for d, _ in rounds[0]) > 0
+
+
+def test_eagle3_tree_calibration_fits_the_head(target, snippets, target_out):
+    """The shipped EAGLE-3 head's tree temperature (tree_calibration.json, fitted by
+    `python -m bench.tree_ceiling --calibrate` on other held-out prompts) calibrates it here too:
+    at it, the head's depth-1 log-likelihood of the target's top-1 is higher than at 1 and its mean
+    top probability is within 0.1 of how often its top token is the target's (at 1 it is far below)."""
+    from bench.eval_models import load_eagle3
+    from engine.spec.proposers.tree_drafting import read_tree_temperature
+
+    path = need("eagle3-head")
+    t = read_tree_temperature(str(path))
+    assert 0 < t < 1
+    drafter = load_eagle3(path, target, torch.float32)
+    with torch.no_grad():
+        logits = drafter.teacher_forced(target, snippets).float()  # [B, T - 1, vocab]
+    want = target_out[1][:, 1:]
+    inside = torch.isfinite(logits.gather(-1, want.unsqueeze(-1))).squeeze(-1)
+    logits, want = logits[inside], want[inside]
+    nll = {x: float(torch.nn.functional.cross_entropy(logits / x, want)) for x in (t, 1.0)}
+    assert nll[t] < nll[1.0], nll
+    accuracy = float((logits.argmax(-1) == want).float().mean())
+    top = {x: float(torch.softmax(logits / x, -1).max(-1).values.mean()) for x in (t, 1.0)}
+    assert abs(top[t] - accuracy) < 0.1 and top[1.0] < accuracy - 0.3, (top, accuracy)

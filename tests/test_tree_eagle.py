@@ -116,12 +116,14 @@ def mtp_path_logprobs(setup, tokens: list[int], path: list[int], target: str = "
     return list(q.log())
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mtp3"])
-def test_tree_drafts_match_reference(setup, method, monkeypatch):
+@pytest.mark.parametrize(("method", "temperature"),
+                         [("eagle", None), ("eagle3", None), ("mtp", None), ("mtp3", None), ("eagle3", 0.3), ("mtp3", 0.3)])
+def test_tree_drafts_match_reference(setup, method, temperature, monkeypatch):
     """Every drafted tree: each node's cumulative draft log-probability is the reference's along
-    its path, and each node's children are among its reference top-`tree_width`. Over rounds
-    that accepted nodes off the chain positions (their KV and hidden rows moved)."""
-    target, spec = spec_for(setup, method)
+    its path (at the tree temperature: log-softmax of the reference's log-probabilities / T), and
+    each node's children are among its reference top-`tree_width`. Over rounds that accepted
+    nodes off the chain positions (their KV and hidden rows moved)."""
+    target, spec = spec_for(setup, method, tree_temperature=temperature)
     engine = LLMEngine(target, dtype="float32", device="cpu", speculative=spec)
     # the references load the target per call: once is enough (read-only, eval mode)
     auto = transformers.AutoModelForCausalLM
@@ -148,6 +150,8 @@ def test_tree_drafts_match_reference(setup, method, monkeypatch):
         for node in range(1, tree.num_nodes):
             path = [tree.token_ids[i] for i in tree.path_to(node)]
             rows = reference(setup, tokens, path)
+            if temperature is not None:
+                rows = [torch.log_softmax(row / temperature, -1) for row in rows]
             expected = sum(float(rows[j][t]) for j, t in enumerate(path))
             assert tree.cum_logprobs[node] == pytest.approx(expected, abs=1e-4), (tokens, tree, node)
             top = set(rows[-2].topk(spec.tree_width).indices.tolist())
@@ -183,6 +187,59 @@ def test_greedy_tree_equals_target_mixed_preempted_cached(setup, method):
     run_mixed(cached, prompts, [GREEDY_20] * len(prompts), arrivals)
     again, num_cached = run_mixed(cached, prompts, [GREEDY_20] * len(prompts), [0] * len(prompts))
     assert num_cached > 0 and again == expected
+
+
+def test_tree_temperature_from_the_drafter_folder_or_the_config(setup, tmp_path):
+    """A drafter folder's tree_calibration.json sets its greedy trees' temperature, the config's
+    overrides it, none means 1.0 (EAGLE-2's ranking); a bad file or value is refused by name."""
+    import json
+    import shutil
+
+    from engine.spec.proposers.tree_drafting import CALIBRATION_FILE
+
+    head = tmp_path / "e3"
+    shutil.copytree(setup["eagle3"], head)
+
+    def temperature(**kw):
+        spec = SpeculativeConfig(method="eagle3", model=str(head), **(TREE | kw))
+        return LLMEngine(setup["e3_target"], dtype="float32", device="cpu", speculative=spec).speculator.proposer.tree_temperature
+
+    assert temperature() == 1.0
+    (head / CALIBRATION_FILE).write_text(json.dumps({"greedy_temperature": 0.4}))
+    assert temperature() == 0.4
+    assert temperature(tree_temperature=0.7) == 0.7
+    (head / CALIBRATION_FILE).write_text(json.dumps({"greedy_temperature": -1}))
+    with pytest.raises(ValueError, match="tree_calibration.json: greedy_temperature must be a number > 0"):
+        temperature()
+    for bad in (0, -0.5, float("nan"), float("inf"), True, "0.3"):
+        with pytest.raises(ValueError, match="tree_temperature must be a number > 0"):
+            SpeculativeConfig(method="eagle3", model=str(head), tree_temperature=bad)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp3"])
+def test_greedy_tree_at_a_low_temperature_equals_target(setup, method):
+    """A low tree temperature changes which nodes greedy trees keep (deeper paths: the trees are
+    deeper on average than T = 1's), never the output: it equals the target alone in mixed batches."""
+    shape = {"tree_nodes": 8, "tree_depth": 6}
+    target, spec = spec_for(setup, method, tree_temperature=0.2, **shape)
+    prompts, arrivals = setup["prompts"], [0, 0, 1, 2, 3, 5, 8]
+    expected, _ = run_mixed(LLMEngine(target, dtype="float32", device="cpu"), prompts, [PLAIN] * len(prompts), arrivals)
+    depths = {}
+    for t in (None, 0.2):
+        engine = LLMEngine(target, dtype="float32", device="cpu", speculative=spec_for(setup, method, tree_temperature=t, **shape)[1])
+        proposer = engine.speculator.proposer
+        propose_trees, seen = proposer.propose_trees, []
+
+        def spy(*a, _p=propose_trees, _seen=seen, **kw):
+            drafts = _p(*a, **kw)
+            _seen.extend(max(d.tree.depths) for d in drafts)
+            return drafts
+
+        proposer.propose_trees = spy
+        outs, _ = run_mixed(engine, prompts, [GREEDY_20] * len(prompts), arrivals)
+        assert outs == expected
+        depths[t] = sum(seen) / len(seen)
+    assert spec.tree_temperature == 0.2 and depths[0.2] > depths[None], depths
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mtp3"])

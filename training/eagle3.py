@@ -199,28 +199,61 @@ def draft_vocabulary(ranked_token_ids: list[int], size: int) -> torch.Tensor:
     return torch.tensor(sorted(ranked_token_ids[:size]), dtype=torch.long)
 
 
-def eagle3_loss_fn(head: Eagle3Head, target: nn.Module, token_ids: torch.Tensor, steps: int):
-    """TTT loss on a [B, T] token batch; the frozen target (HF LlamaForCausalLM) supplies the
-    auxiliary features and the distributions."""
-    aux_ids = head.config.aux_layer_ids
-    vocab = head.config.vocab_size
-    in_draft = torch.zeros(vocab, dtype=torch.bool)
-    in_draft[token_ids] = True
-    embed = target.get_input_embeddings()
-    # Boundary b is the input of decoder layer b (HF's hidden_states[b]); b = L, the last layer's
-    # output, is taken before the final norm (HF's hidden_states[L] is after it), as the engine does.
+def target_features(target: nn.Module, aux_ids: tuple[int, ...]):
+    """A function batch [B, T] -> (aux [B, T, len(aux_ids) * H], logits [B, T, V] float32) of the
+    frozen target (HF LlamaForCausalLM): the head's auxiliary features and the target's logits.
+    Boundary b is the input of decoder layer b (HF's hidden_states[b]); b = L, the last layer's
+    output, is taken before the final norm (HF's hidden_states[L] is after it), as the engine does."""
     num_layers = len(target.model.layers)
     last: dict[str, torch.Tensor] = {}
     if num_layers in aux_ids:
         target.model.layers[-1].register_forward_hook(
             lambda mod, inp, out: last.__setitem__("out", out[0] if isinstance(out, tuple) else out))
 
+    @torch.no_grad()
+    def fn(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = target.model(input_ids=batch, output_hidden_states=True)
+        aux = torch.cat([last["out"] if i == num_layers else out.hidden_states[i] for i in aux_ids], dim=-1)
+        return aux, target.lm_head(out.last_hidden_state).float()
+
+    return fn
+
+
+def load_eagle3_head(folder: Path) -> tuple[Eagle3Head, torch.Tensor]:
+    """A saved head (`save_eagle3`'s layout) in float32 and its draft vocabulary's token ids."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    c = Eagle3Config(
+        hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+        intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        draft_vocab_size=cfg["draft_vocab_size"],
+        aux_layer_ids=tuple(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+        rms_norm_eps=cfg["rms_norm_eps"], rope_theta=cfg["rope_theta"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+    )
+    state = load_file(str(Path(folder) / "model.safetensors"))
+    head = Eagle3Head(c)
+    head.load_state_dict({k: v.float() for k, v in state.items() if k not in ("d2t", "t2d")})
+    token_ids = state["d2t"].long() + torch.arange(c.draft_vocab_size)
+    return head.eval(), token_ids
+
+
+def eagle3_loss_fn(head: Eagle3Head, target: nn.Module, token_ids: torch.Tensor, steps: int):
+    """TTT loss on a [B, T] token batch; the frozen target (HF LlamaForCausalLM) supplies the
+    auxiliary features (`target_features`) and the distributions."""
+    vocab = head.config.vocab_size
+    in_draft = torch.zeros(vocab, dtype=torch.bool)
+    in_draft[token_ids] = True
+    embed = target.get_input_embeddings()
+    features = target_features(target, head.config.aux_layer_ids)
+
     def fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         dtype = head.fc.weight.dtype
         with torch.no_grad():
-            out = target.model(input_ids=batch, output_hidden_states=True)
-            aux = torch.cat([last["out"] if i == num_layers else out.hidden_states[i] for i in aux_ids], dim=-1).to(dtype)
-            logits = target.lm_head(out.last_hidden_state).float()  # [B, T, V]
+            aux, logits = features(batch)
+            aux = aux.to(dtype)
             t_argmax = logits.argmax(-1)
             t_probs = logits[..., token_ids].softmax(-1)  # restricted to the draft vocabulary
             valid = in_draft[t_argmax]

@@ -7,7 +7,18 @@ from engine.spec.proposers.base import Draft, ProposeContext, Proposer
 
 
 def make_proposer(config: SpeculativeConfig, runner):
-    """Build the proposer for `config.method` on the target runner's device."""
+    """Build the proposer for `config.method` on the target runner's device, its greedy trees'
+    ranking temperature set (`SpeculativeConfig.tree_temperature`)."""
+    proposer = _make(config, runner)
+    if proposer.supports_tree and config.uses_tree:
+        from engine.spec.proposers.tree_drafting import read_tree_temperature
+
+        proposer.tree_temperature = (config.tree_temperature if config.tree_temperature is not None
+                                     else read_tree_temperature(config.model))
+    return proposer
+
+
+def _make(config: SpeculativeConfig, runner):
     if config.method == "ngram":
         from engine.spec.proposers.ngram import NgramProposer
 

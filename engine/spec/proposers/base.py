@@ -90,6 +90,8 @@ class Proposer:
     aux_layer_ids: the target's layer boundaries whose residual stream it reads (EAGLE-3; see
     `CausalLM.aux_layer_ids`), handed to `observe_step` as `aux_hidden_states`; () for none.
     supports_tree: it implements `propose_trees` (SpeculativeConfig.tree_nodes).
+    tree_temperature: the temperature at which its greedy trees rank candidates
+    (`tree_drafting`; `make_proposer` sets it from SpeculativeConfig.tree_temperature).
     """
 
     method: str = ""
@@ -98,6 +100,7 @@ class Proposer:
     needs_hidden_states: bool = False
     aux_layer_ids: tuple[int, ...] = ()
     supports_tree: bool = False
+    tree_temperature: float = 1.0
 
     def __init__(self) -> None:
         self.states: dict[str, object] = {}  # request id -> this proposer's per-request state

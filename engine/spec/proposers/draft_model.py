@@ -167,7 +167,8 @@ class DraftModelProposer(Proposer):
                                   for i, t, f in zip(active, trees, counts, strict=True)], counts)
 
         drafts, num_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._forward(chunks),
-                                          context.generators_for(requests), run_level)
+                                          context.generators_for(requests), run_level,
+                                          self.tree_temperature)
         # Every forward succeeded: the committed tokens' draft KV is valid now.
         for r in requests:
             self.states[r.request_id] = DraftModelState(r.num_tokens)

@@ -716,7 +716,8 @@ class Eagle3Proposer(Proposer):
             return self._normed(out)
 
         drafts, num_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._normed(last),
-                                          context.generators_for(requests), run_level)
+                                          context.generators_for(requests), run_level,
+                                          self.tree_temperature)
         for r in requests:  # every forward succeeded: the buffered elements are in the midlayer's KV
             self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
         self._cover(requests)

@@ -14,7 +14,15 @@ and itself. So a level costs one forward over w rows per request, whatever the d
 
 Greedy requests keep the num_nodes[r] best candidates of their first max_depths[r] levels
 (EAGLE-2's reranking, `build_dynamic_trees`): top-k drafts are deterministic given the drafter,
-so they need no q (one-hot q: exact). Sampled requests draw each node's children from q without
+so they need no q (one-hot q: exact). "Best" is by the draft's cumulative log-probability at the
+drafter's tree temperature T (`SpeculativeConfig.tree_temperature`): a greedy request accepts a
+node when it is the target's argmax, and a head trained on the target's temperature-1
+distribution is right far more often than its probabilities say (the shipped EAGLE-3 head: its top
+token is the target's 80% of the time, at a mean probability of 0.27), so EAGLE-2's plain ranking (T = 1)
+undervalues the deep nodes of the likely path against shallow siblings. T is a calibration
+(temperature scaling against the target's argmax, `bench.tree_ceiling --calibrate`, stored as
+the drafter folder's tree_calibration.json); it moves which nodes are drafted, never what is
+accepted. Sampled requests draw each node's children from q without
 replacement and keep their first num_nodes[r] candidates in deviation order (the first-drawn
 children's chain first, then paths with one later draw, ...) with no reranking by value
 (`build_sampled_trees`: a reranking by value would bias the rejection sampler), each node with
@@ -41,17 +49,37 @@ from engine.spec.tree import (
     select_frontiers,
 )
 
+# a drafter folder's calibration of its greedy trees' ranking (`read_tree_temperature`)
+CALIBRATION_FILE = "tree_calibration.json"
+
 # (ids [n, k] target token ids, log-probabilities [n, k] float32, q rows [n, k, vocab] or None)
 Children = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
+def read_tree_temperature(model_dir: str | None) -> float:
+    """The greedy tree temperature a drafter folder ships (its tree_calibration.json's
+    "greedy_temperature"), or 1.0 (EAGLE-2's ranking) where it ships none."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / CALIBRATION_FILE if model_dir else None
+    if path is None or not path.is_file():
+        return 1.0
+    t = json.loads(path.read_text()).get("greedy_temperature")
+    if not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+        raise ValueError(f"{path}: greedy_temperature must be a number > 0, got {t!r}")
+    return float(t)
+
+
 def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Request],
-                  generators: list[torch.Generator | None], k: int, widths: list[int] | None = None) -> Children:
+                  generators: list[torch.Generator | None], k: int, widths: list[int] | None = None,
+                  temperature: float = 1.0) -> Children:
     """k children of each row of hidden [n, H] (requests[i], generators[i]: row i's), through
     `head` (over its draft vocabulary; ids come back as target token ids). widths[i] < k: row
     i's children past its first widths[i] get log-probability -inf (not drafted: no candidates).
 
-    Greedy rows: the draft's k most probable tokens (temperature 1: a ranking). Sampled rows:
+    Greedy rows: the draft's k most probable tokens, with their log-probabilities at
+    `temperature` (the ranking: module docstring). Sampled rows:
     k draws without replacement from q, the draft's distribution filtered as the target's
     (temperature, top-k, top-p): child j from q without children 1..j-1, renormalized (the
     row given for it); the log-probability is log q of the child; a child drawn after q ran
@@ -60,7 +88,7 @@ def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Reques
     logits = head(hidden)  # [n, V'] float32 over the draft vocabulary
     device = logits.device
     k = min(k, logits.shape[-1])
-    lp, ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [n, k]
+    lp, ids = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1).topk(k, dim=-1)
     q_rows = None
     greedy = [r.sampling_params.is_greedy for r in requests]
     if not all(greedy):
@@ -111,6 +139,7 @@ def grow_trees(
     root_hidden: torch.Tensor,
     generators: list[torch.Generator | None],
     run_level: Callable[[list[int], list[DraftTree], list[int]], torch.Tensor],
+    temperature: float = 1.0,
 ) -> tuple[list[Draft], int]:
     """Draft one tree per request (module docstring); returns the drafts and the forwards run.
 
@@ -121,7 +150,8 @@ def grow_trees(
     come from `tree_children`). run_level(active, trees, counts): run the last counts[j] nodes of
     trees[j] (the tree of requests[active[j]]: its root and every node expanded so far, in
     expansion order; the new nodes all at one depth d) through the drafter and return what the
-    depth-d head reads after each of them ([sum(counts), H], request by request). depths[r] >= 1
+    depth-d head reads after each of them ([sum(counts), H], request by request). temperature:
+    the greedy trees' ranking temperature (the drafter's `tree_temperature`). depths[r] >= 1
     levels per request; the caller caps them by the scratch slots the request's blocks hold (the
     root and 1 + widths[r] * (depth - 1) expanded nodes' KV after it, at most: `scratch_depths`).
 
@@ -132,7 +162,7 @@ def grow_trees(
     """
     num_reqs = len(requests)
     heads = heads if isinstance(heads, list) else [heads]
-    ids, lp, q_rows = tree_children(heads[0], root_hidden, requests, generators, max(widths), widths)
+    ids, lp, q_rows = tree_children(heads[0], root_hidden, requests, generators, max(widths), widths, temperature)
     k = ids.shape[1]  # children per node: the widest request's (at most the draft vocabulary)
     device = ids.device
     width_t = torch.tensor(widths, device=device)
@@ -179,7 +209,7 @@ def grow_trees(
             rows = [i for i, c in zip(active, counts, strict=True) for _ in range(c)]
             head = heads[min(d, len(heads) - 1)]
             ids, lp, q_rows = tree_children(head, hidden, [requests[i] for i in rows], [generators[i] for i in rows],
-                                            k, [widths[i] for i in rows])
+                                            k, [widths[i] for i in rows], temperature)
             at = torch.tensor(slots, device=device)
             all_ids.index_copy_(0, at, ids)
             all_lp.index_copy_(0, at, lp)
