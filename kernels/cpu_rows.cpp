@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <type_traits>
 #include <vector>
 
@@ -2322,6 +2323,143 @@ int64_t sample_row(const float* logits, int64_t n, float temperature, int64_t to
   return last_nonzero;
 }
 
+// The EAGLE-3 midlayer and LM head that draft_chain and draft_tree run (draft_chain's comment
+// gives the forward): the arguments checked once (check), forward() of the midlayer over
+// elements (feature row, token, RoPE position) written at slots, outputs() of some rows: their
+// output features (g for the next element) and the head's logits after them.
+struct Eagle3Midlayer {
+  torch::Tensor embed, in_ln, hidden_norm, final_norm, post_norm, w_qkv, w_o, w_gate_up, w_down, lm_head, token_ids,
+      rope_cos, rope_sin, k_cache, v_cache;
+  bool norm_before_residual, round_bf16;
+  int64_t n_draft, H, Hkv, I;
+  double eps, scale;
+  int64_t E = 0, D = 0, V = 0, P = 0;
+  Packed l_head = Packed::plain;
+  const int64_t* tid = nullptr;
+  const float* emb_f = nullptr;
+  const uint16_t* emb_h = nullptr;
+
+  void check(int64_t E_, const char* what) {
+    E = E_, D = k_cache.size(3), V = embed.size(0), P = rope_cos.size(0);
+    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == E && embed.is_contiguous() &&
+                    (embed.scalar_type() == torch::kFloat32 || embed.scalar_type() == torch::kBFloat16),
+                what, ": embed must be contiguous float32 or bfloat16 [V, H]");
+    for (const auto* t : {&in_ln, &hidden_norm, &final_norm}) {
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == E,
+                  what, ": norm weights must be contiguous float32 [H]");
+    }
+    TORCH_CHECK(rope_cos.dim() == 2 && rope_cos.size(1) == D && rope_sin.sizes() == rope_cos.sizes() &&
+                    rope_cos.scalar_type() == torch::kFloat32 && rope_sin.scalar_type() == torch::kFloat32 &&
+                    rope_cos.is_contiguous() && rope_sin.is_contiguous(),
+                what, ": rope_cos / rope_sin must be contiguous float32 [P, head_dim]");
+    l_head = check_packed(lm_head, n_draft, E, "draft lm_head");
+    const bool mapped = token_ids.defined() && token_ids.numel() > 0;
+    TORCH_CHECK(!mapped || (token_ids.scalar_type() == torch::kInt64 && token_ids.is_contiguous() && token_ids.numel() == n_draft),
+                what, ": token_ids must be contiguous int64 [n_draft] or empty");
+    tid = mapped ? token_ids.data_ptr<int64_t>() : nullptr;
+    emb_f = embed.scalar_type() == torch::kFloat32 ? embed.data_ptr<float>() : nullptr;
+    emb_h = emb_f ? nullptr : reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
+  }
+
+  void round_row(float* x, int64_t n) const {
+    if (round_bf16) for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  }
+
+  // The midlayer over elements (g rows [T, E], tok, pos) at slots; tables / lens as rows_layer's
+  // (slot_rows: slot tables over the caches viewed one slot a block). Returns (mlp, residual).
+  std::tuple<torch::Tensor, torch::Tensor> forward(const float* g, const std::vector<int64_t>& tok,
+                                                   const std::vector<int64_t>& pos, torch::Tensor slots,
+                                                   torch::Tensor tables, torch::Tensor lens, bool slot_rows) const {
+    const int64_t T = static_cast<int64_t>(tok.size());
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    auto x = torch::empty({T, E}, f32), x_in = torch::empty({T, 2 * E}, f32);
+    auto cos = torch::empty({T, D}, f32), sin = torch::empty({T, D}, f32);
+    const float feps = static_cast<float>(eps);
+    std::vector<float> e(E);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(tok[t] >= 0 && tok[t] < V, "draft: token id out of range");
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "draft: position ", pos[t], " beyond the rope table");
+      float* xi = x_in.data_ptr<float>() + t * 2 * E;
+      for (int64_t i = 0; i < E; ++i) e[i] = emb_f ? emb_f[tok[t] * E + i] : bf16_to_f32(emb_h[tok[t] * E + i]);
+      rms_norm_row(e.data(), in_ln.data_ptr<float>(), E, feps, xi);
+      rms_norm_row(g + t * E, hidden_norm.data_ptr<float>(), E, feps, xi + E);
+      std::memcpy(x.data_ptr<float>() + t * E, norm_before_residual ? xi + E : g + t * E, sizeof(float) * E);
+      std::memcpy(cos.data_ptr<float>() + t * D, rope_cos.data_ptr<float>() + pos[t] * D, sizeof(float) * D);
+      std::memcpy(sin.data_ptr<float>() + t * D, rope_sin.data_ptr<float>() + pos[t] * D, sizeof(float) * D);
+    }
+    torch::Tensor empty, kc = k_cache, vc = v_cache;
+    if (slot_rows) {
+      kc = k_cache.view({-1, 1, k_cache.size(2), D});
+      vc = v_cache.view({-1, 1, v_cache.size(2), D});
+    }
+    return rows_layer(x, empty, cos, sin, empty, post_norm, w_qkv, empty, w_o, empty, empty, empty, w_gate_up, empty,
+                      w_down, empty, kc, vc, slots, tables, lens, H, Hkv, I, eps, scale, x_in);
+  }
+
+  // For forward rows `rows`: feats [M, E] (residual + mlp, the element's next g) and logits
+  // [M, n_draft] of the head after them (final norm, LM head).
+  void outputs(const torch::Tensor& mlp, const torch::Tensor& res, const std::vector<int64_t>& rows,
+               std::vector<float>& feats, std::vector<float>& logits) const {
+    const int64_t M = static_cast<int64_t>(rows.size());
+    const float* mp = mlp.data_ptr<float>();
+    const float* rp = res.data_ptr<float>();
+    feats.assign(M * E, 0.0f);
+    std::vector<float> head_in(M * E);
+    for (int64_t j = 0; j < M; ++j) {
+      float* f = feats.data() + j * E;
+      for (int64_t i = 0; i < E; ++i) f[i] = rp[rows[j] * E + i] + mp[rows[j] * E + i];
+      round_row(f, E);
+      rms_norm_row(f, final_norm.data_ptr<float>(), E, static_cast<float>(eps), head_in.data() + j * E);
+      round_row(head_in.data() + j * E, E);
+    }
+    logits.assign(M * n_draft, 0.0f);
+    packed_product(head_in.data(), M, E, lm_head, l_head, n_draft, nullptr, logits.data(), at::get_num_threads());
+  }
+};
+
+// The catch-up elements of draft_chain / draft_tree checked: each request's rows together, in
+// request order; returns each request's last row.
+static std::vector<int64_t> catch_up_rows(const torch::Tensor& feats, const torch::Tensor& tokens,
+                                          const torch::Tensor& positions, const torch::Tensor& owner,
+                                          const torch::Tensor& block_tables, const char* what) {
+  TORCH_CHECK(feats.dim() == 2 && feats.scalar_type() == torch::kFloat32 && feats.is_contiguous(),
+              what, ": feats must be contiguous float32 [N0, H]");
+  const int64_t N0 = feats.size(0);
+  for (const auto* t : {&tokens, &positions, &owner}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == N0,
+                what, ": tokens, positions and owner must be contiguous int64 [N0]");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
+              what, ": block_tables must be contiguous int64 [R, W]");
+  const int64_t R = block_tables.size(0);
+  const int64_t* own = owner.data_ptr<int64_t>();
+  std::vector<int64_t> last_row(R, -1);
+  for (int64_t i = 0; i < N0; ++i) {
+    TORCH_CHECK(own[i] >= 0 && own[i] < R, what, ": owner out of range");
+    TORCH_CHECK(i == 0 || own[i] >= own[i - 1], what, ": each request's rows must be together, in request order");
+    last_row[own[i]] = i;
+  }
+  for (int64_t b = 0; b < R; ++b) TORCH_CHECK(last_row[b] >= 0, what, ": request ", b, " has no rows");
+  return last_row;
+}
+
+// Block-table inputs of rows_layer for causal elements (each attends to its request's positions
+// up to its own): slots, tables [T, W], lens.
+static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> causal_tables(const std::vector<int64_t>& pos,
+                                                                             const std::vector<int64_t>& own,
+                                                                             const int64_t* bt, int64_t W, int64_t bs) {
+  const int64_t T = static_cast<int64_t>(pos.size());
+  auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  auto slots = torch::empty({T}, i64), tables = torch::empty({T, W}, i64), lens = torch::empty({T}, i64);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t p = pos[t], b = own[t];
+    slots.data_ptr<int64_t>()[t] = bt[b * W + p / bs] * bs + p % bs;
+    std::memcpy(tables.data_ptr<int64_t>() + t * W, bt + b * W, sizeof(int64_t) * W);
+    lens.data_ptr<int64_t>()[t] = p + 1;
+  }
+  return {slots, tables, lens};
+}
+
 std::tuple<torch::Tensor, torch::Tensor> draft_chain(
     torch::Tensor feats, torch::Tensor tokens, torch::Tensor positions, torch::Tensor owner,
     torch::Tensor block_tables, torch::Tensor num_drafts, torch::Tensor embed, torch::Tensor in_ln,
@@ -2330,54 +2468,24 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
     int64_t n_draft, torch::Tensor token_ids, torch::Tensor rope_cos, torch::Tensor rope_sin,
     torch::Tensor k_cache, torch::Tensor v_cache, int64_t H, int64_t Hkv, int64_t I, double eps, double scale,
     bool round_bf16, torch::Tensor sampling, torch::Tensor uniforms) {
-  TORCH_CHECK(feats.dim() == 2 && feats.scalar_type() == torch::kFloat32 && feats.is_contiguous(),
-              "draft_chain: feats must be contiguous float32 [N0, H]");
+  const std::vector<int64_t> last_row = catch_up_rows(feats, tokens, positions, owner, block_tables, "draft_chain");
   const int64_t N0 = feats.size(0), E = feats.size(1);
-  for (const auto* t : {&tokens, &positions, &owner}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == N0,
-                "draft_chain: tokens, positions and owner must be contiguous int64 [N0]");
-  }
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(),
-              "draft_chain: block_tables must be contiguous int64 [R, W]");
   const int64_t R = block_tables.size(0), W = block_tables.size(1), bs = k_cache.size(1);
   TORCH_CHECK(num_drafts.scalar_type() == torch::kInt64 && num_drafts.is_contiguous() && num_drafts.numel() == R,
               "draft_chain: num_drafts must be contiguous int64 [R]");
-  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == E && embed.is_contiguous() &&
-                  (embed.scalar_type() == torch::kFloat32 || embed.scalar_type() == torch::kBFloat16),
-              "draft_chain: embed must be contiguous float32 or bfloat16 [V, H]");
-  for (const auto* t : {&in_ln, &hidden_norm, &final_norm}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == E,
-                "draft_chain: norm weights must be contiguous float32 [H]");
-  }
-  const int64_t D = k_cache.size(3);
-  TORCH_CHECK(rope_cos.dim() == 2 && rope_cos.size(1) == D && rope_sin.sizes() == rope_cos.sizes() &&
-                  rope_cos.scalar_type() == torch::kFloat32 && rope_sin.scalar_type() == torch::kFloat32 &&
-                  rope_cos.is_contiguous() && rope_sin.is_contiguous(),
-              "draft_chain: rope_cos / rope_sin must be contiguous float32 [P, head_dim]");
-  const Packed l_head = check_packed(lm_head, n_draft, E, "draft_chain lm_head");
-  const bool mapped = token_ids.defined() && token_ids.numel() > 0;
-  TORCH_CHECK(!mapped || (token_ids.scalar_type() == torch::kInt64 && token_ids.is_contiguous() && token_ids.numel() == n_draft),
-              "draft_chain: token_ids must be contiguous int64 [n_draft] or empty");
+  Eagle3Midlayer m{embed, in_ln, hidden_norm, final_norm, post_norm, w_qkv, w_o, w_gate_up, w_down, lm_head, token_ids,
+                   rope_cos, rope_sin, k_cache, v_cache, norm_before_residual, round_bf16, n_draft, H, Hkv, I, eps, scale};
+  m.check(E, "draft_chain");
   const int64_t* tok = tokens.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* own = owner.data_ptr<int64_t>();
   const int64_t* nd = num_drafts.data_ptr<int64_t>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* tid = mapped ? token_ids.data_ptr<int64_t>() : nullptr;
-  const int64_t V = embed.size(0), P = rope_cos.size(0);
   int64_t kmax = 0;
   for (int64_t b = 0; b < R; ++b) {
     TORCH_CHECK(nd[b] >= 1, "draft_chain: num_drafts must be >= 1");
     kmax = std::max(kmax, nd[b]);
   }
-  std::vector<int64_t> last_row(R, -1), last_pos(R, -1);
-  for (int64_t i = 0; i < N0; ++i) {
-    TORCH_CHECK(own[i] >= 0 && own[i] < R, "draft_chain: owner out of range");
-    TORCH_CHECK(i == 0 || own[i] >= own[i - 1], "draft_chain: each request's rows must be together, in request order");
-    last_row[own[i]] = i;
-    last_pos[own[i]] = pos[i];
-  }
-  for (int64_t b = 0; b < R; ++b) TORCH_CHECK(last_row[b] >= 0, "draft_chain: request ", b, " has no rows");
   // sampled requests: sampling [R, 3] (temperature, top_k, top_p; temperature 0: greedy) and
   // one uniform per draft, uniforms [R, kmax]; empty: every request greedy
   const bool sampled = sampling.defined() && sampling.numel() > 0;
@@ -2396,50 +2504,23 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
   }
   // every position written: its slot must be in the table and in the rope rows
   for (int64_t b = 0; b < R; ++b) {
-    const int64_t end = last_pos[b] + nd[b] - 1;  // the last autoregressive element's position
-    TORCH_CHECK(end / bs < W && end < P, "draft_chain: request ", b, " needs position ", end,
+    const int64_t end = pos[last_row[b]] + nd[b] - 1;  // the last autoregressive element's position
+    TORCH_CHECK(end / bs < W && end < m.P, "draft_chain: request ", b, " needs position ", end,
                 ", beyond its block table or the rope table");
   }
-  const float feps = static_cast<float>(eps);
-  const float* emb_f = embed.scalar_type() == torch::kFloat32 ? embed.data_ptr<float>() : nullptr;
-  const uint16_t* emb_h = emb_f ? nullptr : reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
-  auto round_row = [&](float* x, int64_t n) {
-    if (round_bf16) for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
-  };
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
   auto i64 = torch::TensorOptions().dtype(torch::kInt64);
-  torch::Tensor empty;
   auto drafts = torch::full({R, kmax}, -1, i64);
   int64_t* out_tok = drafts.data_ptr<int64_t>();
-  torch::Tensor probs = sampled ? torch::zeros({R, kmax, n_draft}, f32) : torch::Tensor();
+  torch::Tensor probs = sampled ? torch::zeros({R, kmax, n_draft}, torch::TensorOptions().dtype(torch::kFloat32))
+                                : torch::Tensor();
   // the forward's elements: (feature row, token, position, request)
   std::vector<float> g(feats.data_ptr<float>(), feats.data_ptr<float>() + N0 * E);
   std::vector<int64_t> e_tok(tok, tok + N0), e_pos(pos, pos + N0), e_own(own, own + N0);
-  std::vector<float> e(E), head_in, logits;  // an element's embedding row; the LM head's input and output
+  std::vector<float> next_g, logits;
   for (int64_t step = 0; step < kmax; ++step) {
     const int64_t T = static_cast<int64_t>(e_tok.size());
-    auto x = torch::empty({T, E}, f32), x_in = torch::empty({T, 2 * E}, f32);
-    auto cos = torch::empty({T, D}, f32), sin = torch::empty({T, D}, f32);
-    auto slots = torch::empty({T}, i64), tables = torch::empty({T, W}, i64), lens = torch::empty({T}, i64);
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(e_tok[t] >= 0 && e_tok[t] < V, "draft_chain: token id out of range");
-      float* xi = x_in.data_ptr<float>() + t * 2 * E;
-      for (int64_t i = 0; i < E; ++i) e[i] = emb_f ? emb_f[e_tok[t] * E + i] : bf16_to_f32(emb_h[e_tok[t] * E + i]);
-      rms_norm_row(e.data(), in_ln.data_ptr<float>(), E, feps, xi);
-      rms_norm_row(g.data() + t * E, hidden_norm.data_ptr<float>(), E, feps, xi + E);
-      std::memcpy(x.data_ptr<float>() + t * E, norm_before_residual ? xi + E : g.data() + t * E, sizeof(float) * E);
-      const int64_t p = e_pos[t], b = e_own[t];
-      std::memcpy(cos.data_ptr<float>() + t * D, rope_cos.data_ptr<float>() + p * D, sizeof(float) * D);
-      std::memcpy(sin.data_ptr<float>() + t * D, rope_sin.data_ptr<float>() + p * D, sizeof(float) * D);
-      slots.data_ptr<int64_t>()[t] = bt[b * W + p / bs] * bs + p % bs;
-      std::memcpy(tables.data_ptr<int64_t>() + t * W, bt + b * W, sizeof(int64_t) * W);
-      lens.data_ptr<int64_t>()[t] = p + 1;
-    }
-    auto [mlp, res] = rows_layer(x, empty, cos, sin, empty, post_norm, w_qkv, empty, w_o, empty, empty, empty,
-                                 w_gate_up, empty, w_down, empty, k_cache, v_cache, slots, tables, lens, H, Hkv, I,
-                                 eps, scale, x_in);
-    const float* mp = mlp.data_ptr<float>();
-    const float* rp = res.data_ptr<float>();
+    auto [slots, tables, lens] = causal_tables(e_pos, e_own, bt, W, bs);
+    auto [mlp, res] = m.forward(g.data(), e_tok, e_pos, slots, tables, lens, false);
     // the rows that draft: each request's last element of this forward
     std::vector<int64_t> rows, reqs;
     for (int64_t t = 0; t < T; ++t) {
@@ -2450,17 +2531,7 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
       }
     }
     const int64_t M = static_cast<int64_t>(rows.size());
-    std::vector<float> next_g(M * E);
-    head_in.assign(M * E, 0.0f);
-    for (int64_t j = 0; j < M; ++j) {
-      float* f = next_g.data() + j * E;
-      for (int64_t i = 0; i < E; ++i) f[i] = rp[rows[j] * E + i] + mp[rows[j] * E + i];
-      round_row(f, E);
-      rms_norm_row(f, final_norm.data_ptr<float>(), E, feps, head_in.data() + j * E);
-      round_row(head_in.data() + j * E, E);
-    }
-    logits.assign(M * n_draft, 0.0f);
-    packed_product(head_in.data(), M, E, lm_head, l_head, n_draft, nullptr, logits.data(), at::get_num_threads());
+    m.outputs(mlp, res, rows, next_g, logits);
     std::vector<int64_t> n_tok, n_pos, n_own;
     std::vector<float> n_g;
     for (int64_t j = 0; j < M; ++j) {
@@ -2473,7 +2544,7 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
       } else {
         for (int64_t v = 1; v < n_draft; ++v) if (l[v] > l[best]) best = v;
       }
-      const int64_t picked = tid ? tid[best] : best;
+      const int64_t picked = m.tid ? m.tid[best] : best;
       out_tok[b * kmax + step] = picked;
       if (nd[b] > step + 1) {  // the element (this output, this draft) at the next position
         n_tok.push_back(picked);
@@ -2489,6 +2560,191 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
     g.swap(n_g);
   }
   return {drafts, probs};
+}
+
+// Greedy dynamic trees of an EAGLE-3 head in one call (engine/spec/proposers/tree_drafting.py's
+// grow_trees, greedy requests, with the midlayer and head of draft_chain): the catch-up forward
+// over each request's buffered elements (its last element is the root, at position r); then
+// level by level, for each request b with depths[b] > d, the widths[b] candidates of depth d
+// with the highest cumulative log-probability (ties: the earlier candidate) are expanded: the
+// e-th expanded node (the root is 0) is the element (its parent's output feature, its token) at
+// slot r + e and RoPE position r + d, attending to positions 0..r, its expanded ancestors and
+// itself; its widths[b] children are the head's top tokens after it with log-probabilities
+// log_softmax(logits / temperature) (clamped to <= 0) added to its own. Candidates of a level are
+// ordered by their parent's order, then child rank. The tree keeps the num_nodes[b] candidates of
+// depths 1..depths[b] with the highest cumulative log-probability (ties: the shallower, then the
+// earlier), numbered in (depth, order): closed under parents. Returns (tokens, parents [R, N + 1]
+// int64, cum_logprobs [R, N + 1] float32: node 0 the root (its token, parent -1, 0), -1 / -inf past
+// a tree's nodes; counts [R] int64, the nodes with the root), N = max(num_nodes).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tree(
+    torch::Tensor feats, torch::Tensor tokens, torch::Tensor positions, torch::Tensor owner,
+    torch::Tensor block_tables, torch::Tensor depths, torch::Tensor widths, torch::Tensor num_nodes, double temperature,
+    torch::Tensor embed, torch::Tensor in_ln, torch::Tensor hidden_norm, torch::Tensor final_norm,
+    bool norm_before_residual, torch::Tensor post_norm, torch::Tensor w_qkv, torch::Tensor w_o,
+    torch::Tensor w_gate_up, torch::Tensor w_down, torch::Tensor lm_head, int64_t n_draft, torch::Tensor token_ids,
+    torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H,
+    int64_t Hkv, int64_t I, double eps, double scale, bool round_bf16) {
+  const std::vector<int64_t> last_row = catch_up_rows(feats, tokens, positions, owner, block_tables, "draft_tree");
+  const int64_t N0 = feats.size(0), E = feats.size(1);
+  const int64_t R = block_tables.size(0), W = block_tables.size(1), bs = k_cache.size(1);
+  for (const auto* t : {&depths, &widths, &num_nodes}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == R,
+                "draft_tree: depths, widths and num_nodes must be contiguous int64 [R]");
+  }
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), "draft_tree: temperature must be > 0");
+  Eagle3Midlayer m{embed, in_ln, hidden_norm, final_norm, post_norm, w_qkv, w_o, w_gate_up, w_down, lm_head, token_ids,
+                   rope_cos, rope_sin, k_cache, v_cache, norm_before_residual, round_bf16, n_draft, H, Hkv, I, eps, scale};
+  m.check(E, "draft_tree");
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* own = owner.data_ptr<int64_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* dep = depths.data_ptr<int64_t>();
+  const int64_t* wid = widths.data_ptr<int64_t>();
+  const int64_t* nn = num_nodes.data_ptr<int64_t>();
+  int64_t max_depth = 0, max_nodes = 0;
+  std::vector<int64_t> root_pos(R);
+  for (int64_t b = 0; b < R; ++b) {
+    TORCH_CHECK(dep[b] >= 1 && wid[b] >= 1 && wid[b] <= n_draft && nn[b] >= 1, "draft_tree: request ", b,
+                " needs depth >= 1, 1 <= width <= the draft vocabulary and num_nodes >= 1");
+    root_pos[b] = pos[last_row[b]];
+    // expanded nodes: at most 1 + width * (depth - 1) with the root, at slots r .. r + that - 1
+    const int64_t end = root_pos[b] + wid[b] * (dep[b] - 1);
+    TORCH_CHECK(end / bs < W && root_pos[b] + dep[b] < m.P, "draft_tree: request ", b, " needs position ", end,
+                ", beyond its block table or the rope table");
+    max_depth = std::max(max_depth, dep[b]);
+    max_nodes = std::max(max_nodes, nn[b]);
+  }
+  auto slot_of = [&](int64_t b, int64_t p) { return bt[b * W + p / bs] * bs + p % bs; };
+  const double inv_t = 1.0 / temperature;
+  // a candidate: its parent (index in the previous depth's list; -1: the root), token, cumulative
+  // log-probability and, once expanded, its expansion index
+  struct Cand {
+    int64_t parent, token;
+    double cum;
+    int64_t expanded;
+  };
+  std::vector<std::vector<std::vector<Cand>>> level(R);  // [b][depth - 1]
+  std::vector<std::vector<float>> exp_feat(R);           // [b]: each expanded node's output feature, E each
+  std::vector<std::vector<int64_t>> exp_slot(R);         // [b]: each expanded node's slot (the root's first)
+  // the children of request b's node after logits row l: its top widths[b] tokens
+  auto children = [&](int64_t b, const float* l, int64_t parent, double parent_cum, std::vector<Cand>& out) {
+    double mx = -INFINITY;
+    for (int64_t v = 0; v < n_draft; ++v) mx = std::max(mx, double(l[v]) * inv_t);
+    double z = 0.0;
+    for (int64_t v = 0; v < n_draft; ++v) z += std::exp(double(l[v]) * inv_t - mx);
+    const double lse = mx + std::log(z);
+    std::vector<int64_t> order(n_draft);
+    for (int64_t v = 0; v < n_draft; ++v) order[v] = v;
+    std::partial_sort(order.begin(), order.begin() + wid[b], order.end(),
+                      [&](int64_t a, int64_t c) { return l[a] > l[c] || (l[a] == l[c] && a < c); });
+    for (int64_t j = 0; j < wid[b]; ++j) {
+      const int64_t v = order[j];
+      out.push_back({parent, m.tid ? m.tid[v] : v, parent_cum + std::min(0.0, double(l[v]) * inv_t - lse), -1});
+    }
+  };
+  // the catch-up: every buffered element, causal; the root's output gives depth 1
+  std::vector<float> feat, logits;
+  {
+    std::vector<int64_t> e_tok(tok, tok + N0), e_pos(pos, pos + N0), e_own(own, own + N0);
+    auto [slots, tables, lens] = causal_tables(e_pos, e_own, bt, W, bs);
+    auto [mlp, res] = m.forward(feats.data_ptr<float>(), e_tok, e_pos, slots, tables, lens, false);
+    m.outputs(mlp, res, last_row, feat, logits);
+    for (int64_t b = 0; b < R; ++b) {
+      exp_feat[b].assign(feat.begin() + b * E, feat.begin() + (b + 1) * E);
+      exp_slot[b].push_back(slot_of(b, root_pos[b]));
+      level[b].emplace_back();
+      children(b, logits.data() + b * n_draft, -1, 0.0, level[b][0]);
+    }
+  }
+  for (int64_t d = 1; d < max_depth; ++d) {
+    // this level's elements: the frontier of every request still growing
+    std::vector<int64_t> e_tok, e_pos, e_req, e_cand;
+    std::vector<float> g;
+    std::vector<std::vector<int64_t>> seen;  // each element's slots to attend to
+    for (int64_t b = 0; b < R; ++b) {
+      if (dep[b] <= d) continue;
+      std::vector<Cand>& cands = level[b][d - 1];
+      std::vector<int64_t> order(cands.size());
+      for (size_t i = 0; i < cands.size(); ++i) order[i] = static_cast<int64_t>(i);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cands[a].cum > cands[c].cum; });
+      order.resize(std::min<size_t>(order.size(), static_cast<size_t>(wid[b])));
+      std::sort(order.begin(), order.end());
+      for (int64_t c : order) {
+        if (!std::isfinite(cands[c].cum)) continue;
+        const int64_t e = static_cast<int64_t>(exp_slot[b].size());
+        cands[c].expanded = e;
+        exp_slot[b].push_back(slot_of(b, root_pos[b] + e));
+        const Cand* parent = cands[c].parent < 0 ? nullptr : &level[b][d - 2][cands[c].parent];
+        const int64_t parent_exp = parent ? parent->expanded : 0;
+        g.insert(g.end(), exp_feat[b].begin() + parent_exp * E, exp_feat[b].begin() + (parent_exp + 1) * E);
+        e_tok.push_back(cands[c].token);
+        e_pos.push_back(root_pos[b] + d);
+        e_req.push_back(b);
+        e_cand.push_back(c);
+        std::vector<int64_t> ancestors{exp_slot[b][e]};
+        for (int64_t dd = d - 1, p = cands[c].parent; p >= 0; p = level[b][dd - 1][p].parent, --dd)
+          ancestors.push_back(exp_slot[b][level[b][dd - 1][p].expanded]);
+        std::vector<int64_t> slots_seen;
+        slots_seen.reserve(root_pos[b] + 1 + ancestors.size());
+        for (int64_t p = 0; p <= root_pos[b]; ++p) slots_seen.push_back(slot_of(b, p));
+        slots_seen.insert(slots_seen.end(), ancestors.rbegin(), ancestors.rend());
+        seen.push_back(std::move(slots_seen));
+      }
+      level[b].emplace_back();
+    }
+    const int64_t T = static_cast<int64_t>(e_tok.size());
+    if (T == 0) break;
+    int64_t width = 0;
+    for (const auto& s : seen) width = std::max<int64_t>(width, static_cast<int64_t>(s.size()));
+    auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+    auto slots = torch::empty({T}, i64), tables = torch::zeros({T, width}, i64), lens = torch::empty({T}, i64);
+    for (int64_t t = 0; t < T; ++t) {
+      slots.data_ptr<int64_t>()[t] = seen[t].back();
+      std::memcpy(tables.data_ptr<int64_t>() + t * width, seen[t].data(), sizeof(int64_t) * seen[t].size());
+      lens.data_ptr<int64_t>()[t] = static_cast<int64_t>(seen[t].size());
+    }
+    auto [mlp, res] = m.forward(g.data(), e_tok, e_pos, slots, tables, lens, true);
+    std::vector<int64_t> rows(T);
+    for (int64_t t = 0; t < T; ++t) rows[t] = t;
+    m.outputs(mlp, res, rows, feat, logits);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t b = e_req[t];
+      exp_feat[b].insert(exp_feat[b].end(), feat.begin() + t * E, feat.begin() + (t + 1) * E);
+      children(b, logits.data() + t * n_draft, e_cand[t], level[b][d - 1][e_cand[t]].cum, level[b][d]);
+    }
+  }
+  // each request's tree: its num_nodes best candidates (EAGLE-2's reranking)
+  auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  auto out_tok = torch::full({R, max_nodes + 1}, -1, i64), out_par = torch::full({R, max_nodes + 1}, -1, i64);
+  auto out_cum = torch::full({R, max_nodes + 1}, -INFINITY, torch::TensorOptions().dtype(torch::kFloat32));
+  auto counts = torch::empty({R}, i64);
+  for (int64_t b = 0; b < R; ++b) {
+    std::vector<std::pair<int64_t, int64_t>> pool;  // (depth - 1, index)
+    for (int64_t dd = 0; dd < std::min<int64_t>(dep[b], static_cast<int64_t>(level[b].size())); ++dd)
+      for (size_t i = 0; i < level[b][dd].size(); ++i)
+        if (std::isfinite(level[b][dd][i].cum)) pool.emplace_back(dd, static_cast<int64_t>(i));
+    std::stable_sort(pool.begin(), pool.end(), [&](const auto& a, const auto& c) {
+      return level[b][a.first][a.second].cum > level[b][c.first][c.second].cum;
+    });
+    pool.resize(std::min<size_t>(pool.size(), static_cast<size_t>(nn[b])));
+    std::sort(pool.begin(), pool.end());
+    std::map<std::pair<int64_t, int64_t>, int64_t> node_of;
+    out_tok.data_ptr<int64_t>()[b * (max_nodes + 1)] = tok[last_row[b]];
+    out_cum.data_ptr<float>()[b * (max_nodes + 1)] = 0.0f;
+    int64_t n = 1;
+    for (const auto& key : pool) {
+      const Cand& c = level[b][key.first][key.second];
+      const int64_t parent = c.parent < 0 ? 0 : node_of.at({key.first - 1, c.parent});
+      node_of[key] = n;
+      out_tok.data_ptr<int64_t>()[b * (max_nodes + 1) + n] = c.token;
+      out_par.data_ptr<int64_t>()[b * (max_nodes + 1) + n] = parent;
+      out_cum.data_ptr<float>()[b * (max_nodes + 1) + n] = static_cast<float>(c.cum);
+      ++n;
+    }
+    counts.data_ptr<int64_t>()[b] = n;
+  }
+  return {out_tok, out_par, out_cum, counts};
 }
 
 // The kernels' exp (exp8) over a float32 tensor, for its accuracy test.
@@ -2795,5 +3051,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention,
         "causal paged attention of long query chunks (prefill), bfloat16, AVX512-BF16; row-invariant", nogil());
   m.def("draft_chain", &draft_chain, "chain drafting of an EAGLE-3 head (greedy or sampled): catch-up and every draft in one call",
+        nogil());
+  m.def("draft_tree", &draft_tree, "greedy dynamic trees of an EAGLE-3 head: catch-up and every level in one call",
         nogil());
 }

@@ -194,7 +194,10 @@ def flatten(trees: list[DraftTree]) -> tuple[list[int], list[int], torch.Tensor]
             torch.tensor([x for t in trees for x in t.token_ids]))
 
 
-def test_greedy_walks_the_tree_by_argmax():
+@pytest.mark.parametrize("host_walk", [False, True])
+def test_greedy_walks_the_tree_by_argmax(host_walk):
+    """Both greedy walks (the batched tensor one a GPU takes, the host one a CPU step takes)
+    against the reference walk."""
     rng = random.Random(0)
     for _ in range(100):
         vocab = rng.randint(2, 6)  # small: many children match the argmax
@@ -202,7 +205,7 @@ def test_greedy_walks_the_tree_by_argmax():
         num_nodes, parents, tokens = flatten(trees)
         argmax = torch.randint(0, vocab, (sum(num_nodes),))
         out = tree_rejection_sample(num_nodes, parents, tokens, argmax, None, None, [True] * len(trees),
-                                    [None] * len(trees))
+                                    [None] * len(trees), host_walk=host_walk)
         start = 0
         for tree, acc in zip(trees, out, strict=True):
             nodes, toks = greedy_walk(tree, argmax[start : start + tree.num_nodes].tolist())
@@ -318,14 +321,16 @@ def test_wrong_residual_is_detected(scheme, monkeypatch):
     assert tree_sampler_p_value(scheme) < 1e-6
 
 
-def test_tree_sampler_input_errors():
+@pytest.mark.parametrize("host_walk", [False, True])
+def test_tree_sampler_input_errors(host_walk):
     tokens = torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="parent must be"):
-        tree_rejection_sample([3], [-1, 0, 2], tokens, tokens, None, None, [True], [None])
+        tree_rejection_sample([3], [-1, 0, 2], tokens, tokens, None, None, [True], [None], host_walk=host_walk)
     with pytest.raises(ValueError, match="root"):
-        tree_rejection_sample([2, 1], [-1, 0, 0], tokens, tokens, None, None, [True, True], [None, None])
+        tree_rejection_sample([2, 1], [-1, 0, 0], tokens, tokens, None, None, [True, True], [None, None],
+                              host_walk=host_walk)
     with pytest.raises(ValueError, match="sum\\(num_nodes\\)"):
-        tree_rejection_sample([2], [-1, 0, 0], tokens, tokens, None, None, [True], [None])
+        tree_rejection_sample([2], [-1, 0, 0], tokens, tokens, None, None, [True], [None], host_walk=host_walk)
     with pytest.raises(ValueError, match="target_probs"):
         tree_rejection_sample([3], [-1, 0, 0], tokens, None, None, None, [False], [None])
 

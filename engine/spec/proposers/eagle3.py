@@ -27,6 +27,7 @@ output (H wide, not 3 * target hidden), computed once per committed row in `obse
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import time
@@ -698,9 +699,12 @@ class Eagle3Proposer(Proposer):
         self._flush_deferred({r.request_id for r in requests})
         t_start = time.perf_counter()
         widths = tree_widths(widths, len(requests), self.tree_width)
-        chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
-        last = self._forward(chunks, elem_tokens, feats_in)  # [R, H]
         depths = scratch_depths(requests, max_depths, widths, self.block_size, root_offset=2)
+        chunks, elem_tokens, feats_in, t_start = self._long_catch_up_first(requests, max(depths), t_start)
+        if (self.row_kernel_chain and len(elem_tokens) <= self.fused_max_rows
+                and all(r.sampling_params.is_greedy for r in requests)):
+            return self._propose_tree_kernel(requests, num_nodes, depths, widths, chunks, elem_tokens, feats_in, t_start)
+        last = self._forward(chunks, elem_tokens, feats_in)  # [R, H]
         outputs = list(last.unsqueeze(1))  # per request: the output of each expanded node (the root's first)
 
         def run_level(active: list[int], trees: list, counts: list[int]) -> torch.Tensor:
@@ -729,17 +733,7 @@ class Eagle3Proposer(Proposer):
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         self._flush_deferred({r.request_id for r in requests})  # (their rows first; not timed as drafting)
         t_start = time.perf_counter()
-        chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
-        # a long catch-up (after a prompt, or speculation off) first, on its own; with int8 drafting
-        # weights also one past their rows (on the bfloat16 ones) when the chain itself stays within
-        if len(elem_tokens) > self.fused_max_rows or len(requests) <= self.quant_max_rows < len(elem_tokens):
-            rows, longest = len(elem_tokens), max(len(c.token_ids) for c in chunks)
-            catch_up_rows(self._states, [(r, self._states[r.request_id]) for r in requests], self._forward)
-            chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
-            if longest > max(num_tokens) + 1:  # a prompt's rows or a paused request's: a one-off,
-                now = time.perf_counter()       # not a round's cost; the policy weighs it as a debt
-                self.record_catch_up(rows - len(elem_tokens), now - t_start)
-                t_start = now
+        chunks, elem_tokens, feats_in, t_start = self._long_catch_up_first(requests, max(num_tokens), t_start)
         if self.row_kernel_chain and len(elem_tokens) <= self.fused_max_rows:
             return self._propose_chain_kernel(requests, num_tokens, chunks, elem_tokens, feats_in, t_start, context)
         tokens: list[list[int]] = [[] for _ in requests]
@@ -775,6 +769,25 @@ class Eagle3Proposer(Proposer):
             for t, pr, r in zip(tokens, probs, requests, strict=True)
         ]
 
+    def _long_catch_up_first(self, requests: list[Request], k_max: int, t_start: float
+                             ) -> tuple[list[SeqChunk], list[int], torch.Tensor, float]:
+        """The catch-up elements (`_catch_up_chunks`) after running a long catch-up (after a
+        prompt, or speculation off) on its own: one past the fused kernels' rows, or, with
+        quantized drafting weights, one past their rows (on the bfloat16 ones) when the drafting
+        itself stays within them. Returns them and the round's start time: a catch-up beyond
+        k_max + 1 rows per request (a prompt's or a paused request's) is a one-off, not a round's
+        cost; the policy weighs it as a debt (`record_catch_up`)."""
+        chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
+        if len(elem_tokens) > self.fused_max_rows or len(requests) <= self.quant_max_rows < len(elem_tokens):
+            rows, longest = len(elem_tokens), max(len(c.token_ids) for c in chunks)
+            catch_up_rows(self._states, [(r, self._states[r.request_id]) for r in requests], self._forward)
+            chunks, elem_tokens, feats_in = self._catch_up_chunks(requests)
+            if longest > k_max + 1:
+                now = time.perf_counter()
+                self.record_catch_up(rows - len(elem_tokens), now - t_start)
+                t_start = now
+        return chunks, elem_tokens, feats_in, t_start
+
     def _add_round(self, requests: list[Request], seconds: float, forwards: int, catch_up: int, rows: int,
                    k_max: int) -> None:
         """Record a drafting round (`StepTimer.add_round`); one that also caught up over a long
@@ -798,16 +811,7 @@ class Eagle3Proposer(Proposer):
         from engine.sampler import draw_uniforms
         from kernels import cpu_kernels
 
-        if self._chain_norms is None:
-            self._chain_norms = {
-                "in_ln": self.layer.input_layernorm.detach().float().contiguous(),
-                "hidden_norm": self.layer.hidden_norm.detach().float().contiguous(),
-                "final_norm": self.norm.detach().float().contiguous(),
-            }
-        positions = [c.start + i for c in chunks for i in range(len(c.token_ids))]
-        owner = [b for b, c in enumerate(chunks) for _ in c.token_ids]
-        width = max(len(r.block_ids) for r in requests)
-        tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in requests], dtype=torch.int64)
+        positions, owner, tables = self._kernel_elements(requests, chunks)
         k_cache, v_cache = self.kv_caches[0]
         cfg = self.arch
         greedy = [r.sampling_params.is_greedy for r in requests]
@@ -821,8 +825,7 @@ class Eagle3Proposer(Proposer):
             uniforms = torch.zeros(len(requests), max(num_tokens))
             uniforms[[b for b, c in enumerate(counts) for _ in range(c)], [j for c in counts for j in range(c)]] = flat
         drafts, q = cpu_kernels.draft_chain(
-            feats_in.float().contiguous(), torch.tensor(elem_tokens, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64), torch.tensor(owner, dtype=torch.int64), tables,
+            feats_in.float().contiguous(), torch.tensor(elem_tokens, dtype=torch.int64), positions, owner, tables,
             torch.tensor(num_tokens, dtype=torch.int64), self.embed_tokens.weight, self._chain_norms,
             self.layer.norm_before_residual, *self._packing(len(elem_tokens))[:2], self.head.size,
             self.head.token_ids, self.rope_f32, k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads,
@@ -846,3 +849,56 @@ class Eagle3Proposer(Proposer):
                     probs[:, self.head.token_ids] = q[b, :k]
             out.append(Draft(d[:k], probs))
         return out
+
+    def _kernel_elements(self, requests: list[Request], chunks: list[SeqChunk]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, owner [N0] int64, block tables [R, W] int64) of the catch-up elements of
+        `chunks` for `cpu_kernels.draft_chain` / `draft_tree`; the norms they take made once."""
+        if self._chain_norms is None:
+            self._chain_norms = {
+                "in_ln": self.layer.input_layernorm.detach().float().contiguous(),
+                "hidden_norm": self.layer.hidden_norm.detach().float().contiguous(),
+                "final_norm": self.norm.detach().float().contiguous(),
+            }
+        positions = [c.start + i for c in chunks for i in range(len(c.token_ids))]
+        owner = [b for b, c in enumerate(chunks) for _ in c.token_ids]
+        width = max(len(r.block_ids) for r in requests)
+        tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in requests], dtype=torch.int64)
+        return torch.tensor(positions, dtype=torch.int64), torch.tensor(owner, dtype=torch.int64), tables
+
+    def _propose_tree_kernel(self, requests: list[Request], num_nodes: list[int], depths: list[int],
+                             widths: list[int], chunks: list[SeqChunk], elem_tokens: list[int],
+                             feats_in: torch.Tensor, t_start: float) -> list[Draft]:
+        """`propose_trees` for greedy requests on the fused CPU path: the catch-up forward and
+        every level of the dynamic trees in one kernel call (`cpu_kernels.draft_tree`: the same
+        midlayer kernel, norms and LM head, the same slots, positions and attention as the level
+        loop of `grow_trees`, the same ranking at `tree_temperature`), without a Python round
+        trip per level. The trees equal the loop's unless float32 rounding flips a near-tie of the
+        ranking (the kernel's float32 norms sum in another order than torch's, which can move a
+        bfloat16 rounding after them; on the shipped head 3 of 31 rounds of 24-node trees
+        differed, in their last-ranked node), which changes only what is proposed, never the
+        verified output."""
+        from engine.spec.tree import DraftTree
+        from kernels import cpu_kernels
+
+        positions, owner, tables = self._kernel_elements(requests, chunks)
+        k_cache, v_cache = self.kv_caches[0]
+        cfg = self.arch
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
+        tokens, parents, cums, counts = cpu_kernels.draft_tree(
+            feats_in.float().contiguous(), as_tensor(elem_tokens), positions, owner, tables, as_tensor(depths),
+            as_tensor(widths), as_tensor(num_nodes), self.tree_temperature, self.embed_tokens.weight, self._chain_norms,
+            self.layer.norm_before_residual, *self._packing(len(elem_tokens))[:2], self.head.size, self.head.token_ids,
+            self.rope_f32, k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_norm_eps,
+            cfg.head_dim**-0.5, self.dtype == torch.bfloat16,
+        )
+        for r in requests:  # the call succeeded: the buffered elements are in the midlayer's KV
+            self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
+        self._cover(requests)
+        self.timer.add_round(len(requests), time.perf_counter() - t_start, max(depths),
+                             max(len(c.token_ids) for c in chunks), max(depths), chain=False)
+        drafts = []
+        for t, p, c, n in zip(tokens.tolist(), parents.tolist(), cums.tolist(), counts.tolist(), strict=True):
+            tree = DraftTree(tuple(t[:n]), tuple(p[:n]), tuple(c[:n]))
+            drafts.append(Draft(list(tree.token_ids[1:]), None, tree))
+        return drafts
