@@ -55,6 +55,11 @@ STEP = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 12 + [(8192, 512)]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
+def extra(m) -> tuple:
+    """rows_attention's trailing tree argument (none) where that build of the source takes one."""
+    return (torch.empty(0, dtype=torch.int64),) if "arg7" in (m.rows_attention.__doc__ or "") else ()
+
+
 def build(name: str, source: Path):
     out = Path("build") / "bench_kernels" / name
     out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +174,7 @@ def rows_attention_bench(reps: int, out: str, baseline=None) -> dict:
                 baseline.set_amx_attention(False)
             k, v = layers[0]
             mod.set_amx_attention(False)
-            ours, theirs = (m.rows_attention(q, k, v, tables, lens, d**-0.5, True) for m in (mod, baseline))
+            ours, theirs = (m.rows_attention(q, k, v, tables, lens, d**-0.5, True, *extra(m)) for m in (mod, baseline))
             if not torch.equal(ours, theirs):
                 raise SystemExit(f"{name}: the baseline's attention_rows_dp gives other bits")
         times: dict[str, list[float]] = {key: [] for key in variants}
@@ -180,7 +185,7 @@ def rows_attention_bench(reps: int, out: str, baseline=None) -> dict:
                     m.set_amx_attention(amx)
                 t0 = time.perf_counter()
                 for k, v in layers:
-                    m.rows_attention(q, k, v, tables, lens, d**-0.5, dot)
+                    m.rows_attention(q, k, v, tables, lens, d**-0.5, dot, *extra(m))
                 times[key].append(time.perf_counter() - t0)
         row = {"step": name, "query_tokens": tokens, "context": ctx,
                "float32_us": 1e6 * statistics.median(times["float32"]), "dot_us": 1e6 * statistics.median(times["dot"])}

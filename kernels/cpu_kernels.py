@@ -98,12 +98,19 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def rows_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                   block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
+                   tree: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, H, D] -> [T, H, D] in query's dtype: each token over the first ctx_lens[t]
     positions of its own block table row (block_tables [T, max_blocks] int64). bfloat16 caches
-    on a CPU with AVX512-BF16 (`dot_bf16_available`): bfloat16 products (`dot_attention`)."""
+    on a CPU with AVX512-BF16 (`dot_bf16_available`): bfloat16 products (`dot_attention`).
+    `tree` [T, 2] int64 (`tree_rows`): token t with tree[t] = (base, bits), base >= 0, is node
+    ctx_lens[t] - 1 - base of a token tree whose root is at position base, and sees the positions
+    before base and base + j for each bit j of bits (its ancestors and itself); (-1, 0): causal."""
     return _module().rows_attention(query.float(), k_cache, v_cache, block_tables, ctx_lens, scale,
-                                    dot_bf16_available()).to(query.dtype)
+                                    dot_bf16_available(), _EMPTY_I64 if tree is None else tree).to(query.dtype)
+
+
+_EMPTY_I64 = torch.empty(0, dtype=torch.int64)
 
 
 def wide_attention(on: bool) -> bool:
@@ -211,7 +218,8 @@ def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor
                weights: dict[str, torch.Tensor | None], k_cache: torch.Tensor, v_cache: torch.Tensor,
                slots: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor,
                num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float,
-               scale: float, attn_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               scale: float, attn_in: torch.Tensor | None = None,
+               tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One pre-norm decoder layer for a few tokens in one call (cpu_rows.cpp `rows_layer`): x,
     residual [T, E] float32 (residual None for the first layer); cos/sin [T, head_dim] float32
     rows of each token's position; `weights` holds w_qkv, w_o, w_gate_up, w_down (`pack_rows`
@@ -219,7 +227,8 @@ def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor
     input norm), post_norm, q_norm, k_norm, b_qkv, b_o, b_gate_up, b_down (float32 or None).
     Writes the tokens' K/V at `slots` (-1: skipped) and returns (mlp output, residual) [T, E]
     float32. `attn_in` [T, K] float32 (optional, with in_norm None): what q/k/v read instead of
-    the normed residual stream, w_qkv then packed from [qkv, K] (EAGLE-3's midlayer)."""
+    the normed residual stream, w_qkv then packed from [qkv, K] (EAGLE-3's midlayer). `tree`:
+    token trees as `rows_attention` takes them."""
     empty = torch.empty(0)
 
     def opt(name: str) -> torch.Tensor:
@@ -231,7 +240,7 @@ def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor
         weights["w_qkv"], opt("b_qkv"), weights["w_o"], opt("b_o"), opt("q_norm"), opt("k_norm"),
         weights["w_gate_up"], opt("b_gate_up"), weights["w_down"], opt("b_down"),
         k_cache, v_cache, slots, block_tables, ctx_lens, num_heads, num_kv_heads, intermediate_size, eps, scale,
-        empty if attn_in is None else attn_in,
+        empty if attn_in is None else attn_in, _EMPTY_I64 if tree is None else tree,
     )
 
 

@@ -1689,9 +1689,22 @@ static void amx_attention_configure(int R) {
   _tile_loadconfig(&c);
 }
 
+// A tree token's visible lanes among positions p .. p + 15 (tree: its (base, bits): position
+// base + j is seen iff bit j; positions before base always; base < 0: every position).
+static inline __mmask16 tree_lanes(const int64_t* tree, int64_t p) {
+  if (tree == nullptr || tree[0] < 0 || p + 16 <= tree[0]) return 0xFFFF;
+  const uint64_t bits = static_cast<uint64_t>(tree[1]);
+  uint32_t m = 0;
+  for (int l = 0; l < 16; ++l) {
+    const int64_t j = p + l - tree[0];
+    if (j < 0 || (j < 64 && ((bits >> j) & 1u))) m |= 1u << l;
+  }
+  return static_cast<__mmask16>(m);
+}
+
 void attention_rows_amx(const float* q, int64_t T, int64_t H, int64_t D, const uint16_t* kc, const uint16_t* vc,
                         int64_t bs, int64_t Hkv, const int64_t* tables, int64_t max_blocks, const int64_t* lens,
-                        float scale, float* out, int threads) {
+                        float scale, float* out, int threads, const int64_t* tree = nullptr) {
   const int64_t G = H / Hkv, row_stride = Hkv * D, DC = D / 32, DV = D / 16;
   const int64_t per = std::max<int64_t>(1, 16 / G);  // tokens per part (R = per * G <= 16)
   const std::vector<int64_t> group_start = token_groups(T, tables, max_blocks, lens);
@@ -1795,18 +1808,20 @@ void attention_rows_amx(const float* q, int64_t T, int64_t H, int64_t D, const u
         float inv[16];
         for (int64_t r = 0; r < R; ++r) {
           const int64_t len = L0 + r / G;
+          const int64_t* tr = tree ? tree + 2 * (t0 + r / G) : nullptr;  // (a tree token: its unseen nodes -inf)
           float* sr = S_.data() + (hl * R + r) * L16;
           uint16_t* pr = P.data() + r * L32;
           __m512 mx = ninf;
           int64_t p = 0;
           for (; p + 16 <= len; p += 16) {
-            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + p), vscale);
+            const __m512 v = _mm512_mask_blend_ps(tree_lanes(tr, p), ninf, _mm512_mul_ps(_mm512_loadu_ps(sr + p), vscale));
             _mm512_storeu_ps(sr + p, v);
             mx = _mm512_max_ps(mx, v);
           }
           const __mmask16 tail = static_cast<__mmask16>((1u << (len - p)) - 1u);  // (len - p < 16)
           if (tail) {
-            const __m512 v = _mm512_mask_blend_ps(tail, ninf, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sr + p), vscale));
+            const __m512 v = _mm512_mask_blend_ps(tail & tree_lanes(tr, p), ninf,
+                                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sr + p), vscale));
             _mm512_storeu_ps(sr + p, v);
             mx = _mm512_max_ps(mx, v);
           }
@@ -1943,9 +1958,55 @@ static bool set_dot_attention(bool on) {
   return before;
 }
 
+// Token trees in a causal step (rows_attention, rows_layer): tree [T, 2] int64, per token (base,
+// bits) or (-1, 0): a tree token at position base + i (its tree's root at base, nodes in index
+// order) with causal length base + i + 1 sees positions before base and base + j iff bit j (its
+// ancestors and itself; at most 64 nodes). Checked here; empty: no trees.
+static const int64_t* check_tree(const torch::Tensor& tree, const torch::Tensor& ctx_lens, int64_t T, const char* fn) {
+  if (!tree.defined() || tree.numel() == 0) return nullptr;
+  TORCH_CHECK(tree.scalar_type() == torch::kInt64 && tree.is_contiguous() && tree.dim() == 2 && tree.size(0) == T &&
+                  tree.size(1) == 2, fn, ": tree must be contiguous int64 [T, 2] (base, bits)");
+  const int64_t* tr = tree.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t base = tr[2 * t], i = lens[t] - 1 - base;
+    if (base < 0) continue;
+    TORCH_CHECK(i >= 0 && i < 64 && ((static_cast<uint64_t>(tr[2 * t + 1]) >> i) & 1u) && (tr[2 * t + 1] & 1),
+                fn, ": token ", t, " is node ", i, " of the tree at ", base, ": it must be one of its 64 first nodes, "
+                "seeing the root and itself");
+  }
+  return tr;
+}
+
+// The slot tables of a step with trees (tables over the caches viewed with one slot a block):
+// each token's slots of the positions it sees, in position order; (tables, lens).
+static std::tuple<torch::Tensor, torch::Tensor> tree_slot_tables(const int64_t* tree, const torch::Tensor& block_tables,
+                                                                 const torch::Tensor& ctx_lens, int64_t bs) {
+  const int64_t T = ctx_lens.size(0), W = block_tables.size(1);
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = ctx_lens.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows(T);
+  int64_t width = 1;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t p = 0; p < lens[t]; ++p) {
+      const int64_t j = p - tree[2 * t];
+      if (tree[2 * t] < 0 || j < 0 || ((static_cast<uint64_t>(tree[2 * t + 1]) >> j) & 1u))
+        rows[t].push_back(bt[t * W + p / bs] * bs + p % bs);
+    }
+    width = std::max<int64_t>(width, static_cast<int64_t>(rows[t].size()));
+  }
+  auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  auto tables = torch::zeros({T, width}, i64), out_lens = torch::empty({T}, i64);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(tables.data_ptr<int64_t>() + t * width, rows[t].data(), sizeof(int64_t) * rows[t].size());
+    out_lens.data_ptr<int64_t>()[t] = static_cast<int64_t>(rows[t].size());
+  }
+  return {tables, out_lens};
+}
+
 static void run_attention(const float* q, int64_t T, int64_t H, int64_t D, const torch::Tensor& k_cache,
                           const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& ctx_lens,
-                          float scale, float* out, int threads, bool dot) {
+                          float scale, float* out, int threads, bool dot, const int64_t* tree = nullptr) {
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
@@ -1955,7 +2016,13 @@ static void run_attention(const float* q, int64_t T, int64_t H, int64_t D, const
       D <= 256 && D % 64 == 0 && bs % 16 == 0 && H / Hkv <= 16) {
     attention_rows_amx(q, T, H, D, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), bs, Hkv, tables, max_blocks,
-                       lens, scale, out, threads);
+                       lens, scale, out, threads, tree);
+    return;
+  }
+  if (tree != nullptr) {  // the other kernels take trees as slot tables, one slot a block
+    auto [slot_tables, slot_lens] = tree_slot_tables(tree, block_tables, ctx_lens, bs);
+    run_attention(q, T, H, D, k_cache.view({-1, 1, Hkv, D}), v_cache.view({-1, 1, Hkv, D}), slot_tables, slot_lens,
+                  scale, out, threads, dot);
     return;
   }
   if (dot && k_cache.scalar_type() == torch::kBFloat16 && g_dot_attention && cpu_has_dot_bf16() &&
@@ -1975,16 +2042,17 @@ static void run_attention(const float* q, int64_t T, int64_t H, int64_t D, const
 }
 
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                             torch::Tensor block_tables, torch::Tensor ctx_lens, double scale, bool dot) {
+                             torch::Tensor block_tables, torch::Tensor ctx_lens, double scale, bool dot, torch::Tensor tree) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "rows_attention: q must be float32 [T, H, D]");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   ctx_lens = ctx_lens.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   check_paged(k_cache, v_cache, block_tables, ctx_lens, T, H, D, "rows_attention");
+  const int64_t* tr = check_tree(tree, ctx_lens, T, "rows_attention");
   auto out = torch::empty({T, H, D}, q.options());
   run_attention(q.data_ptr<float>(), T, H, D, k_cache, v_cache, block_tables, ctx_lens, static_cast<float>(scale),
-                out.data_ptr<float>(), at::get_num_threads(), dot);
+                out.data_ptr<float>(), at::get_num_threads(), dot, tr);
   return out;
 }
 
@@ -2018,7 +2086,7 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
     torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor w_gate_up, torch::Tensor b_gate_up,
     torch::Tensor w_down, torch::Tensor b_down, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
     torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t H, int64_t Hkv, int64_t I, double eps, double scale,
-    torch::Tensor attn_in) {
+    torch::Tensor attn_in, torch::Tensor tree) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "rows_layer: x must be contiguous float32 [T, E]");
   const int64_t T = x.size(0), E = x.size(1), D = k_cache.size(3);
   const bool has_res = residual.defined() && residual.numel() > 0;
@@ -2047,6 +2115,7 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
     for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] < cache_rows, "rows_layer: slot out of range");
   }
   check_paged(k_cache, v_cache, block_tables, ctx_lens, T, H, D, "rows_layer");
+  const int64_t* tree_rows = check_tree(tree, ctx_lens, T, "rows_layer");
   const float* in_w = opt_f32(in_norm, "in_norm");
   const float* post_w = opt_f32(post_norm, "post_norm");
   TORCH_CHECK(post_w != nullptr && post_norm.numel() == E, "rows_layer: post_norm [E]");
@@ -2117,7 +2186,7 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
   for (int64_t t = 0; t < T; ++t) std::memcpy(qbuf.data() + t * Q, qkv.data() + t * QKV, sizeof(float) * Q);
   // dot-product attention where the layer's products are (its weights packed for them)
   run_attention(qbuf.data(), T, H, D, k_cache, v_cache, block_tables, ctx_lens, static_cast<float>(scale), attn.data(), threads,
-                l_qkv != Packed::plain);
+                l_qkv != Packed::plain, tree_rows);
   linear(attn.data(), Q, w_o, l_o, E, bo, out.data_ptr<float>());
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < T * E; ++i) res[i] += op[i];
@@ -2143,7 +2212,8 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
 // rows_layer does (the same bits) and returns the last layer's residual stream (residual + out,
 // before the final norm) and, for each boundary b in aux (in layer order), the residual stream
 // entering layer b (b == number of layers: the last one). slot_rows: the block tables are slot
-// tables, the caches viewed with one slot per block (see rows_attention's callers).
+// tables, the caches viewed with one slot per block (see rows_attention's callers). tree: token
+// trees as rows_attention takes them (empty: none).
 struct RowsStack {
   std::vector<std::vector<torch::Tensor>> w;  // per layer: rows_layer's 12 tensors, in its order
   std::vector<torch::Tensor> kc, vc;
@@ -2162,7 +2232,7 @@ struct RowsStack {
 
   std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                                                 torch::Tensor slots, torch::Tensor tables,
-                                                                torch::Tensor lens, bool slot_rows) {
+                                                                torch::Tensor lens, bool slot_rows, torch::Tensor tree) {
     const int64_t L = static_cast<int64_t>(w.size());
     auto is_aux = [&](int64_t b) { return std::find(aux.begin(), aux.end(), b) != aux.end(); };
     torch::Tensor h = x, res, empty;
@@ -2177,7 +2247,7 @@ struct RowsStack {
       }
       std::tie(h, res) = rows_layer(h, res.defined() ? res : empty, cos, sin, lw[0], lw[1], lw[2], lw[3], lw[4], lw[5],
                                     lw[6], lw[7], lw[8], lw[9], lw[10], lw[11], k, v, slots, tables, lens, H, Hkv, I,
-                                    eps, scale, empty);
+                                    eps, scale, empty, tree);
     }
     torch::Tensor last = res.defined() ? res + h : h;
     if (is_aux(L)) kept.push_back(last);
@@ -2208,7 +2278,8 @@ struct RowsStack {
   // in the model's dtype: what the torch ops around forward made, one call instead of ~10 ops
   // (each paid cold caches after a step's weights went through them).
   std::tuple<torch::Tensor, torch::Tensor> forward_tokens(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots,
-                                                          torch::Tensor tables, torch::Tensor lens, bool slot_rows) {
+                                                          torch::Tensor tables, torch::Tensor lens, bool slot_rows,
+                                                          torch::Tensor tree) {
     TORCH_CHECK(embed.defined(), "RowsStack.forward_tokens: set_ends first");
     TORCH_CHECK(ids.scalar_type() == torch::kInt64 && positions.scalar_type() == torch::kInt64 && ids.is_contiguous() &&
                     positions.is_contiguous() && ids.dim() == 1 && positions.sizes() == ids.sizes(),
@@ -2229,7 +2300,7 @@ struct RowsStack {
       std::memcpy(cos.data_ptr<float>() + t * D, rope_cos.data_ptr<float>() + pos[t] * D, sizeof(float) * D);
       std::memcpy(sin.data_ptr<float>() + t * D, rope_sin.data_ptr<float>() + pos[t] * D, sizeof(float) * D);
     }
-    auto [last, kept] = forward(x, cos, sin, slots, tables, lens, slot_rows);
+    auto [last, kept] = forward(x, cos, sin, slots, tables, lens, slot_rows, tree);
     const auto out_type = out_bf16 ? torch::kBFloat16 : torch::kFloat32;
     auto hidden = torch::empty({T, E}, torch::TensorOptions().dtype(out_type));
     std::vector<float> row(E);
@@ -2393,7 +2464,7 @@ struct Eagle3Midlayer {
       vc = v_cache.view({-1, 1, v_cache.size(2), D});
     }
     return rows_layer(x, empty, cos, sin, empty, post_norm, w_qkv, empty, w_o, empty, empty, empty, w_gate_up, empty,
-                      w_down, empty, kc, vc, slots, tables, lens, H, Hkv, I, eps, scale, x_in);
+                      w_down, empty, kc, vc, slots, tables, lens, H, Hkv, I, eps, scale, x_in, empty);
   }
 
   // For forward rows `rows`: feats [M, E] (residual + mlp, the element's next g) and logits

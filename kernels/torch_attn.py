@@ -127,16 +127,27 @@ def slot_tables(query_lens: list[int], seq_lens: list[int], block_tables: torch.
     return table, torch.tensor(lens, dtype=torch.int64)
 
 
-def rows_kernel_inputs(metadata: AttentionMetadata, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k_cache, v_cache, tables, context lengths) for kernels.cpu_kernels.rows_attention /
-    rows_layer from metadata built with row_exact="kernel": the caches as they are with block
-    tables, or viewed as [num_slots, 1, kv_heads, head_dim] with slot tables (`slot_tables`)."""
+def tree_rows(query_lens: list[int], seq_lens: list[int], md: AttentionMetadata) -> torch.Tensor:
+    """[T, 2] int64 per query token, as kernels.cpu_kernels.rows_attention takes token trees:
+    (root position, the packed mask row `pack_tree_masks` made) for a tree token, (-1, 0) for a
+    causal one. Example: a request of 3 query tokens, its last 2 a tree with rows 0b01, 0b11
+    over positions 5, 6 -> [(-1, 0), (5, 1), (5, 3)]."""
+    lens, offsets, masks = md.tree_lens.tolist(), md.tree_mask_offsets.tolist(), md.tree_mask.tolist()
+    rows = []
+    for b, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        m = lens[b]
+        for i in range(q):
+            j = i - (q - m)  # row in the tree mask (< 0: a causal token)
+            rows.append((s - m, masks[offsets[b] + j]) if m and j >= 0 else (-1, 0))
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def rows_kernel_inputs(metadata: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(k_cache, v_cache, block tables, context lengths, token trees or None) for
+    kernels.cpu_kernels.rows_attention / rows_layer from metadata built with row_exact="kernel"."""
     tables, lens = metadata.extras["rows_kernel"]
-    if metadata.extras.get("rows_kernel_slots"):
-        k_cache = k_cache.view(-1, 1, *k_cache.shape[2:])
-        v_cache = v_cache.view(-1, 1, *v_cache.shape[2:])
-    return k_cache, v_cache, tables, lens
+    return k_cache, v_cache, tables, lens, metadata.extras.get("rows_kernel_tree")
 
 
 class TorchAttentionBackend:
@@ -161,12 +172,15 @@ class TorchAttentionBackend:
         group of its own, attending to exactly its own keys with no mask (the very SDPA call a
         one-token decode step of that request makes at that position; one call per token);
         "kernel" runs kernels.cpu_kernels.rows_attention over all tokens at once (CPU only).
-        `tree_masks`: see :mod:`kernels`. With "kernel", a step with a tree gives the kernel one
-        row of slots per token (`slot_tables`) over the cache viewed with one slot per block
-        (`rows_kernel_inputs`); with "sdpa", a tree token's group gathers the K/V rows of those
+        `tree_masks`: see :mod:`kernels`. With "kernel", a step with a tree gives the kernel the
+        causal block tables and lengths and each tree token's root position and mask row
+        (`tree_rows`): the tile kernel masks the unseen nodes, the others read slot tables the
+        kernel makes from them; with "sdpa", a tree token's group gathers the K/V rows of those
         slots (its context and ancestors in position order) into the layout a one-token step's
         block gather has, and runs the same unmasked SDPA call. Either way a tree token's output
-        is exactly the one-token step's of its accepted path (once that path's KV is in place)."""
+        is exactly the one-token step's of its accepted path (once that path's KV is in place),
+        except on the tile kernel (bfloat16 caches on AMX), where a node off the chain positions
+        sums its positions in other lanes than that step: equal within rounding, not bit for bit."""
         md = build_common_metadata(query_lens, seq_lens, block_tables, slot_mapping, block_size, "cpu",
                                    tree_masks=tree_masks)
         if md.tree_lens is None:
@@ -174,10 +188,7 @@ class TorchAttentionBackend:
         device = torch.device(device)
         starts = md.query_start_loc.tolist()
         rows_kernel = None
-        if row_exact == "kernel" and tree_masks is not None:
-            rows_kernel = slot_tables(query_lens, seq_lens, md.block_tables, block_size, tree_masks)
-            groups = []
-        elif row_exact == "kernel":
+        if row_exact == "kernel":
             owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
             lens = [seq_lens[b] - query_lens[b] + i + 1 for b, q in enumerate(query_lens) for i in range(q)]
             width = md.block_tables.shape[1]  # (from the lists: a few tensor ops less per step)
@@ -231,8 +242,9 @@ class TorchAttentionBackend:
         md.extras = {
             "block_size": block_size,
             "groups": groups,
-            "rows_kernel": rows_kernel,  # (block tables [T, nblk], context lengths [T]) or None
-            "rows_kernel_slots": row_exact == "kernel" and tree_masks is not None,  # tables of slots
+            "rows_kernel": rows_kernel,  # (block tables [T, nblk], causal context lengths [T]) or None
+            # token trees for the row kernel: (root position, mask row) per token (`tree_rows`)
+            "rows_kernel_tree": tree_rows(query_lens, seq_lens, md) if row_exact == "kernel" and tree_masks else None,
             "write_idx": write_idx,  # [num_written] or None
             "write_slots": write_slots.to(device),  # [num_written]
         }
@@ -341,7 +353,8 @@ class TorchAttentionBackend:
                 f"query has {num_tokens} tokens, metadata expects {metadata.slot_mapping.shape[0]}"
             )
         if metadata.extras.get("rows_kernel") is not None:
-            return cpu_kernels.rows_attention(query, *rows_kernel_inputs(metadata, k_cache, v_cache), scale)
+            k, v, tables, lens, tree = rows_kernel_inputs(metadata, k_cache, v_cache)
+            return cpu_kernels.rows_attention(query, k, v, tables, lens, scale, tree)
         groups = metadata.extras["groups"]
         if len(groups) == 1:
             return _group_attention(query, k_cache, v_cache, groups[0], scale)

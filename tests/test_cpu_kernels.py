@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU row ker
 # "dot_bf16" (AVX512-BF16 dot products over activations rounded to bfloat16) where the CPU has it.
 DOT_BF16 = pytest.param(torch.bfloat16, "dot_bf16", id="bfloat16-dot_bf16", marks=pytest.mark.skipif(
     not cpu_kernels.available() or not cpu_kernels.dot_bf16_available(), reason="no AVX512-BF16 on this CPU"))
+NO_TREE = torch.empty(0, dtype=torch.int64)  # RowsStack's tree argument: none
 WEIGHTS = [pytest.param(torch.float32, "plain", id="float32"), pytest.param(torch.bfloat16, "plain", id="bfloat16"),
            DOT_BF16]
 
@@ -395,6 +396,88 @@ def test_amx_attention_matches_its_definition_and_is_row_invariant(hkv, group, d
     assert (out - dp).abs().max().item() < 4e-3
 
 
+def _tree_step(g, bs: int, num_nodes: int, context: int):
+    """A step of two requests on bfloat16 caches: request 0 a causal token; request 1 `context`
+    positions then a token tree of num_nodes nodes with random parents (its root at position
+    `context`), its query tokens the tree's nodes. Returns (caches, tables, causal lens, tree rows
+    [T, 2], slot tables and lens of what each token sees, in position order)."""
+    blocks = 2 * (-(-(context + num_nodes) // bs)) + 2
+    k_cache = (torch.randn(blocks, bs, 2, 64, generator=g) * 3).bfloat16()
+    v_cache = torch.randn(blocks, bs, 2, 64, generator=g).bfloat16()
+    order = torch.randperm(blocks, generator=g).tolist()
+    table_a, table_b = order[: blocks // 2], order[blocks // 2 :]
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, num_nodes)]
+    seen = []
+    for i in range(num_nodes):
+        row, j = 0, i
+        while j >= 0:
+            row |= 1 << j
+            j = parents[j]
+        seen.append(row)
+    width = len(table_b)
+    tables = torch.tensor([table_a + [0] * (width - len(table_a))] + [table_b] * num_nodes)
+    lens = torch.tensor([17] + [context + i + 1 for i in range(num_nodes)])
+    tree = torch.tensor([(-1, 0)] + [(context, r - (1 << 64) if r >= 1 << 63 else r) for r in seen])
+    slot = [lambda p, t=t: int(tables[t, p // bs]) * bs + p % bs for t in range(len(lens))]
+    rows = [[slot[0](p) for p in range(17)]] + [
+        [slot[1 + i](p) for p in range(context)] + [slot[1 + i](context + j) for j in range(i + 1) if seen[i] >> j & 1]
+        for i in range(num_nodes)]
+    slot_tables = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int64)
+    for t, r in enumerate(rows):
+        slot_tables[t, : len(r)] = torch.tensor(r)
+    return k_cache, v_cache, tables, lens, tree, slot_tables, torch.tensor([len(r) for r in rows])
+
+
+@pytest.mark.skipif(not cpu_kernels.dot_bf16_available(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("num_nodes", [5, 17, 64])
+@pytest.mark.parametrize("amx", [False, True])
+def test_tree_attention_is_attention_over_what_each_node_sees(num_nodes, amx):
+    """Token trees (`tree` rows: the root's position and each node's mask row) in a causal step
+    with another request: each node attends to the context, its ancestors and itself. With the
+    tile kernel off, the same bits as the dot-product kernel over each token's slot table (the
+    rows it sees, in position order); on AMX tiles, within one flipped bfloat16 weight of that
+    (the unseen nodes masked in the tiles' lanes) and the same bits alone or grouped. A wrong mask
+    bit changes the output (negative control)."""
+    if amx and not cpu_kernels.amx_available():
+        pytest.skip("no AMX tiles on this CPU (or SPECDECODE_CPU_AMX=0)")
+    g = torch.Generator().manual_seed(num_nodes)
+    k_cache, v_cache, tables, lens, tree, slot_tables, slot_lens = _tree_step(g, 16, num_nodes, 40)
+    q = torch.randn(len(lens), 4, 64, generator=g)
+    before = cpu_kernels.amx_attention(amx)
+    try:
+        out = cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, 0.125, tree)
+        alone = [cpu_kernels.rows_attention(q[t : t + 1].clone(), k_cache, v_cache, tables[t : t + 1], lens[t : t + 1],
+                                            0.125, tree[t : t + 1].clone()) for t in range(len(lens))]
+        wrong = tree.clone()
+        wrong[-1, 1] ^= 1 << (num_nodes - 2)  # the last node sees one more or one fewer earlier node
+        changed = cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, 0.125, wrong)
+        cpu_kernels.amx_attention(False)
+        by_slots = cpu_kernels.rows_attention(q, k_cache.view(-1, 1, 2, 64), v_cache.view(-1, 1, 2, 64), slot_tables,
+                                              slot_lens, 0.125)
+    finally:
+        cpu_kernels.amx_attention(before)
+    assert torch.equal(torch.cat(alone), out)
+    assert not torch.equal(changed[-1], out[-1]) and torch.equal(changed[:-1], out[:-1])
+    if amx:
+        err = (out - by_slots).abs()
+        assert err.max().item() < 4e-3 and (err < 2e-5).double().mean().item() > 0.99
+    else:
+        assert torch.equal(out, by_slots)
+
+
+def test_tree_rows_are_checked():
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache, tables, lens, tree, _, _ = _tree_step(g, 16, 5, 40)
+    q = torch.randn(len(lens), 4, 64, generator=g)
+    for bad in ([(40, 0b10)], [(40, 0b1)], [(lens[2].item(), 1)]):  # no root; not itself; the root after it
+        wrong = tree.clone()
+        wrong[2] = torch.tensor(bad[0])
+        with pytest.raises(RuntimeError, match="must be one of its 64 first nodes, seeing the root and itself"):
+            cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, 0.125, wrong)
+    with pytest.raises(RuntimeError, match="tree must be contiguous int64"):
+        cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, 0.125, tree[:, :1].contiguous())
+
+
 # --- packed weights ---------------------------------------------------------------------------
 @pytest.mark.parametrize(("wdtype", "layout"), WEIGHTS)
 @pytest.mark.parametrize(("n", "k"), [(301, 77), (6, 5), (8, 16), (9, 64), (128, 33)])  # partial blocks; K tails; none
@@ -728,9 +811,9 @@ def test_forward_tokens_is_the_stack_with_the_torch_ends(tmp_path, dtype):
     stack = r.model.rows_stack(r.kv_caches)
     slots, tables, lens = torch.tensor([40]), torch.tensor([[0, 1, 2]]), torch.tensor([41])
     with pytest.raises(RuntimeError, match="token id 9999 out of range"):
-        stack.forward_tokens(torch.tensor([9999]), torch.tensor([40]), slots, tables, lens, False)
+        stack.forward_tokens(torch.tensor([9999]), torch.tensor([40]), slots, tables, lens, False, NO_TREE)
     with pytest.raises(RuntimeError, match="beyond the rope table"):
-        stack.forward_tokens(torch.tensor([5]), torch.tensor([10**6]), slots, tables, lens, False)
+        stack.forward_tokens(torch.tensor([5]), torch.tensor([10**6]), slots, tables, lens, False, NO_TREE)
 
 
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])

@@ -18,6 +18,8 @@ from engine.errors import UnsupportedModelError
 from kernels import cpu_kernels
 from kernels.torch_attn import rows_kernel_inputs
 
+NO_TREE = torch.empty(0, dtype=torch.int64)  # RowsStack's token trees argument: none
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -201,10 +203,10 @@ class DecoderLayer(nn.Module):
         """`forward` through the fused row-invariant CPU kernel (one call): x, residual float32
         [T, hidden]; cos/sin float32 [T, head_dim]; metadata built with row_exact="kernel"."""
         cfg = self.cfg
-        k_cache, v_cache, tables, lens = rows_kernel_inputs(attn_metadata, k_cache, v_cache)
+        k_cache, v_cache, tables, lens, tree = rows_kernel_inputs(attn_metadata, k_cache, v_cache)
         return cpu_kernels.rows_layer(x, residual, cos, sin, self.row_weights(), k_cache, v_cache,
                                       attn_metadata.slot_mapping, tables, lens, cfg.num_heads, cfg.num_kv_heads,
-                                      cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5)
+                                      cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5, tree=tree)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, attn_metadata, backend, tile_rows: int = 0):
         # x, residual [num_tokens, hidden]; returns the same pair (pre-norm residual stream).
@@ -303,16 +305,17 @@ class CausalLM(nn.Module):
         (`RowsStack.forward_tokens`)."""
         cfg = self.cfg
         tables, lens = attn_metadata.extras["rows_kernel"]
-        slot_rows = bool(attn_metadata.extras.get("rows_kernel_slots"))
+        tree = attn_metadata.extras.get("rows_kernel_tree")
+        tree = NO_TREE if tree is None else tree
         stack = self.rows_stack(kv_caches)
         if inputs_embeds is None and self.fused_ends:
-            hidden, aux = stack.forward_tokens(input_ids, positions, attn_metadata.slot_mapping, tables, lens, slot_rows)
+            hidden, aux = stack.forward_tokens(input_ids, positions, attn_metadata.slot_mapping, tables, lens, False, tree)
             if self.aux_layer_ids:
                 self.aux_hidden_states = aux
             return hidden
         x = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).float()
         cos, sin = self.rope_f32[0][positions], self.rope_f32[1][positions]
-        last, aux = stack.forward(x, cos, sin, attn_metadata.slot_mapping, tables, lens, slot_rows)
+        last, aux = stack.forward(x, cos, sin, attn_metadata.slot_mapping, tables, lens, False, tree)
         if self.aux_layer_ids:
             self.aux_hidden_states = torch.cat(aux, dim=-1).to(self.norm.dtype)
         hidden = F.rms_norm(last, (cfg.hidden_size,), self._norm_f32, cfg.rms_norm_eps)

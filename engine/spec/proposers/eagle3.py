@@ -211,11 +211,11 @@ class Eagle3Layer(nn.Module):
         feats = feats.float()
         normed = F.rms_norm(feats, (cfg.hidden_size,), self.hidden_norm.float(), eps)
         x_in = torch.cat([F.rms_norm(embeds.float(), (cfg.hidden_size,), self.input_layernorm.float(), eps), normed], -1)
-        k_cache, v_cache, tables, lens = rows_kernel_inputs(attn_metadata, k_cache, v_cache)
+        k_cache, v_cache, tables, lens, tree = rows_kernel_inputs(attn_metadata, k_cache, v_cache)
         out, residual = cpu_kernels.rows_layer(
             normed if self.norm_before_residual else feats, None, cos, sin, weights or self.row_weights(), k_cache, v_cache,
             attn_metadata.slot_mapping, tables, lens, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, eps,
-            cfg.head_dim**-0.5, attn_in=x_in,
+            cfg.head_dim**-0.5, attn_in=x_in, tree=tree,
         )
         return residual + out
 
