@@ -1,7 +1,8 @@
 """Chains vs token trees, side by side in one run, on the shipped target and drafters (bf16, CPU).
 
-For each tree-capable shipped drafter (the draft model, the EAGLE head): fixed chains of k = 3
-and 5, the adaptive chain (k <= 6, the default), fixed dynamic trees (nodes / width / depth) and
+For each tree-capable shipped drafter (the draft model, the EAGLE head): fixed chains of k = 5
+and 8, the adaptive chain (k <= 6, the default), fixed dynamic trees (nodes / width / depth; at
+the drafter's calibrated ranking temperature, and one at T = 1, EAGLE-2's plain ranking) and
 the adaptive choice between trees, chains and no drafts (`SpeculativeConfig.tree_nodes` with
 adaptive=True), next to no speculation. Loads: batch 1 (the prompts one at a time), 4 and 16
 concurrent (submitted together); workloads: held-out code, greedy, and the same prompts sampled
@@ -28,7 +29,11 @@ from bench.bench_spec import METHODS, params_for
 from bench.common import MODELS, RESULTS, code_prompts, machine_info, table, timed, write_results
 from engine import LLM, SamplingParams, SpeculativeConfig
 
-TREES = {"tree 8/2/5": (8, 2, 5), "tree 12/3/5": (12, 3, 5), "tree 16/4/6": (16, 4, 6)}
+# name -> (nodes, width, depth, tree_temperature: None = the drafter's calibration, 1.0 = EAGLE-2's
+# plain ranking). 15 nodes: with the root, 16 verified tokens, one AMX tile of rows (a 17th token
+# costs a second tile: +1.2 ms a target step here)
+TREES = {"tree 15/2/10": (15, 2, 10, None), "tree 15/2/10, T=1": (15, 2, 10, 1.0), "tree 24/2/12": (24, 2, 12, None),
+         "tree 16/4/6": (16, 4, 6, None)}
 LOADS = {"batch 1": 1, "4 concurrent": 4, "16 concurrent": 16}
 
 
@@ -36,17 +41,15 @@ def configs(methods: list[str]) -> dict[str, tuple[str | None, dict]]:
     """name -> (method, SpeculativeConfig keyword arguments)."""
     out: dict[str, tuple[str | None, dict]] = {"no speculation": (None, {})}
     for m in methods:
-        out[f"{m}, chain k=3"] = (m, dict(num_speculative_tokens=3, adaptive=False))
         out[f"{m}, chain k=5"] = (m, dict(num_speculative_tokens=5, adaptive=False))
+        out[f"{m}, chain k=8"] = (m, dict(num_speculative_tokens=8, adaptive=False))
         out[f"{m}, adaptive chain"] = (m, dict(num_speculative_tokens=6, adaptive=True))
-        for name, (n, w, d) in TREES.items():
+        for name, (n, w, d, t) in TREES.items():
             out[f"{m}, {name}"] = (m, dict(num_speculative_tokens=d, adaptive=False, tree_nodes=n, tree_width=w,
-                                          tree_depth=d))
-        out[f"{m}, adaptive tree 8/2/5 or chain"] = (m, dict(num_speculative_tokens=6, adaptive=True, tree_nodes=8,
-                                                             tree_width=2, tree_depth=5))
-        # the policy picks each request's width (1..4) from its acceptance and the sibling rates
-        out[f"{m}, adaptive tree 16/4/6 or chain"] = (m, dict(num_speculative_tokens=6, adaptive=True, tree_nodes=16,
-                                                              tree_width=4, tree_depth=6))
+                                          tree_depth=d, tree_temperature=t))
+        # the policy chooses trees, chains or no drafts each step and sizes each request's tree
+        out[f"{m}, adaptive tree 15/2/10 or chain"] = (m, dict(num_speculative_tokens=8, adaptive=True, tree_nodes=15,
+                                                               tree_width=2, tree_depth=10))
     return out
 
 

@@ -58,9 +58,11 @@ logger = logging.getLogger(__name__)
 #   "off":  one product per step (fastest; speculation may flip near-ties).
 # A step that verifies a token tree is row-exact too: each tree token reads its context and
 # ancestors in position order, as the one-token step of its accepted path does (torch backend:
-# kernels.torch_attn.slot_tables, the CPU kernels or one SDPA call per token in the layout of a
-# one-token step; Triton: kernels.triton_attn.rows_attention, one program per token over exactly
-# its keys, for every step of the exact modes, one-token steps included).
+# slot tables in the CPU kernels, kernels.torch_attn.slot_tables and one SDPA call per token in the
+# layout of a one-token step without them; Triton: kernels.triton_attn.rows_attention, one program
+# per token over exactly its keys, for every step of the exact modes, one-token steps included).
+# Except on the CPU's AMX tile attention, which masks a tree's unseen nodes in its lanes: a node
+# off the chain positions is equal to its one-token step within rounding, not bit for bit.
 EXACT_ROWS = 16
 # "rows" through the CPU row kernels serves steps of up to this many tokens (its products are
 # row-invariant for any number of rows). Beyond EXACT_ROWS it still beat torch's path: 16

@@ -253,7 +253,7 @@ def rows_stack(layer_weights: list[dict[str, torch.Tensor | None]], kv_caches: l
                aux_layer_ids: list[int]):
     """A C++ stack of decoder layers (cpu_rows.cpp `RowsStack`) holding each layer's `rows_layer`
     weights (dicts as `rows_layer` takes them) and KV caches: `.forward(x, cos, sin, slots,
-    block_tables, ctx_lens, slot_rows)` runs them all in one call (the same bits as one
+    block_tables, ctx_lens, slot_rows, tree)` runs them all in one call (the same bits as one
     `rows_layer` call per layer) and returns (the last residual stream before the final norm,
     [the residual stream entering each layer of `aux_layer_ids`, in layer order; the number of
     layers: the last one])."""

@@ -26,7 +26,8 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
     or None when all q_len are equal (pure decode / uniform verification: padding is a reshape).
   Tree masks (``build_metadata(..., tree_masks=...)``, see :mod:`kernels`): request b's block
   ``attn_mask[b, 0, q_b - m_b : q_b, seq_b - m_b : seq_b]`` is its tree mask instead of causal.
-  With ``row_exact="kernel"`` the row kernel gets per-token slot tables instead (``slot_tables``);
+  With ``row_exact="kernel"`` the row kernel gets the causal tables and each token's tree row
+  (``tree_rows``: its root's position and mask row);
   with ``row_exact="sdpa"`` a tree token's group has ``slot_idx`` (its slots, gathered like a
   one-token step's blocks) instead of ``gather_idx``.
   (B, S and max_query_len are the group's.) For the whole step: ``extras["write_idx"]`` /
