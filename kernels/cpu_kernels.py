@@ -294,6 +294,12 @@ def draft_chain(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tens
     return drafts, (probs if sampling is not None else None)
 
 
+def move_slots(caches: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """Copy the rows at slots `src` onto slots `dst` of each paged cache ([blocks, block_size,
+    ...], contiguous), every source read first (cpu_rows.cpp `move_slots`)."""
+    _module().move_slots(caches, torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
+
+
 def draft_tree(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor,
                block_tables: torch.Tensor, depths: torch.Tensor, widths: torch.Tensor, num_nodes: torch.Tensor,
                temperature: float, embed: torch.Tensor, norms: dict[str, torch.Tensor], norm_before_residual: bool,

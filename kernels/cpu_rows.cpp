@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <type_traits>
 #include <vector>
@@ -2436,11 +2437,13 @@ struct Eagle3Midlayer {
     if (round_bf16) for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
   }
 
-  // The midlayer over elements (g rows [T, E], tok, pos) at slots; tables / lens as rows_layer's
-  // (slot_rows: slot tables over the caches viewed one slot a block). Returns (mlp, residual).
+  // The midlayer over elements (g rows [T, E], tok, pos) at slots; tables / lens / tree as
+  // rows_layer's (slot_rows: slot tables over the caches viewed one slot a block). Returns (mlp,
+  // residual).
   std::tuple<torch::Tensor, torch::Tensor> forward(const float* g, const std::vector<int64_t>& tok,
                                                    const std::vector<int64_t>& pos, torch::Tensor slots,
-                                                   torch::Tensor tables, torch::Tensor lens, bool slot_rows) const {
+                                                   torch::Tensor tables, torch::Tensor lens, bool slot_rows,
+                                                   torch::Tensor tree = torch::Tensor()) const {
     const int64_t T = static_cast<int64_t>(tok.size());
     auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
     auto x = torch::empty({T, E}, f32), x_in = torch::empty({T, 2 * E}, f32);
@@ -2464,7 +2467,7 @@ struct Eagle3Midlayer {
       vc = v_cache.view({-1, 1, v_cache.size(2), D});
     }
     return rows_layer(x, empty, cos, sin, empty, post_norm, w_qkv, empty, w_o, empty, empty, empty, w_gate_up, empty,
-                      w_down, empty, kc, vc, slots, tables, lens, H, Hkv, I, eps, scale, x_in, empty);
+                      w_down, empty, kc, vc, slots, tables, lens, H, Hkv, I, eps, scale, x_in, tree);
   }
 
   // For forward rows `rows`: feats [M, E] (residual + mlp, the element's next g) and logits
@@ -2637,8 +2640,10 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
 // grow_trees, greedy requests, with the midlayer and head of draft_chain): the catch-up forward
 // over each request's buffered elements (its last element is the root, at position r); then
 // level by level, for each request b with depths[b] > d, the widths[b] candidates of depth d
-// with the highest cumulative log-probability (ties: the earlier candidate) are expanded: the
-// e-th expanded node (the root is 0) is the element (its parent's output feature, its token) at
+// with the highest cumulative log-probability (ties: the earlier candidate) are expanded, unless
+// their cumulative log-probability is at most the num_nodes[b]-th highest so far (then none of
+// their children could be kept: the same tree with fewer rows; a level where no request expands
+// ends the growth): the e-th expanded node (the root is 0) is the element (its parent's output feature, its token) at
 // slot r + e and RoPE position r + d, attending to positions 0..r, its expanded ancestors and
 // itself; its widths[b] children are the head's top tokens after it with log-probabilities
 // log_softmax(logits / temperature) (clamped to <= 0) added to its own. Candidates of a level are
@@ -2728,13 +2733,27 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
       children(b, logits.data() + b * n_draft, -1, 0.0, level[b][0]);
     }
   }
+  // the num_nodes[b]-th highest cumulative log-probability among request b's candidates so far
+  // (-inf while it has fewer): a candidate at or below it can have no child in the tree (a
+  // child's is at most its parent's and a tie goes to the earlier candidate), and it only rises
+  auto kept_bar = [&](int64_t b) -> double {
+    std::vector<double> cums;
+    for (const auto& lv : level[b])
+      for (const Cand& c : lv)
+        if (std::isfinite(c.cum)) cums.push_back(c.cum);
+    if (static_cast<int64_t>(cums.size()) < nn[b]) return -INFINITY;
+    std::nth_element(cums.begin(), cums.begin() + (nn[b] - 1), cums.end(), std::greater<double>());
+    return cums[nn[b] - 1];
+  };
   for (int64_t d = 1; d < max_depth; ++d) {
-    // this level's elements: the frontier of every request still growing
+    // this level's elements: the frontier of every request still growing, less the nodes whose
+    // children cannot be kept (the tree is the same; fewer rows and levels run)
     std::vector<int64_t> e_tok, e_pos, e_req, e_cand;
     std::vector<float> g;
-    std::vector<std::vector<int64_t>> seen;  // each element's slots to attend to
+    std::vector<std::vector<int64_t>> seen;  // each element's expanded nodes it sees (the root, ancestors, itself)
     for (int64_t b = 0; b < R; ++b) {
       if (dep[b] <= d) continue;
+      const double bar = kept_bar(b);
       std::vector<Cand>& cands = level[b][d - 1];
       std::vector<int64_t> order(cands.size());
       for (size_t i = 0; i < cands.size(); ++i) order[i] = static_cast<int64_t>(i);
@@ -2742,7 +2761,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
       order.resize(std::min<size_t>(order.size(), static_cast<size_t>(wid[b])));
       std::sort(order.begin(), order.end());
       for (int64_t c : order) {
-        if (!std::isfinite(cands[c].cum)) continue;
+        if (!std::isfinite(cands[c].cum) || cands[c].cum <= bar) continue;
         const int64_t e = static_cast<int64_t>(exp_slot[b].size());
         cands[c].expanded = e;
         exp_slot[b].push_back(slot_of(b, root_pos[b] + e));
@@ -2753,29 +2772,52 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
         e_pos.push_back(root_pos[b] + d);
         e_req.push_back(b);
         e_cand.push_back(c);
-        std::vector<int64_t> ancestors{exp_slot[b][e]};
+        std::vector<int64_t> ancestors{e};  // expansion indices of itself and its ancestors, the root's (0) last
         for (int64_t dd = d - 1, p = cands[c].parent; p >= 0; p = level[b][dd - 1][p].parent, --dd)
-          ancestors.push_back(exp_slot[b][level[b][dd - 1][p].expanded]);
-        std::vector<int64_t> slots_seen;
-        slots_seen.reserve(root_pos[b] + 1 + ancestors.size());
-        for (int64_t p = 0; p <= root_pos[b]; ++p) slots_seen.push_back(slot_of(b, p));
-        slots_seen.insert(slots_seen.end(), ancestors.rbegin(), ancestors.rend());
-        seen.push_back(std::move(slots_seen));
+          ancestors.push_back(level[b][dd - 1][p].expanded);
+        ancestors.push_back(0);
+        seen.emplace_back(ancestors.rbegin(), ancestors.rend());
       }
       level[b].emplace_back();
     }
     const int64_t T = static_cast<int64_t>(e_tok.size());
     if (T == 0) break;
-    int64_t width = 0;
-    for (const auto& s : seen) width = std::max<int64_t>(width, static_cast<int64_t>(s.size()));
+    // each element at slot r + e over positions 0..r and the expanded nodes it sees: as tree rows
+    // over the block table (rows_attention's `tree`: the tile kernel's masked lanes, or the slot
+    // tables the other kernels make of them) while the expanded nodes fit in 64 bits, else as
+    // slot tables here (the same slots in the same order)
+    int64_t most = 0;
+    for (const auto& sn : seen) most = std::max(most, sn.back());
     auto i64 = torch::TensorOptions().dtype(torch::kInt64);
-    auto slots = torch::empty({T}, i64), tables = torch::zeros({T, width}, i64), lens = torch::empty({T}, i64);
-    for (int64_t t = 0; t < T; ++t) {
-      slots.data_ptr<int64_t>()[t] = seen[t].back();
-      std::memcpy(tables.data_ptr<int64_t>() + t * width, seen[t].data(), sizeof(int64_t) * seen[t].size());
-      lens.data_ptr<int64_t>()[t] = static_cast<int64_t>(seen[t].size());
+    auto slots = torch::empty({T}, i64), lens = torch::empty({T}, i64);
+    torch::Tensor tables, tree_rows;
+    if (most < 64) {
+      tables = torch::empty({T, W}, i64), tree_rows = torch::empty({T, 2}, i64);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t b = e_req[t], e = seen[t].back();
+        uint64_t bits = 0;
+        for (int64_t x : seen[t]) bits |= uint64_t{1} << x;
+        slots.data_ptr<int64_t>()[t] = exp_slot[b][e];
+        std::memcpy(tables.data_ptr<int64_t>() + t * W, bt + b * W, sizeof(int64_t) * W);
+        lens.data_ptr<int64_t>()[t] = root_pos[b] + e + 1;
+        tree_rows.data_ptr<int64_t>()[2 * t] = root_pos[b];
+        tree_rows.data_ptr<int64_t>()[2 * t + 1] = static_cast<int64_t>(bits);
+      }
+    } else {
+      int64_t width = 0;
+      for (int64_t t = 0; t < T; ++t) width = std::max<int64_t>(width, root_pos[e_req[t]] + static_cast<int64_t>(seen[t].size()));
+      tables = torch::zeros({T, width}, i64);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t b = e_req[t];
+        int64_t* row = tables.data_ptr<int64_t>() + t * width;
+        int64_t n = 0;
+        for (int64_t p = 0; p < root_pos[b]; ++p) row[n++] = slot_of(b, p);
+        for (int64_t x : seen[t]) row[n++] = exp_slot[b][x];
+        slots.data_ptr<int64_t>()[t] = exp_slot[b][seen[t].back()];
+        lens.data_ptr<int64_t>()[t] = n;
+      }
     }
-    auto [mlp, res] = m.forward(g.data(), e_tok, e_pos, slots, tables, lens, true);
+    auto [mlp, res] = m.forward(g.data(), e_tok, e_pos, slots, tables, lens, most >= 64, tree_rows);
     std::vector<int64_t> rows(T);
     for (int64_t t = 0; t < T; ++t) rows[t] = t;
     m.outputs(mlp, res, rows, feat, logits);
@@ -2816,6 +2858,30 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
     counts.data_ptr<int64_t>()[b] = n;
   }
   return {out_tok, out_par, out_cum, counts};
+}
+
+// Copy the rows at slots src onto slots dst in each paged cache ([blocks, block_size, ...],
+// contiguous, one row a slot), every source read before any write: the KV moves that commit an
+// accepted tree path (engine/spec/tree.py move_kv), one call for every layer's caches instead of
+// two torch ops per cache.
+void move_slots(std::vector<torch::Tensor> caches, torch::Tensor src, torch::Tensor dst) {
+  TORCH_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64 && src.is_contiguous() &&
+                  dst.is_contiguous() && src.dim() == 1 && dst.sizes() == src.sizes(),
+              "move_slots: src and dst must be contiguous int64 [n]");
+  const int64_t n = src.size(0);
+  const int64_t* sp = src.data_ptr<int64_t>();
+  const int64_t* dp = dst.data_ptr<int64_t>();
+  std::vector<char> buf;
+  for (const auto& c : caches) {
+    TORCH_CHECK(c.is_contiguous() && c.dim() >= 2, "move_slots: caches must be contiguous [blocks, block_size, ...]");
+    const int64_t slots = c.size(0) * c.size(1), row = c.numel() / std::max<int64_t>(slots, 1) * c.element_size();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < slots && dp[i] >= 0 && dp[i] < slots, "move_slots: slot out of range");
+    char* base = static_cast<char*>(c.data_ptr());
+    buf.resize(n * row);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(buf.data() + i * row, base + sp[i] * row, row);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(base + dp[i] * row, buf.data() + i * row, row);
+  }
 }
 
 // The kernels' exp (exp8) over a float32 tensor, for its accuracy test.
@@ -3123,6 +3189,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal paged attention of long query chunks (prefill), bfloat16, AVX512-BF16; row-invariant", nogil());
   m.def("draft_chain", &draft_chain, "chain drafting of an EAGLE-3 head (greedy or sampled): catch-up and every draft in one call",
         nogil());
+  m.def("move_slots", &move_slots, "copy rows between slots of paged caches (sources read first)", nogil());
   m.def("draft_tree", &draft_tree, "greedy dynamic trees of an EAGLE-3 head: catch-up and every level in one call",
         nogil());
 }

@@ -75,11 +75,19 @@ def test_accepted_kv_moves_example():
     assert accepted_kv_moves([3], 6, [7, 2, 9], 4) == ([9 * 4 + 1], [2 * 4 + 3])  # index 9 -> 7
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.integers(1, 30), root=st.integers(0, 20), block_size=st.sampled_from([1, 4, 16]))
-def test_move_kv_commits_the_accepted_path(seed, n, root, block_size):
+def test_move_kv_commits_the_accepted_path(kernel, seed, n, root, block_size):
     """Node i's KV sits at sequence index root + i; after the moves, index root + j holds the
-    path's depth-j node, for every layer and for K and V."""
+    path's depth-j node, for every layer and for K and V; through the CPU kernel's one call
+    (`cpu_kernels.move_slots`) and through torch's copies."""
+    from unittest import mock
+
+    from kernels import cpu_kernels
+
+    if kernel and not cpu_kernels.available():
+        pytest.skip("no CPU row kernels")
     rng = random.Random(seed)
     tree = random_tree(rng, n)
     path, node = [], 0
@@ -95,7 +103,8 @@ def test_move_kv_commits_the_accepted_path(seed, n, root, block_size):
         for i in range(n):
             k.view(-1, 1, 2)[slot[root + i]] = i + 100 * layer
             v.view(-1, 1, 2)[slot[root + i]] = -i - 100 * layer
-    move_kv(caches, *accepted_kv_moves(path, root, table, block_size))
+    with mock.patch.object(cpu_kernels, "available", return_value=kernel):
+        move_kv(caches, *accepted_kv_moves(path, root, table, block_size))
     for layer, (k, v) in enumerate(caches):
         for j, node in enumerate([0, *path]):
             assert (k.view(-1, 1, 2)[slot[root + j]] == node + 100 * layer).all()

@@ -149,6 +149,12 @@ def move_kv(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], src_slots: list[
     if not src_slots:
         return
     device = kv_caches[0][0].device
+    if device.type == "cpu" and all(c.is_contiguous() for layer in kv_caches for c in layer):
+        from kernels import cpu_kernels
+
+        if cpu_kernels.available():  # one call for every cache (the same copies)
+            cpu_kernels.move_slots([c for layer in kv_caches for c in layer], src_slots, dst_slots)
+            return
     src = torch.tensor(src_slots, dtype=torch.long, device=device)
     dst = torch.tensor(dst_slots, dtype=torch.long, device=device)
     for cache in (c for layer in kv_caches for c in layer):
