@@ -83,6 +83,14 @@ class SpeculativeConfig:
     siblings). None (default): the drafter folder's tree_calibration.json (`python -m
     bench.tree_ceiling --calibrate --write`; the shipped EAGLE-3 head's: 0.244), 1.0 where it has
     none. It changes which nodes are drafted, never the output.
+    tree_min_prob: a greedy tree keeps only nodes whose path probability at `tree_temperature`
+    (the product of the calibrated draft probabilities from the root: an estimate of the chance
+    the target accepts the node) is at least this, up to `tree_nodes`: the tree shrinks where the
+    drafter is unsure and stops drafting levels nothing reaches (a tree of width 1 is then a chain
+    cut where its confidence falls). None (default): with `adaptive`, the policy's floor each
+    step (a node must be worth the verify and drafting time it adds at the predicted tokens/s:
+    `Speculator.tree_floor`), else 0 (EAGLE-2's fixed count). Sampled trees take no floor (a draw
+    kept by its value would bias the rejection sampler); n-gram trees have no probabilities.
     Trees need method "draft", "eagle", "eagle3", "mtp" (each path drafted as that chain would
     be: module d at depth d, the last applied recursively) or "ngram" (the continuations after the `tree_width` latest matches, merged into a trie). With
     `adaptive`, each step chooses trees, chains (their adaptive k) or no drafts by predicted
@@ -115,6 +123,7 @@ class SpeculativeConfig:
     tree_width: int = 4
     tree_depth: int = 4
     tree_temperature: float | None = None
+    tree_min_prob: float | None = None
     draft_weights: str = "auto"
 
     @property
@@ -172,6 +181,9 @@ class SpeculativeConfig:
         t = self.tree_temperature
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
             raise ValueError(f"tree_temperature must be a number > 0 (or None: the drafter's calibration), got {t!r}")
+        f = self.tree_min_prob
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1):
+            raise ValueError(f"tree_min_prob must be a number in [0, 1) (or None: the adaptive policy's), got {f!r}")
         if self.uses_tree:
             if self.method not in TREE_METHODS:
                 raise ValueError(

@@ -865,7 +865,10 @@ void linear_i4(const float* x, int64_t M, int64_t K, const uint8_t* wp, int64_t 
 template <typename C>
 void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc, const C* vc, int64_t bs,
                     int64_t Hkv, const int64_t* tables, int64_t max_blocks, const int64_t* lens, float scale,
-                    float* out, int threads) {
+                    float* out, int threads, const int64_t* tree = nullptr) {
+  // tree (rows_attention's: token t's tree root position and mask bits, or none): a token of a
+  // tree skips the nodes it does not see, a score of -inf and no value (an exact zero in its
+  // sums: the same bits as attention over a slot table of only the positions it sees)
   const int64_t G = H / Hkv, row_stride = Hkv * D;
   // Work items: (token, a range of kv heads). A position's row holds every kv head's key (value)
   // side by side, and a block's rows are contiguous, so an item over all kv heads reads its
@@ -883,6 +886,9 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc
     for (int64_t it = 0; it < items; ++it) {
       const int64_t t = it / S, s = it % S, L = lens[t];
       const int64_t k0 = s * Hkv / S, k1 = (s + 1) * Hkv / S, M = (k1 - k0) * G;  // query heads k0*G .. k1*G
+      const int64_t root = tree != nullptr ? tree[2 * t] : -1;
+      const uint64_t seen = tree != nullptr ? static_cast<uint64_t>(tree[2 * t + 1]) : 0;
+      auto unseen = [&](int64_t p) { return root >= 0 && p >= root && !((seen >> (p - root)) & 1u); };
       const float* qv = q + (t * H + k0 * G) * D;  // their queries, consecutive
       scores.resize(M * L);
       acc.assign(M * D, 0.0f);
@@ -911,6 +917,10 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc
         }
       };
       for_each_row(kc, [&](int64_t p, const C* row) {
+        if (unseen(p)) {
+          for (int64_t j = 0; j < M; ++j) scores[j * L + p] = -INFINITY;
+          return;
+        }
         for (int64_t j = 0; j < M; ++j) {
           const C* kr = row + (k0 + j / G) * D;
           float sc;
@@ -929,6 +939,7 @@ void attention_rows(const float* q, int64_t T, int64_t H, int64_t D, const C* kc
         sum[j] = total;
       }
       for_each_row(vc, [&](int64_t p, const C* row) {
+        if (unseen(p)) return;
         for (int64_t kvh = k0; kvh < k1; ++kvh) {
           const C* vv = row + kvh * D;
           const int64_t j0 = (kvh - k0) * G;
@@ -2005,6 +2016,17 @@ static std::tuple<torch::Tensor, torch::Tensor> tree_slot_tables(const int64_t* 
   return {tables, out_lens};
 }
 
+// f(k, v) with the caches' rows as bfloat16 bits (uint16_t) or float32.
+template <typename F>
+static void on_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, F&& f) {
+  if (k_cache.scalar_type() == torch::kBFloat16) {
+    f(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+      reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()));
+  } else {
+    f(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  }
+}
+
 static void run_attention(const float* q, int64_t T, int64_t H, int64_t D, const torch::Tensor& k_cache,
                           const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& ctx_lens,
                           float scale, float* out, int threads, bool dot, const int64_t* tree = nullptr) {
@@ -2020,26 +2042,27 @@ static void run_attention(const float* q, int64_t T, int64_t H, int64_t D, const
                        lens, scale, out, threads, tree);
     return;
   }
+  const bool dp = dot && k_cache.scalar_type() == torch::kBFloat16 && g_dot_attention && cpu_has_dot_bf16();
+  if (tree != nullptr && !dp && !(wide && D % 16 == 0 && D <= 256)) {  // attention_rows: masks the unseen nodes
+    on_caches(k_cache, v_cache, [&](auto kc, auto vc) {
+      attention_rows(q, T, H, D, kc, vc, bs, Hkv, tables, max_blocks, lens, scale, out, threads, tree);
+    });
+    return;
+  }
   if (tree != nullptr) {  // the other kernels take trees as slot tables, one slot a block
     auto [slot_tables, slot_lens] = tree_slot_tables(tree, block_tables, ctx_lens, bs);
     run_attention(q, T, H, D, k_cache.view({-1, 1, Hkv, D}), v_cache.view({-1, 1, Hkv, D}), slot_tables, slot_lens,
                   scale, out, threads, dot);
     return;
   }
-  if (dot && k_cache.scalar_type() == torch::kBFloat16 && g_dot_attention && cpu_has_dot_bf16() &&
-      attention_dp_any(q, T, H, D, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+  if (dp && attention_dp_any(q, T, H, D, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                        reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), bs, Hkv, tables,
                        max_blocks, lens, scale, out, threads)) {
     return;
   }
-  if (k_cache.scalar_type() == torch::kBFloat16) {
-    attention_any(q, T, H, D, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                  reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), bs, Hkv, tables, max_blocks,
-                  lens, scale, out, threads, wide);
-  } else {
-    attention_any(q, T, H, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bs, Hkv, tables, max_blocks,
-                  lens, scale, out, threads, wide);
-  }
+  on_caches(k_cache, v_cache, [&](auto kc, auto vc) {
+    attention_any(q, T, H, D, kc, vc, bs, Hkv, tables, max_blocks, lens, scale, out, threads, wide);
+  });
 }
 
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -2655,7 +2678,7 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tree(
     torch::Tensor feats, torch::Tensor tokens, torch::Tensor positions, torch::Tensor owner,
     torch::Tensor block_tables, torch::Tensor depths, torch::Tensor widths, torch::Tensor num_nodes, double temperature,
-    torch::Tensor embed, torch::Tensor in_ln, torch::Tensor hidden_norm, torch::Tensor final_norm,
+    double min_logprob, torch::Tensor embed, torch::Tensor in_ln, torch::Tensor hidden_norm, torch::Tensor final_norm,
     bool norm_before_residual, torch::Tensor post_norm, torch::Tensor w_qkv, torch::Tensor w_o,
     torch::Tensor w_gate_up, torch::Tensor w_down, torch::Tensor lm_head, int64_t n_draft, torch::Tensor token_ids,
     torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H,
@@ -2668,6 +2691,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
                 "draft_tree: depths, widths and num_nodes must be contiguous int64 [R]");
   }
   TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), "draft_tree: temperature must be > 0");
+  TORCH_CHECK(min_logprob <= 0.0, "draft_tree: min_logprob must be <= 0 (-inf: no floor)");
   Eagle3Midlayer m{embed, in_ln, hidden_norm, final_norm, post_norm, w_qkv, w_o, w_gate_up, w_down, lm_head, token_ids,
                    rope_cos, rope_sin, k_cache, v_cache, norm_before_residual, round_bf16, n_draft, H, Hkv, I, eps, scale};
   m.check(E, "draft_tree");
@@ -2761,7 +2785,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
       order.resize(std::min<size_t>(order.size(), static_cast<size_t>(wid[b])));
       std::sort(order.begin(), order.end());
       for (int64_t c : order) {
-        if (!std::isfinite(cands[c].cum) || cands[c].cum <= bar) continue;
+        if (!std::isfinite(cands[c].cum) || cands[c].cum <= bar || cands[c].cum < min_logprob) continue;
         const int64_t e = static_cast<int64_t>(exp_slot[b].size());
         cands[c].expanded = e;
         exp_slot[b].push_back(slot_of(b, root_pos[b] + e));
@@ -2827,7 +2851,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
       children(b, logits.data() + t * n_draft, e_cand[t], level[b][d - 1][e_cand[t]].cum, level[b][d]);
     }
   }
-  // each request's tree: its num_nodes best candidates (EAGLE-2's reranking)
+  // each request's tree: its num_nodes best candidates (EAGLE-2's reranking) of cumulative
+  // log-probability at least min_logprob (a candidate below it is not expanded either: its
+  // children are below it too)
   auto i64 = torch::TensorOptions().dtype(torch::kInt64);
   auto out_tok = torch::full({R, max_nodes + 1}, -1, i64), out_par = torch::full({R, max_nodes + 1}, -1, i64);
   auto out_cum = torch::full({R, max_nodes + 1}, -INFINITY, torch::TensorOptions().dtype(torch::kFloat32));
@@ -2836,7 +2862,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
     std::vector<std::pair<int64_t, int64_t>> pool;  // (depth - 1, index)
     for (int64_t dd = 0; dd < std::min<int64_t>(dep[b], static_cast<int64_t>(level[b].size())); ++dd)
       for (size_t i = 0; i < level[b][dd].size(); ++i)
-        if (std::isfinite(level[b][dd][i].cum)) pool.emplace_back(dd, static_cast<int64_t>(i));
+        if (std::isfinite(level[b][dd][i].cum) && level[b][dd][i].cum >= min_logprob)
+          pool.emplace_back(dd, static_cast<int64_t>(i));
     std::stable_sort(pool.begin(), pool.end(), [&](const auto& a, const auto& c) {
       return level[b][a.first][a.second].cum > level[b][c.first][c.second].cum;
     });

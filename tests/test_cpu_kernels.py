@@ -465,6 +465,36 @@ def test_tree_attention_is_attention_over_what_each_node_sees(num_nodes, amx):
         assert torch.equal(out, by_slots)
 
 
+@pytest.mark.parametrize("num_nodes", [5, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tree_attention_on_the_portable_kernel(num_nodes, dtype):
+    """The portable attention kernel (AVX2; every other kernel switched off) takes token trees over
+    the block tables, skipping each node's unseen nodes: the same bits as over each token's slot
+    table (the rows it sees, in position order), alone or with the other tokens; a wrong mask bit
+    changes the output (negative control)."""
+    g = torch.Generator().manual_seed(100 + num_nodes)
+    k_cache, v_cache, tables, lens, tree, slot_tables, slot_lens = _tree_step(g, 16, num_nodes, 40)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(len(lens), 4, 64, generator=g)
+    before = (cpu_kernels.wide_attention(False), cpu_kernels.dot_attention(False), cpu_kernels.amx_attention(False))
+    try:
+        out = cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, 0.125, tree)
+        alone = [cpu_kernels.rows_attention(q[t : t + 1].clone(), k_cache, v_cache, tables[t : t + 1], lens[t : t + 1],
+                                            0.125, tree[t : t + 1].clone()) for t in range(len(lens))]
+        wrong = tree.clone()
+        wrong[-1, 1] ^= 1 << (num_nodes - 2)
+        changed = cpu_kernels.rows_attention(q, k_cache, v_cache, tables, lens, 0.125, wrong)
+        by_slots = cpu_kernels.rows_attention(q, k_cache.view(-1, 1, 2, 64), v_cache.view(-1, 1, 2, 64), slot_tables,
+                                              slot_lens, 0.125)
+    finally:
+        cpu_kernels.wide_attention(before[0])
+        cpu_kernels.dot_attention(before[1])
+        cpu_kernels.amx_attention(before[2])
+    assert torch.equal(out, by_slots)
+    assert torch.equal(torch.cat(alone), out)
+    assert not torch.equal(changed[-1], out[-1]) and torch.equal(changed[:-1], out[:-1])
+
+
 def test_tree_rows_are_checked():
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache, tables, lens, tree, _, _ = _tree_step(g, 16, 5, 40)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -248,7 +250,8 @@ def test_shipped_eagle3_kernel_chain_drafts_equal_the_python_loop(snippets):
     assert sum(len(d or []) for d, _ in rounds[0]) > 0
 
 
-def test_shipped_eagle3_kernel_trees_equal_the_python_loop(snippets):
+@pytest.mark.parametrize("min_prob", [0.0, 0.25])
+def test_shipped_eagle3_kernel_trees_equal_the_python_loop(snippets, min_prob):
     """bfloat16, greedy, trees of 24 nodes, width 2, 10 levels at the head's calibrated
     temperature: every round, from the same state, the one-call tree drafting
     (`cpu_kernels.draft_tree`) and the Python level loop (`tree_drafting.grow_trees`) propose the
@@ -257,14 +260,14 @@ def test_shipped_eagle3_kernel_trees_equal_the_python_loop(snippets):
     0.05 (measured: at most 0.022). The kernel's float32 norms sum in another order than torch's,
     which can move a bfloat16 rounding after them; the temperature of 0.244 multiplies the logits'
     differences by 4 and a path sums up to 10 levels of them: a near-tie of the last-ranked node
-    can flip."""
+    can flip. With a value floor (`tree_min_prob`), both keep only nodes at or above it."""
     from engine import LLM, SamplingParams, SpeculativeConfig
     from kernels import cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("no CPU row kernels")
     spec = SpeculativeConfig(method="eagle3", model=str(need("eagle3-head")), num_speculative_tokens=10,
-                             adaptive=False, tree_nodes=24, tree_width=2, tree_depth=10)
+                             adaptive=False, tree_nodes=24, tree_width=2, tree_depth=10, tree_min_prob=min_prob)
     engine = LLM(str(need("target")), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=1).engine
     proposer = engine.speculator.proposer
     propose_trees, rounds = proposer.propose_trees, []
@@ -302,6 +305,12 @@ def test_shipped_eagle3_kernel_trees_equal_the_python_loop(snippets):
         a, b = by_path(kernel), by_path(loop)
         assert len(a.keys() & b.keys()) >= len(a) - 2
         assert all(abs(a[p] - b[p]) < 0.05 for p in a.keys() & b.keys())
+    sizes = [len(kernel[1]) - 1 for kernel, _ in rounds]
+    if min_prob:  # the floor holds in both, and it prunes: smaller trees
+        assert all(c >= math.log(min_prob) - 1e-6 for k, lo in rounds for c in k[1][1:] + lo[1][1:])
+        assert statistics.mean(sizes) < 12 and min(sizes) < 24, sizes  # (measured: 4.4)
+    else:
+        assert statistics.mean(sizes) > 20
 
 
 def test_shipped_bf16_trees_give_the_target_alone_text(snippets):

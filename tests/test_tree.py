@@ -137,12 +137,14 @@ def test_dynamic_tree_docstring_example():
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), num_reqs=st.integers(1, 3), top_k=st.integers(1, 4), width=st.integers(1, 4),
-       depth=st.integers(1, 4), vocab=st.integers(4, 12), ties=st.booleans())
-def test_dynamic_trees_keep_the_most_probable_nodes(seed, num_reqs, top_k, width, depth, vocab, ties):
+       depth=st.integers(1, 4), vocab=st.integers(4, 12), ties=st.booleans(),
+       floor=st.sampled_from([None, -0.5, -1.5, -3.0]))
+def test_dynamic_trees_keep_the_most_probable_nodes(seed, num_reqs, top_k, width, depth, vocab, ties, floor):
     """Against a brute-force ranking of the whole candidate pool: per request the kept nodes are
-    exactly the num_nodes best by cumulative log-prob (ties: earlier in the pool), they form a
-    valid tree whose parents and cumulative log-probs are the pool's, and the tree has
-    min(num_nodes, pool) + 1 nodes. `ties` rounds log-probs so that many are equal (even 0)."""
+    exactly the num_nodes best by cumulative log-prob (ties: earlier in the pool) of those at or
+    above the floor (`min_logprob`, when given), they form a valid tree whose parents and
+    cumulative log-probs are the pool's, and the tree has that many nodes + 1. `ties` rounds
+    log-probs so that many are equal (even 0)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     top_k = min(top_k, vocab)
@@ -162,7 +164,8 @@ def test_dynamic_trees_keep_the_most_probable_nodes(seed, num_reqs, top_k, width
         levels.append(expand_level(levels[-1], frontier, ids, lp))
     num_nodes = [rng.randint(1, 20) for _ in range(num_reqs)]
     roots = [rng.randrange(vocab) for _ in range(num_reqs)]
-    trees = build_dynamic_trees(roots, levels, num_nodes)
+    trees = (build_dynamic_trees(roots, levels, num_nodes) if floor is None
+             else build_dynamic_trees(roots, levels, num_nodes, min_logprob=floor))
 
     for r, tree in enumerate(trees):
         pool, level_start = [], [0]  # pool: (cum, token, parent's pool id, depth)
@@ -171,8 +174,9 @@ def test_dynamic_trees_keep_the_most_probable_nodes(seed, num_reqs, top_k, width
             for c in range(lv.token_ids.shape[1]):
                 parent = -1 if d == 0 else level_start[d - 1] + int(lv.parent_ids[r, c])
                 pool.append((float(lv.cum_logprobs[r, c]), int(lv.token_ids[r, c]), parent, d + 1))
-        best = sorted(range(len(pool)), key=lambda i: (-pool[i][0], i))[: num_nodes[r]]
-        assert tree.num_nodes == min(num_nodes[r], len(pool)) + 1
+        above = [i for i in range(len(pool)) if floor is None or pool[i][0] >= floor]
+        best = sorted(above, key=lambda i: (-pool[i][0], i))[: num_nodes[r]]
+        assert tree.num_nodes == len(best) + 1
         assert tree.token_ids[0] == roots[r]
         assert sorted(tree.source_ids[1:]) == sorted(best)
         node_of = {src: i for i, src in enumerate(tree.source_ids)}

@@ -4,6 +4,7 @@ non-speculative requests, under preemption and with prefix-cache hits; sampled o
 the target's exact distribution."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -203,6 +204,48 @@ def test_tree_config_errors(models):
     assert not SpeculativeConfig(method="draft", model="m").uses_tree  # default: chains
 
 
+def test_tree_floor_config_errors():
+    for bad in (1.0, -0.1, True, "0.5", float("nan")):
+        with pytest.raises(ValueError, match="tree_min_prob"):
+            SpeculativeConfig(method="draft", model="m", tree_nodes=8, tree_min_prob=bad)
+    assert SpeculativeConfig(method="draft", model="m", tree_nodes=8, tree_min_prob=0.0).tree_min_prob == 0.0
+
+
+def test_floored_greedy_trees_equal_target_and_shrink(models, baseline):
+    """A value floor (`tree_min_prob`) keeps only greedy nodes whose path probability reaches it:
+    the output still equals the target alone, fewer nodes are drafted (a tree the floor empties is
+    a plain step), and a sampled request's trees take no floor (its draws are kept by position
+    only: a floor would bias the rejection sampler)."""
+    nodes, floor = {}, 0.0
+    for run in range(2):
+        engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=SpeculativeConfig(
+            model=models["target"], **(TREE | {"tree_min_prob": floor})))
+        proposer, cums = engine.speculator.proposer, []
+        propose_trees = proposer.propose_trees
+
+        def record(*args, propose_trees=propose_trees, cums=cums, **kw):
+            drafts = propose_trees(*args, **kw)
+            cums.extend(c for d in drafts for c in d.tree.cum_logprobs[1:])
+            return drafts
+
+        proposer.propose_trees = record
+        outs, _ = run_mixed(engine, MIXED_PROMPTS[:3], [GREEDY] * 3, [0, 0, 1])
+        assert outs == {f"r{i}": baseline[f"r{i}"] for i in range(3)}
+        stats = engine.spec_stats
+        nodes[floor] = stats.num_tree_nodes / max(1, stats.num_tree_steps)
+        assert stats.num_tree_steps > 0 and cums
+        if run:
+            assert min(cums) >= math.log(floor) - 1e-6
+        else:  # the second run's floor: the median node's path probability (a tiny random model's are low)
+            floor = math.exp(sorted(cums)[len(cums) // 2])
+    assert nodes[floor] < 0.75 * nodes[0.0], nodes
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=SpeculativeConfig(
+        model=models["close"], **(TREE | {"tree_min_prob": 0.99})))
+    sampled = SamplingParams(max_tokens=20, temperature=1.0, seed=3, ignore_eos=True)
+    run_mixed(engine, MIXED_PROMPTS[:1], [sampled], [0])
+    assert engine.spec_stats.num_tree_nodes >= engine.spec_stats.num_tree_steps * (TREE["tree_nodes"] - 2) > 0
+
+
 def test_scheduler_cuts_a_tree_to_a_prefix():
     tree = DraftTree((5, 1, 2, 3, 4), (-1, 0, 0, 1, 2), (0.0, -1.0, -2.0, -2.5, -3.0))
     cut = tree.truncated(2)
@@ -343,12 +386,13 @@ def test_adaptive_trees_equal_target_and_are_chosen_when_cheap(models, baseline)
 
 def test_tree_choice_follows_the_predicted_rate(models):
     """`_trees_pay` compares tokens/s: trees accepting 3 drafts beat chains accepting ~1.6 when
-    verification is flat, lose when it is steep; measured tree acceptance moves the choice."""
+    verification is flat, lose when it is steep; measured tree acceptance moves the choice.
+    (Trees without a value floor: tree_min_prob=0.)"""
     from engine.request import Request
     from engine.spec.speculator import StepCostModel
 
-    engine = LLMEngine(models["target"], dtype="float32", device="cpu",
-                       speculative=SpeculativeConfig(model=models["target"], **(TREE | {"adaptive": True})))
+    engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=SpeculativeConfig(
+        model=models["target"], **(TREE | {"adaptive": True, "tree_min_prob": 0.0})))
     sp = engine.speculator
     reqs = []
     for i in range(2):
@@ -364,8 +408,47 @@ def test_tree_choice_follows_the_predicted_rate(models):
     sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + 0.05 * (q - 1)) for q in qs]] * 2)  # mild slope
     assert sp._trees_pay(reqs, step_index=1)
     for _ in range(2000):  # trees that accept nothing
-        sp.tree_acceptance.observe(0)
+        sp.tree_acceptance.observe(0, 15)
     assert not sp._trees_pay(reqs, step_index=1)
+
+
+def test_adaptive_floor_follows_the_verify_cost(models):
+    """With `adaptive` and no tree_min_prob, greedy trees take the policy's floor: a node must add
+    more expected tokens than its verified token and drafting share make at the best predicted
+    rate. Flat verification: a floor near 0; a mild slope: a higher one; each token a whole step:
+    no node can pay, so no trees (not even a probe). Floored trees priced far below chains are
+    still probed every TREE_PROBE_EVERY steps (unfloored ones are not): their acceptance is only
+    measured by drafting them."""
+    from engine.request import Request
+    from engine.spec.speculator import TREE_PROBE_EVERY, StepCostModel
+
+    qs = [1, 2, 3, 5, 9]
+    floors = {}
+    for min_prob in (None, 0.0):
+        engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=SpeculativeConfig(
+            model=models["target"], **(TREE | {"adaptive": True, "tree_min_prob": min_prob})))
+        sp = engine.speculator
+        r = Request("q", list(range(1, 30)), GREEDY)
+        r.block_ids = list(range(8))
+        sp.proposer.step_cost = lambda n, k: 1e-5 * k
+        assert sp.floors_trees == (min_prob is None)
+        for slope in (0.0, 0.2, 1.0):
+            sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + slope * (q - 1)) for q in qs]] * 2)
+            pays = sp._trees_pay([r], step_index=TREE_PROBE_EVERY)
+            if min_prob is None:
+                floors[slope] = (pays, sp.adaptive_floor, math.exp(sp.tree_floor()))
+        if min_prob is None:
+            assert floors[0.0][0] and floors[0.0][1] < 0.1 and floors[0.0][2] == pytest.approx(floors[0.0][1])
+            assert floors[0.0][1] < floors[0.2][1] < 1.0
+            assert not floors[1.0][0] and floors[1.0][1] >= 1.0
+        else:
+            assert sp.tree_floor() == float("-inf")
+        # trees that accept nothing: priced far below chains; probed only when floored
+        sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + 0.2 * (q - 1)) for q in qs]] * 2)
+        for _ in range(2000):
+            sp.tree_model(r).observe(0, 4)
+        assert not sp._trees_pay([r], step_index=1)
+        assert sp._trees_pay([r], step_index=TREE_PROBE_EVERY) == (min_prob is None)
 
 
 def test_adaptive_trees_are_sized_per_request(models):
@@ -373,15 +456,16 @@ def test_adaptive_trees_are_sized_per_request(models):
     width 1 (its drafter's top token is always right: siblings would be wasted; a chain), one
     whose drafts are all rejected a one-level tree of tree_width nodes (at the prior sibling
     rate, siblings pay); without `adaptive` both get the configured tree. (test_tree_width
-    covers the width rule.)"""
+    covers the width rule.) Trees without a value floor (tree_min_prob=0); with one, a greedy
+    request plans the configured tree and the floor prunes it (test_adaptive_floor_*)."""
     from engine.request import Request
     from engine.spec.speculator import StepCostModel
 
     qs = [1, 2, 3, 5, 9]
     plans = {}
     for adaptive in (True, False):
-        engine = LLMEngine(models["target"], dtype="float32", device="cpu",
-                           speculative=SpeculativeConfig(model=models["target"], **(TREE | {"adaptive": adaptive})))
+        engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=SpeculativeConfig(
+            model=models["target"], **(TREE | {"adaptive": adaptive, "tree_min_prob": 0.0})))
         sp = engine.speculator
         sp.proposer.step_cost = lambda n, k: 1e-5 * k
         sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + 0.1 * (q - 1)) for q in qs]] * 2)  # a level: ~0.2

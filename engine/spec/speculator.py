@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import logging
 import math
 import statistics
@@ -61,6 +62,9 @@ TREE_PROBE_EVERY = 16  # with adaptive trees, a step drafts trees this often eve
 TREE_PROBE_WITHIN = 0.8  # if the trees' predicted tokens/s is at least this fraction of the chain's
 # Trees predicted below TREE_PROBE_WITHIN of the chain are not priced again for the same decoding
 # requests until the next TREE_PROBE_EVERY step (pricing them was ~0.2 ms of Python a batch-1 step).
+# Draft nodes per floored tree assumed before the first one is verified (weight PRIOR_TRIALS):
+# optimistic, as TREE_PRIOR_ACCEPTED is (a floor keeps a few confident nodes).
+FLOORED_PRIOR_NODES = 5.0
 TREE_PRIOR_ACCEPTED = 3.0  # accepted drafts per tree verification assumed before the first one
 # P(a node's j-th drafted child is accepted | its earlier children were not), j >= 2, assumed
 # before the first tree verification measures it (weight PRIOR_TRIALS): optimistic enough that
@@ -390,19 +394,29 @@ class TreeAcceptance:
     """Accepted drafts per tree verification, engine-wide, as counts that decay like
     `AcceptanceModel`'s (~256 verifications), shrunk toward a prior of TREE_PRIOR_ACCEPTED with
     PRIOR_TRIALS pseudo-verifications (an optimistic prior: the first trees are tried, then
-    measured)."""
+    measured); and the draft nodes per tree (a value floor, `Speculator.tree_floor`, drafts fewer
+    than the plan's; a tree the floor left empty counts as a verification of 0 nodes, 0 accepted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prior_nodes: float | None = None) -> None:
         self.accepted = 0.0
         self.trials = 0.0
+        self.nodes = 0.0
+        self.prior_nodes = prior_nodes
 
-    def observe(self, num_accepted: int) -> None:
+    def observe(self, num_accepted: int, num_nodes: int) -> None:
         keep = 1.0 - GLOBAL_DECAY
         self.accepted = keep * self.accepted + num_accepted
         self.trials = keep * self.trials + 1.0
+        self.nodes = keep * self.nodes + num_nodes
 
     def mean(self) -> float:
         return (self.accepted + PRIOR_TRIALS * TREE_PRIOR_ACCEPTED) / (self.trials + PRIOR_TRIALS)
+
+    def mean_nodes(self, planned: float) -> float:
+        """Draft nodes per tree, shrunk like `mean` toward the prior given at construction, or
+        toward `planned` (the plan's node count) without one; at most `planned`."""
+        prior = planned if self.prior_nodes is None else min(self.prior_nodes, planned)
+        return min(planned, (self.nodes + PRIOR_TRIALS * prior) / (self.trials + PRIOR_TRIALS))
 
 
 class SiblingAcceptance:
@@ -492,7 +506,8 @@ class Speculator:
         self.calibration = StepCalibration()
         self._k_times_cache: tuple[int, list[float]] | None = None  # (step index, `_k_times`)
         self.acceptance = AcceptanceModel(config.acceptance_ema_alpha)
-        self.tree_acceptance = TreeAcceptance()
+        self.tree_acceptance = TreeAcceptance()  # trees drafted without a value floor
+        self.floored_acceptance = TreeAcceptance(FLOORED_PRIOR_NODES)  # greedy trees under one (`floors`)
         self.sibling_acceptance = SiblingAcceptance()
         self.tree_rounds = BucketedMedians()  # seconds of a tree drafting round, by batch size
         self.num_steps_off = 0
@@ -514,6 +529,7 @@ class Speculator:
         self.num_tree_steps = 0  # steps whose drafts were trees (also counted in num_steps_on)
         # the tree widths the adaptive policy planned (per request, at each trees-or-chains decision)
         self.width_counts: collections.Counter[int] = collections.Counter()
+        self.adaptive_floor = 0.0  # the policy's tree_min_prob for the step (`_trees_pay`)
 
     # --- delegation -------------------------------------------------------------------------
     @property
@@ -571,7 +587,7 @@ class Speculator:
     @torch.inference_mode()
     def profile(self, runner, max_num_seqs: int, max_tokens: int) -> StepCostModel:
         """Time the target on B requests x q tokens each (B = 1, 4, 16; q = 1 .. 9: one token, or
-        k + 1 for k = 1 .. 8; q = 6 and 8 since stop 34: the CPU's packed products take up to 6
+        k + 1 for k = 1 .. 8, and with trees 12 and 16 up to tree_nodes + 1; q = 6 and 8 since stop 34: the CPU's packed products take up to 6
         rows per pass over the weights, so 7 tokens cost a step over 6 that the line from 5 to 7
         put at 6, and the policy, paying it for k = 5, drafted 4 or 6), each over 128 tokens of context, using free
         KV blocks (each request its own since stop 37). The points are timed in PROFILE_ROUNDS rounds, every point once per round, and
@@ -586,6 +602,8 @@ class Speculator:
         num_blocks = runner.kv_caches[0][0].shape[0]
         batch_sizes = [b for b in (1, 4, 16) if b <= max_num_seqs] or [1]
         per_request = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+        if self.config.uses_tree:  # trees verify more: measured, not extrapolated (`StepCostModel`)
+            per_request += [q for q in (12, 16) if q <= self.config.tree_nodes + 1]
         fits = [(b, q) for b in batch_sizes for q in per_request if b * q <= max_tokens]
         best: dict[tuple[int, int], float] = {}
         for rnd in range(PROFILE_ROUNDS + 1):  # (round 0 untimed: first calls of each shape)
@@ -771,7 +789,7 @@ class Speculator:
             if s.spec_tree is None:
                 self.update_acceptance(s.request, len(s.spec_token_ids), len(tokens) - 1)
                 continue
-            self.tree_acceptance.observe(len(tokens) - 1)
+            self.tree_model(s.request).observe(len(tokens) - 1, len(s.spec_token_ids))
             self.sibling_acceptance.observe(s.spec_tree, tokens)
             drafted, accepted = top_chain_observation(s.spec_tree, tokens)
             if drafted:
@@ -923,11 +941,14 @@ class Speculator:
         - levels: as many as pay for themselves at that width, each costing its width's verified
           tokens and one drafting forward (`_level_cost`); at least one (`_trees_pay` already
           chose trees for the step);
-        - nodes: at most width per level and tree_nodes in all."""
+        - nodes: at most width per level and tree_nodes in all.
+        A request whose trees take the value floor (`floors`: greedy, adaptive, no tree_min_prob
+        set) plans the configured tree: the floor prunes it to the nodes worth verifying, from
+        the drafter's own confidence at this step, which the acceptance models only average."""
         width = self.config.tree_width
         depth = self.max_k(r, self.config.tree_depth)
         nodes = min(self.config.tree_nodes, self.max_model_len - r.num_tokens - 1)
-        if self.config.adaptive and self.cost is not None and depth > 1:
+        if self.config.adaptive and self.cost is not None and depth > 1 and not self.floors(r):
             reach = self.acceptance.accept_probs(r, depth)
             token_cost = self._verify_token_cost()
             level_cost = self._level_cost(width, token_cost)
@@ -981,7 +1002,10 @@ class Speculator:
         calibration) + the tree drafting rounds' measured time at this batch size. A request that
         sets its own num_speculative_tokens drafts a chain either way, and so does one whose plan
         has width 1 (a tree of one child per node is a chain: it is predicted as one, from its
-        chain acceptance); with no request wider than 1, chains decide."""
+        chain acceptance); with no request wider than 1, chains decide. Floored trees (`floors`)
+        are predicted from their own measured acceptance and node count (`floored_acceptance`),
+        their drafting at about as many levels as nodes; this call also sets the step's floor
+        (`adaptive_floor`), and where it is >= 1 no node can pay: no trees."""
         if self.cost is None:
             return True
         trees = [r for r in decoding if r.sampling_params.num_speculative_tokens is None]
@@ -995,10 +1019,16 @@ class Speculator:
             return False
         b = len(decoding)
         engine_rate = max(self.acceptance.engine_rate(), 1e-6)
-        tokens = b + sum(min(d, self.tree_acceptance.mean() * self.acceptance.request_rate(r) / engine_rate)
+        tokens = b + sum(min(d, self.tree_model(r).mean() * self.acceptance.request_rate(r) / engine_rate)
                          for r, _, d in wide) + sum(sum(self.acceptance.accept_probs(r, n)) for r, n in narrow)
-        time_s = (self.calibration.ratio(b, "tree") * self.cost(b, b + sum(n for _, n, _, _ in plans))
-                  + self.tree_draft_time(len(wide), max(d for _, _, d in wide))
+        # a floor drafts fewer nodes than planned: the measured nodes per tree
+        verified = b + sum(self.tree_model(r).mean_nodes(n) for r, n, _ in wide) + sum(n for _, n in narrow)
+        tree_ratio = self.calibration.ratio(b, "tree")
+        # (a floored tree drafts levels while a node is above the floor: about as many as its nodes)
+        levels = max(min(d, max(1, round(self.tree_model(r).mean_nodes(n)))) if self.floors(r) else d
+                     for r, n, d in wide)
+        time_s = (tree_ratio * self.cost(b, verified)
+                  + self.tree_draft_time(len(wide), levels)
                   + (self.proposer.step_cost(len(narrow), max(n for _, n in narrow)) if narrow else 0.0))
         ks = [self.choose_k(r, step_index) for r in decoding]
         chain_ks = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
@@ -1010,10 +1040,52 @@ class Speculator:
             chain_rate = b / (self.calibration.ratio(b, False) * self.cost(b, b))
         self._chain_memo = (step_index, tuple(r.request_id for r in decoding), ks, chain)
         tree_rate = tokens / time_s
+        floored = all(self.floors(r) for r, *_ in wide)
+        if self.floors_trees and self.config.tree_min_prob is None:
+            # a node is worth drafting iff the tokens it is expected to add (its calibrated path
+            # probability) beat what its time would make at the best rate predicted (trees,
+            # chains or no drafts): its verified token (the batch's marginal cost here) and its
+            # share of a drafting level. At >= 1 no node can pay.
+            lo, hi = max(b, verified - 4), verified + 4
+            token_s = tree_ratio * (self.cost(b, hi) - self.cost(b, lo)) / (hi - lo)
+            node_s = token_s + self.proposer.step_cost(1, 1) / max(w for *_, w in plans if w > 1)
+            self.adaptive_floor = max(0.0, max(tree_rate, chain_rate) * node_s)
+            if floored and self.adaptive_floor >= 1.0:
+                self._trees_far = (step_index, tuple(r.request_id for r in decoding))
+                return False
         far = tree_rate <= TREE_PROBE_WITHIN * chain_rate
         self._trees_far = (step_index, tuple(r.request_id for r in decoding)) if far else None
-        probe = step_index % TREE_PROBE_EVERY == 0 and not far
+        # (floored trees are probed even when priced far below, while some node could pay: the
+        # floor keeps them small where verifying costs, so a probe is cheap, and their
+        # acceptance cannot be measured otherwise)
+        probe = step_index % TREE_PROBE_EVERY == 0 and (not far or floored)
         return tree_rate > chain_rate or probe
+
+    @property
+    def floors_trees(self) -> bool:
+        """Whether greedy trees take a value floor: a configured `tree_min_prob` > 0, or the
+        adaptive policy's (None) on a drafter with probabilities (not n-gram lookup)."""
+        p = self.config.tree_min_prob
+        if p is None:
+            return self.config.adaptive and self.proposer.method != "ngram"
+        return p > 0
+
+    def floors(self, request: Request) -> bool:
+        """Whether `request`'s trees take the value floor: greedy, where `floors_trees`."""
+        return self.floors_trees and request.sampling_params.is_greedy
+
+    def tree_model(self, request: Request) -> TreeAcceptance:
+        """The acceptance model of `request`'s trees: floored ones apart (they are smaller)."""
+        return self.floored_acceptance if self.floors(request) else self.tree_acceptance
+
+    def tree_floor(self) -> float:
+        """The greedy trees' value floor for this step, as a log-probability
+        (`ProposeContext.tree_min_logprob`): log of the configured `tree_min_prob`, or of the
+        adaptive policy's floor (`_trees_pay`); -inf for none."""
+        p = self.config.tree_min_prob
+        if p is None:
+            p = self.adaptive_floor if self.config.adaptive else 0.0
+        return math.log(p) if p > 0 else float("-inf")
 
     def tree_draft_time(self, num_requests: int, depth: int) -> float:
         """Seconds of a tree drafting round: measured per batch size (the median of the rounds
@@ -1066,9 +1138,13 @@ class Speculator:
             drafts.update((r.request_id, d) for (r, _), d in zip(chains, made, strict=True))
         if trees:
             t0 = time.perf_counter()
+            context = dataclasses.replace(context, tree_min_logprob=self.tree_floor())
             made = self.proposer.propose_trees([r for r, _, _, _ in trees], [n for _, n, _, _ in trees],
                                                [d for _, _, d, _ in trees], context, [w for *_, w in trees])
             self.tree_rounds.add(len(trees), time.perf_counter() - t0)
             self.num_tree_steps += 1
+            for (r, *_), d in zip(trees, made, strict=True):
+                if not d.token_ids:  # the floor kept no node: a verification of nothing
+                    self.tree_model(r).observe(0, 0)
             drafts.update((r.request_id, d) for (r, *_), d in zip(trees, made, strict=True))
         return {rid: d for rid, d in drafts.items() if d.token_ids}

@@ -246,11 +246,13 @@ def _candidate_pool(levels: list[TreeLevel]) -> tuple[torch.Tensor, torch.Tensor
             torch.cat([lv.cum_logprobs for lv in levels], dim=1))
 
 
-def build_dynamic_trees(root_token_ids: list[int], levels: list[TreeLevel], num_nodes: list[int]) -> list[DraftTree]:
+def build_dynamic_trees(root_token_ids: list[int], levels: list[TreeLevel], num_nodes: list[int],
+                        min_logprob: float = float("-inf")) -> list[DraftTree]:
     """EAGLE-2 reranking: per request, the num_nodes[r] candidates of all levels with the highest
     cumulative draft log-probability (ties: the earlier level, then the lower index), as a tree
     of num_nodes[r] + 1 nodes (fewer when the levels hold fewer drafted candidates: one with
-    cum log-prob -inf was not drafted, e.g. a child past its request's tree width).
+    cum log-prob -inf was not drafted, e.g. a child past its request's tree width, and fewer when
+    fewer have a cum log-prob >= min_logprob: the value floor, `ProposeContext.tree_min_logprob`).
 
     The kept set is closed under parents (a child's cum log-prob is at most its parent's and the
     parent comes first on ties), so it is a valid tree; nodes are ordered by level then index.
@@ -278,7 +280,7 @@ def build_dynamic_trees(root_token_ids: list[int], levels: list[TreeLevel], num_
         # keep the request's best num_nodes[r]: those of rank < num_nodes[r] in cum order. The
         # W columns are in pool order, so drop the lowest-ranked ones: re-rank on the host.
         n = min(num_nodes[r], width)
-        drafted = [j for j in range(width) if cum_l[r][j] != float("-inf")]  # not the undrawn
+        drafted = [j for j in range(width) if cum_l[r][j] != float("-inf") and cum_l[r][j] >= min_logprob]
         rank = sorted(drafted, key=lambda j: (-cum_l[r][j], kept_l[r][j]))[:n]
         cols = sorted(rank)
         remap = {0: 0} | {j + 1: i + 1 for i, j in enumerate(cols)}

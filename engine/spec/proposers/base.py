@@ -43,10 +43,14 @@ class Draft:
 
 @dataclass
 class ProposeContext:
-    """What a proposer gets besides the requests: the generators of seeded requests, by request id.
-    They belong to the model runner (the target's sampling draws from the same generator)."""
+    """What a proposer gets besides the requests: the generators of seeded requests, by request id
+    (they belong to the model runner: the target's sampling draws from the same generator), and
+    the step's floor on greedy tree nodes: a node is drafted only if its cumulative draft
+    log-probability at the tree temperature is at least tree_min_logprob (`Speculator`: the
+    configured `tree_min_prob`, or the adaptive policy's; -inf: EAGLE-2's fixed node count)."""
 
     generators: dict[str, torch.Generator]
+    tree_min_logprob: float = float("-inf")
 
     def generators_for(self, requests: list[Request]) -> list[torch.Generator | None]:
         return [self.generators.get(r.request_id) for r in requests]

@@ -407,7 +407,7 @@ class ChainProposer(Proposer):
 
         drafts, level_forwards = grow_trees(requests, num_nodes, depths, widths, list(self.heads),
                                             self._head_input(0, last), context.generators_for(requests), run_level,
-                                            self.tree_temperature)
+                                            self.tree_temperature, context.tree_min_logprob)
         # Every forward succeeded: the module's KV holds the final elements now.
         for r, st in zip(requests, new, strict=True):
             self.states[r.request_id] = st

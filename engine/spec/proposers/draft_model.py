@@ -168,7 +168,7 @@ class DraftModelProposer(Proposer):
 
         drafts, num_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._forward(chunks),
                                           context.generators_for(requests), run_level,
-                                          self.tree_temperature)
+                                          self.tree_temperature, context.tree_min_logprob)
         # Every forward succeeded: the committed tokens' draft KV is valid now.
         for r in requests:
             self.states[r.request_id] = DraftModelState(r.num_tokens)

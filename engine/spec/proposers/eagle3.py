@@ -703,7 +703,8 @@ class Eagle3Proposer(Proposer):
         chunks, elem_tokens, feats_in, t_start = self._long_catch_up_first(requests, max(depths), t_start)
         if (self.row_kernel_chain and len(elem_tokens) <= self.fused_max_rows
                 and all(r.sampling_params.is_greedy for r in requests)):
-            return self._propose_tree_kernel(requests, num_nodes, depths, widths, chunks, elem_tokens, feats_in, t_start)
+            return self._propose_tree_kernel(requests, num_nodes, depths, widths, chunks, elem_tokens, feats_in, t_start,
+                                             context.tree_min_logprob)
         last = self._forward(chunks, elem_tokens, feats_in)  # [R, H]
         outputs = list(last.unsqueeze(1))  # per request: the output of each expanded node (the root's first)
 
@@ -721,7 +722,7 @@ class Eagle3Proposer(Proposer):
 
         drafts, num_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._normed(last),
                                           context.generators_for(requests), run_level,
-                                          self.tree_temperature)
+                                          self.tree_temperature, context.tree_min_logprob)
         for r in requests:  # every forward succeeded: the buffered elements are in the midlayer's KV
             self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
         self._cover(requests)
@@ -868,7 +869,7 @@ class Eagle3Proposer(Proposer):
 
     def _propose_tree_kernel(self, requests: list[Request], num_nodes: list[int], depths: list[int],
                              widths: list[int], chunks: list[SeqChunk], elem_tokens: list[int],
-                             feats_in: torch.Tensor, t_start: float) -> list[Draft]:
+                             feats_in: torch.Tensor, t_start: float, min_logprob: float) -> list[Draft]:
         """`propose_trees` for greedy requests on the fused CPU path: the catch-up forward and
         every level of the dynamic trees in one kernel call (`cpu_kernels.draft_tree`: the same
         midlayer kernel, norms and LM head, the same slots, positions and attention as the level
@@ -887,7 +888,8 @@ class Eagle3Proposer(Proposer):
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
         tokens, parents, cums, counts = cpu_kernels.draft_tree(
             feats_in.float().contiguous(), as_tensor(elem_tokens), positions, owner, tables, as_tensor(depths),
-            as_tensor(widths), as_tensor(num_nodes), self.tree_temperature, self.embed_tokens.weight, self._chain_norms,
+            as_tensor(widths), as_tensor(num_nodes), self.tree_temperature, min_logprob, self.embed_tokens.weight,
+            self._chain_norms,
             self.layer.norm_before_residual, *self._packing(len(elem_tokens))[:2], self.head.size, self.head.token_ids,
             self.rope_f32, k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_norm_eps,
             cfg.head_dim**-0.5, self.dtype == torch.bfloat16,

@@ -140,6 +140,7 @@ def grow_trees(
     generators: list[torch.Generator | None],
     run_level: Callable[[list[int], list[DraftTree], list[int]], torch.Tensor],
     temperature: float = 1.0,
+    min_logprob: float = float("-inf"),
 ) -> tuple[list[Draft], int]:
     """Draft one tree per request (module docstring); returns the drafts and the forwards run.
 
@@ -151,7 +152,9 @@ def grow_trees(
     trees[j] (the tree of requests[active[j]]: its root and every node expanded so far, in
     expansion order; the new nodes all at one depth d) through the drafter and return what the
     depth-d head reads after each of them ([sum(counts), H], request by request). temperature:
-    the greedy trees' ranking temperature (the drafter's `tree_temperature`). depths[r] >= 1
+    the greedy trees' ranking temperature (the drafter's `tree_temperature`); min_logprob: their
+    floor (`build_dynamic_trees`; sampled trees take none: keeping a draw by its value would bias
+    the rejection sampler). depths[r] >= 1
     levels per request; the caller caps them by the scratch slots the request's blocks hold (the
     root and 1 + widths[r] * (depth - 1) expanded nodes' KV after it, at most: `scratch_depths`).
 
@@ -231,9 +234,10 @@ def grow_trees(
         rows_t = torch.tensor(group, device=device)
         sliced = [TreeLevel(lv.parent_ids.index_select(0, rows_t), lv.token_ids.index_select(0, rows_t),
                             lv.cum_logprobs.index_select(0, rows_t)) for lv in levels[:depth]]
-        build = build_sampled_trees if is_sampled else build_dynamic_trees
-        for i, tree in zip(group, build([requests[i].last_token_id for i in group], sliced,
-                                        [num_nodes[i] for i in group]), strict=True):
+        roots, caps = [requests[i].last_token_id for i in group], [num_nodes[i] for i in group]
+        made = build_sampled_trees(roots, sliced, caps) if is_sampled else build_dynamic_trees(roots, sliced, caps,
+                                                                                              min_logprob)
+        for i, tree in zip(group, made, strict=True):
             built[i] = tree
     probs: list[torch.Tensor | None] = [None] * num_reqs
     if any(sampled):
