@@ -2,9 +2,10 @@
 
 For each tree-capable shipped drafter (the draft model, the EAGLE head): fixed chains of k = 5
 and 8, the adaptive chain (k <= 6, the default), fixed dynamic trees (nodes / width / depth; at
-the drafter's calibrated ranking temperature, and one at T = 1, EAGLE-2's plain ranking) and
-the adaptive choice between trees, chains and no drafts (`SpeculativeConfig.tree_nodes` with
-adaptive=True), next to no speculation. Loads: batch 1 (the prompts one at a time), 4 and 16
+the drafter's calibrated ranking temperature, one at T = 1, EAGLE-2's plain ranking, one with a
+value floor, `tree_min_prob`, and a width-1 tree with one: a chain cut by confidence) and the
+adaptive choice between trees, chains and no drafts (`SpeculativeConfig.tree_nodes` with
+adaptive=True; with the policy's floor, the default, and without), next to no speculation. Loads: batch 1 (the prompts one at a time), 4 and 16
 concurrent (submitted together); workloads: held-out code, greedy, and the same prompts sampled
 at temperature 1 (unpredictable). Every configuration is loaded first; repetitions interleave
 them (order reversed every other one); rows report medians and the median per-repetition ratio
@@ -30,10 +31,12 @@ from bench.common import MODELS, RESULTS, code_prompts, machine_info, table, tim
 from engine import LLM, SamplingParams, SpeculativeConfig
 
 # name -> (nodes, width, depth, tree_temperature: None = the drafter's calibration, 1.0 = EAGLE-2's
-# plain ranking). 15 nodes: with the root, 16 verified tokens, one AMX tile of rows (a 17th token
-# costs a second tile: +1.2 ms a target step here)
-TREES = {"tree 15/2/10": (15, 2, 10, None), "tree 15/2/10, T=1": (15, 2, 10, 1.0), "tree 24/2/12": (24, 2, 12, None),
-         "tree 16/4/6": (16, 4, 6, None)}
+# plain ranking, tree_min_prob: the value floor, 0 = none). 15 nodes: with the root, 16 verified
+# tokens, one AMX tile of rows (a 17th token costs a second tile: +1.2 ms a target step there).
+# Width 1 with a floor: a chain cut where its calibrated confidence falls below the floor.
+TREES = {"tree 15/2/10": (15, 2, 10, None, 0.0), "tree 15/2/10, T=1": (15, 2, 10, 1.0, 0.0),
+         "tree 24/2/12": (24, 2, 12, None, 0.0), "tree 16/4/6": (16, 4, 6, None, 0.0),
+         "tree 15/2/10, floor 0.3": (15, 2, 10, None, 0.3), "chain cut at 0.3 (15/1/15)": (15, 1, 15, None, 0.3)}
 LOADS = {"batch 1": 1, "4 concurrent": 4, "16 concurrent": 16}
 
 
@@ -44,12 +47,16 @@ def configs(methods: list[str]) -> dict[str, tuple[str | None, dict]]:
         out[f"{m}, chain k=5"] = (m, dict(num_speculative_tokens=5, adaptive=False))
         out[f"{m}, chain k=8"] = (m, dict(num_speculative_tokens=8, adaptive=False))
         out[f"{m}, adaptive chain"] = (m, dict(num_speculative_tokens=6, adaptive=True))
-        for name, (n, w, d, t) in TREES.items():
+        for name, (n, w, d, t, f) in TREES.items():
             out[f"{m}, {name}"] = (m, dict(num_speculative_tokens=d, adaptive=False, tree_nodes=n, tree_width=w,
-                                          tree_depth=d, tree_temperature=t))
-        # the policy chooses trees, chains or no drafts each step and sizes each request's tree
+                                          tree_depth=d, tree_temperature=t, tree_min_prob=f))
+        # the policy chooses trees, chains or no drafts each step; greedy trees take its value
+        # floor (the default), or, with tree_min_prob=0, are sized by its acceptance models (stop 41)
         out[f"{m}, adaptive tree 15/2/10 or chain"] = (m, dict(num_speculative_tokens=8, adaptive=True, tree_nodes=15,
                                                                tree_width=2, tree_depth=10))
+        out[f"{m}, adaptive tree 15/2/10 or chain, no floor"] = (
+            m, dict(num_speculative_tokens=8, adaptive=True, tree_nodes=15, tree_width=2, tree_depth=10,
+                    tree_min_prob=0.0))
     return out
 
 
@@ -183,7 +190,10 @@ def main(argv=None) -> dict:
         if sp is not None and sp.config.uses_tree and sp.config.adaptive:
             policy[name] = {"planned_widths": dict(sorted(sp.width_counts.items())),
                             "sibling_rates": [round(sp.sibling_acceptance.rate(j), 3) for j in range(1, 4)],
-                            "tree_steps": sp.num_tree_steps, "steps_on": sp.num_steps_on}
+                            "tree_steps": sp.num_tree_steps, "steps_on": sp.num_steps_on,
+                            "last_floor": round(sp.adaptive_floor, 3) if sp.floors_trees else None,
+                            "floored_accepted_per_tree": round(sp.floored_acceptance.mean(), 2),
+                            "floored_nodes_per_tree": round(sp.floored_acceptance.mean_nodes(15), 2)}
             print(name, policy[name])
     png = RESULTS / f"{args.name}.png"
     plot(rows, png)

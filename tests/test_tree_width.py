@@ -111,9 +111,10 @@ def test_sibling_acceptance_follows_the_accepted_path():
 
 @pytest.fixture
 def policy(models):  # noqa: F811
+    # (the width rule of trees without a value floor: a floored greedy tree plans tree_width)
     engine = LLMEngine(models["target"], dtype="float32", device="cpu",
                        speculative=SpeculativeConfig(model=models["target"], method="draft", adaptive=True,
-                                                     tree_nodes=12, tree_width=4, tree_depth=4))
+                                                     tree_nodes=12, tree_width=4, tree_depth=4, tree_min_prob=0.0))
     sp = engine.speculator
     sp.proposer.step_cost = lambda n, k: 1e-5 * k
     return sp
