@@ -23,10 +23,13 @@ measures the engine's dynamic trees end to end.
 
 `--calibrate` fits instead the temperature at which greedy trees rank the head's candidates
 (`fit_temperature`; `--write` stores it as the head's tree_calibration.json, which the engine
-reads: `SpeculativeConfig.tree_temperature`).
+reads: `SpeculativeConfig.tree_temperature`; the value floor, `tree_min_prob`, reads the
+probabilities at that temperature as acceptance chances). `--drafter draft` does both for the
+standalone draft model (models/drafter), whose drafts along the true path are its
+teacher-forced predictions.
 
-    python -m bench.tree_ceiling [--prompts 32] [--new-tokens 96] [--depth 12]
-    python -m bench.tree_ceiling --calibrate [--write]
+    python -m bench.tree_ceiling [--drafter eagle3|draft] [--prompts 32] [--new-tokens 96] [--depth 12]
+    python -m bench.tree_ceiling --calibrate [--drafter eagle3|draft] [--write]
 """
 
 from __future__ import annotations
@@ -43,25 +46,34 @@ from engine.spec.proposers.tree_drafting import CALIBRATION_FILE
 NODES = (4, 6, 8, 12, 16, 24, 32, 48, 63)
 
 
+def load_target():
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(MODELS / "target"), dtype=torch.float32).eval()
+
+
+def greedy_continuations(target, prompts: list[list[int]], new_tokens: int):
+    """(prompt, [1, len(prompt) + new_tokens] the prompt and the target's greedy continuation)."""
+    for p in prompts:
+        ids = torch.tensor([p])
+        yield p, target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                                 min_new_tokens=new_tokens, pad_token_id=0)
+
+
 def true_path_logits(prompts: list[list[int]], new_tokens: int, depth: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per prompt, (logits [depth, roots, draft vocab], want [depth, roots]): at each root position
     n of its greedy continuation, the head's logits at depths 1..depth along the true path and the
     draft-vocabulary index of the target's token there (-1: outside the draft vocabulary)."""
-    from transformers import LlamaForCausalLM
-
     from training.eagle3 import load_eagle3_head, target_features
 
-    target = LlamaForCausalLM.from_pretrained(str(MODELS / "target"), dtype=torch.float32).eval()
+    target = load_target()
     head, token_ids = load_eagle3_head(MODELS / "eagle3-head")
     features = target_features(target, head.config.aux_layer_ids)
     draft_index = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     draft_index[token_ids] = torch.arange(token_ids.numel())
     out = []
     with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                                  min_new_tokens=new_tokens, pad_token_id=0)
+        for p, seq in greedy_continuations(target, prompts, new_tokens):
             aux, logits = features(seq)
             truth = logits[0].argmax(-1)  # truth[p]: the target's token after position p
             steps = head.unroll(aux, target.get_input_embeddings()(seq), depth)  # step s index j -> token j + s + 2
@@ -70,6 +82,39 @@ def true_path_logits(prompts: list[list[int]], new_tokens: int, depth: int) -> l
             out.append((torch.stack([lg[0, roots - 2] for lg in steps]),
                         torch.stack([draft_index[truth[roots + s - 1]] for s in range(depth)])))
     return out
+
+
+def draft_model_true_path_logits(prompts: list[list[int]], new_tokens: int, depth: int
+                                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`true_path_logits` for the standalone draft model (models/drafter): along the true path it
+    reads the true tokens at every depth, so its depth-s logits for root n are its teacher-forced
+    logits at position n + s - 1, over its default draft vocabulary (draft_vocab.json), as the
+    engine ranks them."""
+    from transformers import LlamaForCausalLM
+
+    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
+
+    target = load_target()
+    drafter = LlamaForCausalLM.from_pretrained(str(MODELS / "drafter"), dtype=torch.float32).eval()
+    vocab = target.config.vocab_size
+    token_ids = resolve_draft_token_ids(None, str(MODELS / "drafter"), vocab)
+    if token_ids is None:
+        token_ids = torch.arange(vocab)
+    draft_index = torch.full((vocab,), -1, dtype=torch.long)
+    draft_index[token_ids] = torch.arange(token_ids.numel())
+    out = []
+    with torch.inference_mode():
+        for p, seq in greedy_continuations(target, prompts, new_tokens):
+            truth = target(seq).logits[0].argmax(-1)  # truth[p]: the target's token after position p
+            logits = drafter(seq).logits[0][:, token_ids]  # [positions, draft vocabulary]
+            roots = torch.arange(len(p), seq.shape[1] - depth + 1)  # root n: the first draft is token n
+            out.append((torch.stack([logits[roots + s - 1] for s in range(depth)]),
+                        torch.stack([draft_index[truth[roots + s - 1]] for s in range(depth)])))
+    return out
+
+
+# --drafter: (its folder under models/, its true-path logits)
+DRAFTERS = {"eagle3": ("eagle3-head", true_path_logits), "draft": ("drafter", draft_model_true_path_logits)}
 
 
 def ranks_of(logits: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -166,24 +211,27 @@ def main(argv=None) -> dict:
                     help="fit the head's greedy tree temperature instead (`fit_temperature`) on --fit-seed's prompts")
     ap.add_argument("--fit-seed", type=int, default=10, help="prompts to fit on (the benchmarks use seeds 1-4)")
     ap.add_argument("--write", action="store_true", help="with --calibrate: write it to the head's tree_calibration.json")
+    ap.add_argument("--drafter", default="eagle3", choices=sorted(DRAFTERS),
+                    help="the shipped EAGLE-3 head or the standalone draft model")
     args = ap.parse_args(argv)
+    folder, path_logits = DRAFTERS[args.drafter]
     torch.manual_seed(0)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
     if args.calibrate:
         prompts = code_prompts(tokenizer, args.prompts, args.prompt_len, seed=args.fit_seed)
-        fit = fit_temperature(true_path_logits(prompts, args.new_tokens, args.depth))
-        fit["fitted_on"] = (f"python -m bench.tree_ceiling --calibrate --prompts {args.prompts} --depth {args.depth} "
-                            f"--fit-seed {args.fit_seed}: the target's greedy continuations of held-out code "
-                            f"(code_prompts seed {args.fit_seed}), depths 1-{args.depth}")
+        fit = fit_temperature(path_logits(prompts, args.new_tokens, args.depth))
+        fit["fitted_on"] = (f"python -m bench.tree_ceiling --calibrate --drafter {args.drafter} --prompts {args.prompts} "
+                            f"--depth {args.depth} --fit-seed {args.fit_seed}: the target's greedy continuations of "
+                            f"held-out code (code_prompts seed {args.fit_seed}), depths 1-{args.depth}")
         print(json.dumps(fit, indent=2))
         if args.write:
-            (MODELS / "eagle3-head" / CALIBRATION_FILE).write_text(json.dumps(fit, indent=2) + "\n")
+            (MODELS / folder / CALIBRATION_FILE).write_text(json.dumps(fit, indent=2) + "\n")
         return fit
     prompts = code_prompts(tokenizer, args.prompts, args.prompt_len, seed=args.seed)
     half = len(prompts) // 2
-    per_prompt = [ranks_of(lg, w) for lg, w in true_path_logits(prompts, args.new_tokens, args.depth)]
+    per_prompt = [ranks_of(lg, w) for lg, w in path_logits(prompts, args.new_tokens, args.depth)]
     folds = (per_prompt[:half], per_prompt[half:])
     ranks = torch.cat(per_prompt)
     rows = []

@@ -81,7 +81,7 @@ class SpeculativeConfig:
     temperature (a calibration: the drafter's top token is the target's argmax more often than its
     probability says, so at 1, EAGLE-2's ranking, deep nodes of the likely path lose to shallow
     siblings). None (default): the drafter folder's tree_calibration.json (`python -m
-    bench.tree_ceiling --calibrate --write`; the shipped EAGLE-3 head's: 0.244), 1.0 where it has
+    bench.tree_ceiling --calibrate --write`; the shipped EAGLE-3 head's: 0.244, the draft model's: 0.358), 1.0 where it has
     none. It changes which nodes are drafted, never the output.
     tree_min_prob: a greedy tree keeps only nodes whose path probability at `tree_temperature`
     (the product of the calibrated draft probabilities from the root: an estimate of the chance

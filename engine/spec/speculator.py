@@ -1030,6 +1030,13 @@ class Speculator:
         time_s = (tree_ratio * self.cost(b, verified)
                   + self.tree_draft_time(len(wide), levels)
                   + (self.proposer.step_cost(len(narrow), max(n for _, n in narrow)) if narrow else 0.0))
+        # rows the drafter must catch up first (left while speculation was off), spread over the
+        # steps these requests are expected to go on, as `best_chain` does
+        debt = self.catch_up_debt([r for r, *_ in wide], [d for *_, d in wide])
+        if debt:
+            per_step = max(1.0, tokens / b)
+            steps = statistics.mean((r.sampling_params.max_tokens - r.num_output_tokens) / per_step for r, *_ in wide)
+            time_s += debt / min(CATCH_UP_HORIZON, max(1.0, steps))
         ks = [self.choose_k(r, step_index) for r in decoding]
         chain_ks = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         chain = None
@@ -1055,10 +1062,10 @@ class Speculator:
                 return False
         far = tree_rate <= TREE_PROBE_WITHIN * chain_rate
         self._trees_far = (step_index, tuple(r.request_id for r in decoding)) if far else None
-        # (floored trees are probed even when priced far below, while some node could pay: the
-        # floor keeps them small where verifying costs, so a probe is cheap, and their
-        # acceptance cannot be measured otherwise)
-        probe = step_index % TREE_PROBE_EVERY == 0 and (not far or floored)
+        # (floored trees are probed even when priced far below, while some node could pay and no
+        # catch-up is owed: the floor keeps them small where verifying costs, so a probe is
+        # cheap, and their acceptance cannot be measured otherwise)
+        probe = step_index % TREE_PROBE_EVERY == 0 and (not far or (floored and not debt))
         return tree_rate > chain_rate or probe
 
     @property
