@@ -306,22 +306,31 @@ def draft_tree(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tenso
                weights: dict[str, torch.Tensor | None], lm_head: torch.Tensor, n_draft: int,
                token_ids: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
                v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float,
-               scale: float, round_bf16: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy dynamic trees of an EAGLE-3 head in one call (cpu_rows.cpp `draft_tree`: the catch-up
-    forward as `draft_chain`'s, then every level of `tree_drafting.grow_trees` for greedy requests,
+               scale: float, round_bf16: bool, sampling: torch.Tensor | None = None,
+               uniforms: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Dynamic trees of an EAGLE-3 head in one call (cpu_rows.cpp `draft_tree`: the catch-up
+    forward as `draft_chain`'s, then every level of `tree_drafting.grow_trees`). Greedy requests:
     candidates ranked by log_softmax(logits / temperature), kept only at a cumulative
-    log-probability >= min_logprob: -inf keeps EAGLE-2's num_nodes best). depths, widths,
-    num_nodes [R] int64.
-    Returns (tokens, parents [R, N + 1] int64, cum_logprobs [R, N + 1] float32, counts [R] int64):
-    request b's tree is the first counts[b] entries, node 0 its root; N = max(num_nodes)."""
+    log-probability >= min_logprob (-inf keeps EAGLE-2's num_nodes best). Requests whose
+    `sampling` row [R, 3] float32 (temperature > 0, top_k, top_p) is set draw their children
+    without replacement from the filtered draft distribution, reading uniforms [R, U] float32 in
+    `tree_drafting.TreeUniforms`' order (its `by_request()`), and keep their nodes in deviation
+    order (`build_sampled_trees`). depths, widths, num_nodes [R] int64.
+    Returns (tokens, parents [R, N + 1] int64, cum_logprobs [R, N + 1] float32, counts [R] int64,
+    probs [R, N, n_draft] float32 or None): request b's tree is the first counts[b] entries, node 0
+    its root, and node i + 1's q (sampled requests) probs[b, i]; N = max(num_nodes)."""
     empty = torch.empty(0, dtype=torch.int64)
-    return _module().draft_tree(
+    nothing = torch.empty(0, dtype=torch.float32)
+    tokens, parents, cums, counts, probs = _module().draft_tree(
         feats, tokens, positions, owner, block_tables, depths, widths, num_nodes, temperature, min_logprob, embed,
         norms["in_ln"], norms["hidden_norm"], norms["final_norm"], norm_before_residual, weights["post_norm"],
         weights["w_qkv"], weights["w_o"], weights["w_gate_up"], weights["w_down"], lm_head, n_draft,
         empty if token_ids is None else token_ids, rope[0], rope[1], k_cache, v_cache, num_heads, num_kv_heads,
-        intermediate_size, eps, scale, round_bf16,
+        intermediate_size, eps, scale, round_bf16, nothing if sampling is None else sampling,
+        nothing if uniforms is None else uniforms,
     )
+    return tokens, parents, cums, counts, (probs if sampling is not None else None)
 
 
 @functools.cache

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <set>
 #include <type_traits>
 #include <vector>
 
@@ -2372,11 +2373,10 @@ struct RowsStack {
 // Draft distribution of one sampled row over the draft vocabulary, as engine/sampler.py's
 // probs_from_logits: logits / temperature, the top_k largest kept (0: all), then the smallest set
 // of tokens, most probable first, whose mass reaches top_p (the most probable always kept);
-// softmax over what is kept, zeros elsewhere. Then the token by inverse CDF with u in [0, 1), as
-// inverse_cdf_sample: the first index whose cumulative mass exceeds u * total, never a token of
-// zero probability.
-int64_t sample_row(const float* logits, int64_t n, float temperature, int64_t top_k, float top_p, float u,
-                   float* q) {
+// softmax over what is kept, zeros elsewhere (filtered_probs). sample_row: then the token by
+// inverse CDF with u in [0, 1), as inverse_cdf_sample: the first index whose cumulative mass
+// exceeds u * total, never a token of zero probability (inverse_cdf).
+void filtered_probs(const float* logits, int64_t n, float temperature, int64_t top_k, float top_p, float* q) {
   std::vector<float> l(logits, logits + n);
   for (auto& v : l) v /= temperature;
   std::vector<char> keep(n, 1);
@@ -2405,6 +2405,11 @@ int64_t sample_row(const float* logits, int64_t n, float temperature, int64_t to
     z += q[i];
   }
   for (int64_t i = 0; i < n; ++i) q[i] = static_cast<float>(q[i] / z);
+}
+
+// The token of q [n] (need not be normalized) by inverse CDF with u in [0, 1), as
+// engine/sampler.py's inverse_cdf_sample.
+int64_t inverse_cdf(const float* q, int64_t n, float u) {
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) total += q[i];
   const double target = double(u) * total;
@@ -2416,6 +2421,12 @@ int64_t sample_row(const float* logits, int64_t n, float temperature, int64_t to
     if (cdf > target && q[i] > 0.0f) return i;
   }
   return last_nonzero;
+}
+
+int64_t sample_row(const float* logits, int64_t n, float temperature, int64_t top_k, float top_p, float u,
+                   float* q) {
+  filtered_probs(logits, n, temperature, top_k, top_p, q);
+  return inverse_cdf(q, n, u);
 }
 
 // The EAGLE-3 midlayer and LM head that draft_chain and draft_tree run (draft_chain's comment
@@ -2659,8 +2670,8 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
   return {drafts, probs};
 }
 
-// Greedy dynamic trees of an EAGLE-3 head in one call (engine/spec/proposers/tree_drafting.py's
-// grow_trees, greedy requests, with the midlayer and head of draft_chain): the catch-up forward
+// Dynamic trees of an EAGLE-3 head in one call (engine/spec/proposers/tree_drafting.py's
+// grow_trees, with the midlayer and head of draft_chain): the catch-up forward
 // over each request's buffered elements (its last element is the root, at position r); then
 // level by level, for each request b with depths[b] > d, the widths[b] candidates of depth d
 // with the highest cumulative log-probability (ties: the earlier candidate) are expanded, unless
@@ -2672,17 +2683,22 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
 // log_softmax(logits / temperature) (clamped to <= 0) added to its own. Candidates of a level are
 // ordered by their parent's order, then child rank. The tree keeps the num_nodes[b] candidates of
 // depths 1..depths[b] with the highest cumulative log-probability (ties: the shallower, then the
-// earlier), numbered in (depth, order): closed under parents. Returns (tokens, parents [R, N + 1]
-// int64, cum_logprobs [R, N + 1] float32: node 0 the root (its token, parent -1, 0), -1 / -inf past
-// a tree's nodes; counts [R] int64, the nodes with the root), N = max(num_nodes).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tree(
+// earlier), numbered in (depth, order): closed under parents. Sampled requests (sampling's
+// temperature > 0) grow grow_trees' sampled trees instead: children drawn without replacement
+// from the filtered draft distribution with the given uniforms (sampled_children), the frontier
+// by fewest deviations, the tree in deviation order (no floor, no pruning by value). Returns
+// (tokens, parents [R, N + 1] int64, cum_logprobs [R, N + 1] float32: node 0 the root (its token,
+// parent -1, 0), -1 / -inf past a tree's nodes; counts [R] int64, the nodes with the root; probs
+// [R, N, n_draft] float32, node i + 1's q for sampled requests, zeros for greedy ones, undefined
+// without `sampling`), N = max(num_nodes).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tree(
     torch::Tensor feats, torch::Tensor tokens, torch::Tensor positions, torch::Tensor owner,
     torch::Tensor block_tables, torch::Tensor depths, torch::Tensor widths, torch::Tensor num_nodes, double temperature,
     double min_logprob, torch::Tensor embed, torch::Tensor in_ln, torch::Tensor hidden_norm, torch::Tensor final_norm,
     bool norm_before_residual, torch::Tensor post_norm, torch::Tensor w_qkv, torch::Tensor w_o,
     torch::Tensor w_gate_up, torch::Tensor w_down, torch::Tensor lm_head, int64_t n_draft, torch::Tensor token_ids,
     torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H,
-    int64_t Hkv, int64_t I, double eps, double scale, bool round_bf16) {
+    int64_t Hkv, int64_t I, double eps, double scale, bool round_bf16, torch::Tensor sampling, torch::Tensor uniforms) {
   const std::vector<int64_t> last_row = catch_up_rows(feats, tokens, positions, owner, block_tables, "draft_tree");
   const int64_t N0 = feats.size(0), E = feats.size(1);
   const int64_t R = block_tables.size(0), W = block_tables.size(1), bs = k_cache.size(1);
@@ -2715,18 +2731,43 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
     max_depth = std::max(max_depth, dep[b]);
     max_nodes = std::max(max_nodes, nn[b]);
   }
+  // sampled requests: sampling [R, 3] (temperature, top_k, top_p; temperature 0: greedy) and
+  // uniforms [R, U], request b's first w + (depth - 1) * w * w read in TreeUniforms' order
+  // (engine/spec/proposers/tree_drafting.py); empty: every request greedy
+  const bool any_sampled = sampling.defined() && sampling.numel() > 0;
+  TORCH_CHECK(!any_sampled || (sampling.scalar_type() == torch::kFloat32 && sampling.is_contiguous() &&
+                               sampling.dim() == 2 && sampling.size(0) == R && sampling.size(1) == 3 &&
+                               uniforms.scalar_type() == torch::kFloat32 && uniforms.is_contiguous() &&
+                               uniforms.dim() == 2 && uniforms.size(0) == R),
+              "draft_tree: sampling must be contiguous float32 [R, 3] and uniforms float32 [R, U]");
+  const float* sp = any_sampled ? sampling.data_ptr<float>() : nullptr;
+  const float* un = any_sampled ? uniforms.data_ptr<float>() : nullptr;
+  const int64_t U = any_sampled ? uniforms.size(1) : 0;
+  std::vector<char> is_sampled(R, 0);
+  for (int64_t b = 0; any_sampled && b < R; ++b) {
+    TORCH_CHECK(sp[b * 3] >= 0.0f && sp[b * 3 + 1] >= 0.0f && sp[b * 3 + 2] > 0.0f && sp[b * 3 + 2] <= 1.0f,
+                "draft_tree: request ", b, " has temperature < 0, top_k < 0 or top_p outside (0, 1]");
+    is_sampled[b] = sp[b * 3] > 0.0f;
+    TORCH_CHECK(!is_sampled[b] || U >= wid[b] + (dep[b] - 1) * wid[b] * wid[b], "draft_tree: request ", b,
+                " needs ", wid[b] + (dep[b] - 1) * wid[b] * wid[b], " uniforms, has ", U);
+  }
   auto slot_of = [&](int64_t b, int64_t p) { return bt[b * W + p / bs] * bs + p % bs; };
   const double inv_t = 1.0 / temperature;
   // a candidate: its parent (index in the previous depth's list; -1: the root), token, cumulative
   // log-probability and, once expanded, its expansion index
+  // (sampled requests: cum is float32 arithmetic, as grow_trees'; dev: the non-first draws on its
+  // path; q_row: the row of qs[b] it was drawn from)
   struct Cand {
     int64_t parent, token;
     double cum;
     int64_t expanded;
+    int64_t dev = 0, q_row = -1;
   };
   std::vector<std::vector<std::vector<Cand>>> level(R);  // [b][depth - 1]
   std::vector<std::vector<float>> exp_feat(R);           // [b]: each expanded node's output feature, E each
   std::vector<std::vector<int64_t>> exp_slot(R);         // [b]: each expanded node's slot (the root's first)
+  std::vector<std::vector<float>> qs(R);                 // [b]: a sampled request's q rows, n_draft each
+  std::vector<int64_t> used(R, 0);                       // [b]: the uniforms its levels have read
   // the children of request b's node after logits row l: its top widths[b] tokens
   auto children = [&](int64_t b, const float* l, int64_t parent, double parent_cum, std::vector<Cand>& out) {
     double mx = -INFINITY;
@@ -2743,6 +2784,33 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
       out.push_back({parent, m.tid ? m.tid[v] : v, parent_cum + std::min(0.0, double(l[v]) * inv_t - lse), -1});
     }
   };
+  // the children of sampled request b's node after logits row l: widths[b] draws without
+  // replacement from q (filtered as the target's, `filtered_probs`), child j from q without
+  // children 0..j-1 renormalized, by inverse CDF with u[j * u_stride]; log-probability log q of the
+  // child, -inf once q ran out (tree_drafting.tree_children)
+  auto sampled_children = [&](int64_t b, const float* l, int64_t parent, float parent_cum, int64_t parent_dev,
+                              const float* u, int64_t u_stride, std::vector<Cand>& out) {
+    std::vector<float> q(n_draft), rest(n_draft);
+    filtered_probs(l, n_draft, sp[b * 3], static_cast<int64_t>(sp[b * 3 + 1]), sp[b * 3 + 2], q.data());
+    rest = q;
+    for (int64_t j = 0; j < wid[b]; ++j) {
+      float mass = 0.0f;
+      {
+        double acc = 0.0;
+        for (int64_t v = 0; v < n_draft; ++v) acc += rest[v];
+        mass = static_cast<float>(acc);
+      }
+      const int64_t q_row = static_cast<int64_t>(qs[b].size() / n_draft);
+      qs[b].resize(qs[b].size() + n_draft);
+      float* qj = qs[b].data() + q_row * n_draft;
+      for (int64_t v = 0; v < n_draft; ++v) qj[v] = rest[v] / std::max(mass, 1e-30f);
+      const int64_t v = inverse_cdf(qj, n_draft, u[j * u_stride]);
+      const float lp = mass > 0.0f ? std::log(q[v]) : -INFINITY;
+      const float cum = parent_cum + std::min(0.0f, lp);
+      out.push_back({parent, m.tid ? m.tid[v] : v, double(cum), -1, parent_dev + (j > 0), q_row});
+      rest[v] = 0.0f;
+    }
+  };
   // the catch-up: every buffered element, causal; the root's output gives depth 1
   std::vector<float> feat, logits;
   {
@@ -2754,7 +2822,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
       exp_feat[b].assign(feat.begin() + b * E, feat.begin() + (b + 1) * E);
       exp_slot[b].push_back(slot_of(b, root_pos[b]));
       level[b].emplace_back();
-      children(b, logits.data() + b * n_draft, -1, 0.0, level[b][0]);
+      if (is_sampled[b]) {
+        sampled_children(b, logits.data() + b * n_draft, -1, 0.0f, 0, un + b * U, 1, level[b][0]);
+        used[b] = wid[b];
+      } else {
+        children(b, logits.data() + b * n_draft, -1, 0.0, level[b][0]);
+      }
     }
   }
   // the num_nodes[b]-th highest cumulative log-probability among request b's candidates so far
@@ -2772,20 +2845,36 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
   for (int64_t d = 1; d < max_depth; ++d) {
     // this level's elements: the frontier of every request still growing, less the nodes whose
     // children cannot be kept (the tree is the same; fewer rows and levels run)
-    std::vector<int64_t> e_tok, e_pos, e_req, e_cand;
+    std::vector<int64_t> e_tok, e_pos, e_req, e_cand, e_place;
+    std::vector<int64_t> level_nodes(R, 0);  // [b]: the nodes it expands at this level
     std::vector<float> g;
     std::vector<std::vector<int64_t>> seen;  // each element's expanded nodes it sees (the root, ancestors, itself)
     for (int64_t b = 0; b < R; ++b) {
       if (dep[b] <= d) continue;
-      const double bar = kept_bar(b);
       std::vector<Cand>& cands = level[b][d - 1];
-      std::vector<int64_t> order(cands.size());
-      for (size_t i = 0; i < cands.size(); ++i) order[i] = static_cast<int64_t>(i);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cands[a].cum > cands[c].cum; });
+      std::vector<int64_t> order;
+      if (is_sampled[b]) {
+        // the widths[b] drawn candidates of fewest deviations, then highest cumulative
+        // log-probability (tree.select_frontiers' float32 score; ties: the earlier), every one
+        // expanded: a sampled tree keeps by place, not value (build_sampled_trees)
+        std::vector<float> score(cands.size());
+        for (size_t i = 0; i < cands.size(); ++i) {
+          if (!std::isfinite(cands[i].cum)) continue;
+          score[i] = std::max(static_cast<float>(cands[i].cum), -1e4f) - 2e4f * static_cast<float>(cands[i].dev);
+          order.push_back(static_cast<int64_t>(i));
+        }
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return score[a] > score[c]; });
+      } else {
+        order.resize(cands.size());
+        for (size_t i = 0; i < cands.size(); ++i) order[i] = static_cast<int64_t>(i);
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return cands[a].cum > cands[c].cum; });
+      }
+      const double bar = is_sampled[b] ? -INFINITY : kept_bar(b);
+      const double floor = is_sampled[b] ? -INFINITY : min_logprob;
       order.resize(std::min<size_t>(order.size(), static_cast<size_t>(wid[b])));
       std::sort(order.begin(), order.end());
       for (int64_t c : order) {
-        if (!std::isfinite(cands[c].cum) || cands[c].cum <= bar || cands[c].cum < min_logprob) continue;
+        if (!std::isfinite(cands[c].cum) || cands[c].cum <= bar || cands[c].cum < floor) continue;
         const int64_t e = static_cast<int64_t>(exp_slot[b].size());
         cands[c].expanded = e;
         exp_slot[b].push_back(slot_of(b, root_pos[b] + e));
@@ -2796,6 +2885,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
         e_pos.push_back(root_pos[b] + d);
         e_req.push_back(b);
         e_cand.push_back(c);
+        e_place.push_back(level_nodes[b]++);
         std::vector<int64_t> ancestors{e};  // expansion indices of itself and its ancestors, the root's (0) last
         for (int64_t dd = d - 1, p = cands[c].parent; p >= 0; p = level[b][dd - 1][p].parent, --dd)
           ancestors.push_back(level[b][dd - 1][p].expanded);
@@ -2848,8 +2938,15 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
     for (int64_t t = 0; t < T; ++t) {
       const int64_t b = e_req[t];
       exp_feat[b].insert(exp_feat[b].end(), feat.begin() + t * E, feat.begin() + (t + 1) * E);
-      children(b, logits.data() + t * n_draft, e_cand[t], level[b][d - 1][e_cand[t]].cum, level[b][d]);
+      const Cand& parent = level[b][d - 1][e_cand[t]];
+      if (is_sampled[b]) {  // child j of the level's node e_place[t] of level_nodes[b]: TreeUniforms' order
+        sampled_children(b, logits.data() + t * n_draft, e_cand[t], static_cast<float>(parent.cum), parent.dev,
+                         un + b * U + used[b] + e_place[t], level_nodes[b], level[b][d]);
+      } else {
+        children(b, logits.data() + t * n_draft, e_cand[t], parent.cum, level[b][d]);
+      }
     }
+    for (int64_t b = 0; b < R; ++b) used[b] += wid[b] * level_nodes[b];
   }
   // each request's tree: its num_nodes best candidates (EAGLE-2's reranking) of cumulative
   // log-probability at least min_logprob (a candidate below it is not expanded either: its
@@ -2858,17 +2955,39 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
   auto out_tok = torch::full({R, max_nodes + 1}, -1, i64), out_par = torch::full({R, max_nodes + 1}, -1, i64);
   auto out_cum = torch::full({R, max_nodes + 1}, -INFINITY, torch::TensorOptions().dtype(torch::kFloat32));
   auto counts = torch::empty({R}, i64);
+  torch::Tensor probs = any_sampled ? torch::zeros({R, max_nodes, n_draft}, torch::TensorOptions().dtype(torch::kFloat32))
+                                    : torch::Tensor();
   for (int64_t b = 0; b < R; ++b) {
     std::vector<std::pair<int64_t, int64_t>> pool;  // (depth - 1, index)
-    for (int64_t dd = 0; dd < std::min<int64_t>(dep[b], static_cast<int64_t>(level[b].size())); ++dd)
-      for (size_t i = 0; i < level[b][dd].size(); ++i)
-        if (std::isfinite(level[b][dd][i].cum) && level[b][dd][i].cum >= min_logprob)
-          pool.emplace_back(dd, static_cast<int64_t>(i));
-    std::stable_sort(pool.begin(), pool.end(), [&](const auto& a, const auto& c) {
-      return level[b][a.first][a.second].cum > level[b][c.first][c.second].cum;
-    });
-    pool.resize(std::min<size_t>(pool.size(), static_cast<size_t>(nn[b])));
-    std::sort(pool.begin(), pool.end());
+    const int64_t levels = std::min<int64_t>(dep[b], static_cast<int64_t>(level[b].size()));
+    if (is_sampled[b]) {
+      // the first num_nodes[b] drawn candidates in deviation order (fewest deviations, then the
+      // shallower, then the earlier) whose parent is kept (build_sampled_trees)
+      std::vector<std::pair<int64_t, int64_t>> all;
+      for (int64_t dd = 0; dd < levels; ++dd)
+        for (size_t i = 0; i < level[b][dd].size(); ++i) all.emplace_back(dd, static_cast<int64_t>(i));
+      std::stable_sort(all.begin(), all.end(), [&](const auto& a, const auto& c) {
+        return level[b][a.first][a.second].dev < level[b][c.first][c.second].dev;
+      });
+      std::set<std::pair<int64_t, int64_t>> kept;
+      for (const auto& key : all) {
+        if (static_cast<int64_t>(kept.size()) >= nn[b]) break;
+        const Cand& c = level[b][key.first][key.second];
+        if (!std::isfinite(c.cum) || (c.parent >= 0 && !kept.count({key.first - 1, c.parent}))) continue;
+        kept.insert(key);
+      }
+      pool.assign(kept.begin(), kept.end());
+    } else {
+      for (int64_t dd = 0; dd < levels; ++dd)
+        for (size_t i = 0; i < level[b][dd].size(); ++i)
+          if (std::isfinite(level[b][dd][i].cum) && level[b][dd][i].cum >= min_logprob)
+            pool.emplace_back(dd, static_cast<int64_t>(i));
+      std::stable_sort(pool.begin(), pool.end(), [&](const auto& a, const auto& c) {
+        return level[b][a.first][a.second].cum > level[b][c.first][c.second].cum;
+      });
+      pool.resize(std::min<size_t>(pool.size(), static_cast<size_t>(nn[b])));
+      std::sort(pool.begin(), pool.end());
+    }
     std::map<std::pair<int64_t, int64_t>, int64_t> node_of;
     out_tok.data_ptr<int64_t>()[b * (max_nodes + 1)] = tok[last_row[b]];
     out_cum.data_ptr<float>()[b * (max_nodes + 1)] = 0.0f;
@@ -2880,11 +2999,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tre
       out_tok.data_ptr<int64_t>()[b * (max_nodes + 1) + n] = c.token;
       out_par.data_ptr<int64_t>()[b * (max_nodes + 1) + n] = parent;
       out_cum.data_ptr<float>()[b * (max_nodes + 1) + n] = static_cast<float>(c.cum);
+      if (is_sampled[b])
+        std::memcpy(probs.data_ptr<float>() + (b * max_nodes + n - 1) * n_draft, qs[b].data() + c.q_row * n_draft,
+                    sizeof(float) * n_draft);
       ++n;
     }
     counts.data_ptr<int64_t>()[b] = n;
   }
-  return {out_tok, out_par, out_cum, counts};
+  return {out_tok, out_par, out_cum, counts, probs};
 }
 
 // Copy the rows at slots src onto slots dst in each paged cache ([blocks, block_size, ...],
@@ -3217,6 +3339,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_chain", &draft_chain, "chain drafting of an EAGLE-3 head (greedy or sampled): catch-up and every draft in one call",
         nogil());
   m.def("move_slots", &move_slots, "copy rows between slots of paged caches (sources read first)", nogil());
-  m.def("draft_tree", &draft_tree, "greedy dynamic trees of an EAGLE-3 head: catch-up and every level in one call",
+  m.def("draft_tree", &draft_tree, "dynamic trees (greedy or sampled) of an EAGLE-3 head: catch-up and every level in one call",
         nogil());
 }

@@ -7,6 +7,7 @@ and a prefill/decode handoff continues exactly."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -454,27 +455,79 @@ def test_chain_kernel_samples_as_the_python_loop(setup, monkeypatch):
         engine.speculator.proposer.row_kernel_chain = chain
         for i, params in enumerate(sampled):
             engine.add_request(f"r{i}", SPEC_PROMPTS[i], params)
-        seen, outs = [], {f"r{i}": [] for i in range(3)}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                outs[o.request_id] += o.new_token_ids
-            seen.append({rid: (list(r.spec_token_ids), engine.runner.draft_probs.get(rid))
-                         for rid, r in engine.scheduler.requests.items()})
-        runs.append((seen, outs))
-    (seen_k, outs_k), (seen_l, outs_l) = runs
+        runs.append(_drafts_per_step(engine))
+    assert _same_drafts(*runs) > 5 and sum(sampled_calls) > 5
+
+
+def _drafts_per_step(engine: LLMEngine) -> tuple[list[dict], dict]:
+    """Run the engine's requests to the end: (per step, request id -> (drafts, their q, the
+    tree's parents or None)), (request id -> output tokens)."""
+    seen, outs = [], {rid: [] for rid in engine.scheduler.requests}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+        seen.append({rid: (list(r.spec_token_ids), engine.runner.draft_probs.get(rid),
+                           None if r.spec_tree is None else r.spec_tree.parents)
+                     for rid, r in engine.scheduler.requests.items()})
+    return seen, outs
+
+
+def _same_drafts(kernel: tuple[list[dict], dict], loop: tuple[list[dict], dict]) -> int:
+    """Two `_drafts_per_step` runs have the same outputs, drafts and trees at every step, and
+    each draft's q to float32 rounding; returns how many q were compared."""
+    (seen_k, outs_k), (seen_l, outs_l) = kernel, loop
     assert outs_k == outs_l
-    assert [{rid: d for rid, (d, _) in step.items()} for step in seen_k] == \
-        [{rid: d for rid, (d, _) in step.items()} for step in seen_l]
+    assert [{rid: (d, t) for rid, (d, _, t) in step.items()} for step in seen_k] == \
+        [{rid: (d, t) for rid, (d, _, t) in step.items()} for step in seen_l]
     compared = 0
     for step_k, step_l in zip(seen_k, seen_l, strict=True):
-        for rid, (_, q) in step_k.items():
+        for rid, (_, q, _) in step_k.items():
             if q is not None:
                 torch.testing.assert_close(q, step_l[rid][1], rtol=1e-4, atol=1e-6)
                 assert q.sum(-1).sub(1).abs().max() < 1e-4
                 compared += 1
             else:
                 assert step_l[rid][1] is None
-    assert compared > 5 and sum(sampled_calls) > 5
+    return compared
+
+
+def test_tree_kernel_samples_as_the_python_loop(setup, monkeypatch):
+    """Sampled requests draft their trees through the one-call tree kernel too
+    (`cpu_kernels.draft_tree` with `sampling`): with the same seeded generators (both read the
+    uniforms in `TreeUniforms`' order) every round's trees equal the Python level loop's (tokens
+    and parents), each node's q (the distribution it was drawn from, zero off the draft
+    vocabulary) equals the loop's to float32 rounding, and so the outputs are the same; a greedy
+    request beside them too, and requests of different widths (the adaptive policy's) in one
+    batch."""
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU row kernels")
+    sampled_calls = []
+    real = cpu_kernels.draft_tree
+    monkeypatch.setattr(cpu_kernels, "draft_tree", lambda *a, **kw: sampled_calls.append(a[-2] is not None)
+                        or real(*a, **kw))
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4,
+                             adaptive=False, tree_nodes=7, tree_width=3, tree_depth=4)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=1.0, seed=12, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=1.0, top_k=2, seed=13, ignore_eos=True), GREEDY]
+    runs = []
+    for kernel in (True, False):
+        engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
+        proposer = engine.speculator.proposer
+        proposer.row_kernel_chain = kernel
+        # widths 3, 2, 3, 1 (the policy's per-request widths): a batch of different widths
+        proposer.propose_trees = functools.partial(
+            lambda real, reqs, n, d, ctx, widths=None: real(reqs, n, d, ctx, [[3, 2, 3, 1][int(r.request_id[1:])]
+                                                                               for r in reqs]),
+            proposer.propose_trees)
+        for i, p in enumerate(params):
+            engine.add_request(f"r{i}", SPEC_PROMPTS[i % len(SPEC_PROMPTS)], p)
+        runs.append(_drafts_per_step(engine))
+    assert _same_drafts(*runs) > 5 and sum(sampled_calls) > 5
+    # the trees were trees (some node with two children), for the sampled requests too
+    assert any(len(t) > len(set(t)) for step in runs[0][0] for _, q, t in step.values() if q is not None and t)
 
 
 def test_greedy_chain_kernel_refuses_inputs_it_cannot_serve(setup):

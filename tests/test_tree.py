@@ -116,13 +116,14 @@ def test_move_kv_commits_the_accepted_path(kernel, seed, n, root, block_size):
 
 def test_sampled_rows_expand_the_first_draws_first():
     """select_frontier: greedy rows by cumulative log-probability; sampled rows by fewest non-first
-    draws, then log-probability (an undrawn -inf candidate last among those of its deviations)."""
+    draws, then log-probability (an undrawn -inf candidate last of all: it takes no finite one's
+    place, even one of more deviations)."""
     level = TreeLevel(torch.tensor([[-1, -1, -1]] * 2), torch.tensor([[4, 5, 6]] * 2),
                       torch.tensor([[-0.1, -2.0, -0.5], [-0.1, float("-inf"), -0.5]]))
     deviations = torch.tensor([[1, 0, 1], [1, 0, 1]])
     assert select_frontier(level, 1).tolist() == [[0], [0]]
     assert select_frontier(level, 1, deviations, torch.tensor([True, False])).tolist() == [[1], [0]]
-    assert select_frontier(level, 2, deviations, torch.tensor([True, True])).tolist() == [[0, 1], [0, 1]]
+    assert select_frontier(level, 2, deviations, torch.tensor([True, True])).tolist() == [[0, 1], [0, 2]]
 
 
 def test_dynamic_tree_docstring_example():

@@ -276,3 +276,33 @@ def test_sampled_eagle_tree_distribution_matches_target(vocab3):
     assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, TEMPERATURE_1), NUM_SAMPLES)
     assert p > 1e-4, f"EAGLE tree samples do not follow the target distribution (p={p:.2e})"
+
+
+@pytest.fixture(scope="module")
+def vocab3_eagle3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree_eagle3_v3")
+    target = save_tiny_model(str(root / "t"), "llama", vocab_size=VOCAB, num_hidden_layers=EAGLE3_LAYERS)
+    return target, save_eagle3(str(root / "e3"), VOCAB, [0, 2], scale=3.0)  # token 1 is never drafted
+
+
+def test_sampled_eagle3_kernel_tree_distribution_matches_target(vocab3_eagle3, monkeypatch):
+    """The same chi-square test (p < 1e-4 fails: false-failure probability 1e-4, fixed seed) for
+    EAGLE-3 trees drafted by the one-call tree kernel (`cpu_kernels.draft_tree` with sampled
+    requests: children drawn without replacement over a draft vocabulary of 2 of the 3 tokens,
+    every emitted 1 from a residual or a bonus token), every other request a chain."""
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU row kernels")
+    sampled_rows = []
+    real = cpu_kernels.draft_tree
+    monkeypatch.setattr(cpu_kernels, "draft_tree", lambda *a, **kw: sampled_rows.append(
+        0 if a[-2] is None else int((a[-2][:, 0] > 0).sum())) or real(*a, **kw))
+    target, head = vocab3_eagle3
+    counts, llm = _sample_counts(target, head, TEMPERATURE_1, method="eagle3")
+    stats = llm.engine.spec_stats
+    assert stats.num_tree_steps > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert sum(sampled_rows) > 1000  # sampled trees drafted by the kernel
+    assert sum(c for seq, c in counts.items() if 1 in seq) > 100
+    p = _chi_square_p_value(counts, _exact_distribution(target, PROMPT, TEMPERATURE_1), NUM_SAMPLES)
+    assert p > 1e-4, f"EAGLE-3 kernel tree samples do not follow the target distribution (p={p:.2e})"

@@ -418,9 +418,14 @@ def test_adaptive_floor_follows_the_verify_cost(models):
     rate. Flat verification: a floor near 0; a mild slope: a higher one; each token a whole step:
     no node can pay, so no trees (not even a probe). Floored trees priced far below chains are
     still probed every TREE_PROBE_EVERY steps (unfloored ones are not): their acceptance is only
-    measured by drafting them."""
+    measured by drafting them; once FLOORED_PROBE_TRIALS are measured, every TREE_FAR_PROBE_EVERY."""
     from engine.request import Request
-    from engine.spec.speculator import TREE_PROBE_EVERY, StepCostModel
+    from engine.spec.speculator import (
+        FLOORED_PROBE_TRIALS,
+        TREE_FAR_PROBE_EVERY,
+        TREE_PROBE_EVERY,
+        StepCostModel,
+    )
 
     qs = [1, 2, 3, 5, 9]
     floors = {}
@@ -445,10 +450,15 @@ def test_adaptive_floor_follows_the_verify_cost(models):
             assert sp.tree_floor() == float("-inf")
         # trees that accept nothing: priced far below chains; probed only when floored
         sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + 0.2 * (q - 1)) for q in qs]] * 2)
-        for _ in range(2000):
+        for _ in range(FLOORED_PROBE_TRIALS - 1):
             sp.tree_model(r).observe(0, 4)
         assert not sp._trees_pay([r], step_index=1)
         assert sp._trees_pay([r], step_index=TREE_PROBE_EVERY) == (min_prob is None)
+        # measured: probed only every TREE_FAR_PROBE_EVERY steps
+        for _ in range(2000):
+            sp.tree_model(r).observe(0, 4)
+        assert not sp._trees_pay([r], step_index=TREE_PROBE_EVERY)
+        assert sp._trees_pay([r], step_index=TREE_FAR_PROBE_EVERY) == (min_prob is None)
 
 
 def test_adaptive_trees_are_sized_per_request(models):

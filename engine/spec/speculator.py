@@ -65,6 +65,11 @@ TREE_PROBE_WITHIN = 0.8  # if the trees' predicted tokens/s is at least this fra
 # Draft nodes per floored tree assumed before the first one is verified (weight PRIOR_TRIALS):
 # optimistic, as TREE_PRIOR_ACCEPTED is (a floor keeps a few confident nodes).
 FLOORED_PRIOR_NODES = 5.0
+# Floored trees priced far below chains are probed every TREE_PROBE_EVERY steps until
+# FLOORED_PROBE_TRIALS of them are measured, then every TREE_FAR_PROBE_EVERY steps (a probe of a
+# tree that does not pay costs its step's difference; measured, it need not be paid often).
+FLOORED_PROBE_TRIALS = 8
+TREE_FAR_PROBE_EVERY = 128
 TREE_PRIOR_ACCEPTED = 3.0  # accepted drafts per tree verification assumed before the first one
 # P(a node's j-th drafted child is accepted | its earlier children were not), j >= 2, assumed
 # before the first tree verification measures it (weight PRIOR_TRIALS): optimistic enough that
@@ -994,7 +999,8 @@ class Speculator:
         best chain cap's (`best_chain`, which also covers no drafts), or every TREE_PROBE_EVERY
         steps while their predicted rate is within TREE_PROBE_WITHIN of the chain's (a probe keeps
         the tree's acceptance and costs measured; a hopeless tree, e.g. at a large batch, is not
-        probed).
+        probed; floored ones priced far below are, every TREE_PROBE_EVERY steps until
+        FLOORED_PROBE_TRIALS are measured, then every TREE_FAR_PROBE_EVERY).
 
         Trees: tokens = sum over requests of 1 + E[accepted] (`TreeAcceptance`, scaled by how
         much easier the request's text is than average, at most its depth); time = the target
@@ -1064,8 +1070,12 @@ class Speculator:
         self._trees_far = (step_index, tuple(r.request_id for r in decoding)) if far else None
         # (floored trees are probed even when priced far below, while some node could pay and no
         # catch-up is owed: the floor keeps them small where verifying costs, so a probe is
-        # cheap, and their acceptance cannot be measured otherwise)
-        probe = step_index % TREE_PROBE_EVERY == 0 and (not far or (floored and not debt))
+        # cheap, and their acceptance cannot be measured otherwise; once measured, rarely)
+        if not far:
+            probe = step_index % TREE_PROBE_EVERY == 0
+        else:
+            measured = self.floored_acceptance.trials >= FLOORED_PROBE_TRIALS
+            probe = floored and not debt and step_index % (TREE_FAR_PROBE_EVERY if measured else TREE_PROBE_EVERY) == 0
         return tree_rate > chain_rate or probe
 
     @property

@@ -191,7 +191,7 @@ def select_frontier(level: TreeLevel, width: int, deviations: torch.Tensor | Non
     log-probability (the nodes to expand next), ties broken by index, in index order. Rows with
     `by_deviation` [R] bool rank by fewest `deviations` [R, C] (non-first draws on the path)
     first, then by cumulative log-probability (sampled trees: the first draws' chain is always
-    expanded)."""
+    expanded; an undrawn -inf candidate ranks last)."""
     width = min(width, level.cum_logprobs.shape[1])
     return select_frontiers(level, torch.full((level.cum_logprobs.shape[0],), width), deviations, by_deviation)[0]
 
@@ -201,15 +201,16 @@ def select_frontiers(level: TreeLevel, widths: torch.Tensor, deviations: torch.T
     """`select_frontier` with a width per request, widths [R] int64: (frontier [R, F], run [R, F]
     bool), F = min(max(widths), C). Row r's frontier is its F best candidates in index order; run
     marks its widths[r] best of them that were drafted (finite cumulative log-probability): the
-    nodes to expand. Example: cum log-probs [[-0.1, -2.0, -0.5]], widths [1] with F = 2 from
+    nodes to expand (undrawn candidates rank last, so a row's run nodes are its widths[r] best
+    drafted ones whatever the other rows' widths). Example: cum log-probs [[-0.1, -2.0, -0.5]], widths [1] with F = 2 from
     another row -> frontier [[0, 2]], run [[True, False]]."""
     width = min(int(widths.max()), level.cum_logprobs.shape[1])
     score = level.cum_logprobs
     if by_deviation is not None and deviations is not None and bool(by_deviation.any()):
-        # cum log-probs are in (-inf, 0]: one deviation outweighs any finite difference of them
-        # (a clamp keeps -inf candidates last within their deviation count)
-        ranked = score.clamp_min(-1e4) - 2e4 * deviations.to(score.dtype) + torch.where(
-            torch.isinf(score), -1e3, 0.0)
+        # cum log-probs are in (-inf, 0]: one deviation outweighs any finite difference of them;
+        # an undrawn (-inf) candidate ranks last of all, so it takes no node's place (nor does it
+        # depend on how many such slots the batch's widths pad a level with)
+        ranked = (score.clamp_min(-1e4) - 2e4 * deviations.to(score.dtype)).masked_fill(torch.isinf(score), float("-inf"))
         score = torch.where(by_deviation.unsqueeze(1), ranked, score)
     order = torch.sort(-score, dim=1, stable=True).indices[:, :width]  # [R, F], best first
     run = (torch.arange(width, device=order.device) < widths.to(order.device).unsqueeze(1)) & torch.isfinite(

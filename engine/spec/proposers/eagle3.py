@@ -701,10 +701,9 @@ class Eagle3Proposer(Proposer):
         widths = tree_widths(widths, len(requests), self.tree_width)
         depths = scratch_depths(requests, max_depths, widths, self.block_size, root_offset=2)
         chunks, elem_tokens, feats_in, t_start = self._long_catch_up_first(requests, max(depths), t_start)
-        if (self.row_kernel_chain and len(elem_tokens) <= self.fused_max_rows
-                and all(r.sampling_params.is_greedy for r in requests)):
+        if self.row_kernel_chain and len(elem_tokens) <= self.fused_max_rows:
             return self._propose_tree_kernel(requests, num_nodes, depths, widths, chunks, elem_tokens, feats_in, t_start,
-                                             context.tree_min_logprob)
+                                             context)
         last = self._forward(chunks, elem_tokens, feats_in)  # [R, H]
         outputs = list(last.unsqueeze(1))  # per request: the output of each expanded node (the root's first)
 
@@ -818,9 +817,7 @@ class Eagle3Proposer(Proposer):
         greedy = [r.sampling_params.is_greedy for r in requests]
         sampling = uniforms = None
         if not all(greedy):
-            params = [r.sampling_params for r in requests]
-            sampling = torch.tensor([[0.0, 0.0, 1.0] if g else [max(p.temperature, 1e-5), p.top_k, p.top_p]
-                                     for p, g in zip(params, greedy, strict=True)], dtype=torch.float32)
+            sampling = _sampling_rows(requests)
             counts = [0 if g else k for g, k in zip(greedy, num_tokens, strict=True)]
             flat = draw_uniforms(counts, context.generators_for(requests), "cpu")
             uniforms = torch.zeros(len(requests), max(num_tokens))
@@ -841,15 +838,18 @@ class Eagle3Proposer(Proposer):
                         max(len(c.token_ids) for c in chunks), len(elem_tokens), max(num_tokens))
         out = []
         for b, (d, k, g) in enumerate(zip(drafts, num_tokens, greedy, strict=True)):
-            probs = None
-            if not g:  # q over the whole vocabulary, zero off the draft vocabulary (as sample_drafts)
-                probs = q.new_zeros(k, self.head.vocab_size)
-                if self.head.token_ids is None:
-                    probs[:, : q.shape[2]] = q[b, :k]
-                else:
-                    probs[:, self.head.token_ids] = q[b, :k]
-            out.append(Draft(d[:k], probs))
+            out.append(Draft(d[:k], None if g else self._vocab_probs(q[b, :k])))
         return out
+
+    def _vocab_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """q [n, n_draft] over the draft vocabulary -> [n, vocab] over the target's (zeros off the
+        draft vocabulary, as sample_drafts)."""
+        probs = q.new_zeros(q.shape[0], self.head.vocab_size)
+        if self.head.token_ids is None:
+            probs[:, : q.shape[1]] = q
+        else:
+            probs[:, self.head.token_ids] = q
+        return probs
 
     def _kernel_elements(self, requests: list[Request], chunks: list[SeqChunk]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -869,16 +869,18 @@ class Eagle3Proposer(Proposer):
 
     def _propose_tree_kernel(self, requests: list[Request], num_nodes: list[int], depths: list[int],
                              widths: list[int], chunks: list[SeqChunk], elem_tokens: list[int],
-                             feats_in: torch.Tensor, t_start: float, min_logprob: float) -> list[Draft]:
-        """`propose_trees` for greedy requests on the fused CPU path: the catch-up forward and
-        every level of the dynamic trees in one kernel call (`cpu_kernels.draft_tree`: the same
-        midlayer kernel, norms and LM head, the same slots, positions and attention as the level
-        loop of `grow_trees`, the same ranking at `tree_temperature`), without a Python round
-        trip per level. The trees equal the loop's unless float32 rounding flips a near-tie of the
-        ranking (the kernel's float32 norms sum in another order than torch's, which can move a
-        bfloat16 rounding after them; on the shipped head 3 of 31 rounds of 24-node trees
+                             feats_in: torch.Tensor, t_start: float, context: ProposeContext) -> list[Draft]:
+        """`propose_trees` on the fused CPU path: the catch-up forward and every level of the
+        dynamic trees in one kernel call (`cpu_kernels.draft_tree`: the same midlayer kernel,
+        norms and LM head, the same slots, positions and attention as the level loop of
+        `grow_trees`, the same ranking at `tree_temperature` for greedy requests and the same
+        draws, from the same uniforms (`TreeUniforms`), for sampled ones), without a Python round
+        trip per level. Greedy trees equal the loop's unless float32 rounding flips a near-tie of
+        the ranking (the kernel's float32 norms sum in another order than torch's, which can move
+        a bfloat16 rounding after them; on the shipped head 3 of 31 rounds of 24-node trees
         differed, in their last-ranked node), which changes only what is proposed, never the
-        verified output."""
+        verified output; a sampled node comes back with the q it was drawn from."""
+        from engine.spec.proposers.tree_drafting import TreeUniforms
         from engine.spec.tree import DraftTree
         from kernels import cpu_kernels
 
@@ -886,13 +888,19 @@ class Eagle3Proposer(Proposer):
         k_cache, v_cache = self.kv_caches[0]
         cfg = self.arch
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
-        tokens, parents, cums, counts = cpu_kernels.draft_tree(
+        greedy = [r.sampling_params.is_greedy for r in requests]
+        sampling = uniforms = None
+        if not all(greedy):
+            sampling = _sampling_rows(requests)
+            uniforms = TreeUniforms(requests, widths, depths, context.generators_for(requests), "cpu").by_request()
+        tokens, parents, cums, counts, q = cpu_kernels.draft_tree(
             feats_in.float().contiguous(), as_tensor(elem_tokens), positions, owner, tables, as_tensor(depths),
-            as_tensor(widths), as_tensor(num_nodes), self.tree_temperature, min_logprob, self.embed_tokens.weight,
+            as_tensor(widths), as_tensor(num_nodes), self.tree_temperature, context.tree_min_logprob,
+            self.embed_tokens.weight,
             self._chain_norms,
             self.layer.norm_before_residual, *self._packing(len(elem_tokens))[:2], self.head.size, self.head.token_ids,
             self.rope_f32, k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_norm_eps,
-            cfg.head_dim**-0.5, self.dtype == torch.bfloat16,
+            cfg.head_dim**-0.5, self.dtype == torch.bfloat16, sampling, uniforms,
         )
         for r in requests:  # the call succeeded: the buffered elements are in the midlayer's KV
             self._states[r.request_id] = HiddenRows(r.num_tokens - 1, self._states[r.request_id].rows[:0].clone())
@@ -900,7 +908,17 @@ class Eagle3Proposer(Proposer):
         self.timer.add_round(len(requests), time.perf_counter() - t_start, max(depths),
                              max(len(c.token_ids) for c in chunks), max(depths), chain=False)
         drafts = []
-        for t, p, c, n in zip(tokens.tolist(), parents.tolist(), cums.tolist(), counts.tolist(), strict=True):
+        for b, (t, p, c, n) in enumerate(zip(tokens.tolist(), parents.tolist(), cums.tolist(), counts.tolist(),
+                                             strict=True)):
             tree = DraftTree(tuple(t[:n]), tuple(p[:n]), tuple(c[:n]))
-            drafts.append(Draft(list(tree.token_ids[1:]), None, tree))
+            probs = None if greedy[b] or n == 1 else self._vocab_probs(q[b, : n - 1])
+            drafts.append(Draft(list(tree.token_ids[1:]), probs, tree))
         return drafts
+
+
+def _sampling_rows(requests: list[Request]) -> torch.Tensor:
+    """[R, 3] float32 (temperature, top_k, top_p) per request for `cpu_kernels.draft_chain` /
+    `draft_tree`: (0, 0, 1) for a greedy one."""
+    return torch.tensor([[0.0, 0.0, 1.0] if r.sampling_params.is_greedy else
+                         [max(r.sampling_params.temperature, 1e-5), r.sampling_params.top_k, r.sampling_params.top_p]
+                         for r in requests], dtype=torch.float32)

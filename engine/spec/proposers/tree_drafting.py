@@ -31,6 +31,7 @@ the q it was drawn from (Draft.probs, node order).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 import torch
@@ -72,17 +73,18 @@ def read_tree_temperature(model_dir: str | None) -> float:
 
 
 def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Request],
-                  generators: list[torch.Generator | None], k: int, widths: list[int] | None = None,
+                  uniforms: torch.Tensor | None, k: int, widths: list[int] | None = None,
                   temperature: float = 1.0) -> Children:
-    """k children of each row of hidden [n, H] (requests[i], generators[i]: row i's), through
-    `head` (over its draft vocabulary; ids come back as target token ids). widths[i] < k: row
-    i's children past its first widths[i] get log-probability -inf (not drafted: no candidates).
+    """k children of each row of hidden [n, H] (requests[i]: row i's), through `head` (over its
+    draft vocabulary; ids come back as target token ids). widths[i] < k: row i's children past
+    its first widths[i] get log-probability -inf (not drafted: no candidates).
 
     Greedy rows: the draft's k most probable tokens, with their log-probabilities at
     `temperature` (the ranking: module docstring). Sampled rows:
     k draws without replacement from q, the draft's distribution filtered as the target's
     (temperature, top-k, top-p): child j from q without children 1..j-1, renormalized (the
-    row given for it); the log-probability is log q of the child; a child drawn after q ran
+    row given for it), by inverse CDF with uniforms[i, j] ([n, >= k] float32; None when every
+    row is greedy); the log-probability is log q of the child; a child drawn after q ran
     out of tokens gets -inf (it is no candidate).
     """
     logits = head(hidden)  # [n, V'] float32 over the draft vocabulary
@@ -101,18 +103,12 @@ def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Reques
         )  # [n, V']
         log_q = q.log()
         drawn_ids, drawn_lp, rows = [], [], []
-        row_widths = widths or [k] * len(requests)
         for j in range(k):
             mass = q.sum(dim=-1, keepdim=True)  # [n, 1]
             valid = mass.squeeze(1) > 0
             q_j = q / mass.clamp_min(1e-30)
-            # a row draws its children up to its width only (a seeded row's draws do not depend on
-            # the other rows' widths); past it, any token (masked to -inf below)
-            counts = [int(j < w) for w in row_widths]
-            u = torch.zeros(len(requests), device=device)
-            if any(counts):
-                u[torch.tensor(counts, device=device, dtype=torch.bool)] = draw_uniforms(counts, generators, device)
-            token = inverse_cdf_sample(q_j, u)
+            # (past a row's width: any token, masked to -inf below)
+            token = inverse_cdf_sample(q_j, uniforms[:, j])
             drawn_ids.append(token)
             drawn_lp.append(log_q.gather(1, token.unsqueeze(1)).squeeze(1).masked_fill(~valid, float("-inf")))
             rows.append(q_j)
@@ -128,6 +124,64 @@ def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Reques
         past = torch.arange(k, device=device) >= torch.tensor(widths, device=device).unsqueeze(1)
         lp = lp.masked_fill(past, float("-inf"))
     return (ids if head.token_ids is None else head.token_ids[ids]), lp, q_rows
+
+
+class TreeUniforms:
+    """The uniforms of a step's sampled trees, drawn up front: request r (sampled, width w,
+    depth d) draws tree_uniform_count(w, d) from its generator (`draw_uniforms`: a seeded
+    request's draws depend only on its seed and history), and its level's expanded nodes read
+    them in a fixed order: level by level, and within a level, the child's rank j, then the node's
+    place t among the c nodes the request expands there: child j of node t reads
+    the level's offset + j * c + t, and the next level starts w * c later (the root's level: c =
+    1). `cpu_kernels.draft_tree` reads them in the same order, so both draw the same trees.
+    Example: w = 2, a root level then a level of 2 nodes: the root's children read 0, 1; node 0's
+    children 2 and 4, node 1's 3 and 5."""
+
+    def __init__(self, requests: list[Request], widths: list[int], depths: list[int],
+                 generators: list[torch.Generator | None], device: torch.device) -> None:
+        self.sampled = [not r.sampling_params.is_greedy for r in requests]
+        self.widths = widths
+        counts = [tree_uniform_count(w, d) if s else 0 for w, d, s in zip(widths, depths, self.sampled, strict=True)]
+        self.flat = None
+        if any(counts):  # (index 0: a zero for greedy rows and children past a width)
+            self.flat = torch.cat([torch.zeros(1, device=device), draw_uniforms(counts, generators, device)])
+        self.starts = [1 + sum(counts[:i]) for i in range(len(counts))]
+        self.offsets = list(self.starts)  # where each request's next level starts
+        self.device = device
+
+    def by_request(self) -> torch.Tensor | None:
+        """[R, max count] float32: each request's uniforms (zeros past its count), as
+        `cpu_kernels.draft_tree` takes them; None when every request is greedy."""
+        if self.flat is None:
+            return None
+        ends = self.starts[1:] + [self.flat.numel()]
+        out = torch.zeros(len(self.starts), max(e - s for s, e in zip(self.starts, ends, strict=True)), device=self.device)
+        for i, (s, e) in enumerate(zip(self.starts, ends, strict=True)):
+            out[i, : e - s] = self.flat[s:e]
+        return out
+
+    def level(self, rows: list[int], k: int) -> torch.Tensor | None:
+        """[len(rows), k] float32: the uniforms of the children of one level's expanded nodes
+        (rows: each node's request, request by request), advancing each request's offset."""
+        if self.flat is None:
+            return None
+        per = collections.Counter(rows)
+        place: dict[int, int] = {}
+        idx = []
+        for i in rows:
+            t = place[i] = place.get(i, -1) + 1
+            c, s, w = per[i], self.offsets[i], self.widths[i]
+            idx.extend(s + j * c + t if self.sampled[i] and j < w else 0 for j in range(k))
+        for i, c in per.items():
+            self.offsets[i] += self.widths[i] * c if self.sampled[i] else 0
+        return self.flat[torch.tensor(idx, device=self.device)].view(len(rows), k)
+
+
+def tree_uniform_count(width: int, depth: int) -> int:
+    """Uniforms a sampled tree of `width` and `depth` levels may read (`TreeUniforms`): width
+    for the root's children, width * width for each later level (at most width expanded nodes
+    of width children)."""
+    return width + (depth - 1) * width * width
 
 
 def grow_trees(
@@ -165,9 +219,11 @@ def grow_trees(
     """
     num_reqs = len(requests)
     heads = heads if isinstance(heads, list) else [heads]
-    ids, lp, q_rows = tree_children(heads[0], root_hidden, requests, generators, max(widths), widths, temperature)
+    device = root_hidden.device
+    draws = TreeUniforms(requests, widths, depths, generators, device)
+    ids, lp, q_rows = tree_children(heads[0], root_hidden, requests, draws.level(list(range(num_reqs)), max(widths)),
+                                    max(widths), widths, temperature)
     k = ids.shape[1]  # children per node: the widest request's (at most the draft vocabulary)
-    device = ids.device
     width_t = torch.tensor(widths, device=device)
     levels = [first_level(ids, lp)]
     sampled_rows = torch.tensor([not r.sampling_params.is_greedy for r in requests], device=device)
@@ -211,7 +267,7 @@ def grow_trees(
             num_forwards += 1
             rows = [i for i, c in zip(active, counts, strict=True) for _ in range(c)]
             head = heads[min(d, len(heads) - 1)]
-            ids, lp, q_rows = tree_children(head, hidden, [requests[i] for i in rows], [generators[i] for i in rows],
+            ids, lp, q_rows = tree_children(head, hidden, [requests[i] for i in rows], draws.level(rows, k),
                                             k, [widths[i] for i in rows], temperature)
             at = torch.tensor(slots, device=device)
             all_ids.index_copy_(0, at, ids)
