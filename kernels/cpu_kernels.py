@@ -333,6 +333,26 @@ def draft_tree(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tenso
     return tokens, parents, cums, counts, (probs if sampling is not None else None)
 
 
+def stack_tree(stack, tokens: torch.Tensor, positions: torch.Tensor, owner: torch.Tensor, block_tables: torch.Tensor,
+               depths: torch.Tensor, widths: torch.Tensor, num_nodes: torch.Tensor, temperature: float,
+               min_logprob: float, lm_head: torch.Tensor, n_draft: int, token_ids: torch.Tensor | None,
+               sampling: torch.Tensor | None = None, uniforms: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`draft_tree` for a draft model (cpu_rows.cpp `stack_tree`): `stack` its layers
+    (`rows_stack` with `set_ends`), its catch-up elements tokens at positions ([N0] int64, owner
+    request, each request's rows together), lm_head packed (`pack_rows`) over n_draft rows, column
+    i being target token token_ids[i] (None: i). The same trees, levels and outputs as
+    `draft_tree`'s (an element is its token: no features)."""
+    empty = torch.empty(0, dtype=torch.int64)
+    nothing = torch.empty(0, dtype=torch.float32)
+    tokens, parents, cums, counts, probs = _module().stack_tree(
+        stack, tokens, positions, owner, block_tables, depths, widths, num_nodes, temperature, min_logprob, lm_head,
+        n_draft, empty if token_ids is None else token_ids, nothing if sampling is None else sampling,
+        nothing if uniforms is None else uniforms,
+    )
+    return tokens, parents, cums, counts, (probs if sampling is not None else None)
+
+
 @functools.cache
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)

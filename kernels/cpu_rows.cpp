@@ -2670,19 +2670,20 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
   return {drafts, probs};
 }
 
-// Dynamic trees of an EAGLE-3 head in one call (engine/spec/proposers/tree_drafting.py's
-// grow_trees, with the midlayer and head of draft_chain): the catch-up forward
-// over each request's buffered elements (its last element is the root, at position r); then
-// level by level, for each request b with depths[b] > d, the widths[b] candidates of depth d
-// with the highest cumulative log-probability (ties: the earlier candidate) are expanded, unless
-// their cumulative log-probability is at most the num_nodes[b]-th highest so far (then none of
-// their children could be kept: the same tree with fewer rows; a level where no request expands
-// ends the growth): the e-th expanded node (the root is 0) is the element (its parent's output feature, its token) at
-// slot r + e and RoPE position r + d, attending to positions 0..r, its expanded ancestors and
-// itself; its widths[b] children are the head's top tokens after it with log-probabilities
-// log_softmax(logits / temperature) (clamped to <= 0) added to its own. Candidates of a level are
-// ordered by their parent's order, then child rank. The tree keeps the num_nodes[b] candidates of
-// depths 1..depths[b] with the highest cumulative log-probability (ties: the shallower, then the
+// Dynamic trees in one call (engine/spec/proposers/tree_drafting.py's grow_trees) for a drafter
+// (Drafter below: the EAGLE-3 midlayer and head of draft_chain, or a draft model's RowsStack):
+// the catch-up forward over each request's buffered elements (its last element is the root, at
+// position r); then level by level, for each request b with depths[b] > d, the widths[b]
+// candidates of depth d with the highest cumulative log-probability (ties: the earlier
+// candidate) are expanded, unless their cumulative log-probability is at most the num_nodes[b]-th
+// highest so far (then none of their children could be kept: the same tree with fewer rows; a
+// level where no request expands ends the growth): the e-th expanded node (the root is 0) is an
+// element (its token; for EAGLE-3 with its parent's output feature) at slot r + e and RoPE
+// position r + d, attending to positions 0..r, its expanded ancestors and itself; its widths[b]
+// children are the head's top tokens after it with log-probabilities log_softmax(logits /
+// temperature) (clamped to <= 0) added to its own. Candidates of a level are ordered by their
+// parent's order, then child rank. The tree keeps the num_nodes[b] candidates of depths
+// 1..depths[b] with the highest cumulative log-probability (ties: the shallower, then the
 // earlier), numbered in (depth, order): closed under parents. Sampled requests (sampling's
 // temperature > 0) grow grow_trees' sampled trees instead: children drawn without replacement
 // from the filtered draft distribution with the given uniforms (sampled_children), the frontier
@@ -2691,42 +2692,54 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
 // parent -1, 0), -1 / -inf past a tree's nodes; counts [R] int64, the nodes with the root; probs
 // [R, N, n_draft] float32, node i + 1's q for sampled requests, zeros for greedy ones, undefined
 // without `sampling`), N = max(num_nodes).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tree(
-    torch::Tensor feats, torch::Tensor tokens, torch::Tensor positions, torch::Tensor owner,
-    torch::Tensor block_tables, torch::Tensor depths, torch::Tensor widths, torch::Tensor num_nodes, double temperature,
-    double min_logprob, torch::Tensor embed, torch::Tensor in_ln, torch::Tensor hidden_norm, torch::Tensor final_norm,
-    bool norm_before_residual, torch::Tensor post_norm, torch::Tensor w_qkv, torch::Tensor w_o,
-    torch::Tensor w_gate_up, torch::Tensor w_down, torch::Tensor lm_head, int64_t n_draft, torch::Tensor token_ids,
-    torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H,
-    int64_t Hkv, int64_t I, double eps, double scale, bool round_bf16, torch::Tensor sampling, torch::Tensor uniforms) {
-  const std::vector<int64_t> last_row = catch_up_rows(feats, tokens, positions, owner, block_tables, "draft_tree");
-  const int64_t N0 = feats.size(0), E = feats.size(1);
-  const int64_t R = block_tables.size(0), W = block_tables.size(1), bs = k_cache.size(1);
+//
+// A Drafter has n_draft, tid (draft -> target ids or null), P (rope rows) and
+//   roots(logits): the catch-up forward; logits [R, n_draft] after each request's last element;
+//   level(req, tok, pos, parent, slots, tables, lens, slot_rows, tree, logits): one level's
+//     elements (request, token, RoPE position, the expansion index of the parent) at slots, as
+//     rows_layer's block tables / tree rows; logits [T, n_draft] after each.
+struct TreeRequests {
+  const int64_t *tok, *pos, *bt, *dep, *wid, *nn;
+  int64_t N0, R, W, bs;
+  std::vector<int64_t> last_row;
+};
+
+// The catch-up elements and tree sizes checked (draft_tree / stack_tree's common inputs).
+static TreeRequests tree_requests(const torch::Tensor& tokens, const torch::Tensor& positions, const torch::Tensor& owner,
+                                  const torch::Tensor& block_tables, const torch::Tensor& depths,
+                                  const torch::Tensor& widths, const torch::Tensor& num_nodes, int64_t bs,
+                                  const torch::Tensor& feats, const char* what) {
+  TreeRequests q;
+  torch::Tensor rows = feats.defined() ? feats : torch::empty({tokens.numel(), 0}, torch::TensorOptions().dtype(torch::kFloat32));
+  q.last_row = catch_up_rows(rows, tokens, positions, owner, block_tables, what);
+  q.N0 = tokens.numel(), q.R = block_tables.size(0), q.W = block_tables.size(1), q.bs = bs;
   for (const auto* t : {&depths, &widths, &num_nodes}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == R,
-                "draft_tree: depths, widths and num_nodes must be contiguous int64 [R]");
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == q.R,
+                what, ": depths, widths and num_nodes must be contiguous int64 [R]");
   }
-  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), "draft_tree: temperature must be > 0");
-  TORCH_CHECK(min_logprob <= 0.0, "draft_tree: min_logprob must be <= 0 (-inf: no floor)");
-  Eagle3Midlayer m{embed, in_ln, hidden_norm, final_norm, post_norm, w_qkv, w_o, w_gate_up, w_down, lm_head, token_ids,
-                   rope_cos, rope_sin, k_cache, v_cache, norm_before_residual, round_bf16, n_draft, H, Hkv, I, eps, scale};
-  m.check(E, "draft_tree");
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* own = owner.data_ptr<int64_t>();
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* dep = depths.data_ptr<int64_t>();
-  const int64_t* wid = widths.data_ptr<int64_t>();
-  const int64_t* nn = num_nodes.data_ptr<int64_t>();
+  q.tok = tokens.data_ptr<int64_t>(), q.pos = positions.data_ptr<int64_t>(), q.bt = block_tables.data_ptr<int64_t>();
+  q.dep = depths.data_ptr<int64_t>(), q.wid = widths.data_ptr<int64_t>(), q.nn = num_nodes.data_ptr<int64_t>();
+  return q;
+}
+
+template <typename Drafter>
+static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> grow_trees_in_one_call(
+    Drafter& m, const TreeRequests& req, double temperature, double min_logprob, const torch::Tensor& sampling,
+    const torch::Tensor& uniforms, const char* what) {
+  TORCH_CHECK(temperature > 0.0 && std::isfinite(temperature), what, ": temperature must be > 0");
+  TORCH_CHECK(min_logprob <= 0.0, what, ": min_logprob must be <= 0 (-inf: no floor)");
+  const int64_t R = req.R, W = req.W, bs = req.bs, n_draft = m.n_draft;
+  const int64_t *tok = req.tok, *pos = req.pos, *bt = req.bt, *dep = req.dep, *wid = req.wid, *nn = req.nn;
+  const std::vector<int64_t>& last_row = req.last_row;
   int64_t max_depth = 0, max_nodes = 0;
   std::vector<int64_t> root_pos(R);
   for (int64_t b = 0; b < R; ++b) {
-    TORCH_CHECK(dep[b] >= 1 && wid[b] >= 1 && wid[b] <= n_draft && nn[b] >= 1, "draft_tree: request ", b,
+    TORCH_CHECK(dep[b] >= 1 && wid[b] >= 1 && wid[b] <= n_draft && nn[b] >= 1, what, ": request ", b,
                 " needs depth >= 1, 1 <= width <= the draft vocabulary and num_nodes >= 1");
     root_pos[b] = pos[last_row[b]];
     // expanded nodes: at most 1 + width * (depth - 1) with the root, at slots r .. r + that - 1
     const int64_t end = root_pos[b] + wid[b] * (dep[b] - 1);
-    TORCH_CHECK(end / bs < W && root_pos[b] + dep[b] < m.P, "draft_tree: request ", b, " needs position ", end,
+    TORCH_CHECK(end / bs < W && root_pos[b] + dep[b] < m.P, what, ": request ", b, " needs position ", end,
                 ", beyond its block table or the rope table");
     max_depth = std::max(max_depth, dep[b]);
     max_nodes = std::max(max_nodes, nn[b]);
@@ -2739,16 +2752,16 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
                                sampling.dim() == 2 && sampling.size(0) == R && sampling.size(1) == 3 &&
                                uniforms.scalar_type() == torch::kFloat32 && uniforms.is_contiguous() &&
                                uniforms.dim() == 2 && uniforms.size(0) == R),
-              "draft_tree: sampling must be contiguous float32 [R, 3] and uniforms float32 [R, U]");
+              what, ": sampling must be contiguous float32 [R, 3] and uniforms float32 [R, U]");
   const float* sp = any_sampled ? sampling.data_ptr<float>() : nullptr;
   const float* un = any_sampled ? uniforms.data_ptr<float>() : nullptr;
   const int64_t U = any_sampled ? uniforms.size(1) : 0;
   std::vector<char> is_sampled(R, 0);
   for (int64_t b = 0; any_sampled && b < R; ++b) {
     TORCH_CHECK(sp[b * 3] >= 0.0f && sp[b * 3 + 1] >= 0.0f && sp[b * 3 + 2] > 0.0f && sp[b * 3 + 2] <= 1.0f,
-                "draft_tree: request ", b, " has temperature < 0, top_k < 0 or top_p outside (0, 1]");
+                what, ": request ", b, " has temperature < 0, top_k < 0 or top_p outside (0, 1]");
     is_sampled[b] = sp[b * 3] > 0.0f;
-    TORCH_CHECK(!is_sampled[b] || U >= wid[b] + (dep[b] - 1) * wid[b] * wid[b], "draft_tree: request ", b,
+    TORCH_CHECK(!is_sampled[b] || U >= wid[b] + (dep[b] - 1) * wid[b] * wid[b], what, ": request ", b,
                 " needs ", wid[b] + (dep[b] - 1) * wid[b] * wid[b], " uniforms, has ", U);
   }
   auto slot_of = [&](int64_t b, int64_t p) { return bt[b * W + p / bs] * bs + p % bs; };
@@ -2764,7 +2777,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     int64_t dev = 0, q_row = -1;
   };
   std::vector<std::vector<std::vector<Cand>>> level(R);  // [b][depth - 1]
-  std::vector<std::vector<float>> exp_feat(R);           // [b]: each expanded node's output feature, E each
   std::vector<std::vector<int64_t>> exp_slot(R);         // [b]: each expanded node's slot (the root's first)
   std::vector<std::vector<float>> qs(R);                 // [b]: a sampled request's q rows, n_draft each
   std::vector<int64_t> used(R, 0);                       // [b]: the uniforms its levels have read
@@ -2812,14 +2824,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     }
   };
   // the catch-up: every buffered element, causal; the root's output gives depth 1
-  std::vector<float> feat, logits;
+  std::vector<float> logits;
   {
-    std::vector<int64_t> e_tok(tok, tok + N0), e_pos(pos, pos + N0), e_own(own, own + N0);
-    auto [slots, tables, lens] = causal_tables(e_pos, e_own, bt, W, bs);
-    auto [mlp, res] = m.forward(feats.data_ptr<float>(), e_tok, e_pos, slots, tables, lens, false);
-    m.outputs(mlp, res, last_row, feat, logits);
+    m.roots(logits);
     for (int64_t b = 0; b < R; ++b) {
-      exp_feat[b].assign(feat.begin() + b * E, feat.begin() + (b + 1) * E);
       exp_slot[b].push_back(slot_of(b, root_pos[b]));
       level[b].emplace_back();
       if (is_sampled[b]) {
@@ -2845,9 +2853,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   for (int64_t d = 1; d < max_depth; ++d) {
     // this level's elements: the frontier of every request still growing, less the nodes whose
     // children cannot be kept (the tree is the same; fewer rows and levels run)
-    std::vector<int64_t> e_tok, e_pos, e_req, e_cand, e_place;
+    std::vector<int64_t> e_tok, e_pos, e_req, e_cand, e_place, e_parent;
     std::vector<int64_t> level_nodes(R, 0);  // [b]: the nodes it expands at this level
-    std::vector<float> g;
     std::vector<std::vector<int64_t>> seen;  // each element's expanded nodes it sees (the root, ancestors, itself)
     for (int64_t b = 0; b < R; ++b) {
       if (dep[b] <= d) continue;
@@ -2879,8 +2886,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
         cands[c].expanded = e;
         exp_slot[b].push_back(slot_of(b, root_pos[b] + e));
         const Cand* parent = cands[c].parent < 0 ? nullptr : &level[b][d - 2][cands[c].parent];
-        const int64_t parent_exp = parent ? parent->expanded : 0;
-        g.insert(g.end(), exp_feat[b].begin() + parent_exp * E, exp_feat[b].begin() + (parent_exp + 1) * E);
+        e_parent.push_back(parent ? parent->expanded : 0);
         e_tok.push_back(cands[c].token);
         e_pos.push_back(root_pos[b] + d);
         e_req.push_back(b);
@@ -2931,13 +2937,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
         lens.data_ptr<int64_t>()[t] = n;
       }
     }
-    auto [mlp, res] = m.forward(g.data(), e_tok, e_pos, slots, tables, lens, most >= 64, tree_rows);
-    std::vector<int64_t> rows(T);
-    for (int64_t t = 0; t < T; ++t) rows[t] = t;
-    m.outputs(mlp, res, rows, feat, logits);
+    m.level(e_req, e_tok, e_pos, e_parent, slots, tables, lens, most >= 64, tree_rows, logits);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t b = e_req[t];
-      exp_feat[b].insert(exp_feat[b].end(), feat.begin() + t * E, feat.begin() + (t + 1) * E);
       const Cand& parent = level[b][d - 1][e_cand[t]];
       if (is_sampled[b]) {  // child j of the level's node e_place[t] of level_nodes[b]: TreeUniforms' order
         sampled_children(b, logits.data() + t * n_draft, e_cand[t], static_cast<float>(parent.cum), parent.dev,
@@ -3007,6 +3009,128 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     counts.data_ptr<int64_t>()[b] = n;
   }
   return {out_tok, out_par, out_cum, counts, probs};
+}
+
+
+// The EAGLE-3 midlayer and head as a Drafter: an element is (its parent's output feature, its
+// token); the catch-up's elements are feats' rows.
+struct Eagle3TreeDrafter {
+  Eagle3Midlayer& mid;
+  const torch::Tensor& feats;
+  const TreeRequests& req;
+  const int64_t* own;
+  int64_t n_draft, P, E;
+  const int64_t* tid;
+  std::vector<std::vector<float>> exp_feat;  // [b]: each expanded node's output feature, E each
+
+  void roots(std::vector<float>& logits) {
+    std::vector<int64_t> e_tok(req.tok, req.tok + req.N0), e_pos(req.pos, req.pos + req.N0), e_own(own, own + req.N0);
+    auto [slots, tables, lens] = causal_tables(e_pos, e_own, req.bt, req.W, req.bs);
+    auto [mlp, res] = mid.forward(feats.data_ptr<float>(), e_tok, e_pos, slots, tables, lens, false);
+    std::vector<float> feat;
+    mid.outputs(mlp, res, req.last_row, feat, logits);
+    exp_feat.assign(req.R, {});
+    for (int64_t b = 0; b < req.R; ++b) exp_feat[b].assign(feat.begin() + b * E, feat.begin() + (b + 1) * E);
+  }
+
+  void level(const std::vector<int64_t>& e_req, const std::vector<int64_t>& e_tok, const std::vector<int64_t>& e_pos,
+             const std::vector<int64_t>& e_parent, torch::Tensor slots, torch::Tensor tables, torch::Tensor lens,
+             bool slot_rows, torch::Tensor tree, std::vector<float>& logits) {
+    const int64_t T = static_cast<int64_t>(e_tok.size());
+    std::vector<float> g;
+    for (int64_t t = 0; t < T; ++t) {
+      const auto& f = exp_feat[e_req[t]];
+      g.insert(g.end(), f.begin() + e_parent[t] * E, f.begin() + (e_parent[t] + 1) * E);
+    }
+    auto [mlp, res] = mid.forward(g.data(), e_tok, e_pos, slots, tables, lens, slot_rows, tree);
+    std::vector<int64_t> rows(T);
+    for (int64_t t = 0; t < T; ++t) rows[t] = t;
+    std::vector<float> feat;
+    mid.outputs(mlp, res, rows, feat, logits);
+    for (int64_t t = 0; t < T; ++t)
+      exp_feat[e_req[t]].insert(exp_feat[e_req[t]].end(), feat.begin() + t * E, feat.begin() + (t + 1) * E);
+  }
+};
+
+// A draft model (its RowsStack with set_ends) and its LM head as a Drafter: an element is its
+// token; logits = lm_head(the final-norm hidden row in the model's dtype, widened), as the
+// torch path's DraftLMHead over forward_tokens' rows.
+struct StackTreeDrafter {
+  RowsStack& stack;
+  const torch::Tensor& lm_head;
+  Packed l_head;
+  const TreeRequests& req;
+  const int64_t* own;
+  int64_t n_draft, P;
+  const int64_t* tid;
+
+  void logits_of(const torch::Tensor& hidden, const std::vector<int64_t>& rows, std::vector<float>& logits) const {
+    const int64_t M = static_cast<int64_t>(rows.size()), E = hidden.size(1);
+    torch::Tensor h = hidden.to(torch::kFloat32).contiguous();
+    std::vector<float> x(M * E);
+    for (int64_t j = 0; j < M; ++j) std::memcpy(x.data() + j * E, h.data_ptr<float>() + rows[j] * E, sizeof(float) * E);
+    logits.assign(M * n_draft, 0.0f);
+    packed_product(x.data(), M, E, lm_head, l_head, n_draft, nullptr, logits.data(), at::get_num_threads());
+  }
+
+  torch::Tensor run(const std::vector<int64_t>& tok, const std::vector<int64_t>& p, torch::Tensor slots,
+                    torch::Tensor tables, torch::Tensor lens, bool slot_rows, torch::Tensor tree) {
+    auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+    auto ids = torch::from_blob(const_cast<int64_t*>(tok.data()), {static_cast<int64_t>(tok.size())}, i64).clone();
+    auto positions = torch::from_blob(const_cast<int64_t*>(p.data()), {static_cast<int64_t>(p.size())}, i64).clone();
+    return std::get<0>(stack.forward_tokens(ids, positions, slots, tables, lens, slot_rows,
+                                            tree.defined() ? tree : torch::empty({0}, i64)));
+  }
+
+  void roots(std::vector<float>& logits) {
+    std::vector<int64_t> e_tok(req.tok, req.tok + req.N0), e_pos(req.pos, req.pos + req.N0), e_own(own, own + req.N0);
+    auto [slots, tables, lens] = causal_tables(e_pos, e_own, req.bt, req.W, req.bs);
+    logits_of(run(e_tok, e_pos, slots, tables, lens, false, torch::Tensor()), req.last_row, logits);
+  }
+
+  void level(const std::vector<int64_t>&, const std::vector<int64_t>& e_tok, const std::vector<int64_t>& e_pos,
+             const std::vector<int64_t>&, torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, bool slot_rows,
+             torch::Tensor tree, std::vector<float>& logits) {
+    std::vector<int64_t> rows(e_tok.size());
+    for (size_t t = 0; t < rows.size(); ++t) rows[t] = static_cast<int64_t>(t);
+    logits_of(run(e_tok, e_pos, slots, tables, lens, slot_rows, tree), rows, logits);
+  }
+};
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> draft_tree(
+    torch::Tensor feats, torch::Tensor tokens, torch::Tensor positions, torch::Tensor owner,
+    torch::Tensor block_tables, torch::Tensor depths, torch::Tensor widths, torch::Tensor num_nodes, double temperature,
+    double min_logprob, torch::Tensor embed, torch::Tensor in_ln, torch::Tensor hidden_norm, torch::Tensor final_norm,
+    bool norm_before_residual, torch::Tensor post_norm, torch::Tensor w_qkv, torch::Tensor w_o,
+    torch::Tensor w_gate_up, torch::Tensor w_down, torch::Tensor lm_head, int64_t n_draft, torch::Tensor token_ids,
+    torch::Tensor rope_cos, torch::Tensor rope_sin, torch::Tensor k_cache, torch::Tensor v_cache, int64_t H,
+    int64_t Hkv, int64_t I, double eps, double scale, bool round_bf16, torch::Tensor sampling, torch::Tensor uniforms) {
+  const TreeRequests req = tree_requests(tokens, positions, owner, block_tables, depths, widths, num_nodes,
+                                         k_cache.size(1), feats, "draft_tree");
+  Eagle3Midlayer mid{embed, in_ln, hidden_norm, final_norm, post_norm, w_qkv, w_o, w_gate_up, w_down, lm_head, token_ids,
+                     rope_cos, rope_sin, k_cache, v_cache, norm_before_residual, round_bf16, n_draft, H, Hkv, I, eps, scale};
+  mid.check(feats.size(1), "draft_tree");
+  Eagle3TreeDrafter drafter{mid, feats, req, owner.data_ptr<int64_t>(), n_draft, mid.P, feats.size(1), mid.tid, {}};
+  return grow_trees_in_one_call(drafter, req, temperature, min_logprob, sampling, uniforms, "draft_tree");
+}
+
+// draft_tree for a draft model: `stack` its layers (cpu_kernels.RowsStack with set_ends: the
+// embedding, rope tables and final norm), lm_head packed (pack_rows) over n_draft rows, column i
+// the target token token_ids[i] (empty: i); the catch-up elements are tokens at positions.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stack_tree(
+    RowsStack& stack, torch::Tensor tokens, torch::Tensor positions, torch::Tensor owner, torch::Tensor block_tables,
+    torch::Tensor depths, torch::Tensor widths, torch::Tensor num_nodes, double temperature, double min_logprob,
+    torch::Tensor lm_head, int64_t n_draft, torch::Tensor token_ids, torch::Tensor sampling, torch::Tensor uniforms) {
+  TORCH_CHECK(stack.embed.defined() && !stack.kc.empty(), "stack_tree: the stack needs its layers and set_ends");
+  const TreeRequests req = tree_requests(tokens, positions, owner, block_tables, depths, widths, num_nodes,
+                                         stack.kc[0].size(1), torch::Tensor(), "stack_tree");
+  const Packed layout = check_packed(lm_head, n_draft, stack.embed.size(1), "stack_tree lm_head");
+  const bool mapped = token_ids.defined() && token_ids.numel() > 0;
+  TORCH_CHECK(!mapped || (token_ids.scalar_type() == torch::kInt64 && token_ids.is_contiguous() && token_ids.numel() == n_draft),
+              "stack_tree: token_ids must be contiguous int64 [n_draft] or empty");
+  StackTreeDrafter drafter{stack, lm_head, layout, req, owner.data_ptr<int64_t>(), n_draft, stack.rope_cos.size(0),
+                           mapped ? token_ids.data_ptr<int64_t>() : nullptr};
+  return grow_trees_in_one_call(drafter, req, temperature, min_logprob, sampling, uniforms, "stack_tree");
 }
 
 // Copy the rows at slots src onto slots dst in each paged cache ([blocks, block_size, ...],
@@ -3339,6 +3463,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draft_chain", &draft_chain, "chain drafting of an EAGLE-3 head (greedy or sampled): catch-up and every draft in one call",
         nogil());
   m.def("move_slots", &move_slots, "copy rows between slots of paged caches (sources read first)", nogil());
+  m.def("stack_tree", &stack_tree, "draft_tree for a draft model's RowsStack and LM head", nogil());
   m.def("draft_tree", &draft_tree, "dynamic trees (greedy or sampled) of an EAGLE-3 head: catch-up and every level in one call",
         nogil());
 }

@@ -459,6 +459,33 @@ def test_chain_kernel_samples_as_the_python_loop(setup, monkeypatch):
     assert _same_drafts(*runs) > 5 and sum(sampled_calls) > 5
 
 
+# sampled requests (temperature, top-k, top-p) and a greedy one, for the tree kernels' tests
+TREE_KERNEL_PARAMS = [SamplingParams(max_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=11, ignore_eos=True),
+                      SamplingParams(max_tokens=20, temperature=1.0, seed=12, ignore_eos=True),
+                      SamplingParams(max_tokens=20, temperature=1.0, top_k=2, seed=13, ignore_eos=True), GREEDY]
+
+
+def kernel_and_loop_trees(make_engine, switch: str, prompts: list) -> list:
+    """`_drafts_per_step` of TREE_KERNEL_PARAMS (request i: prompts[i]) on two engines from
+    make_engine(): the proposer's `switch` attribute True (the one-call tree kernel), then False
+    (the Python level loop); request widths 3, 2, 3, 1 (the policy's per-request widths) forced
+    into one batch."""
+    runs = []
+    for kernel in (True, False):
+        engine = make_engine()
+        proposer = engine.speculator.proposer
+        setattr(proposer, switch, kernel)
+        proposer.propose_trees = functools.partial(
+            lambda real, reqs, n, d, ctx, widths=None: real(reqs, n, d, ctx, [[3, 2, 3, 1][int(r.request_id[1:])]
+                                                                               for r in reqs]),
+            proposer.propose_trees)
+        for i, p in enumerate(TREE_KERNEL_PARAMS):
+            engine.add_request(f"r{i}", prompts[i], p)
+        runs.append(_drafts_per_step(engine))
+        assert_no_leaked_blocks(engine)
+    return runs
+
+
 def _drafts_per_step(engine: LLMEngine) -> tuple[list[dict], dict]:
     """Run the engine's requests to the end: (per step, request id -> (drafts, their q, the
     tree's parents or None)), (request id -> output tokens)."""
@@ -509,22 +536,8 @@ def test_tree_kernel_samples_as_the_python_loop(setup, monkeypatch):
                         or real(*a, **kw))
     spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4,
                              adaptive=False, tree_nodes=7, tree_width=3, tree_depth=4)
-    params = [SamplingParams(max_tokens=20, temperature=0.8, top_k=20, top_p=0.9, seed=11, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=1.0, seed=12, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=1.0, top_k=2, seed=13, ignore_eos=True), GREEDY]
-    runs = []
-    for kernel in (True, False):
-        engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
-        proposer = engine.speculator.proposer
-        proposer.row_kernel_chain = kernel
-        # widths 3, 2, 3, 1 (the policy's per-request widths): a batch of different widths
-        proposer.propose_trees = functools.partial(
-            lambda real, reqs, n, d, ctx, widths=None: real(reqs, n, d, ctx, [[3, 2, 3, 1][int(r.request_id[1:])]
-                                                                               for r in reqs]),
-            proposer.propose_trees)
-        for i, p in enumerate(params):
-            engine.add_request(f"r{i}", SPEC_PROMPTS[i % len(SPEC_PROMPTS)], p)
-        runs.append(_drafts_per_step(engine))
+    runs = kernel_and_loop_trees(lambda: LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec),
+                                 "row_kernel_chain", SPEC_PROMPTS * 2)
     assert _same_drafts(*runs) > 5 and sum(sampled_calls) > 5
     # the trees were trees (some node with two children), for the sampled requests too
     assert any(len(t) > len(set(t)) for step in runs[0][0] for _, q, t in step.values() if q is not None and t)

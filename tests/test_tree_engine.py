@@ -291,6 +291,30 @@ def test_seeded_sampled_tree_requests_repeat(models):
     assert runs[0] == runs[1]
 
 
+def test_draft_model_kernel_trees_equal_the_python_loop(models, monkeypatch):
+    """The draft model grows its trees in one kernel call (`cpu_kernels.stack_tree`: its
+    RowsStack, packed LM head, the level loop's slots, positions, attention, ranking and draws):
+    with the same seeded generators every round's trees (tokens and parents) equal the Python
+    level loop's, each sampled node's q equals the loop's to float32 rounding, and the outputs
+    are the same; greedy and sampled requests (temperature, top-k, top-p) of widths 3, 2, 3, 1
+    in one batch."""
+    from test_eagle3 import _same_drafts, kernel_and_loop_trees
+
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU row kernels")
+    calls = []
+    real = cpu_kernels.stack_tree
+    monkeypatch.setattr(cpu_kernels, "stack_tree", lambda *a, **kw: calls.append(a[-2] is not None) or real(*a, **kw))
+    spec = SpeculativeConfig(model=models["close"], **(TREE | {"tree_nodes": 7, "tree_width": 3, "tree_depth": 4}))
+    runs = kernel_and_loop_trees(lambda: LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec),
+                                 "tree_kernel", MIXED_PROMPTS)
+    assert _same_drafts(*runs) > 5
+    assert len(calls) > 5 and any(calls)  # the kernel drafted, sampled requests included
+    assert any(len(t) > len(set(t)) for step in runs[0][0] for _, q, t in step.values() if q is not None and t)
+
+
 # --- sampled distribution ---------------------------------------------------------------
 
 PROMPT = [0, 1, 2, 1, 0, 1, 2, 1, 0]

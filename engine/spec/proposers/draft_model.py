@@ -17,6 +17,7 @@ committed tokens since the last round), so nothing is moved.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -42,7 +43,13 @@ from engine.spec.proposers.base import (
     weights_digest,
 )
 from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
+from engine.spec.proposers.tree_drafting import (
+    grow_trees,
+    kernel_tree_args,
+    kernel_tree_drafts,
+    scratch_depths,
+    tree_widths,
+)
 from engine.spec.tree import DraftTree
 
 
@@ -79,6 +86,7 @@ class DraftModelProposer(Proposer):
         self.block_size = 0
         self.timer = StepTimer(1e-3)  # one draft forward, averaged over a round
         self.step_graph = None  # `capture_step_graph`
+        self.tree_kernel = self.row_kernel  # trees through cpu_kernels.stack_tree (else the level loop)
         self._identity = DrafterIdentity(
             model_name(model_dir), weights_digest(self.model.named_parameters()), self.head.size
         )
@@ -160,6 +168,12 @@ class DraftModelProposer(Proposer):
             start = state.num_computed if state is not None else 0
             chunks.append(SeqChunk([r.token_at(p) for p in range(start, r.num_tokens)], start, r.block_ids))
             catch_up = max(catch_up, r.num_tokens - start)
+        if (self.row_kernel and self.tree_kernel and self.head.packed is not None and self.head.packed_few is None
+                and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS):
+            drafts = self._propose_tree_kernel(requests, num_nodes, depths, widths, chunks, context)
+            self.timer.add_round(len(requests), time.perf_counter() - t_start, max(depths), catch_up, max(depths),
+                                 chain=False)
+            return drafts
 
         def run_level(active: list[int], trees: list[DraftTree], counts: list[int]) -> torch.Tensor:
             return self._forward([SeqChunk(list(t.token_ids[-f:]), requests[i].num_tokens - 1 + t.num_nodes - f,
@@ -174,6 +188,29 @@ class DraftModelProposer(Proposer):
             self.states[r.request_id] = DraftModelState(r.num_tokens)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + 1, catch_up, max(depths), chain=False)
         return drafts
+
+    def _propose_tree_kernel(self, requests: list[Request], num_nodes: list[int], depths: list[int],
+                             widths: list[int], chunks: list[SeqChunk], context: ProposeContext) -> list[Draft]:
+        """`propose_trees` on the fused CPU path: the catch-up forward and every level in one
+        kernel call (`cpu_kernels.stack_tree`: the model's `rows_stack`, its packed LM head, the
+        level loop's slots, positions, attention, ranking and draws), without a Python round trip
+        per level; the same trees as the loop (tested), greedy and sampled."""
+        from kernels import cpu_kernels
+
+        tokens = [t for c in chunks for t in c.token_ids]
+        positions = [c.start + i for c in chunks for i in range(len(c.token_ids))]
+        owner = [b for b, c in enumerate(chunks) for _ in c.token_ids]
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
+        tables, depths_t, widths_t, nodes_t, sampling, uniforms = kernel_tree_args(
+            requests, depths, widths, num_nodes, context.generators_for(requests))
+        out = cpu_kernels.stack_tree(
+            self.model.rows_stack(self.kv_caches), as_tensor(tokens), as_tensor(positions), as_tensor(owner), tables,
+            depths_t, widths_t, nodes_t, self.tree_temperature, context.tree_min_logprob, self.head.packed,
+            self.head.size, self.head.token_ids, sampling, uniforms,
+        )
+        for r in requests:  # the call succeeded: the committed tokens' draft KV is valid now
+            self.states[r.request_id] = DraftModelState(r.num_tokens)
+        return kernel_tree_drafts(requests, self.head, out)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:

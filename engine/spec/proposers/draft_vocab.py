@@ -120,6 +120,16 @@ class DraftLMHead:
             return cpu_kernels.packed_linear(hidden.float(), packed, self.size, None)
         return torch.nn.functional.linear(hidden, self.weight).float()
 
+    def to_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """q [n, N] over the draft vocabulary -> [n, vocab] over the target's, zeros off the draft
+        vocabulary (as `sample_drafts` returns a sampled draft's distribution)."""
+        probs = q.new_zeros(q.shape[0], self.vocab_size)
+        if self.token_ids is None:
+            probs[:, : q.shape[1]] = q
+        else:
+            probs[:, self.token_ids] = q
+        return probs
+
     def sample(
         self, hidden: torch.Tensor, requests: list[Request], generators: list[torch.Generator | None]
     ) -> tuple[list[int], torch.Tensor | None]:

@@ -27,7 +27,6 @@ output (H wide, not 3 * target hidden), computed once per committed row in `obse
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import os
 import time
@@ -66,6 +65,7 @@ from engine.spec.proposers.features import (
     import_hidden_rows,
     lazy_buffer_rows,
 )
+from engine.spec.proposers.tree_drafting import kernel_tree_args, kernel_tree_drafts, sampling_rows
 from kernels.torch_attn import rows_kernel_inputs
 
 # Rows (elements) up to which the midlayer's forwards and drafting chains run the fused CPU kernels
@@ -817,7 +817,7 @@ class Eagle3Proposer(Proposer):
         greedy = [r.sampling_params.is_greedy for r in requests]
         sampling = uniforms = None
         if not all(greedy):
-            sampling = _sampling_rows(requests)
+            sampling = sampling_rows(requests)
             counts = [0 if g else k for g, k in zip(greedy, num_tokens, strict=True)]
             flat = draw_uniforms(counts, context.generators_for(requests), "cpu")
             uniforms = torch.zeros(len(requests), max(num_tokens))
@@ -838,18 +838,9 @@ class Eagle3Proposer(Proposer):
                         max(len(c.token_ids) for c in chunks), len(elem_tokens), max(num_tokens))
         out = []
         for b, (d, k, g) in enumerate(zip(drafts, num_tokens, greedy, strict=True)):
-            out.append(Draft(d[:k], None if g else self._vocab_probs(q[b, :k])))
+            out.append(Draft(d[:k], None if g else self.head.to_vocab(q[b, :k])))
         return out
 
-    def _vocab_probs(self, q: torch.Tensor) -> torch.Tensor:
-        """q [n, n_draft] over the draft vocabulary -> [n, vocab] over the target's (zeros off the
-        draft vocabulary, as sample_drafts)."""
-        probs = q.new_zeros(q.shape[0], self.head.vocab_size)
-        if self.head.token_ids is None:
-            probs[:, : q.shape[1]] = q
-        else:
-            probs[:, self.head.token_ids] = q
-        return probs
 
     def _kernel_elements(self, requests: list[Request], chunks: list[SeqChunk]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -880,23 +871,16 @@ class Eagle3Proposer(Proposer):
         a bfloat16 rounding after them; on the shipped head 3 of 31 rounds of 24-node trees
         differed, in their last-ranked node), which changes only what is proposed, never the
         verified output; a sampled node comes back with the q it was drawn from."""
-        from engine.spec.proposers.tree_drafting import TreeUniforms
-        from engine.spec.tree import DraftTree
         from kernels import cpu_kernels
 
-        positions, owner, tables = self._kernel_elements(requests, chunks)
+        positions, owner, _ = self._kernel_elements(requests, chunks)
+        tables, depths_t, widths_t, nodes_t, sampling, uniforms = kernel_tree_args(
+            requests, depths, widths, num_nodes, context.generators_for(requests))
         k_cache, v_cache = self.kv_caches[0]
         cfg = self.arch
-        as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
-        greedy = [r.sampling_params.is_greedy for r in requests]
-        sampling = uniforms = None
-        if not all(greedy):
-            sampling = _sampling_rows(requests)
-            uniforms = TreeUniforms(requests, widths, depths, context.generators_for(requests), "cpu").by_request()
-        tokens, parents, cums, counts, q = cpu_kernels.draft_tree(
-            feats_in.float().contiguous(), as_tensor(elem_tokens), positions, owner, tables, as_tensor(depths),
-            as_tensor(widths), as_tensor(num_nodes), self.tree_temperature, context.tree_min_logprob,
-            self.embed_tokens.weight,
+        out = cpu_kernels.draft_tree(
+            feats_in.float().contiguous(), torch.tensor(elem_tokens, dtype=torch.int64), positions, owner, tables,
+            depths_t, widths_t, nodes_t, self.tree_temperature, context.tree_min_logprob, self.embed_tokens.weight,
             self._chain_norms,
             self.layer.norm_before_residual, *self._packing(len(elem_tokens))[:2], self.head.size, self.head.token_ids,
             self.rope_f32, k_cache, v_cache, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_norm_eps,
@@ -907,18 +891,5 @@ class Eagle3Proposer(Proposer):
         self._cover(requests)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, max(depths),
                              max(len(c.token_ids) for c in chunks), max(depths), chain=False)
-        drafts = []
-        for b, (t, p, c, n) in enumerate(zip(tokens.tolist(), parents.tolist(), cums.tolist(), counts.tolist(),
-                                             strict=True)):
-            tree = DraftTree(tuple(t[:n]), tuple(p[:n]), tuple(c[:n]))
-            probs = None if greedy[b] or n == 1 else self._vocab_probs(q[b, : n - 1])
-            drafts.append(Draft(list(tree.token_ids[1:]), probs, tree))
-        return drafts
+        return kernel_tree_drafts(requests, self.head, out)
 
-
-def _sampling_rows(requests: list[Request]) -> torch.Tensor:
-    """[R, 3] float32 (temperature, top_k, top_p) per request for `cpu_kernels.draft_chain` /
-    `draft_tree`: (0, 0, 1) for a greedy one."""
-    return torch.tensor([[0.0, 0.0, 1.0] if r.sampling_params.is_greedy else
-                         [max(r.sampling_params.temperature, 1e-5), r.sampling_params.top_k, r.sampling_params.top_p]
-                         for r in requests], dtype=torch.float32)

@@ -324,3 +324,40 @@ def tree_widths(widths: list[int] | None, num_requests: int, tree_width: int) ->
     if len(widths) != num_requests or min(widths, default=1) < 1:
         raise ValueError(f"tree widths must be >= 1, one per request ({num_requests}), got {widths}")
     return [min(w, tree_width) for w in widths]
+
+
+def sampling_rows(requests: list[Request]) -> torch.Tensor:
+    """[R, 3] float32 (temperature, top_k, top_p) per request, as `cpu_kernels.draft_chain`,
+    `draft_tree` and `stack_tree` take them: (0, 0, 1) for a greedy one."""
+    return torch.tensor([[0.0, 0.0, 1.0] if r.sampling_params.is_greedy else
+                         [max(r.sampling_params.temperature, 1e-5), r.sampling_params.top_k, r.sampling_params.top_p]
+                         for r in requests], dtype=torch.float32)
+
+
+def kernel_tree_args(requests: list[Request], depths: list[int], widths: list[int], num_nodes: list[int],
+                     generators: list[torch.Generator | None]) -> tuple:
+    """The arguments of the one-call tree kernels (`cpu_kernels.draft_tree`, `stack_tree`) beside
+    the drafter's: (block tables [R, W], depths, widths, num_nodes [R] int64, sampling, uniforms:
+    None for a step of greedy requests, else `sampling_rows` and the step's `TreeUniforms`)."""
+    width = max(len(r.block_ids) for r in requests)
+    tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in requests], dtype=torch.int64)
+    sampling = uniforms = None
+    if not all(r.sampling_params.is_greedy for r in requests):
+        sampling = sampling_rows(requests)
+        uniforms = TreeUniforms(requests, widths, depths, generators, torch.device("cpu")).by_request()
+    sizes = [torch.tensor(v, dtype=torch.int64) for v in (depths, widths, num_nodes)]
+    return tables, *sizes, sampling, uniforms
+
+
+def kernel_tree_drafts(requests: list[Request], head: DraftLMHead, out: tuple) -> list[Draft]:
+    """The drafts of a one-call tree kernel's output (tokens, parents, cum log-probs, counts,
+    probs): each request's tree, and for a sampled one each node's q over the whole vocabulary
+    (`DraftLMHead.to_vocab`)."""
+    tokens, parents, cums, counts, q = out
+    drafts = []
+    for b, (t, p, c, n) in enumerate(zip(tokens.tolist(), parents.tolist(), cums.tolist(), counts.tolist(),
+                                         strict=True)):
+        tree = DraftTree(tuple(t[:n]), tuple(p[:n]), tuple(c[:n]))
+        probs = None if requests[b].sampling_params.is_greedy or n == 1 else head.to_vocab(q[b, : n - 1])
+        drafts.append(Draft(list(tree.token_ids[1:]), probs, tree))
+    return drafts
