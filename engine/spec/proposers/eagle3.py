@@ -841,7 +841,6 @@ class Eagle3Proposer(Proposer):
             out.append(Draft(d[:k], None if g else self.head.to_vocab(q[b, :k])))
         return out
 
-
     def _kernel_elements(self, requests: list[Request], chunks: list[SeqChunk]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions, owner [N0] int64, block tables [R, W] int64) of the catch-up elements of
@@ -892,4 +891,3 @@ class Eagle3Proposer(Proposer):
         self.timer.add_round(len(requests), time.perf_counter() - t_start, max(depths),
                              max(len(c.token_ids) for c in chunks), max(depths), chain=False)
         return kernel_tree_drafts(requests, self.head, out)
-
