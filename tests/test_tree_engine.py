@@ -291,14 +291,23 @@ def test_seeded_sampled_tree_requests_repeat(models):
     assert runs[0] == runs[1]
 
 
-def test_draft_model_kernel_trees_equal_the_python_loop(models, monkeypatch):
+@pytest.mark.parametrize("draft_vocab", [None, 48])
+def test_draft_model_kernel_trees_equal_the_python_loop(models, monkeypatch, tmp_path, draft_vocab):
     """The draft model grows its trees in one kernel call (`cpu_kernels.stack_tree`: its
     RowsStack, packed LM head, the level loop's slots, positions, attention, ranking and draws):
     with the same seeded generators every round's trees (tokens and parents) equal the Python
     level loop's, each sampled node's q equals the loop's to float32 rounding, and the outputs
     are the same; greedy and sampled requests (temperature, top-k, top-p) of widths 3, 2, 3, 1
-    in one batch."""
+    in one batch; with the whole vocabulary, and with a draft vocabulary of 48 tokens ranked in
+    reverse id order (drafts mapped back to target ids)."""
+    import shutil
+
+    from test_draft_vocab import write_ranking
     from test_eagle3 import _same_drafts, kernel_and_loop_trees
+
+    drafter = models["close"]
+    if draft_vocab is not None:
+        drafter = write_ranking(shutil.copytree(drafter, str(tmp_path / "ranked")), list(range(96, -1, -1)), draft_vocab)
 
     from kernels import cpu_kernels
 
@@ -307,11 +316,14 @@ def test_draft_model_kernel_trees_equal_the_python_loop(models, monkeypatch):
     calls = []
     real = cpu_kernels.stack_tree
     monkeypatch.setattr(cpu_kernels, "stack_tree", lambda *a, **kw: calls.append(a[-2] is not None) or real(*a, **kw))
-    spec = SpeculativeConfig(model=models["close"], **(TREE | {"tree_nodes": 7, "tree_width": 3, "tree_depth": 4}))
+    spec = SpeculativeConfig(model=drafter, draft_vocab_size=draft_vocab,
+                             **(TREE | {"tree_nodes": 7, "tree_width": 3, "tree_depth": 4}))
     runs = kernel_and_loop_trees(lambda: LLMEngine(models["target"], dtype="float32", device="cpu", speculative=spec),
                                  "tree_kernel", MIXED_PROMPTS)
     assert _same_drafts(*runs) > 5
     assert len(calls) > 5 and any(calls)  # the kernel drafted, sampled requests included
+    if draft_vocab is not None:  # only the draft vocabulary's tokens (ids 49..96) were drafted
+        assert min(t for step in runs[0][0] for d, _, _ in step.values() for t in d) >= 97 - draft_vocab
     assert any(len(t) > len(set(t)) for step in runs[0][0] for _, q, t in step.values() if q is not None and t)
 
 
