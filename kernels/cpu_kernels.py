@@ -353,6 +353,41 @@ def stack_tree(stack, tokens: torch.Tensor, positions: torch.Tensor, owner: torc
     return tokens, parents, cums, counts, (probs if sampling is not None else None)
 
 
+def feature_tree(stack, root_feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                 block_tables: torch.Tensor, depths: torch.Tensor, widths: torch.Tensor, num_nodes: torch.Tensor,
+                 temperature: float, min_logprob: float, embed: torch.Tensor, parts: dict, lm_head: torch.Tensor,
+                 n_draft: int, token_ids: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                 rope_offset: int, round_bf16: bool, sampling: torch.Tensor | None = None,
+                 uniforms: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`draft_tree` for a one-module feature drafter (cpu_rows.cpp `feature_tree`: native MTP
+    with one module, EAGLE-1): `stack` the module's decoder layer (`rows_stack` of one layer),
+    root_feats [R, E] float32 each request's module output at its root (its last final element:
+    token tokens[b] at position positions[b], [R] int64); an element (parent's output feature g,
+    token t) runs the layer on proj(cat(token_norm(embed[t]), hidden_norm(g))) (+ proj_bias; the
+    halves swapped when hidden_first; a norm None: none) at rope row position + rope_offset; its
+    output feature is the residual stream (out_norm'd when norm_after), and the head reads
+    out_norm(feature) when out_norm is set and not norm_after, else the feature. `parts`:
+    token_norm, hidden_norm, out_norm (float32 [E] or None), proj (pack_rows of [E, 2E]),
+    proj_bias (or None), hidden_first, norm_after. round_bf16: features and head inputs in
+    bfloat16, as a bfloat16 model's torch path holds them. The same trees and outputs as
+    `draft_tree`'s."""
+    empty = torch.empty(0, dtype=torch.int64)
+    nothing = torch.empty(0, dtype=torch.float32)
+
+    def vec(t: torch.Tensor | None) -> torch.Tensor:
+        return nothing if t is None else t.detach().float().contiguous()
+
+    tokens, parents, cums, counts, probs = _module().feature_tree(
+        stack, root_feats, tokens, positions, block_tables, depths, widths, num_nodes, temperature, min_logprob,
+        embed, vec(parts["token_norm"]), vec(parts["hidden_norm"]), parts["hidden_first"], parts["proj"],
+        vec(parts["proj_bias"]), vec(parts["out_norm"]), parts["norm_after"], lm_head, n_draft,
+        empty if token_ids is None else token_ids, rope[0].contiguous(), rope[1].contiguous(), rope_offset,
+        round_bf16, nothing if sampling is None else sampling, nothing if uniforms is None else uniforms,
+    )
+    return tokens, parents, cums, counts, (probs if sampling is not None else None)
+
+
 @functools.cache
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)

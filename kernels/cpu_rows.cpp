@@ -3133,6 +3133,148 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   return grow_trees_in_one_call(drafter, req, temperature, min_logprob, sampling, uniforms, "stack_tree");
 }
 
+// A one-module feature drafter as a Drafter (engine/spec/proposers/chain.py: native MTP with one
+// module, EAGLE-1): an element is (its parent's output feature, its token), its layer input
+//   x = proj(cat(token_norm(embed[token]), hidden_norm(feature))) (+ proj_bias)
+// (the halves swapped when hidden_first, MiMo's order; an empty norm: none, EAGLE-1's fc), the
+// module's one decoder layer (a one-layer RowsStack) at rope row position + rope_offset, and its
+// output feature the layer's residual stream, normed by out_norm when norm_after (MiMo), in the
+// model's dtype (round_bf16); the head reads out_norm(feature) when out_norm is given and not
+// norm_after (DeepSeek-V3's shared_head.norm), else the feature. The roots are given: each
+// request's module output at its last final element (the catch-up ran in Python).
+struct FeatureTreeDrafter {
+  RowsStack& stack;
+  const TreeRequests& req;
+  const float* root_feats;  // [R, E]
+  const float *emb_f, *token_norm, *hidden_norm, *proj_bias, *out_norm;
+  const uint16_t* emb_h;
+  int64_t V, E;
+  bool hidden_first, norm_after, round_bf16;
+  const torch::Tensor& proj;
+  Packed l_proj;
+  const torch::Tensor& lm_head;
+  Packed l_head;
+  const float *cos_t, *sin_t;
+  int64_t D, rope_offset;
+  float eps;
+  int64_t n_draft, P;
+  const int64_t* tid;
+  std::vector<std::vector<float>> exp_feat;  // [b]: each expanded node's output feature, E each
+
+  void round_row(float* x, int64_t n) const {
+    if (round_bf16) for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  }
+
+  // logits [M, n_draft] of the head after output features feats [M, E]
+  void head(const std::vector<float>& feats, int64_t M, std::vector<float>& logits) const {
+    std::vector<float> in(feats);
+    if (out_norm && !norm_after) {
+      for (int64_t j = 0; j < M; ++j) {
+        rms_norm_row(feats.data() + j * E, out_norm, E, eps, in.data() + j * E);
+        round_row(in.data() + j * E, E);
+      }
+    }
+    logits.assign(M * n_draft, 0.0f);
+    packed_product(in.data(), M, E, lm_head, l_head, n_draft, nullptr, logits.data(), at::get_num_threads());
+  }
+
+  void roots(std::vector<float>& logits) {
+    exp_feat.assign(req.R, {});
+    std::vector<float> feats(root_feats, root_feats + req.R * E);
+    for (int64_t b = 0; b < req.R; ++b) exp_feat[b].assign(feats.begin() + b * E, feats.begin() + (b + 1) * E);
+    head(feats, req.R, logits);
+  }
+
+  void level(const std::vector<int64_t>& e_req, const std::vector<int64_t>& e_tok, const std::vector<int64_t>& e_pos,
+             const std::vector<int64_t>& e_parent, torch::Tensor slots, torch::Tensor tables, torch::Tensor lens,
+             bool slot_rows, torch::Tensor tree, std::vector<float>& logits) {
+    const int64_t T = static_cast<int64_t>(e_tok.size());
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    auto x = torch::empty({T, E}, f32), cos = torch::empty({T, D}, f32), sin = torch::empty({T, D}, f32);
+    std::vector<float> cat(T * 2 * E), e(E);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(e_tok[t] >= 0 && e_tok[t] < V, "feature_tree: token id out of range");
+      const float* g = exp_feat[e_req[t]].data() + e_parent[t] * E;
+      for (int64_t i = 0; i < E; ++i) e[i] = emb_f ? emb_f[e_tok[t] * E + i] : bf16_to_f32(emb_h[e_tok[t] * E + i]);
+      float* ep = cat.data() + t * 2 * E + (hidden_first ? E : 0);
+      float* hp = cat.data() + t * 2 * E + (hidden_first ? 0 : E);
+      if (token_norm) rms_norm_row(e.data(), token_norm, E, eps, ep);
+      else std::memcpy(ep, e.data(), sizeof(float) * E);
+      if (hidden_norm) rms_norm_row(g, hidden_norm, E, eps, hp);
+      else std::memcpy(hp, g, sizeof(float) * E);
+      const int64_t row = e_pos[t] + rope_offset;
+      std::memcpy(cos.data_ptr<float>() + t * D, cos_t + row * D, sizeof(float) * D);
+      std::memcpy(sin.data_ptr<float>() + t * D, sin_t + row * D, sizeof(float) * D);
+    }
+    packed_product(cat.data(), T, 2 * E, proj, l_proj, E, proj_bias, x.data_ptr<float>(), at::get_num_threads());
+    auto [last, kept] = stack.forward(x, cos, sin, slots, tables, lens, slot_rows, tree);
+    std::vector<float> feats(T * E);
+    for (int64_t t = 0; t < T; ++t) {
+      float* f = feats.data() + t * E;
+      std::memcpy(f, last.data_ptr<float>() + t * E, sizeof(float) * E);
+      round_row(f, E);
+      if (out_norm && norm_after) {
+        std::vector<float> normed(E);
+        rms_norm_row(f, out_norm, E, eps, normed.data());
+        std::memcpy(f, normed.data(), sizeof(float) * E);
+        round_row(f, E);
+      }
+      exp_feat[e_req[t]].insert(exp_feat[e_req[t]].end(), f, f + E);
+    }
+    head(feats, T, logits);
+  }
+};
+
+// draft_tree for a one-module feature drafter (FeatureTreeDrafter): `stack` the module's layer (a
+// one-layer cpu_kernels.RowsStack over its KV cache), root_feats [R, E] float32 each request's
+// module output at its root (the last final element, position positions[b], token tokens[b]),
+// embed [V, E] float32 or bfloat16, the norms float32 [E] or empty, proj packed (pack_rows) from
+// [E, 2E] with proj_bias float32 [E] or empty, rope tables [P, D] float32, lm_head packed over
+// n_draft rows (column i: target token token_ids[i]; empty: i).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> feature_tree(
+    RowsStack& stack, torch::Tensor root_feats, torch::Tensor tokens, torch::Tensor positions,
+    torch::Tensor block_tables, torch::Tensor depths, torch::Tensor widths, torch::Tensor num_nodes, double temperature,
+    double min_logprob, torch::Tensor embed, torch::Tensor token_norm, torch::Tensor hidden_norm, bool hidden_first,
+    torch::Tensor proj, torch::Tensor proj_bias, torch::Tensor out_norm, bool norm_after, torch::Tensor lm_head,
+    int64_t n_draft, torch::Tensor token_ids, torch::Tensor rope_cos, torch::Tensor rope_sin, int64_t rope_offset,
+    bool round_bf16, torch::Tensor sampling, torch::Tensor uniforms) {
+  TORCH_CHECK(stack.w.size() == 1, "feature_tree: the stack must hold the module's one layer");
+  TORCH_CHECK(root_feats.dim() == 2 && root_feats.scalar_type() == torch::kFloat32 && root_feats.is_contiguous(),
+              "feature_tree: root_feats must be contiguous float32 [R, E]");
+  const int64_t R = root_feats.size(0), E = root_feats.size(1);
+  auto owner = torch::arange(R, torch::TensorOptions().dtype(torch::kInt64));
+  const TreeRequests req = tree_requests(tokens, positions, owner, block_tables, depths, widths, num_nodes,
+                                         stack.kc[0].size(1), root_feats, "feature_tree");
+  TORCH_CHECK(req.N0 == R, "feature_tree: one root (token, position) per request");
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == E && embed.is_contiguous() &&
+                  (embed.scalar_type() == torch::kFloat32 || embed.scalar_type() == torch::kBFloat16),
+              "feature_tree: embed must be contiguous float32 or bfloat16 [V, E]");
+  auto vec = [&](const torch::Tensor& t, const char* name) -> const float* {
+    if (!t.defined() || t.numel() == 0) return nullptr;
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == E, "feature_tree: ", name,
+                " must be contiguous float32 [E] or empty");
+    return t.data_ptr<float>();
+  };
+  const int64_t D = stack.kc[0].size(3);
+  TORCH_CHECK(rope_cos.dim() == 2 && rope_cos.size(1) == D && rope_sin.sizes() == rope_cos.sizes() &&
+                  rope_cos.scalar_type() == torch::kFloat32 && rope_sin.scalar_type() == torch::kFloat32 &&
+                  rope_cos.is_contiguous() && rope_sin.is_contiguous() && rope_offset >= 0,
+              "feature_tree: rope_cos / rope_sin must be contiguous float32 [P, head_dim], rope_offset >= 0");
+  const bool mapped = token_ids.defined() && token_ids.numel() > 0;
+  TORCH_CHECK(!mapped || (token_ids.scalar_type() == torch::kInt64 && token_ids.is_contiguous() && token_ids.numel() == n_draft),
+              "feature_tree: token_ids must be contiguous int64 [n_draft] or empty");
+  const float* emb_f = embed.scalar_type() == torch::kFloat32 ? embed.data_ptr<float>() : nullptr;
+  const uint16_t* emb_h = emb_f ? nullptr : reinterpret_cast<const uint16_t*>(embed.data_ptr<at::BFloat16>());
+  FeatureTreeDrafter drafter{stack, req, root_feats.data_ptr<float>(), emb_f, vec(token_norm, "token_norm"),
+                             vec(hidden_norm, "hidden_norm"), vec(proj_bias, "proj_bias"), vec(out_norm, "out_norm"),
+                             emb_h, embed.size(0), E, hidden_first, norm_after, round_bf16, proj,
+                             check_packed(proj, E, 2 * E, "feature_tree proj"), lm_head,
+                             check_packed(lm_head, n_draft, E, "feature_tree lm_head"), rope_cos.data_ptr<float>(),
+                             rope_sin.data_ptr<float>(), D, rope_offset, static_cast<float>(stack.eps), n_draft,
+                             rope_cos.size(0) - rope_offset, mapped ? token_ids.data_ptr<int64_t>() : nullptr, {}};
+  return grow_trees_in_one_call(drafter, req, temperature, min_logprob, sampling, uniforms, "feature_tree");
+}
+
 // Copy the rows at slots src onto slots dst in each paged cache ([blocks, block_size, ...],
 // contiguous, one row a slot), every source read before any write: the KV moves that commit an
 // accepted tree path (engine/spec/tree.py move_kv), one call for every layer's caches instead of
@@ -3464,6 +3606,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil());
   m.def("move_slots", &move_slots, "copy rows between slots of paged caches (sources read first)", nogil());
   m.def("stack_tree", &stack_tree, "draft_tree for a draft model's RowsStack and LM head", nogil());
+  m.def("feature_tree", &feature_tree, "draft_tree for a one-module feature drafter (native MTP, EAGLE-1)", nogil());
   m.def("draft_tree", &draft_tree, "dynamic trees (greedy or sampled) of an EAGLE-3 head: catch-up and every level in one call",
         nogil());
 }

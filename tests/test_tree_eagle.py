@@ -60,12 +60,14 @@ def setup(tmp_path_factory):
     # several MTP modules: one per depth, the last applied recursively (MiMo layout, 3 modules)
     mtp3 = add_mtp_layers(save_tiny_model(str(root / "mtp3"), "qwen2", vocab_size=SMALL_VOCAB), "mimo", 3,
                           seed=3, scale=3.0)
+    mimo = add_mtp_layers(save_tiny_model(str(root / "mimo"), "qwen2", vocab_size=SMALL_VOCAB), "mimo", 1,
+                          seed=4, scale=2.0)
     prompts = [[(3 * i + j * j) % SMALL_VOCAB for j in range(9 + 2 * i)] for i in range(len(MIXED_PROMPTS))]
     # EAGLE-3: its own target (aux layers need depth), a draft vocabulary of 10 of the 12 tokens
     e3_target = save_tiny_model(str(root / "e3_target"), "llama", vocab_size=SMALL_VOCAB, num_hidden_layers=EAGLE3_LAYERS)
     eagle3 = save_eagle3(str(root / "e3"), SMALL_VOCAB, list(range(10)), seed=5, scale=2.0)
-    return {"target": target, "eagle": eagle, "mtp": mtp, "mtp3": mtp3, "prompts": prompts, "e3_target": e3_target,
-            "eagle3": eagle3}
+    return {"target": target, "eagle": eagle, "mtp": mtp, "mtp3": mtp3, "mimo": mimo, "prompts": prompts,
+            "e3_target": e3_target, "eagle3": eagle3}
 
 
 def spec_for(setup, method: str, **kw) -> tuple[str, SpeculativeConfig]:
@@ -77,6 +79,31 @@ def spec_for(setup, method: str, **kw) -> tuple[str, SpeculativeConfig]:
     if method == "mtp3":  # deeper than its 3 modules, so the last one is also applied recursively
         return setup[method], SpeculativeConfig(method="mtp", **(TREE | {"tree_nodes": 10, "tree_depth": 5} | kw))
     return setup[method], SpeculativeConfig(method="mtp", **(TREE | kw))
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp", "mimo"])
+def test_one_module_kernel_trees_equal_the_python_loop(setup, method, monkeypatch):
+    """EAGLE-1 and one-module native MTP (DeepSeek-V3 layout with its own LM head, MiMo layout)
+    trees through the one-call kernel (`cpu_kernels.feature_tree`) equal the Python level loop's
+    round after round: the same trees (tokens and parents), each sampled node's q to float32
+    rounding, the same outputs; greedy and sampled requests (temperature, top-k, top-p) of widths
+    3, 2, 3, 1 in one batch."""
+    from test_eagle3 import _same_drafts, kernel_and_loop_trees
+
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no CPU row kernels")
+    calls = []
+    real = cpu_kernels.feature_tree
+    monkeypatch.setattr(cpu_kernels, "feature_tree", lambda *a, **kw: calls.append(a[-2] is not None)
+                        or real(*a, **kw))
+    target, spec = spec_for(setup, method, tree_nodes=7, tree_width=3, tree_depth=4)
+    runs = kernel_and_loop_trees(lambda: LLMEngine(target, dtype="float32", device="cpu", speculative=spec),
+                                 "tree_kernel", setup["prompts"])
+    assert _same_drafts(*runs) > 5
+    assert len(calls) > 5 and any(calls)  # the kernel drafted, sampled requests included
+    assert any(len(t) > len(set(t)) for step in runs[0][0] for _, q, t in step.values() if q is not None and t)
 
 
 @functools.cache

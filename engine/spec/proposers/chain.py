@@ -37,6 +37,7 @@ request only if the modules ran over all its positions for the request that wrot
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -86,6 +87,8 @@ class ChainProposer(Proposer):
         self.timer = StepTimer(5e-4)  # one autoregressive step of a layer
         self._identity = DrafterIdentity()
         self.step_graphs: list = []  # per module (`capture_step_graph`; None: eager)
+        self.tree_kernel = self.row_kernel  # one-module trees through cpu_kernels.feature_tree (else the level loop)
+        self._module_stack = None  # (cache key, the one-layer cpu_kernels.RowsStack of feature_tree)
 
     # --- what a subclass defines --------------------------------------------------------------
     def _inputs(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -104,6 +107,11 @@ class ChainProposer(Proposer):
     def _committed_rows(self, runner_out) -> torch.Tensor:
         """The step's target rows this drafter reads (default: the final-norm hidden states)."""
         return runner_out.hidden_states
+
+    def _tree_kernel_parts(self) -> dict | None:
+        """Module 0's input and output as `cpu_kernels.feature_tree` takes them (its `parts`), or
+        None where the tree kernel cannot run it."""
+        return None
 
     # --- set-up ---------------------------------------------------------------------------------
     def _finish_init(self, identity: DrafterIdentity) -> None:
@@ -384,6 +392,16 @@ class ChainProposer(Proposer):
                 raise RuntimeError(f"{self.name}: request {r.request_id!r} (n = {r.num_tokens}) has module buffers "
                                    f"(module, start, end) {bad}; each must end at n - module")
 
+        parts = self._tree_kernel_parts() if self.row_kernel and self.tree_kernel and num_modules == 1 else None
+        if parts is not None and self.head.packed is not None and self.head.packed_few is None:
+            drafts = self._propose_tree_kernel(requests, num_nodes, depths, widths, last, parts, context)
+            for r, st in zip(requests, new, strict=True):  # the call succeeded: the module's KV holds the final elements
+                self.states[r.request_id] = st
+            self._cover(requests)
+            self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + max(depths) - 1,
+                                 catch_up, max(depths), chain=False)
+            return drafts
+
         def run_level(active: list[int], trees: list[DraftTree], counts: list[int]) -> torch.Tensor:
             depth = trees[0].depths[-1]  # the new nodes' depth (one level at a time)
             m = min(depth, num_modules - 1)
@@ -415,6 +433,42 @@ class ChainProposer(Proposer):
         self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + level_forwards,
                              catch_up, max(depths), chain=False)
         return drafts
+
+    def _propose_tree_kernel(self, requests: list[Request], num_nodes: list[int], depths: list[int],
+                             widths: list[int], last: torch.Tensor, parts: dict,
+                             context: ProposeContext) -> list[Draft]:
+        """`propose_trees` of a one-module drafter on the fused CPU path: after the catch-up (in
+        Python, as the loop's), every level in one kernel call (`cpu_kernels.feature_tree`: the
+        module's layer as a one-layer `RowsStack`, its packed projection and the head's packed
+        LM head; the loop's slots, positions, attention, ranking and draws) instead of a Python
+        round trip per level; the same trees as the loop (tested), greedy and sampled."""
+        from engine.spec.proposers.tree_drafting import kernel_tree_args, kernel_tree_drafts
+        from kernels import cpu_kernels
+
+        tables, depths_t, widths_t, nodes_t, sampling, uniforms = kernel_tree_args(
+            requests, depths, widths, num_nodes, context.generators_for(requests))
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64)
+        out = cpu_kernels.feature_tree(
+            self._one_layer_stack(), last.float().contiguous(), as_tensor([r.last_token_id for r in requests]),
+            as_tensor([r.num_tokens - 2 for r in requests]), tables, depths_t, widths_t, nodes_t, self.tree_temperature,
+            context.tree_min_logprob, self.embed_tokens.weight.detach(), parts, self.head.packed, self.head.size,
+            self.head.token_ids, self.rope_f32, self.rope_offset, self.dtype == torch.bfloat16, sampling, uniforms,
+        )
+        return kernel_tree_drafts(requests, self.head, out)
+
+    def _one_layer_stack(self):
+        """Module 0's layer and KV cache as a C++ `RowsStack` (remade when the cache changes)."""
+        from kernels import cpu_kernels
+
+        k_cache, v_cache = self.kv_caches[0]
+        weights = self.layers[0].row_weights()
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), tuple(k_cache.shape), weights["w_qkv"].data_ptr())
+        if self._module_stack is None or self._module_stack[0] != key:
+            a = self.arch
+            stack = cpu_kernels.rows_stack([weights], [(k_cache, v_cache)], a.num_heads,
+                                           a.num_kv_heads, a.intermediate_size, a.rms_norm_eps, a.head_dim**-0.5, [])
+            self._module_stack = (key, stack)
+        return self._module_stack[1]
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:

@@ -142,6 +142,10 @@ class EagleProposer(ChainProposer):
     def modules(self):
         return [self.fc, *self.layers]
 
+    def _tree_kernel_parts(self) -> dict:
+        return {"token_norm": None, "hidden_norm": None, "out_norm": None, "proj": self.packed_fc,
+                "proj_bias": self.fc.bias, "hidden_first": False, "norm_after": False}
+
     def _inputs(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, fused: bool) -> torch.Tensor:
         inputs = torch.cat([embeds, feats.to(embeds.dtype)], dim=-1)
         if fused or self.layers[0].packed_matmuls:

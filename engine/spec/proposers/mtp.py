@@ -182,6 +182,8 @@ class MTPProposer(ChainProposer):
                 module.packed_proj = cpu_kernels.pack_rows(module.proj.weight.to(self.device, self.dtype))
             self.rope_f32 = runner.model.rope_f32
             target_head.use_row_kernel(runner.model.packed_lm_head())
+            for head in {id(hd): hd for hd in self.heads if hd is not target_head}.values():
+                head.use_row_kernel()  # a module's own LM head (DeepSeek-V3's shared_head.head)
         named = [
             (f"mtp.{m}.{n}", param)
             for m, mod in enumerate(self.mtp_modules)
@@ -215,6 +217,12 @@ class MTPProposer(ChainProposer):
 
     def modules(self):
         return [*self.mtp_modules] + ([self.embed_tokens] if self._own_embedding else [])
+
+    def _tree_kernel_parts(self) -> dict:
+        module = self.mtp_modules[0]
+        return {"token_norm": module.token_norm, "hidden_norm": module.hidden_norm, "out_norm": module.out_norm,
+                "proj": module.packed_proj, "proj_bias": None, "hidden_first": self.layout == MIMO,
+                "norm_after": self.layout == MIMO}
 
     def _inputs(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, fused: bool) -> torch.Tensor:
         if fused:  # (torch emulates bf16 products on CPUs without AMX: the packed projection)
