@@ -239,20 +239,23 @@ def chain_inputs(ks, drafts, target, draft):
     return [k + 1 for k in ks], parents, torch.tensor(tokens), q
 
 
-def test_chains_as_trees_match_the_chain_sampler():
+@pytest.mark.parametrize("host_walk", [False, True])
+def test_chains_as_trees_match_the_chain_sampler(host_walk):
     """With the same seeds, chains given as trees (q rows per node) get the very tokens of
-    `rejection_sample`, in mixed greedy/sampled batches."""
+    `rejection_sample`, in mixed greedy/sampled batches, through both walks."""
     rng = random.Random(2)
     for _ in range(60):
         ks, drafts, argmax, target, draft, greedy, seeds = random_step(rng, vocab=30)
         expected = rejection_sample(ks, drafts, argmax, target, draft, greedy, generators_for(seeds))
         num_nodes, parents, tokens, q = chain_inputs(ks, drafts, target, draft)
-        out = tree_rejection_sample(num_nodes, parents, tokens, argmax, target, q, greedy, generators_for(seeds))
+        out = tree_rejection_sample(num_nodes, parents, tokens, argmax, target, q, greedy, generators_for(seeds),
+                                    host_walk=host_walk)
         assert [a.token_ids for a in out] == expected
         assert all(a.node_ids == list(range(1, len(a.token_ids))) for a in out)
 
 
-def test_seeded_tree_request_does_not_depend_on_the_batch():
+@pytest.mark.parametrize("host_walk", [False, True])
+def test_seeded_tree_request_does_not_depend_on_the_batch(host_walk):
     rng = random.Random(4)
     vocab = 6
     trees = [random_tree(rng, rng.randint(1, 10), vocab) for _ in range(6)]
@@ -263,15 +266,39 @@ def test_seeded_tree_request_does_not_depend_on_the_batch():
     greedy = [False, True, False, False, True, False]
     for q in (draft, None):
         together = tree_rejection_sample(num_nodes, parents, tokens, target.argmax(-1), target, q, greedy,
-                                         [torch.Generator().manual_seed(s) for s in range(6)])
+                                         [torch.Generator().manual_seed(s) for s in range(6)], host_walk=host_walk)
         start = 0
         for r, tree in enumerate(trees):
             rows = slice(start, start + tree.num_nodes)
             alone = tree_rejection_sample([tree.num_nodes], list(tree.parents), tokens[rows], target[rows].argmax(-1),
                                           target[rows], None if q is None else q[rows], [greedy[r]],
-                                          [torch.Generator().manual_seed(r)])
+                                          [torch.Generator().manual_seed(r)], host_walk=host_walk)
             assert alone == [together[r]]
             start += tree.num_nodes
+
+
+def test_host_walk_equals_the_tensor_walk():
+    """The host walk a CPU step takes and the batched tensor walk a GPU takes give the same
+    outputs from the same seeds: random trees (repeated tokens among siblings included) in mixed
+    greedy / sampled batches, children with their own q rows and one-hot (deterministic) ones."""
+    rng = random.Random(7)
+    compared = sampled_paths = 0
+    for _ in range(80):
+        vocab = rng.randint(3, 8)
+        trees = [random_tree(rng, rng.randint(1, 14), vocab) for _ in range(rng.randint(1, 6))]
+        num_nodes, parents, tokens = flatten(trees)
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        target = torch.randn(sum(num_nodes), vocab, generator=gen).mul(2).softmax(-1)
+        draft = torch.randn(sum(num_nodes), vocab, generator=gen).mul(2).softmax(-1)
+        greedy = [rng.random() < 0.3 for _ in trees]
+        seeds = [rng.randrange(1000) for _ in trees]
+        for q in (draft, None):
+            walks = [tree_rejection_sample(num_nodes, parents, tokens, target.argmax(-1), target, q, greedy,
+                                           generators_for(seeds), host_walk=host) for host in (False, True)]
+            assert walks[0] == walks[1]
+            compared += len(trees)
+            sampled_paths += sum(len(a.node_ids) for a, g in zip(walks[0], greedy, strict=True) if not g)
+    assert compared > 300 and sampled_paths > 100  # sampled walks that accepted nodes were compared
 
 
 VOCAB, M1, M2, NUM_SAMPLES = 4, 3, 2, 20000
@@ -292,7 +319,7 @@ def draft_children(q: torch.Tensor, m: int, scheme: str, gen: torch.Generator):
     return tokens, rows
 
 
-def tree_sampler_p_value(scheme: str, seed: int = 0) -> float:
+def tree_sampler_p_value(scheme: str, seed: int = 0, host_walk: bool | None = None) -> float:
     """NUM_SAMPLES requests, each a fresh 2-level tree (M1 children of the root, M2 under each)
     drafted from q by `scheme` over a VOCAB-token vocabulary, verified in one call, unseeded.
     The committed tokens, completed to 3 with exact target samples, against the exact joint
@@ -314,25 +341,29 @@ def tree_sampler_p_value(scheme: str, seed: int = 0) -> float:
     if q_x1 is not None:
         draft = torch.cat([torch.zeros(n, 1, v), q_x1, q_x2.view(n, M1 * M2, v)], dim=1).reshape(-1, v)
     parents = [-1] + [0] * M1 + [1 + a for a in range(M1) for _ in range(M2)]
-    out = tree_rejection_sample([nodes] * n, parents * n, tokens, None, target, draft, [False] * n, [None] * n)
+    out = tree_rejection_sample([nodes] * n, parents * n, tokens, None, target, draft, [False] * n, [None] * n,
+                                host_walk=host_walk)
     counts = _extend_and_count([a.token_ids for a in out], [p1, p2, p3], gen)
     exact = {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c]) for a in range(v) for b in range(v) for c in range(v)}
     return _chi_square_p_value(counts, exact, n)
 
 
+@pytest.mark.parametrize("host_walk", [False, True])
 @pytest.mark.parametrize("scheme", ["iid", "without", "top-k"])
-def test_tree_sampler_follows_the_target_distribution(scheme):
-    """`tree_sampler_p_value` for each drafting scheme. A correct sampler fails when p < 1e-6:
-    false-failure probability 1e-6 per scheme (the seeds are fixed, so runs are reproducible)."""
-    assert tree_sampler_p_value(scheme) > 1e-6
+def test_tree_sampler_follows_the_target_distribution(scheme, host_walk):
+    """`tree_sampler_p_value` for each drafting scheme and each walk (the batched tensor one, the
+    host one). A correct sampler fails when p < 1e-6: false-failure probability 1e-6 per case
+    (the seeds are fixed, so runs are reproducible)."""
+    assert tree_sampler_p_value(scheme, host_walk=host_walk) > 1e-6
 
 
+@pytest.mark.parametrize("host_walk", [False, True])
 @pytest.mark.parametrize("scheme", ["iid", "top-k"])
-def test_wrong_residual_is_detected(scheme, monkeypatch):
+def test_wrong_residual_is_detected(scheme, host_walk, monkeypatch):
     """Negative control: the same statistic catches a sampler that keeps p after rejecting a
-    child instead of normalize(max(0, p - q))."""
+    child instead of normalize(max(0, p - q)), in either walk."""
     monkeypatch.setattr(rs, "residual_distribution", lambda p, q, rows=None: p)
-    assert tree_sampler_p_value(scheme) < 1e-6
+    assert tree_sampler_p_value(scheme, host_walk=host_walk) < 1e-6
 
 
 @pytest.mark.parametrize("host_walk", [False, True])
