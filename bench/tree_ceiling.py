@@ -26,10 +26,11 @@ measures the engine's dynamic trees end to end.
 reads: `SpeculativeConfig.tree_temperature`; the value floor, `tree_min_prob`, reads the
 probabilities at that temperature as acceptance chances). `--drafter draft` does both for the
 standalone draft model (models/drafter), whose drafts along the true path are its
-teacher-forced predictions.
+teacher-forced predictions; `--drafter mtp` for the target's native MTP layer (its calibration
+lives in models/target, next to the layer).
 
-    python -m bench.tree_ceiling [--drafter eagle3|draft] [--prompts 32] [--new-tokens 96] [--depth 12]
-    python -m bench.tree_ceiling --calibrate [--drafter eagle3|draft] [--write]
+    python -m bench.tree_ceiling [--drafter eagle3|draft|mtp] [--prompts 32] [--new-tokens 96] [--depth 12]
+    python -m bench.tree_ceiling --calibrate [--drafter eagle3|draft|mtp] [--write]
 """
 
 from __future__ import annotations
@@ -84,6 +85,19 @@ def true_path_logits(prompts: list[list[int]], new_tokens: int, depth: int) -> l
     return out
 
 
+def default_draft_vocabulary(folder: str, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the token ids models/`folder`'s drafts rank by default, as the engine resolves them;
+    [vocab] each token's index among them, -1 outside)."""
+    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
+
+    token_ids = resolve_draft_token_ids(None, str(MODELS / folder), vocab)
+    if token_ids is None:
+        token_ids = torch.arange(vocab)
+    draft_index = torch.full((vocab,), -1, dtype=torch.long)
+    draft_index[token_ids] = torch.arange(token_ids.numel())
+    return token_ids, draft_index
+
+
 def draft_model_true_path_logits(prompts: list[list[int]], new_tokens: int, depth: int
                                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`true_path_logits` for the standalone draft model (models/drafter): along the true path it
@@ -92,16 +106,9 @@ def draft_model_true_path_logits(prompts: list[list[int]], new_tokens: int, dept
     engine ranks them."""
     from transformers import LlamaForCausalLM
 
-    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
-
     target = load_target()
     drafter = LlamaForCausalLM.from_pretrained(str(MODELS / "drafter"), dtype=torch.float32).eval()
-    vocab = target.config.vocab_size
-    token_ids = resolve_draft_token_ids(None, str(MODELS / "drafter"), vocab)
-    if token_ids is None:
-        token_ids = torch.arange(vocab)
-    draft_index = torch.full((vocab,), -1, dtype=torch.long)
-    draft_index[token_ids] = torch.arange(token_ids.numel())
+    token_ids, draft_index = default_draft_vocabulary("drafter", target.config.vocab_size)
     out = []
     with torch.inference_mode():
         for p, seq in greedy_continuations(target, prompts, new_tokens):
@@ -113,8 +120,45 @@ def draft_model_true_path_logits(prompts: list[list[int]], new_tokens: int, dept
     return out
 
 
-# --drafter: (its folder under models/, its true-path logits)
-DRAFTERS = {"eagle3": ("eagle3-head", true_path_logits), "draft": ("drafter", draft_model_true_path_logits)}
+def mtp_true_path_logits(prompts: list[list[int]], new_tokens: int, depth: int
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`true_path_logits` for the shipped target's native MTP layer (models/target, DeepSeek-V3
+    layout), applied recursively as the engine drafts with it: depth 1 of root n pairs the
+    target's hidden state at n - 2 with token n - 1, depth s + 1 the module's own depth-s output
+    with the true token n - 2 + s + 1 (training/mtp.py's unroll), over the target folder's default
+    draft vocabulary. One approximation, in attention context only: the unroll's elements of a
+    depth attend to that depth's earlier elements, the engine's drafts to the committed depth-1
+    elements (as in training)."""
+    from safetensors.torch import load_file
+
+    from training.mtp import MTPModule
+
+    target = load_target()
+    module = MTPModule(target.config).eval()
+    module.load_published(load_file(str(MODELS / "target" / "model.safetensors")), target.config.num_hidden_layers)
+    token_ids, draft_index = default_draft_vocabulary("target", target.config.vocab_size)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    out = []
+    with torch.inference_mode():
+        for p, seq in greedy_continuations(target, prompts, new_tokens):
+            hidden = target.model(input_ids=seq).last_hidden_state  # [1, T, H], final-norm
+            truth = lm_head(hidden)[0].argmax(-1)  # truth[p]: the target's token after position p
+            emb, length = embed(seq), seq.shape[1]
+            feats, steps = hidden[:, :-1], []
+            for s in range(depth):  # step s: element j (features of j, token j + 1 + s) -> token j + 2 + s
+                n = length - 2 - s
+                f = module(emb[:, 1 + s : 1 + s + n], feats[:, :n], torch.arange(s, s + n).unsqueeze(0))
+                steps.append(lm_head(module.head_input(f))[0][:, token_ids].float())
+                feats = f
+            roots = torch.arange(len(p), length - depth + 1)  # root n: the first draft is token n (j = n - 2)
+            out.append((torch.stack([lg[roots - 2] for lg in steps]),
+                        torch.stack([draft_index[truth[roots + s - 1]] for s in range(depth)])))
+    return out
+
+
+# --drafter: (its folder under models/, its true-path logits); the MTP layer lives in the target's
+DRAFTERS = {"eagle3": ("eagle3-head", true_path_logits), "draft": ("drafter", draft_model_true_path_logits),
+            "mtp": ("target", mtp_true_path_logits)}
 
 
 def ranks_of(logits: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -212,7 +256,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--fit-seed", type=int, default=10, help="prompts to fit on (the benchmarks use seeds 1-4)")
     ap.add_argument("--write", action="store_true", help="with --calibrate: write it to the head's tree_calibration.json")
     ap.add_argument("--drafter", default="eagle3", choices=sorted(DRAFTERS),
-                    help="the shipped EAGLE-3 head or the standalone draft model")
+                    help="the shipped EAGLE-3 head, the standalone draft model or the target's native MTP layer")
     args = ap.parse_args(argv)
     folder, path_logits = DRAFTERS[args.drafter]
     torch.manual_seed(0)

@@ -362,6 +362,50 @@ def _assert_calibrates(logits: torch.Tensor, want: torch.Tensor, t: float) -> No
     assert abs(top[t] - accuracy) < 0.1 and top[1.0] < accuracy - 0.3, (top, accuracy)
 
 
+def test_mtp_tree_calibration_fits_it(target):
+    """The target's native MTP layer ships a tree temperature (models/target/tree_calibration.json,
+    `python -m bench.tree_ceiling --calibrate --drafter mtp`, fitted over depths 1-12 on other
+    held-out prompts), which the engine reads for `method="mtp"`, and it calibrates the layer here
+    too, at depth 1: the target's greedy continuations of held-out code (8 benchmark prompts, seed
+    3; the fit used seed 10), the layer's teacher-forced logits over the target's default draft
+    vocabulary. Measured: its top token is the target's 77% of the time at a mean top probability
+    of 0.73 at T (0.25 at 1, where the value floor pruned its trees to a node or two:
+    bench/results/spec_tree_stop44.json)."""
+    from transformers import AutoTokenizer
+
+    from bench.common import code_prompts
+    from bench.eval_models import load_mtp
+    from engine import LLMEngine, SpeculativeConfig
+    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
+    from engine.spec.proposers.tree_drafting import read_tree_temperature
+
+    path = need("target")
+    t = read_tree_temperature(str(path))
+    assert 0 < t < 1
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens=10, adaptive=False, tree_nodes=15, tree_width=2,
+                             tree_depth=10)
+    assert LLMEngine(str(path), dtype="bfloat16", device="cpu", speculative=spec).speculator.proposer.tree_temperature == t
+    module = load_mtp(path, target, torch.bfloat16)
+    ids = resolve_draft_token_ids(None, str(path), target.config.vocab_size)
+    prompts = torch.tensor(code_prompts(AutoTokenizer.from_pretrained(str(path)), 8, 128, seed=3))
+    with torch.no_grad():
+        seq = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=64, min_new_tokens=64,
+                              do_sample=False, pad_token_id=0)
+        h = target.model(input_ids=seq).last_hidden_state
+        truth = target.lm_head(h).float().argmax(-1)  # the target's token after each position
+        pos = torch.arange(seq.shape[1] - 1).unsqueeze(0).expand(seq.shape[0], -1)
+        # element j: features of j and token j + 1 -> token j + 2 (the target's truth[j + 1])
+        f = module(target.get_input_embeddings()(seq[:, 1:]), h[:, :-1], pos)
+        logits = target.lm_head(module.head_input(f)).float()[:, 126:-1]  # tokens 128 .. end
+    want = truth[:, 127:-1]
+    if ids is not None:
+        index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+        index[ids] = torch.arange(ids.numel())
+        logits, want = logits[..., ids], index[want]
+    inside = want >= 0
+    _assert_calibrates(logits[inside], want[inside], t)
+
+
 def test_draft_model_tree_calibration_fits_it(target):
     """The shipped draft model's tree temperature (`python -m bench.tree_ceiling --calibrate
     --drafter draft`, on other held-out prompts) calibrates it here too, on what greedy trees

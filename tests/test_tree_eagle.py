@@ -217,8 +217,9 @@ def test_greedy_tree_equals_target_mixed_preempted_cached(setup, method):
 
 
 def test_tree_temperature_from_the_drafter_folder_or_the_config(setup, tmp_path):
-    """A drafter folder's tree_calibration.json sets its greedy trees' temperature, the config's
-    overrides it, none means 1.0 (EAGLE-2's ranking); a bad file or value is refused by name."""
+    """A drafter folder's tree_calibration.json sets its greedy trees' temperature (native MTP's:
+    the target's folder), the config's overrides it, none means 1.0 (EAGLE-2's ranking); a bad
+    file or value is refused by name."""
     import json
     import shutil
 
@@ -241,6 +242,17 @@ def test_tree_temperature_from_the_drafter_folder_or_the_config(setup, tmp_path)
     for bad in (0, -0.5, float("nan"), float("inf"), True, "0.3"):
         with pytest.raises(ValueError, match="tree_temperature must be a number > 0"):
             SpeculativeConfig(method="eagle3", model=str(head), tree_temperature=bad)
+    # native MTP: its layers, and so its calibration, live in the target's folder
+    target = tmp_path / "mtp"
+    shutil.copytree(setup["mtp"], target)
+
+    def mtp_temperature():
+        spec = SpeculativeConfig(method="mtp", **TREE)
+        return LLMEngine(str(target), dtype="float32", device="cpu", speculative=spec).speculator.proposer.tree_temperature
+
+    assert mtp_temperature() == 1.0
+    (target / CALIBRATION_FILE).write_text(json.dumps({"greedy_temperature": 0.3}))
+    assert mtp_temperature() == 0.3
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp3"])

@@ -8,13 +8,15 @@ from engine.spec.proposers.base import Draft, ProposeContext, Proposer
 
 def make_proposer(config: SpeculativeConfig, runner):
     """Build the proposer for `config.method` on the target runner's device, its greedy trees'
-    ranking temperature set (`SpeculativeConfig.tree_temperature`)."""
+    ranking temperature set (`SpeculativeConfig.tree_temperature`; None: the drafter folder's
+    calibration, for native MTP the target's folder, where its layers live)."""
     proposer = _make(config, runner)
     if proposer.supports_tree and config.uses_tree:
         from engine.spec.proposers.tree_drafting import read_tree_temperature
 
+        folder = runner.model_dir if config.method == "mtp" else config.model
         proposer.tree_temperature = (config.tree_temperature if config.tree_temperature is not None
-                                     else read_tree_temperature(config.model))
+                                     else read_tree_temperature(folder))
     return proposer
 
 
