@@ -80,9 +80,10 @@ class SpeculativeConfig:
     tree_temperature: greedy trees rank candidates by the draft's log-probabilities at this
     temperature (a calibration: the drafter's top token is the target's argmax more often than its
     probability says, so at 1, EAGLE-2's ranking, deep nodes of the likely path lose to shallow
-    siblings). None (default): the drafter folder's tree_calibration.json (`python -m
-    bench.tree_ceiling --calibrate --write`; the shipped EAGLE-3 head's: 0.244, the draft model's: 0.358), 1.0 where it has
-    none. It changes which nodes are drafted, never the output.
+    siblings). None (default): the drafter folder's tree_calibration.json (native MTP's: the
+    target's folder; `python -m bench.tree_ceiling --calibrate --write`; the shipped EAGLE-3
+    head's: 0.244, the draft model's: 0.358, the shipped target's MTP layer's: 0.307), 1.0 where
+    it has none. It changes which nodes are drafted, never the output.
     tree_min_prob: a greedy tree keeps only nodes whose path probability at `tree_temperature`
     (the product of the calibrated draft probabilities from the root: an estimate of the chance
     the target accepts the node) is at least this, up to `tree_nodes`: the tree shrinks where the
