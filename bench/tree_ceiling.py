@@ -156,7 +156,7 @@ def mtp_true_path_logits(prompts: list[list[int]], new_tokens: int, depth: int
     return out
 
 
-# --drafter: (its folder under models/, its true-path logits); the MTP layer lives in the target's
+# --drafter: (its folder under models/, its true-path logits); the MTP layer lives in the target's folder
 DRAFTERS = {"eagle3": ("eagle3-head", true_path_logits), "draft": ("drafter", draft_model_true_path_logits),
             "mtp": ("target", mtp_true_path_logits)}
 
