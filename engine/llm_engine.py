@@ -145,6 +145,7 @@ class LLMEngine:
         num_threads: int | None = None,
         exact: str = "auto",
         cuda_graphs: bool = True,
+        remote_drafter=None,
     ) -> None:
         """`exact` (engine.model_runner.EXACT_MODES): how a step keeps each token's logits
         independent of how many tokens it computes, so that speculation never changes greedy
@@ -155,7 +156,9 @@ class LLMEngine:
         picks there) or "batch_invariant", run the target's steps of up to 16 tokens (decode,
         verification) and the model drafters' small forwards as captured CUDA graphs
         (engine/step_graph.py; the target's tokens the same bits as without); False runs
-        everything eagerly."""
+        everything eagerly.
+        `remote_drafter`: a drafter pool's client (engine/spec/remote.py: `draft(DraftBatch)`); with
+        `speculative` method "draft" its draft model drafts there, not on this device."""
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         self.cache_config = CacheConfig(block_size, kv_cache_memory_bytes, gpu_memory_utilization, enable_prefix_caching)
@@ -190,7 +193,7 @@ class LLMEngine:
             from engine.spec.speculator import Speculator
 
             self.speculator = Speculator(
-                speculative, make_proposer(speculative, self.runner), max_model_len, max_num_batched_tokens
+                speculative, make_proposer(speculative, self.runner, remote_drafter), max_model_len, max_num_batched_tokens
             )
             self.speculator.proposer.configure_buffers(max_num_seqs, max_model_len)
             self.runner.keep_hidden_states = self.speculator.proposer.needs_hidden_states

@@ -6,10 +6,21 @@ from engine.config import SpeculativeConfig
 from engine.spec.proposers.base import Draft, ProposeContext, Proposer
 
 
-def make_proposer(config: SpeculativeConfig, runner):
+def make_proposer(config: SpeculativeConfig, runner, remote_drafter=None):
     """Build the proposer for `config.method` on the target runner's device, its greedy trees'
     ranking temperature set (`SpeculativeConfig.tree_temperature`; None: the drafter folder's
-    calibration, for native MTP the target's folder, where its layers live)."""
+    calibration, for native MTP the target's folder, where its layers live). With
+    `remote_drafter` (a drafter pool's client, engine/spec/remote.py) the draft model named by
+    `config.model` drafts in that pool instead of on this device (method "draft", chains only)."""
+    if remote_drafter is not None:
+        if config.method != "draft" or config.uses_tree:
+            raise ValueError(
+                f"a remote drafter pool drafts with a draft model, in chains: needs method 'draft' and "
+                f"tree_nodes 0, got method {config.method!r}, tree_nodes {config.tree_nodes}"
+            )
+        from engine.spec.remote import RemoteDrafterProposer
+
+        return RemoteDrafterProposer(remote_drafter, runner, config.model)
     proposer = _make(config, runner)
     if proposer.supports_tree and config.uses_tree:
         from engine.spec.proposers.tree_drafting import read_tree_temperature
