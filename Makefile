@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast lint demo serve serve-pd loadtest bench llamacpp protos clean
+.PHONY: install test test-fast lint demo serve serve-pd serve-drafter loadtest bench llamacpp protos clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,10 @@ serve: $(STAMP)
 # Prefill/decode disaggregation: a prefill pool and a decode pool (deployments/serve_config_pd.yaml).
 serve-pd: $(STAMP)
 	$(BIN)/python -m deployments.serve --config deployments/serve_config_pd.yaml
+
+# The remote drafter pool: the draft model in a pool of its own (deployments/serve_config_drafter.yaml).
+serve-drafter: $(STAMP)
+	$(BIN)/python -m deployments.serve --config deployments/serve_config_drafter.yaml
 
 loadtest: $(STAMP)
 	$(BIN)/python -m loadtest.run

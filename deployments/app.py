@@ -35,6 +35,7 @@ from deployments import tracing as t
 from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
 from deployments.config import (
     DEPLOYMENT_NAME,
+    DRAFTER_DEPLOYMENT_NAME,
     INGRESS_DEPLOYMENT_NAME,
     PREFILL_DEPLOYMENT_NAME,
     AppConfig,
@@ -114,10 +115,14 @@ class TraceMetadata:
 class SpecDecodeServer:
     """One engine replica: an AsyncLLM (target + drafter on one device) behind `generate`."""
 
-    def __init__(self, config: AppConfig, prefill_pool: Any = None) -> None:
+    def __init__(self, config: AppConfig, prefill_pool: Any = None, drafter_pool: Any = None) -> None:
         from engine import AsyncLLM
 
         self.config = config
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside a replica (direct construction in tests)
+            self.replica_id = ""
         # mode: disaggregated: the decode replicas get a handle to the prefill pool.
         self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
         self.prefills: dict[str, int] = {}  # where this replica's requests were prefilled
@@ -127,7 +132,15 @@ class SpecDecodeServer:
         self.transports: dict[str, int] = {}  # handoffs received, by transport
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
         engine_kwargs = config.engine_kwargs()
-        self.llm = AsyncLLM(resolve_path(config.model), **engine_kwargs)
+        # speculative.placement: remote: the draft model drafts in the drafter pool (deployments/drafter.py)
+        self.drafter_pool = drafter_pool
+        remote = {}
+        if drafter_pool is not None:
+            from deployments.drafter import ServeDrafterClient
+
+            affinity = self.replica_id or uuid.uuid4().hex
+            remote["remote_drafter"] = ServeDrafterClient(drafter_pool, affinity, config.drafter_pool.timeout_s)
+        self.llm = AsyncLLM(resolve_path(config.model), **engine_kwargs, **remote)
         engine = self.llm.engine
         self.transport = resolve_transport(config.disaggregation.transport, engine.device.type)  # of its handoffs
         engine.export_kv_on_device = self.transport == "nixl"  # NIXL moves GPU memory itself
@@ -140,10 +153,6 @@ class SpecDecodeServer:
         k = config.speculative.num_speculative_tokens if config.speculative else 0
         self.metrics = start_replica_metrics(self.llm, k)
         self.tracing = setup_tracing(config.tracing, self.llm)
-        try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside a replica (direct construction in tests)
-            self.replica_id = ""
         logger.info(
             "SpecDecode replica ready: %s, drafter %s, max_model_len %d, max_prompt_tokens %d, "
             "%d torch threads on %s",
@@ -386,6 +395,15 @@ class SpecDecodeServer:
             logger.warning("request %r: handoff lost (%s)", label, type(e).__name__)
             return None
         return handoff, max(0.0, time.time() - result.sent_at)
+
+    async def remote_drafting(self) -> dict[str, Any]:
+        """This replica's drafting in the drafter pool (speculative.placement: remote): rounds,
+        failures (steps without drafts: a lost, slow or mismatched pool), `unknown` answers, drafts
+        and those made ahead; {} when it drafts locally."""
+        spec = self.llm.engine.speculator
+        if spec is None or not getattr(spec.proposer, "remote", False):
+            return {}
+        return {"replica": self.replica_id, "disabled": spec.proposer.disabled, **spec.proposer.counts}
 
     async def prefill_counts(self) -> dict[str, float]:
         """How this decode replica's requests were prefilled (remote, local, fallback), by which
@@ -705,20 +723,27 @@ def bind_app(
     engine_cls: type = None,  # type: ignore[assignment] - SpecDecodeServer or a subclass (tests)
     prefill_overrides: dict | None = None,
     prefill_cls: type = None,  # type: ignore[assignment] - the prefill pool's class when it differs (tests)
+    drafter_overrides: dict | None = None,
 ) -> Application:
     """The gRPC ingress bound over the engine deployment (in disaggregated mode, the decode pool
-    bound over the prefill pool), each sized from `config`, with `overrides` /
-    `ingress_overrides` / `prefill_overrides` (deployment options as in a config file's
+    bound over the prefill pool; with `speculative.placement: remote`, the engine pools bound over
+    the drafter pool), each sized from `config`, with `overrides` / `ingress_overrides` /
+    `prefill_overrides` / `drafter_overrides` (deployment options as in a config file's
     `deployments:` entries: num_replicas, autoscaling_config, ...) applied on top."""
     from deployments.ingress import SpecDecodeIngress
 
     cls = engine_cls or SpecDecodeServer
+    pool = {}
+    if config.speculative is not None and config.speculative.placement == "remote":
+        from deployments.drafter import SpecDrafterServer, drafter_options
+
+        drafter = serve.deployment(SpecDrafterServer, name=DRAFTER_DEPLOYMENT_NAME)
+        pool["drafter_pool"] = drafter.options(**drafter_options(config, drafter_overrides)).bind(config)
     prefill_app = None
     if config.mode == "disaggregated":
         prefill = serve.deployment(prefill_cls or cls, name=PREFILL_DEPLOYMENT_NAME)
-        prefill_app = prefill.options(**deployment_options(config, prefill_overrides)).bind(config)
+        prefill_app = prefill.options(**deployment_options(config, prefill_overrides)).bind(config, **pool)
     engine = serve.deployment(cls, name=DEPLOYMENT_NAME)
-    args = (config,) if prefill_app is None else (config, prefill_app)
-    engine_app = engine.options(**deployment_options(config, overrides)).bind(*args)
+    engine_app = engine.options(**deployment_options(config, overrides)).bind(config, prefill_app, **pool)
     ingress = serve.deployment(SpecDecodeIngress, name=INGRESS_DEPLOYMENT_NAME)
     return ingress.options(**ingress_options(config, ingress_overrides)).bind(engine_app, config)

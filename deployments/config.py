@@ -24,6 +24,8 @@ APP_IMPORT_PATH = "deployments.app:build_app"
 DEPLOYMENT_NAME = "SpecDecode"  # the engine replicas: the pool that scales on the SLO
 INGRESS_DEPLOYMENT_NAME = "SpecDecodeIngress"  # the gRPC methods, in front of the engine replicas
 PREFILL_DEPLOYMENT_NAME = "SpecDecodePrefill"  # mode: disaggregated: the pool that prefills long prompts
+DRAFTER_DEPLOYMENT_NAME = "SpecDrafter"  # speculative.placement: remote: the drafter pool
+PLACEMENTS = ("colocated", "remote")  # where the drafter runs: in each engine replica, or its own pool
 SLO_POLICY_PATH = "deployments.autoscaling:SLOAutoscalingPolicy"  # its policy_kwargs are checked here
 SERVICER_FUNCTION = "deployments.servicer.add_SpecDecodeServicer_to_server"
 DEVICES = ("auto", "cpu", "cuda")
@@ -105,7 +107,10 @@ def _show(value: Any) -> str:
 
 @dataclass(frozen=True)
 class DrafterArgs:
-    """Who drafts (engine.SpeculativeConfig names). `model` is a checkpoint dir (none for ngram)."""
+    """Who drafts (engine.SpeculativeConfig names). `model` is a checkpoint dir (none for ngram).
+    placement: "colocated" (default: each engine replica holds its drafter) or "remote" (method
+    "draft" only: the draft model runs in a drafter pool of its own, `SpecDrafter`, shared by the
+    engine replicas; see DrafterPoolArgs and deployments/drafter.py)."""
 
     method: str = "draft"
     model: str | None = "models/drafter"
@@ -113,6 +118,7 @@ class DrafterArgs:
     adaptive: bool = True
     draft_vocab_size: int | None = None
     draft_weights: str = "auto"
+    placement: str = "colocated"
 
     @classmethod
     def from_dict(cls, data: Any, where: str, check: _Checker) -> DrafterArgs | None:
@@ -138,10 +144,18 @@ class DrafterArgs:
         dw = check.string(f"{where}.draft_weights", data.get("draft_weights", cls.draft_weights), DRAFT_WEIGHTS)
         if len(check.errors) == before and dw in ("int8", "int4") and method != "eagle3":
             check.fail(f"{where}.draft_weights", f"{dw!r} applies to method 'eagle3' only, got method {method!r}")
+        before = len(check.errors)
+        placement = check.string(f"{where}.placement", data.get("placement", cls.placement), PLACEMENTS)
+        if len(check.errors) == before and placement == "remote" and method != "draft":
+            check.fail(f"{where}.placement", f"'remote' needs method 'draft' (a draft model drafts in the pool; "
+                                             f"{method!r} reads the target's own state each step), got {method!r}")
+        if len(check.errors) == before and placement == "remote" and dv:
+            check.fail(f"{where}.draft_vocab_size", f"does not apply to placement 'remote' (the pool drafts over the "
+                                                    f"whole vocabulary), got {dv}")
         if len(check.errors) > n:
             return None
         return cls(method=method, model=model, num_speculative_tokens=k, adaptive=adaptive, draft_vocab_size=dv,
-                   draft_weights=dw)
+                   draft_weights=dw, placement=placement)
 
     def to_engine(self, model_path: str | None) -> Any:
         from engine import SpeculativeConfig
@@ -186,6 +200,50 @@ class DisaggregationArgs:
             return None
         return cls(min_prompt_tokens=threshold, with_drafter_state=with_state, transport=transport,
                    max_inflight_prefills=inflight)
+
+
+@dataclass(frozen=True)
+class DrafterPoolArgs:
+    """The drafter pool (`speculative.placement: remote`, deployments/drafter.py): `SpecDrafter`
+    replicas of `num_cpus` CPUs (or one GPU where the engine replicas take GPUs) with
+    `torch_threads` matmul threads (null: as the engine's default), each holding the draft model
+    and a KV cache of `kv_cache_memory_bytes` (null: 256 MiB) for its sessions, which it forgets
+    after `session_ttl_s` idle. An engine replica waits at most `timeout_s` for a step's drafts
+    (then that step has none; outputs never change). `draft_ahead`: after answering, draft the
+    next round assuming every draft is accepted (engine/spec/remote.py). `max_batch_size` and
+    `batch_wait_timeout_s`: how Serve batches the calls of several engine replicas into one round."""
+
+    num_cpus: int = 1
+    torch_threads: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    session_ttl_s: float = 300.0
+    timeout_s: float = 0.25
+    draft_ahead: bool = True
+    max_batch_size: int = 64
+    batch_wait_timeout_s: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str, check: _Checker) -> DrafterPoolArgs | None:
+        data = check.mapping(where, data, [f.name for f in fields(cls)])
+        n = len(check.errors)
+        values = {
+            "num_cpus": check.integer(f"{where}.num_cpus", data.get("num_cpus", cls.num_cpus), 1, 1024),
+            "torch_threads": check.integer(f"{where}.torch_threads", data.get("torch_threads"), 1, 1024, optional=True),
+            "kv_cache_memory_bytes": check.integer(f"{where}.kv_cache_memory_bytes", data.get("kv_cache_memory_bytes"),
+                                                   1, optional=True),
+            "session_ttl_s": check.number(f"{where}.session_ttl_s", data.get("session_ttl_s", cls.session_ttl_s),
+                                          0.0, 86400.0),
+            "timeout_s": check.number(f"{where}.timeout_s", data.get("timeout_s", cls.timeout_s), 0.0, 60.0),
+            "draft_ahead": check.boolean(f"{where}.draft_ahead", data.get("draft_ahead", cls.draft_ahead)),
+            "max_batch_size": check.integer(f"{where}.max_batch_size", data.get("max_batch_size", cls.max_batch_size),
+                                            1, 4096),
+        }
+        wait = data.get("batch_wait_timeout_s", cls.batch_wait_timeout_s)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1:
+            check.fail(f"{where}.batch_wait_timeout_s", f"must be a number in [0, 1], got {_show(wait)}")
+        if len(check.errors) > n:
+            return None
+        return cls(batch_wait_timeout_s=float(wait), **values)
 
 
 TRACE_EXPORTERS = ("file", "otlp", "console", "none")
@@ -233,6 +291,8 @@ class AppConfig:
     small steps replay captured CUDA graphs; false runs them eagerly).
     metrics_window_s is the window of the p95 TTFT/TPOT each replica reports to the SLO
     autoscaling policy (deployments/autoscaling.py; the SLO targets are its policy_kwargs).
+    drafter_pool: the drafter pool's settings where `speculative.placement` is "remote"
+    (DrafterPoolArgs).
     replica_wait_timeout_s bounds how long the ingress waits for an engine replica to accept a
     request (none is running, or all are full and Serve queues it) before answering UNAVAILABLE.
     mode: "colocated" (each engine replica prefills and decodes its requests) or "disaggregated"
@@ -260,6 +320,7 @@ class AppConfig:
     replica_wait_timeout_s: float = 30.0
     mode: str = "colocated"
     disaggregation: DisaggregationArgs = field(default_factory=DisaggregationArgs)
+    drafter_pool: DrafterPoolArgs = field(default_factory=DrafterPoolArgs)
     tracing: TracingArgs | None = None
 
     @classmethod
@@ -307,6 +368,7 @@ class AppConfig:
         values["tracing"] = None if tracing is None else TracingArgs.from_dict(tracing, f"{where}.tracing", check)
         values["disaggregation"] = DisaggregationArgs.from_dict(
             data.get("disaggregation") or {}, f"{where}.disaggregation", check)
+        values["drafter_pool"] = DrafterPoolArgs.from_dict(data.get("drafter_pool") or {}, f"{where}.drafter_pool", check)
         v = values
         if v["max_model_len"] and v["max_prompt_tokens"] and v["max_prompt_tokens"] >= v["max_model_len"]:
             check.fail(
@@ -329,6 +391,7 @@ class AppConfig:
         if self.tracing is not None:
             out["tracing"] = {f.name: getattr(self.tracing, f.name) for f in fields(self.tracing)}
         out["disaggregation"] = {f.name: getattr(self.disaggregation, f.name) for f in fields(self.disaggregation)}
+        out["drafter_pool"] = {f.name: getattr(self.drafter_pool, f.name) for f in fields(self.drafter_pool)}
         return out
 
     def engine_kwargs(self) -> dict:
@@ -438,12 +501,14 @@ def validate_serve_config(config: dict) -> dict[str, AppConfig]:
         if app.get("import_path") != APP_IMPORT_PATH:
             continue
         for j, deployment in enumerate(app.get("deployments") or []):
-            if deployment.get("name") not in (DEPLOYMENT_NAME, INGRESS_DEPLOYMENT_NAME, PREFILL_DEPLOYMENT_NAME):
+            if deployment.get("name") not in (DEPLOYMENT_NAME, INGRESS_DEPLOYMENT_NAME, PREFILL_DEPLOYMENT_NAME,
+                                              DRAFTER_DEPLOYMENT_NAME):
                 check.fail(
                     f"applications[{i}].deployments[{j}].name",
                     f"this app's deployments are {DEPLOYMENT_NAME!r} (engine replicas; the decode pool in "
-                    f"disaggregated mode), {INGRESS_DEPLOYMENT_NAME!r} (gRPC ingress) and "
-                    f"{PREFILL_DEPLOYMENT_NAME!r} (prefill pool, disaggregated mode); got {deployment.get('name')!r}",
+                    f"disaggregated mode), {INGRESS_DEPLOYMENT_NAME!r} (gRPC ingress), "
+                    f"{PREFILL_DEPLOYMENT_NAME!r} (prefill pool, disaggregated mode) and {DRAFTER_DEPLOYMENT_NAME!r} "
+                    f"(drafter pool, speculative.placement: remote); got {deployment.get('name')!r}",
                 )
         try:
             apps[app.get("name", "default")] = AppConfig.from_dict(app.get("args"), f"applications[{i}].args")

@@ -28,6 +28,7 @@ from deployments.config import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_DRAFTER_MODELS,
     DEPLOYMENT_NAME,
+    DRAFTER_DEPLOYMENT_NAME,
     INGRESS_DEPLOYMENT_NAME,
     PREFILL_DEPLOYMENT_NAME,
     ConfigError,
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deploying {app_name!r}: {app_config}", flush=True)
         start = time.monotonic()
         bound = bind_app(app_config, entries.get(DEPLOYMENT_NAME), entries.get(INGRESS_DEPLOYMENT_NAME),
-                         prefill_overrides=entries.get(PREFILL_DEPLOYMENT_NAME))
+                         prefill_overrides=entries.get(PREFILL_DEPLOYMENT_NAME),
+                         drafter_overrides=entries.get(DRAFTER_DEPLOYMENT_NAME))
         serve.run(bound, name=app_name, route_prefix=app.get("route_prefix"))
         from deployments.client import SpecDecodeClient
 

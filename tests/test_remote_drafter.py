@@ -68,12 +68,12 @@ def test_drafts_are_the_colocated_draft_models(models):
 
 
 def test_greedy_output_under_preemption_and_an_evicting_pool(models):
-    """Preemption on the target (its request starts over: a new session) and a pool whose KV
-    holds one request's session (it evicts the least recently used; a call for an evicted
+    """Preemption on the target (its request starts over: a new session) and a pool of 40
+    positions whose KV holds about one request's session (it evicts the least recently used; a call for an evicted
     session comes back `unknown`, and the target resends its whole context)."""
     service = DraftService(models["close"], dtype="float32", device="cpu", kv_cache_memory_bytes=1,
-                           block_size=4, max_model_len=60, max_k=4)  # the fewest blocks: 72 slots
-    assert service.num_blocks * 4 == 72
+                           block_size=4, max_model_len=40, max_k=4)  # the fewest blocks: 52 slots
+    assert service.num_blocks * 4 == 52
     bytes_per_token = 2 * 2 * 2 * 16 * 4
     engine, _ = remote_engine(models, service=service, block_size=4, kv_cache_memory_bytes=18 * 4 * bytes_per_token,
                               max_model_len=60)
@@ -83,7 +83,7 @@ def test_greedy_output_under_preemption_and_an_evicting_pool(models):
     expected = run_staggered(LLMEngine(models["target"], dtype="float32", device="cpu"), prompts, GREEDY, SPEC_ARRIVALS)
     assert outs == expected
     counts = service.stats()
-    assert counts["evicted"] > 0
+    assert counts["evicted"] > 0 and counts["too_long"] > 0  # and contexts past its 40 positions got no drafts
     assert engine.speculator.proposer.counts["unknown"] == counts["unknown"]
     assert engine.spec_stats.num_accepted_tokens > 0
     assert_no_leaked_blocks(engine)
@@ -262,3 +262,24 @@ def test_sampled_distribution_matches_target(small_vocab, broken):
         assert p < 1e-4, f"wrong q rows went unnoticed (p={p:.2e})"
     else:
         assert p > 1e-4, f"remotely drafted samples do not follow the target distribution (p={p:.2e})"
+
+
+def test_a_request_whose_guesses_fail_stops_being_drafted_ahead(models):
+    """The pool guesses every request's bonus token, but drafts its next round ahead only while
+    its guesses hold often enough (`ahead_worth`): an engine that never accepts every draft soon
+    gets no drafts made ahead (the guesses go on being checked)."""
+    svc = DraftService(models["close"], dtype="float32", device="cpu")
+    context = list(SPEC_PROMPTS[3])
+    reply = svc.draft(DraftBatch((DraftCall("s", 0, tuple(context), 3),))).replies[0]
+    made = []
+    for _ in range(8):
+        made.append(svc.draft_ahead_round())
+        s = svc.sessions["s"]
+        assert s.assumed is not None and s.assumed[: len(context) + 3] == context + reply.token_ids
+        # the target rejected the first draft: it committed another token instead
+        tail = ((reply.token_ids[0] + 1) % 64,)
+        reply = svc.draft(DraftBatch((DraftCall("s", len(context), tail, 3),))).replies[0]
+        assert not reply.ahead and len(reply.token_ids) == 3
+        context += list(tail)
+    assert made[0] == 1 and made[-1] == 0
+    assert svc.sessions["s"].tries > 5 and svc.sessions["s"].hits == 0

@@ -288,3 +288,45 @@ def test_a_busy_prefill_pool_sends_one_long_prompt_at_a_time_to_the_decode_repli
     assert prefill_locally_when_busy(inflight=3, busy=0, max_inflight=2)
     assert not prefill_locally_when_busy(inflight=3, busy=1, max_inflight=2)
     assert prefill_locally_when_busy(inflight=1, busy=0, max_inflight=1)
+
+
+def test_drafter_pool_config_validates_and_builds_the_pool() -> None:
+    """deployments/serve_config_drafter.yaml (`make serve-drafter`): the same service with the
+    draft model in a drafter pool (`SpecDrafter`) that the engine replicas are bound over."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from deployments.config import DEFAULT_CONFIG_PATH, load_serve_config, validate_serve_config
+
+    raw = load_serve_config(DEFAULT_CONFIG_PATH.parent / "serve_config_drafter.yaml")
+    [(_, config)] = validate_serve_config(raw).items()
+    assert config.speculative.placement == "remote" and config.speculative.method == "draft"
+    assert config.drafter_pool.draft_ahead and config.drafter_pool.timeout_s == 0.25
+    app = raw["applications"][0]
+    assert {d["name"] for d in app["deployments"]} == {"SpecDecode", "SpecDrafter", "SpecDecodeIngress"}
+    built = call_user_app_builder_with_args_if_necessary(import_attr(app["import_path"]), app["args"])
+    engine = built._bound_deployment.init_args[0]._bound_deployment
+    pool = engine.init_kwargs["drafter_pool"]._bound_deployment
+    assert (engine.name, pool.name) == ("SpecDecode", "SpecDrafter")
+    assert pool.ray_actor_options["num_cpus"] == 1
+    assert "consistent_hash_router" in pool._deployment_config.request_router_config.request_router_class
+    # co-located configs bind no pool
+    shipped = SHIPPED["applications"][0]
+    base = call_user_app_builder_with_args_if_necessary(import_attr(shipped["import_path"]), shipped["args"])
+    assert "drafter_pool" not in base._bound_deployment.init_args[0]._bound_deployment.init_kwargs
+
+
+def test_drafter_pool_args_are_validated() -> None:
+    assert AppConfig.from_dict({}).speculative.placement == "colocated"
+    with pytest.raises(ConfigError, match=r"speculative.placement: 'remote' needs method 'draft'"):
+        AppConfig.from_dict({"speculative": {"method": "eagle3", "model": "models/eagle3-head", "placement": "remote"}})
+    with pytest.raises(ConfigError, match=r"speculative.placement: must be one of"):
+        AppConfig.from_dict({"speculative": {"placement": "elsewhere"}})
+    with pytest.raises(ConfigError, match=r"drafter_pool.timeout_s: must be in \(0.0, 60.0\]"):
+        AppConfig.from_dict({"drafter_pool": {"timeout_s": 0}})
+    with pytest.raises(ConfigError, match=r"drafter_pool.batch_wait_timeout_s"):
+        AppConfig.from_dict({"drafter_pool": {"batch_wait_timeout_s": -1}})
+    with pytest.raises(ConfigError, match=r"drafter_pool.bogus"):
+        AppConfig.from_dict({"drafter_pool": {"bogus": 1}})
+    config = AppConfig.from_dict({"speculative": {"placement": "remote"}, "drafter_pool": {"num_cpus": 2}})
+    assert AppConfig.from_dict(config.to_dict()) == config

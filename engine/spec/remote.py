@@ -16,13 +16,15 @@ forgot, another pool replica) is answered `unknown` with no drafts; the target s
 context next step. A lost pool replica, a timeout or any error of the call likewise leaves one
 step without drafts: the target decodes on, its outputs unchanged (drafts only ever propose).
 
-Drafting ahead (`draft_ahead`): after answering, the service drafts the next round on the
-assumption that the target accepts every draft and that its bonus token is the draft model's own
-next token (each round drafts k + 1 and answers k), while the target verifies. If the next call
-brings exactly those tokens, its drafts are ready (`DraftReply.ahead`); otherwise the KV computed
-for the assumed tokens is reused up to the first one that differs. Drafts made ahead are drawn as
-the on-demand ones would be: a seeded request's drafts at a context length come from a generator
-seeded by (seed, length) either way, so a request's drafts do not depend on timing.
+Drafting ahead (`draft_ahead`): between calls (`draft_ahead_round`: nothing waits for the model)
+the service guesses, for each request it just answered, the bonus token the target makes if it
+accepts every draft (one forward: the draft model's own next token), and, for requests whose
+guesses held often enough (`ahead_worth`: at least AHEAD_MIN_RATE of recent calls), drafts the
+next round after that guess while the target verifies. If the next call brings exactly those
+tokens, its drafts are ready (`DraftReply.ahead`: no drafting on the round trip); otherwise the
+KV computed for the assumed tokens is reused up to the first one that differs. Drafts made ahead
+are drawn as on-demand ones would be: a seeded request's drafts after L tokens come from a
+generator seeded by (seed, L) either way, so a request's drafts do not depend on timing.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ from engine.spec.proposers.base import Draft, DrafterIdentity, ProposeContext, P
 logger = logging.getLogger(__name__)
 
 SEED_MIX = 0x9E3779B97F4A7C15  # (seed, context length) -> a draft generator's seed
+AHEAD_DECAY = 0.9  # a request's guess hit rate counts about its last 10 calls
+AHEAD_MIN_RATE = 0.25  # draft ahead for a request whose guesses held this often (ahead_worth)
+AHEAD_PRIOR_TRIES = 2.0  # the rate's prior: one hit in this many tries
 
 
 @dataclass(frozen=True)
@@ -94,8 +99,11 @@ class _Session:
     kv_tokens: list[int] = field(default_factory=list)  # tokens whose draft KV is computed (a prefix of these)
     params: tuple = ()  # (temperature, top_k, top_p, seed) of the last call
     k: int = 0  # drafts the last call asked for
-    assumed: list[int] | None = None  # the committed tokens its next call brings if every draft is accepted
-    ahead: Draft | None = None  # k + 1 drafts after `assumed`, made ahead (draft_ahead_round)
+    base: list[int] | None = None  # the committed tokens plus the drafts of the last answer
+    assumed: list[int] | None = None  # `base` plus the guessed bonus token: what the next call brings if all are accepted
+    ahead: Draft | None = None  # drafts after `assumed`, made ahead (draft_ahead_round)
+    hits: float = 0.0  # decayed count of calls that brought `assumed`
+    tries: float = 0.0  # ... of calls that had one
     last_used: float = 0.0
 
 
@@ -154,7 +162,8 @@ class DraftService:
             row_kernel=(self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
                         and cpu_kernels.available()),
         )
-        self.proposer = DraftModelProposer(model_dir, host, draft_vocab_size=0)
+        # the checkpoint's own draft vocabulary (draft_vocab.json, FR-Spec) where it ships one, as co-located
+        self.proposer = DraftModelProposer(model_dir, host)
         per_token = kv_bytes_per_token(self.proposer.kv_arch, self.dtype)
         budget = kv_cache_memory_bytes or 256 * 2**20
         self.block_size = block_size
@@ -242,44 +251,60 @@ class DraftService:
                 s.params = (c.temperature, c.top_k, c.top_p, c.seed)
                 s.k = k = max(0, min(c.k, self.max_k))
                 assumed, ahead = s.assumed, s.ahead
-                s.assumed = s.ahead = None
+                s.base = s.assumed = s.ahead = None
+                if assumed is not None:  # was the guess right? (what drafting ahead is worth for this request)
+                    s.hits = AHEAD_DECAY * s.hits + (assumed == s.committed)
+                    s.tries = AHEAD_DECAY * s.tries + 1
                 if k == 0 or len(s.committed) + k + 2 > self.max_model_len:
                     self.counts["too_long"] += k > 0
-                elif (self.draft_ahead and ahead is not None and assumed == s.committed
-                      and len(ahead.token_ids) > k):
+                elif ahead is not None and assumed == s.committed and len(ahead.token_ids) >= k:
                     self.counts["ahead_hits"] += 1  # drafted while the target verified
                     replies[i] = DraftReply(ahead.token_ids[:k], None if ahead.probs is None else ahead.probs[:k],
                                             ahead=True)
-                    s.assumed = s.committed + ahead.token_ids[: k + 1]
+                    s.base = s.committed + ahead.token_ids[:k] if self.draft_ahead else None
                 else:
                     todo.append((i, c.session, s, k))
-            made = self._run([(name, s, s.committed, k + self.draft_ahead) for _, name, s, k in todo], names)
+            made = self._run([(name, s, s.committed, k) for _, name, s, k in todo], names)
             for (i, _, s, k), (draft, catch_up) in zip(todo, made, strict=True):
                 if draft is not None:
-                    replies[i] = DraftReply(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k],
-                                            catch_up=catch_up)
-                    if self.draft_ahead and len(draft.token_ids) > k:
-                        s.assumed = s.committed + draft.token_ids[: k + 1]
+                    replies[i] = DraftReply(draft.token_ids, draft.probs, catch_up=catch_up)
+                    s.base = s.committed + draft.token_ids if self.draft_ahead and len(draft.token_ids) == k else None
             self.counts["drafted"] += sum(len(r.token_ids) for r in replies)
             return DraftBatchReply(replies, self._identity, self.vocab_size)
 
     def draft_ahead_round(self) -> int:
-        """Draft ahead for every session whose last answer left an assumption (the tokens its next
-        call brings if the target accepts every draft and its bonus token is the draft model's own
-        next token), while the target verifies; returns how many sessions it drafted. A pool
-        replica calls it between calls."""
+        """Draft ahead (module docstring) while the engines verify; returns how many sessions got
+        drafts. For every session whose last answer left a `base` (its committed tokens and the
+        drafts answered): one forward guesses the bonus token the target makes if it accepts them
+        all (the draft model's own next token), then, where this request's guesses held often
+        enough to pay (`ahead_worth`), the next round's drafts after that guess. A pool replica
+        calls it between calls."""
         with self.lock:
-            todo = [(name, s) for name, s in self.sessions.items() if s.assumed is not None and s.ahead is None
-                    and len(s.assumed) + s.k + 2 <= self.max_model_len]
+            todo = [(name, s) for name, s in self.sessions.items() if s.base is not None
+                    and len(s.base) + s.k + 2 <= self.max_model_len]
             if not todo:
                 return 0
             self.counts["ahead_rounds"] += 1
-            made = self._run([(name, s, s.assumed, s.k + 1) for name, s in todo], {name for name, _ in todo})
-            for (_, s), (draft, _) in zip(todo, made, strict=True):
-                s.ahead = draft
-                if draft is None:
-                    s.assumed = None
-            return len(todo)
+            keep = {name for name, _ in todo}
+            for (_, s), (guess, _) in zip(todo, self._run([(name, s, s.base, 1) for name, s in todo], keep),
+                                          strict=True):
+                if guess is not None and guess.token_ids:
+                    s.assumed = s.base + guess.token_ids[:1]
+                s.base = None
+            todo = [(name, s) for name, s in todo if s.assumed is not None and self.ahead_worth(s)]
+            for (_, s), (draft, _) in zip(todo, self._run([(name, s, s.assumed, s.k) for name, s in todo], keep),
+                                          strict=True):
+                s.ahead = draft if draft is not None and len(draft.token_ids) == s.k else None
+            return sum(s.ahead is not None for _, s in todo)
+
+    @staticmethod
+    def ahead_worth(s: _Session) -> bool:
+        """Whether to draft ahead for a request: its guesses held in at least AHEAD_MIN_RATE of
+        its recent calls (decayed counts, with one prior hit in AHEAD_PRIOR_TRIES tries: a new
+        request gets a few chances). A drafter that rarely has every draft accepted (the shipped
+        draft model on code, 0 of 27 calls) would otherwise draft ahead for nothing on every
+        step, on the cores and memory bandwidth the engines use."""
+        return (s.hits + 1.0) / (s.tries + AHEAD_PRIOR_TRIES) >= AHEAD_MIN_RATE
 
     def _run(self, items: list[tuple[str, _Session, list[int], int]], keep: set[str]) -> list[tuple[Draft | None, int]]:
         """One batched round of the draft model: n drafts after `context` for each item, and the

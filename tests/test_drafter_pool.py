@@ -1,0 +1,207 @@
+"""The drafter pool (`speculative.placement: remote`) end to end, on a multi-node Ray cluster on
+this machine: two engine replicas on one node share one `SpecDrafter` replica on another, so
+every step's drafts cross nodes. Greedy output equals the target alone token for token, both
+engine replicas' requests draft in the pool, a seeded sampled request repeats itself, and a lost
+drafter replica costs drafts, never tokens or the request.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from helpers import SERVICER, free_port
+from test_serve_grpc import collect, save_char_tokenizer
+
+from deployments.client import SpecDecodeClient
+
+pytestmark = pytest.mark.slow
+
+APP = "pool"
+K = 3
+
+
+@dataclass
+class Served:
+    port: int
+    target: str
+    drafter: str
+
+    def client(self, timeout: float | None = 120) -> SpecDecodeClient:
+        return SpecDecodeClient(f"127.0.0.1:{self.port}", application=APP, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    import ray
+    from helpers import save_perturbed_copy, save_tiny_model
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from deployments.app import bind_app
+    from deployments.config import AppConfig
+
+    root = tmp_path_factory.mktemp("pool_models")
+    target = save_tiny_model(str(root / "target"), "llama", max_position_embeddings=1024)
+    save_char_tokenizer(target)
+    drafter = save_perturbed_copy(target, str(root / "drafter"), noise=0.02)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
+    cluster.add_node(num_cpus=1, resources={"engine": 10}, object_store_memory=80 << 20)
+    cluster.add_node(num_cpus=1, resources={"drafter": 10}, object_store_memory=80 << 20)
+    port = free_port()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()},
+                    grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]})
+        config = AppConfig.from_dict({
+            "model": target, "device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_queued_requests": 16,
+            "max_prompt_tokens": 200, "max_tokens": 400, "default_max_tokens": 16, "num_cpus": 1,
+            "speculative": {"method": "draft", "model": drafter, "num_speculative_tokens": K, "adaptive": False,
+                            "placement": "remote"},
+            "drafter_pool": {"timeout_s": 2.0},
+        })
+        engines = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.4, "resources": {"engine": 1}}}
+        pool = {"ray_actor_options": {"num_cpus": 0.5, "resources": {"drafter": 1}}}
+        serve.run(bind_app(config, engines, drafter_overrides=pool), name=APP, route_prefix=f"/{APP}")
+        with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
+            client.wait_ready(120)
+        yield Served(port, target, drafter)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def target_alone(served: Served):
+    from engine import LLM
+
+    return LLM(served.target, device="cpu", dtype="float32", speculative=None)
+
+
+def reference(llm, prompt, **params) -> list[int]:
+    from engine import SamplingParams
+
+    return llm.generate([prompt], SamplingParams(**params))[0].token_ids
+
+
+def replica_actors(name: str) -> list:
+    import ray
+
+    names = [e["name"] if isinstance(e, dict) else e for e in ray.util.list_named_actors(all_namespaces=True)]
+    return [ray.get_actor(n, namespace="serve") for n in names if n.startswith(f"SERVE_REPLICA::{APP}#{name}#")]
+
+
+def node_of(actor) -> str:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+def pool_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("SpecDrafter", app_name=APP).stats.remote().result(timeout_s=30)
+
+
+def proposer_counts() -> list[dict]:
+    """Each engine replica's remote-drafting counts (rounds, failures, unknown, ahead, drafts),
+    asked until both replicas answered (the router picks one per call)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("SpecDecode", app_name=APP)
+    seen: dict[str, dict] = {}
+    for _ in range(60):
+        counts = handle.remote_drafting.remote().result(timeout_s=30)
+        seen[counts["replica"]] = counts
+        if len(seen) == 2:
+            break
+    assert len(seen) == 2
+    return list(seen.values())
+
+
+def prompt_of(seed: int, n: int = 40) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 97) for _ in range(n)]
+
+
+def test_the_pool_runs_on_its_own_node(served: Served) -> None:
+    engines, [drafter] = replica_actors("SpecDecode"), replica_actors("SpecDrafter")
+    assert len(engines) == 2
+    assert {node_of(e) for e in engines} == {node_of(engines[0])} != {node_of(drafter)}
+
+
+def test_greedy_equals_the_target_alone_from_both_engine_replicas(served: Served, target_alone) -> None:
+    """Eight concurrent requests (both engine replicas serve some): every one gives the target's
+    own greedy tokens, with drafts from the pool accepted; the pool then holds no session."""
+    params = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+    before = pool_stats()
+    results: dict[int, tuple] = {}
+
+    def one(i: int) -> None:
+        with served.client() as client:
+            results[i] = collect(client.generate(prompt_of(i), **params))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i in range(8):
+        ids, _, last = results[i]
+        assert ids == reference(target_alone, prompt_of(i), **params)
+        assert last.speculation.num_draft_tokens > 0 and last.speculation.num_accepted_tokens > 0
+    after = pool_stats()
+    assert after["calls"] > before["calls"] and after["drafted"] > before["drafted"]
+    deadline = time.monotonic() + 10
+    while pool_stats()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pool_stats()["sessions"] == 0 and pool_stats()["used_blocks"] == 0
+
+
+def test_seeded_sampled_request_repeats(served: Served) -> None:
+    """A seeded request's drafts at a context come from (seed, position) alone, drafted ahead or
+    not, so a healthy pool gives the same tokens each time."""
+    params = dict(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with served.client() as client:
+            runs.append(collect(client.generate(prompt_of(99), **params))[0])
+    assert runs[0] == runs[1] and len(runs[0]) == 30
+
+
+def test_a_lost_drafter_replica_costs_drafts_not_tokens(served: Served, target_alone) -> None:
+    """The drafter replica dies mid-stream: the request finishes with the target's own tokens
+    (steps without drafts meanwhile), Serve starts a new pool replica, and later requests draft
+    there again (their first call is `unknown` to it, then the whole context is sent)."""
+    import ray
+
+    params = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
+    prompt = prompt_of(5)
+    [drafter] = replica_actors("SpecDrafter")
+    with served.client() as client:
+        stream = client.generate(prompt, **params)
+        first = next(stream)
+        ray.kill(drafter, no_restart=True)
+        ids, _, last = collect(stream)
+    assert list(first.token_ids) + ids == reference(target_alone, prompt, **params)
+    assert last.usage.completion_tokens == 120
+    assert sum(c["failures"] for c in proposer_counts()) > 0  # steps went without drafts meanwhile
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if pool_stats() is not None:
+                break
+        except Exception:  # noqa: BLE001 - the new replica is not up yet
+            time.sleep(1.0)
+    params = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with served.client() as client:
+        ids, _, last = collect(client.generate(prompt_of(6), **params))
+    assert ids == reference(target_alone, prompt_of(6), **params)
+    assert last.speculation.num_draft_tokens > 0
+    [new] = replica_actors("SpecDrafter")
+    assert new._actor_id != drafter._actor_id
