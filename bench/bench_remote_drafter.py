@@ -4,8 +4,8 @@ The target engine runs in this process on one torch thread (one core). The draft
   - co-located: in the same engine, on the same core (the default placement and the baseline);
   - remote: in a drafter-pool replica on the other core (`engine.spec.remote.DraftService`, one
     thread), reached by a Ray actor call (`ray actor`) or, as deployed, by a Ray Serve handle to
-    a `SpecDrafter` replica (`serve handle`, deployments/drafter.py), with drafting ahead on
-    (the default) or off.
+    a `SpecDrafter` replica (`serve handle`, deployments/drafter.py), with drafting ahead off
+    (the default) or on.
 Also: no speculation, and a co-located engine given both cores (2 torch threads), the fair
 "same two cores" reference for a remote drafter that uses the second one. Loads: batch 1 (the
 prompts one at a time) and 4 concurrent; workloads: held-out code, greedy, and the same prompts
@@ -116,11 +116,11 @@ def configs() -> dict[str, tuple]:
         "co-located, adaptive": ("local", None, False, 1),
         "co-located, k=4": ("local", 4, False, 1),
         "co-located, adaptive, 2 threads": ("local", None, False, 2),
-        "remote (ray actor), adaptive": ("actor", None, True, 1),
-        "remote (ray actor), k=4": ("actor", 4, True, 1),
-        "remote (ray actor), k=4, no ahead": ("actor", 4, False, 1),
-        "remote (serve handle), adaptive": ("serve", None, True, 1),
-        "remote (serve handle), k=4": ("serve", 4, True, 1),
+        "remote (ray actor), adaptive": ("actor", None, False, 1),
+        "remote (ray actor), k=4": ("actor", 4, False, 1),
+        "remote (ray actor), k=4, drafting ahead": ("actor", 4, True, 1),
+        "remote (serve handle), adaptive": ("serve", None, False, 1),
+        "remote (serve handle), k=4": ("serve", 4, False, 1),
     }
 
 

@@ -209,8 +209,10 @@ class DrafterPoolArgs:
     `torch_threads` matmul threads (null: as the engine's default), each holding the draft model
     and a KV cache of `kv_cache_memory_bytes` (null: 256 MiB) for its sessions, which it forgets
     after `session_ttl_s` idle. An engine replica waits at most `timeout_s` for a step's drafts
-    (then that step has none; outputs never change). `draft_ahead`: after answering, draft the
-    next round assuming every draft is accepted (engine/spec/remote.py). `max_batch_size` and
+    (then that step has none; outputs never change). `draft_ahead`: between calls, draft the
+    next round assuming every draft is accepted (engine/spec/remote.py); off by default: on the
+    2-core CPU host it made a round trip ~1 ms dearer and served 1.6% of the shipped draft
+    model's rounds (bench/bench_remote_drafter.py). `max_batch_size` and
     `batch_wait_timeout_s`: how Serve batches the calls of several engine replicas into one round."""
 
     num_cpus: int = 1
@@ -218,7 +220,7 @@ class DrafterPoolArgs:
     kv_cache_memory_bytes: int | None = None
     session_ttl_s: float = 300.0
     timeout_s: float = 0.25
-    draft_ahead: bool = True
+    draft_ahead: bool = False
     max_batch_size: int = 64
     batch_wait_timeout_s: float = 0.0
 

@@ -62,7 +62,7 @@ def served(tmp_path_factory) -> Iterator[Served]:
             "max_prompt_tokens": 200, "max_tokens": 400, "default_max_tokens": 16, "num_cpus": 1,
             "speculative": {"method": "draft", "model": drafter, "num_speculative_tokens": K, "adaptive": False,
                             "placement": "remote"},
-            "drafter_pool": {"timeout_s": 2.0},
+            "drafter_pool": {"timeout_s": 2.0, "draft_ahead": True},  # the replica drafts ahead between calls
         })
         engines = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.4, "resources": {"engine": 1}}}
         pool = {"ray_actor_options": {"num_cpus": 0.5, "resources": {"drafter": 1}}}

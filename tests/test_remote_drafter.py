@@ -128,7 +128,7 @@ def test_a_pool_serving_another_model_is_not_used(models, baseline, tmp_path):
 def test_drafting_ahead_serves_accepted_rounds(models):
     """A drafter identical to the target has every draft accepted and guesses the bonus token:
     nearly every round after the first is served from the drafts made ahead."""
-    service = DraftService(models["target"], dtype="float32", device="cpu")
+    service = DraftService(models["target"], dtype="float32", device="cpu", draft_ahead=True)
     engine, _ = remote_engine(models, drafter="target", service=service, k=3)
     engine.add_request("a", SPEC_PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -245,7 +245,7 @@ def test_sampled_distribution_matches_target(small_vocab, broken):
     prompt = [0, 1, 2, 1, 0, 1, 2, 1, 0]
     params = SamplingParams(max_tokens=NUM_NEW, temperature=1.0, ignore_eos=True)
     torch.manual_seed(1234)
-    service = DraftService(drafter, dtype="float32", device="cpu")
+    service = DraftService(drafter, dtype="float32", device="cpu", draft_ahead=True)
     client = LocalDrafterClient(service, draft_ahead_in_background=False)
     spec = SpeculativeConfig(method="draft", model=drafter, num_speculative_tokens=2, adaptive=False)
     llm = LLM(target, dtype="float32", device="cpu", speculative=spec, max_num_seqs=512,
@@ -268,7 +268,7 @@ def test_a_request_whose_guesses_fail_stops_being_drafted_ahead(models):
     """The pool guesses every request's bonus token, but drafts its next round ahead only while
     its guesses hold often enough (`ahead_worth`): an engine that never accepts every draft soon
     gets no drafts made ahead (the guesses go on being checked)."""
-    svc = DraftService(models["close"], dtype="float32", device="cpu")
+    svc = DraftService(models["close"], dtype="float32", device="cpu", draft_ahead=True)
     context = list(SPEC_PROMPTS[3])
     reply = svc.draft(DraftBatch((DraftCall("s", 0, tuple(context), 3),))).replies[0]
     made = []

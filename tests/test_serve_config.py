@@ -301,7 +301,7 @@ def test_drafter_pool_config_validates_and_builds_the_pool() -> None:
     raw = load_serve_config(DEFAULT_CONFIG_PATH.parent / "serve_config_drafter.yaml")
     [(_, config)] = validate_serve_config(raw).items()
     assert config.speculative.placement == "remote" and config.speculative.method == "draft"
-    assert config.drafter_pool.draft_ahead and config.drafter_pool.timeout_s == 0.25
+    assert not config.drafter_pool.draft_ahead and config.drafter_pool.timeout_s == 0.25
     app = raw["applications"][0]
     assert {d["name"] for d in app["deployments"]} == {"SpecDecode", "SpecDrafter", "SpecDecodeIngress"}
     built = call_user_app_builder_with_args_if_necessary(import_attr(app["import_path"]), app["args"])

@@ -133,7 +133,7 @@ class DraftService:
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
         max_k: int = 16,
-        draft_ahead: bool = True,
+        draft_ahead: bool = False,
         session_ttl_s: float = 300.0,
         num_threads: int | None = None,
     ) -> None:
@@ -443,7 +443,13 @@ class RemoteDrafterProposer(Proposer):
         if not self._check(answer):
             return drafts
         self.counts["rounds"] += 1
-        self.timer.add_round(len(active), time.perf_counter() - t_start, max(num_tokens), 0, max(num_tokens))
+        seconds = time.perf_counter() - t_start
+        # A round whose pool caught up over a whole context (a request's first call, a resend) is
+        # priced as a catch-up debt per row, as the layer drafters' long catch-ups, not as a round.
+        catch_up = max((r.catch_up for r in answer.replies), default=0)
+        self.timer.add_round(len(active), seconds, max(num_tokens), catch_up, max(num_tokens))
+        if catch_up > max(num_tokens) + 1:
+            self.record_catch_up(sum(r.catch_up for r in answer.replies), seconds)
         for i, reply in zip(active, answer.replies, strict=True):
             r = requests[i]
             if reply.unknown:
