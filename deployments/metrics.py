@@ -115,6 +115,13 @@ METRICS: tuple[MetricDef, ...] = (
        "pool), local (short prompt or prefix-cache hit), local_busy (a long prompt while the replica waited on "
        "max_inflight_prefills remote prefills), fallback (the handoff was lost or could not be imported: prefilled locally).",
        "where"),
+    # The drafter pool (speculative.placement: remote): this engine replica's calls to it.
+    _c("specdecode_remote_drafter_rounds_total", "Steps' calls to the drafter pool by result: ok, or failed "
+       "(that step had no drafts: the pool replica was lost, slow past drafter_pool.timeout_s, or erred).", "result"),
+    _c("specdecode_remote_drafter_unknown_total", "Requests the drafter pool did not hold at their call "
+       "(forgotten, or another pool replica): that step had no drafts for them, their whole context is resent."),
+    _c("specdecode_remote_drafter_ahead_drafts_total", "Drafts the pool had made ahead (while the target verified) "
+       "and the engine used."),
 )
 METRICS_BY_NAME = {m.name: m for m in METRICS}
 PROMETHEUS_NAMES = frozenset(n for m in METRICS for n in m.prometheus_names)
@@ -156,6 +163,7 @@ class ReplicaMetrics:
         self._lock = threading.Lock()
         self._totals = _Totals()
         self._last_preemptions = 0  # the engine's count at the last flush
+        self._last_remote: dict[str, int] = {}  # the remote drafter's counts at the last flush
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._llm: AsyncLLM | None = None
@@ -285,6 +293,14 @@ class ReplicaMetrics:
             m["specdecode_kv_blocks_free"].set(stats["num_free_blocks"])
             _inc(m["specdecode_preemptions_total"], stats["num_preemptions"] - self._last_preemptions)
             self._last_preemptions = stats["num_preemptions"]
+            remote = stats.get("remote_drafting") or {}
+            if remote:
+                d = {key: remote[key] - self._last_remote.get(key, 0) for key in remote}
+                _inc(m["specdecode_remote_drafter_rounds_total"], d["rounds"], {"result": "ok"})
+                _inc(m["specdecode_remote_drafter_rounds_total"], d["failures"], {"result": "failed"})
+                _inc(m["specdecode_remote_drafter_unknown_total"], d["unknown"])
+                _inc(m["specdecode_remote_drafter_ahead_drafts_total"], d["ahead"])
+                self._last_remote = remote
 
 
 def _inc(counter: Any, value: float, tags: dict[str, str] | None = None) -> None:

@@ -140,6 +140,7 @@ def test_labels_by_metric() -> None:
         "specdecode_spec_accepted_by_position_total": ("position",),
         "specdecode_engine_step_seconds_total": ("phase",),
         "specdecode_prefills_total": ("where",),
+        "specdecode_remote_drafter_rounds_total": ("result",),
     }
 
 
@@ -210,6 +211,21 @@ def test_engine_stats_become_queue_kv_and_preemption_metrics(fake) -> None:
     assert made["specdecode_num_requests_running"].last() == 1
     assert (made["specdecode_kv_blocks_used"].last(), made["specdecode_kv_blocks_free"].last()) == (5, 95)
     assert made["specdecode_preemptions_total"].total() == 5
+
+
+def test_remote_drafting_counts_become_counters(fake) -> None:
+    """An engine that drafts in a drafter pool: its proposer's running counts (engine stats)
+    become counters of what happened between flushes."""
+    metrics, made = fake
+    for rounds, failures, unknown, ahead in ((10, 1, 2, 3), (25, 4, 2, 9)):
+        st = stats(running=1, waiting=0, used=5, free=95, preemptions=0)
+        st["remote_drafting"] = {"rounds": rounds, "failures": failures, "unknown": unknown, "ahead": ahead,
+                                 "drafts": 4 * rounds}
+        metrics.flush(st)
+    rounds = made["specdecode_remote_drafter_rounds_total"]
+    assert rounds.total(result="ok") == 25 and rounds.total(result="failed") == 4
+    assert made["specdecode_remote_drafter_unknown_total"].total() == 2
+    assert made["specdecode_remote_drafter_ahead_drafts_total"].total() == 9
 
 
 def test_finished_requests_observe_latency_histograms(fake) -> None:
