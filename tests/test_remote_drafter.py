@@ -283,3 +283,33 @@ def test_a_request_whose_guesses_fail_stops_being_drafted_ahead(models):
         context += list(tail)
     assert made[0] == 1 and made[-1] == 0
     assert svc.sessions["s"].tries > 5 and svc.sessions["s"].hits == 0
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, seed=1234, ignore_eos=True)],
+                         ids=["greedy", "sampled"])
+def test_a_handoff_between_engines_that_share_a_pool(models, baseline, params):
+    """Prefill/decode disaggregation with both engines drafting in one pool: the prefill side's
+    first drafts (and their q) travel in the handoff, the decode side's first call to the pool is
+    a new session (the whole context), and the tokens equal one engine's with the same pool."""
+    from test_handoff import PROMPT, decode, prefill
+
+    service = DraftService(models["close"], dtype="float32", device="cpu")
+
+    def engine():
+        return remote_engine(models, service=service)[0]
+
+    one = engine()
+    one.add_request("c", PROMPT, params)
+    expected: dict[str, list[int]] = {}
+    while one.has_unfinished_requests():
+        for out in one.step():
+            expected.setdefault("c", []).extend(out.new_token_ids)
+    h, _ = prefill(engine(), params)
+    assert h.spec_token_ids and h.proposer_state is None and h.drafter_kv is None
+    assert (h.draft_probs is not None) == (not params.is_greedy)
+    b = engine()
+    tokens, log = decode(b, h)
+    assert tokens == expected["c"]
+    assert log and log[0][0] == len(h.spec_token_ids)  # the decode side verified the prefill side's drafts
+    assert b.speculator.proposer.counts["rounds"] > 0
+    assert service.stats()["sessions"] == 0
