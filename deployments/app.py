@@ -744,6 +744,7 @@ def bind_app(
         prefill = serve.deployment(prefill_cls or cls, name=PREFILL_DEPLOYMENT_NAME)
         prefill_app = prefill.options(**deployment_options(config, prefill_overrides)).bind(config, **pool)
     engine = serve.deployment(cls, name=DEPLOYMENT_NAME)
-    engine_app = engine.options(**deployment_options(config, overrides)).bind(config, prefill_app, **pool)
+    args = (config,) if prefill_app is None else (config, prefill_app)
+    engine_app = engine.options(**deployment_options(config, overrides)).bind(*args, **pool)
     ingress = serve.deployment(SpecDecodeIngress, name=INGRESS_DEPLOYMENT_NAME)
     return ingress.options(**ingress_options(config, ingress_overrides)).bind(engine_app, config)
