@@ -62,10 +62,11 @@ def served(tmp_path_factory) -> Iterator[Served]:
             "max_prompt_tokens": 200, "max_tokens": 400, "default_max_tokens": 16, "num_cpus": 1,
             "speculative": {"method": "draft", "model": drafter, "num_speculative_tokens": K, "adaptive": False,
                             "placement": "remote"},
-            "drafter_pool": {"timeout_s": 2.0, "draft_ahead": True},  # the replica drafts ahead between calls
+            "drafter_pool": {"timeout_s": 1.0, "draft_ahead": True},  # the replica drafts ahead between calls
         })
         engines = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.4, "resources": {"engine": 1}}}
-        pool = {"ray_actor_options": {"num_cpus": 0.5, "resources": {"drafter": 1}}}
+        # a killed pool replica is noticed within a second (Serve's default health check: every 10 s)
+        pool = {"ray_actor_options": {"num_cpus": 0.5, "resources": {"drafter": 1}}, "health_check_period_s": 1}
         serve.run(bind_app(config, engines, drafter_overrides=pool), name=APP, route_prefix=f"/{APP}")
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
             client.wait_ready(120)

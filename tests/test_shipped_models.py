@@ -362,7 +362,21 @@ def _assert_calibrates(logits: torch.Tensor, want: torch.Tensor, t: float) -> No
     assert abs(top[t] - accuracy) < 0.1 and top[1.0] < accuracy - 0.3, (top, accuracy)
 
 
-def test_mtp_tree_calibration_fits_it(target):
+@pytest.fixture(scope="module")
+def heldout_continuations(target) -> torch.Tensor:
+    """8 held-out code prompts of 128 tokens (the benchmark's, seed 3) and the target's 64 greedy
+    tokens after each [8, 192]: what the tree calibrations are checked on."""
+    from transformers import AutoTokenizer
+
+    from bench.common import code_prompts
+
+    prompts = torch.tensor(code_prompts(AutoTokenizer.from_pretrained(str(need("target"))), 8, 128, seed=3))
+    with torch.no_grad():
+        return target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=64,
+                               min_new_tokens=64, do_sample=False, pad_token_id=0)
+
+
+def test_mtp_tree_calibration_fits_it(target, heldout_continuations):
     """The target's native MTP layer ships a tree temperature (models/target/tree_calibration.json,
     `python -m bench.tree_ceiling --calibrate --drafter mtp`, fitted over depths 1-12 on other
     held-out prompts), which the engine reads for `method="mtp"`, and it calibrates the layer here
@@ -371,9 +385,7 @@ def test_mtp_tree_calibration_fits_it(target):
     vocabulary. Measured: its top token is the target's 77% of the time at a mean top probability
     of 0.73 at T (0.25 at 1, where the value floor pruned its trees to a node or two:
     bench/results/spec_tree_stop45.json)."""
-    from transformers import AutoTokenizer
 
-    from bench.common import code_prompts
     from bench.eval_models import load_mtp
     from engine import LLMEngine, SpeculativeConfig
     from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
@@ -387,10 +399,8 @@ def test_mtp_tree_calibration_fits_it(target):
     assert LLMEngine(str(path), dtype="bfloat16", device="cpu", speculative=spec).speculator.proposer.tree_temperature == t
     module = load_mtp(path, target, torch.bfloat16)
     ids = resolve_draft_token_ids(None, str(path), target.config.vocab_size)
-    prompts = torch.tensor(code_prompts(AutoTokenizer.from_pretrained(str(path)), 8, 128, seed=3))
+    seq = heldout_continuations
     with torch.no_grad():
-        seq = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=64, min_new_tokens=64,
-                              do_sample=False, pad_token_id=0)
         h = target.model(input_ids=seq).last_hidden_state
         truth = target.lm_head(h).float().argmax(-1)  # the target's token after each position
         pos = torch.arange(seq.shape[1] - 1).unsqueeze(0).expand(seq.shape[0], -1)
@@ -406,7 +416,7 @@ def test_mtp_tree_calibration_fits_it(target):
     _assert_calibrates(logits[inside], want[inside], t)
 
 
-def test_draft_model_tree_calibration_fits_it(target):
+def test_draft_model_tree_calibration_fits_it(target, heldout_continuations):
     """The shipped draft model's tree temperature (`python -m bench.tree_ceiling --calibrate
     --drafter draft`, on other held-out prompts) calibrates it here too, on what greedy trees
     draft along: the target's greedy continuations of held-out code (8 benchmark prompts, seed 3;
@@ -424,14 +434,8 @@ def test_draft_model_tree_calibration_fits_it(target):
     assert 0 < t < 1
     drafter = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ids = resolve_draft_token_ids(None, str(path), target.config.vocab_size)
-    from transformers import AutoTokenizer
-
-    from bench.common import code_prompts
-
-    prompts = torch.tensor(code_prompts(AutoTokenizer.from_pretrained(str(path)), 8, 128, seed=3))
+    seq = heldout_continuations
     with torch.no_grad():
-        seq = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=64, min_new_tokens=64,
-                              do_sample=False, pad_token_id=0)
         truth = target(seq).logits.float().argmax(-1)[:, 127:-1]  # the target's token after each position
         logits = drafter(input_ids=seq).logits.float()[:, 127:-1, ids]  # [B, 64, draft vocabulary]
     index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
