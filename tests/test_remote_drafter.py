@@ -5,13 +5,19 @@ or serves another model, and drafts ahead while the target verifies."""
 
 import pytest
 import torch
-import transformers
 from helpers import assert_no_leaked_blocks, save_perturbed_copy, save_tiny_model
 from test_engine import run_staggered
-from test_speculative import GREEDY, NUM_SAMPLES, SPEC_ARRIVALS, SPEC_PROMPTS, VOCAB, _chi_square_p_value
+from test_speculative import (
+    GREEDY,
+    NUM_SAMPLES,
+    SPEC_ARRIVALS,
+    SPEC_PROMPTS,
+    VOCAB,
+    _chi_square_p_value,
+    _exact_distribution,
+)
 
 from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
-from engine.sampler import probs_from_logits
 from engine.spec.remote import DraftBatch, DraftBatchReply, DraftCall, DraftService, LocalDrafterClient
 
 
@@ -199,22 +205,9 @@ def test_unknown_sessions_and_restarts(models):
 NUM_NEW = 6  # long enough for a round after a fully accepted one (a draft made ahead can be used)
 
 
-def _exact_distribution(model_dir, prompt, params):
-    """P(x1..x6 | prompt) for every 3^6 continuation, from transformers logits + our filter."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    seqs = torch.cartesian_prod(*[torch.arange(VOCAB)] * NUM_NEW)
-    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
-    with torch.no_grad():
-        logits = ref(ids).logits[:, len(prompt) - 1 : -1]
-    n = logits.shape[0] * NUM_NEW
-    probs = probs_from_logits(logits.reshape(n, VOCAB), torch.full((n,), params.temperature),
-                              torch.full((n,), params.top_k), torch.full((n,), params.top_p)).view(-1, NUM_NEW, VOCAB)
-    per_pos = probs.gather(2, seqs.unsqueeze(-1)).squeeze(-1)
-    return {tuple(s.tolist()): float(pr) for s, pr in zip(seqs, per_pos.prod(dim=1), strict=True)}
-
-
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
+
     root = tmp_path_factory.mktemp("vocab3r")
     target = save_tiny_model(str(root / "t"), "llama", vocab_size=VOCAB)
     drafter = save_tiny_model(str(root / "d"), "llama", vocab_size=VOCAB, seed=5, num_hidden_layers=1)
@@ -257,7 +250,7 @@ def test_sampled_distribution_matches_target(small_vocab, broken):
     stats = llm.engine.spec_stats
     assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert service.stats()["ahead_hits"] > 0
-    p = _chi_square_p_value(counts, _exact_distribution(target, prompt, params), NUM_SAMPLES)
+    p = _chi_square_p_value(counts, _exact_distribution(target, prompt, params, NUM_NEW), NUM_SAMPLES)
     if broken:
         assert p < 1e-4, f"wrong q rows went unnoticed (p={p:.2e})"
     else:
@@ -313,3 +306,21 @@ def test_a_handoff_between_engines_that_share_a_pool(models, baseline, params):
     assert log and log[0][0] == len(h.spec_token_ids)  # the decode side verified the prefill side's drafts
     assert b.speculator.proposer.counts["rounds"] > 0
     assert service.stats()["sessions"] == 0
+
+
+def test_aborted_and_finished_requests_close_their_sessions(models):
+    """A request aborted mid-stream has its session closed at the pool with the next call; when
+    the engine is left with nothing that drafts remotely, it closes the rest at once."""
+    engine, service = remote_engine(models)
+    engine.add_request("a", SPEC_PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.add_request("b", SPEC_PROMPTS[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    prefix = engine.speculator.proposer.prefix
+    assert set(service.sessions) == {prefix + "a", prefix + "b"}
+    engine.abort_request("a")
+    engine.step()
+    assert set(service.sessions) == {prefix + "b"}
+    engine.abort_request("b")
+    assert service.stats()["sessions"] == 0 and service.stats()["used_blocks"] == 0
+    assert not engine.speculator.proposer.known

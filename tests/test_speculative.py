@@ -127,16 +127,17 @@ NUM_NEW = 4
 NUM_SAMPLES = 3000
 
 
-def _exact_distribution(model_dir, prompt, params):
-    """P(x1..x4 | prompt) for every 3^4 continuation, from transformers logits + our filter."""
+def _exact_distribution(model_dir, prompt, params, num_new: int = NUM_NEW):
+    """P(x1..xn | prompt) for every 3^n continuation (n = num_new, 4: 81 of them), from
+    transformers logits + our filter."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    seqs = torch.cartesian_prod(*[torch.arange(VOCAB)] * NUM_NEW)  # [81, 4]
+    seqs = torch.cartesian_prod(*[torch.arange(VOCAB)] * num_new)  # [81, 4]
     ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
     with torch.no_grad():
         logits = ref(ids).logits[:, len(prompt) - 1 : -1]  # [81, 4, V]
-    n = logits.shape[0] * NUM_NEW
+    n = logits.shape[0] * num_new
     probs = probs_from_logits(logits.reshape(n, VOCAB), torch.full((n,), params.temperature),
-                              torch.full((n,), params.top_k), torch.full((n,), params.top_p)).view(-1, NUM_NEW, VOCAB)
+                              torch.full((n,), params.top_k), torch.full((n,), params.top_p)).view(-1, num_new, VOCAB)
     per_pos = probs.gather(2, seqs.unsqueeze(-1)).squeeze(-1)
     return {tuple(s.tolist()): float(pr) for s, pr in zip(seqs, per_pos.prod(dim=1), strict=True)}
 

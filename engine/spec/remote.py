@@ -50,6 +50,7 @@ SEED_MIX = 0x9E3779B97F4A7C15  # (seed, context length) -> a draft generator's s
 AHEAD_DECAY = 0.9  # a request's guess hit rate counts about its last 10 calls
 AHEAD_MIN_RATE = 0.25  # draft ahead for a request whose guesses held this often (ahead_worth)
 AHEAD_PRIOR_TRIES = 2.0  # the rate's prior: one hit in this many tries
+MAX_PENDING_CLOSES = 4096  # session closes an engine holds for the pool's next answer
 
 
 @dataclass(frozen=True)
@@ -394,6 +395,7 @@ class RemoteDrafterProposer(Proposer):
         super().free_request(request_id)
         if self.known.pop(request_id, None) is not None:
             self.closed.append(self.prefix + request_id)
+            del self.closed[:-MAX_PENDING_CLOSES]  # a pool unreachable for long forgets them itself (session_ttl_s)
         if self.closed and not self.known and not self.disabled:
             batch = DraftBatch((), tuple(self.closed))
             try:
