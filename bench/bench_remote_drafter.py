@@ -13,7 +13,7 @@ sampled at temperature 1 (unpredictable). Every configuration is loaded first; r
 interleave them (order reversed every other one); rows report medians and the median
 per-repetition ratio to the co-located adaptive engine. Per row: tokens/s, mean accepted length,
 per speculating step the target's verify time and the drafting time (remote: the round trip),
-and for remote rows the share of answers drafted ahead and the steps whose call failed.
+and for remote rows the share of drafts that were made ahead and the steps whose call failed.
 
     python -m bench.bench_remote_drafter [--repeats 3] [--prompts 4] [--new-tokens 96]
 """

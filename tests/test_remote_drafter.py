@@ -140,8 +140,10 @@ def test_drafting_ahead_serves_accepted_rounds(models):
     while engine.has_unfinished_requests():
         engine.step()
     counts = engine.speculator.proposer.counts
-    assert counts["rounds"] >= 8 and counts["ahead"] >= counts["rounds"] - 2, counts
-    assert service.stats()["ahead_hits"] == counts["ahead"]
+    hits = service.stats()["ahead_hits"]
+    assert counts["rounds"] >= 8 and hits >= counts["rounds"] - 2, (counts, hits)
+    # the engine used every draft made ahead (3 a round but near the end)
+    assert 3 * hits - 3 <= counts["ahead"] <= 3 * hits and counts["ahead"] <= counts["drafts"]
 
 
 def test_drafts_made_ahead_equal_drafts_made_on_demand(models):

@@ -373,6 +373,7 @@ class RemoteDrafterProposer(Proposer):
         self.timer = StepTimer(3e-3)  # a remote round, round trip included
         self.disabled: str | None = None  # why remote drafting stopped (a mismatched pool)
         self._identity = DrafterIdentity(self.expected_model, None, self.vocab_size)
+        # steps' calls answered, failed; requests answered `unknown`; drafts made ahead; drafts
         self.counts = {"rounds": 0, "failures": 0, "unknown": 0, "ahead": 0, "drafts": 0}
         self._last_warning = 0.0
 
@@ -466,7 +467,7 @@ class RemoteDrafterProposer(Proposer):
                     continue  # a sampled request's drafts need q
                 drafts[i] = Draft(list(reply.token_ids[:k]), probs)
                 self.counts["drafts"] += k
-                self.counts["ahead"] += reply.ahead
+                self.counts["ahead"] += k if reply.ahead else 0  # drafts that were made ahead
         return drafts
 
     def _check(self, answer) -> bool:
