@@ -1,4 +1,4 @@
-"""The drafter pool (`speculative.placement: remote`) end to end, on a multi-node Ray cluster on
+"""The drafter pool (`speculative.placement: remote`) end to end, on a two-node Ray cluster on
 this machine: two engine replicas on one node share one `SpecDrafter` replica on another, so
 every step's drafts cross nodes. Greedy output equals the target alone token for token, both
 engine replicas' requests draft in the pool, a seeded sampled request repeats itself, and a lost
@@ -49,8 +49,9 @@ def served(tmp_path_factory) -> Iterator[Served]:
     target = save_tiny_model(str(root / "target"), "llama", max_position_embeddings=1024)
     save_char_tokenizer(target)
     drafter = save_perturbed_copy(target, str(root / "drafter"), noise=0.02)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
-    cluster.add_node(num_cpus=1, resources={"engine": 10}, object_store_memory=80 << 20)
+    # two nodes: the head (Serve's controller and proxies, the engine replicas) and the pool's
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"engine": 10},
+                                                            "object_store_memory": 80 << 20})
     cluster.add_node(num_cpus=1, resources={"drafter": 10}, object_store_memory=80 << 20)
     port = free_port()
     ray.init(address=cluster.address, log_to_driver=False)
