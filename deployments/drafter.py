@@ -77,8 +77,13 @@ class SpecDrafterServer:
             self.service.draft_ahead_round()
 
     async def stats(self) -> dict:
-        """Counts of this replica's calls, drafts, drafts made ahead and used, sessions, blocks."""
-        return self.service.stats()
+        """Counts of this replica's calls, drafts, drafts made ahead and used, `unknown` answers,
+        evictions, sessions, blocks; `replica`: its id."""
+        try:
+            replica = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside a replica (direct construction)
+            replica = ""
+        return {"replica": replica, **self.service.stats()}
 
     def __del__(self) -> None:
         worker = getattr(self, "worker", None)

@@ -67,7 +67,8 @@ def served(tmp_path_factory) -> Iterator[Served]:
         })
         engines = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.4, "resources": {"engine": 1}}}
         # a killed pool replica is noticed within a second (Serve's default health check: every 10 s)
-        pool = {"ray_actor_options": {"num_cpus": 0.5, "resources": {"drafter": 1}}, "health_check_period_s": 1}
+        pool = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.4, "resources": {"drafter": 1}},
+                "health_check_period_s": 1}
         serve.run(bind_app(config, engines, drafter_overrides=pool), name=APP, route_prefix=f"/{APP}")
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
             client.wait_ready(120)
@@ -104,10 +105,24 @@ def node_of(actor) -> str:
     return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
 
 
-def pool_stats() -> dict:
+def pool_stats() -> dict[str, dict]:
+    """Each drafter replica's stats, by replica id (asked with varied session ids, which the
+    consistent-hash router spreads over the replicas, until both answered)."""
     from ray import serve
 
-    return serve.get_deployment_handle("SpecDrafter", app_name=APP).stats.remote().result(timeout_s=30)
+    handle = serve.get_deployment_handle("SpecDrafter", app_name=APP)
+    seen: dict[str, dict] = {}
+    for i in range(200):
+        stats = handle.options(session_id=f"probe-{i}").stats.remote().result(timeout_s=30)
+        seen[stats["replica"]] = stats
+        if len(seen) == 2:
+            break
+    assert len(seen) == 2
+    return seen
+
+
+def pool_total(key: str) -> int:
+    return sum(s[key] for s in pool_stats().values())
 
 
 def proposer_counts() -> list[dict]:
@@ -132,14 +147,18 @@ def prompt_of(seed: int, n: int = 40) -> list[int]:
 
 
 def test_the_pool_runs_on_its_own_node(served: Served) -> None:
-    engines, [drafter] = replica_actors("SpecDecode"), replica_actors("SpecDrafter")
-    assert len(engines) == 2
-    assert {node_of(e) for e in engines} == {node_of(engines[0])} != {node_of(drafter)}
+    engines, drafters = replica_actors("SpecDecode"), replica_actors("SpecDrafter")
+    assert len(engines) == len(drafters) == 2
+    assert {node_of(e) for e in engines} == {node_of(engines[0])}
+    assert node_of(engines[0]) not in {node_of(d) for d in drafters}
 
 
 def test_greedy_equals_the_target_alone_from_both_engine_replicas(served: Served, target_alone) -> None:
     """Eight concurrent requests (both engine replicas serve some): every one gives the target's
-    own greedy tokens, with drafts from the pool accepted; the pool then holds no session."""
+    own greedy tokens, with drafts from the pool accepted; each engine replica's calls stay with
+    one pool replica (the consistent-hash router: no call ever reached a replica that did not
+    hold its session, which random routing over two replicas would do at once); the pool then
+    holds no session."""
     params = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
     before = pool_stats()
     results: dict[int, tuple] = {}
@@ -158,11 +177,13 @@ def test_greedy_equals_the_target_alone_from_both_engine_replicas(served: Served
         assert ids == reference(target_alone, prompt_of(i), **params)
         assert last.speculation.num_draft_tokens > 0 and last.speculation.num_accepted_tokens > 0
     after = pool_stats()
-    assert after["calls"] > before["calls"] and after["drafted"] > before["drafted"]
+    assert sum(a["calls"] for a in after.values()) > sum(b["calls"] for b in before.values())
+    assert sum(a["drafted"] for a in after.values()) > sum(b["drafted"] for b in before.values())
+    assert sum(a["unknown"] for a in after.values()) == 0
     deadline = time.monotonic() + 10
-    while pool_stats()["sessions"] and time.monotonic() < deadline:
+    while pool_total("sessions") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert pool_stats()["sessions"] == 0 and pool_stats()["used_blocks"] == 0
+    assert pool_total("sessions") == 0 and pool_total("used_blocks") == 0
 
 
 def test_seeded_sampled_request_repeats(served: Served) -> None:
@@ -177,18 +198,19 @@ def test_seeded_sampled_request_repeats(served: Served) -> None:
 
 
 def test_a_lost_drafter_replica_costs_drafts_not_tokens(served: Served, target_alone) -> None:
-    """The drafter replica dies mid-stream: the request finishes with the target's own tokens
-    (steps without drafts meanwhile), Serve starts a new pool replica, and later requests draft
-    there again (their first call is `unknown` to it, then the whole context is sent)."""
+    """Both drafter replicas die mid-stream: the request finishes with the target's own tokens
+    (steps without drafts meanwhile), Serve starts new pool replicas, and later requests draft
+    there again."""
     import ray
 
     params = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
     prompt = prompt_of(5)
-    [drafter] = replica_actors("SpecDrafter")
+    drafters = replica_actors("SpecDrafter")
     with served.client() as client:
         stream = client.generate(prompt, **params)
         first = next(stream)
-        ray.kill(drafter, no_restart=True)
+        for drafter in drafters:
+            ray.kill(drafter, no_restart=True)
         ids, _, last = collect(stream)
     assert list(first.token_ids) + ids == reference(target_alone, prompt, **params)
     assert last.usage.completion_tokens == 120
@@ -205,5 +227,5 @@ def test_a_lost_drafter_replica_costs_drafts_not_tokens(served: Served, target_a
         ids, _, last = collect(client.generate(prompt_of(6), **params))
     assert ids == reference(target_alone, prompt_of(6), **params)
     assert last.speculation.num_draft_tokens > 0
-    [new] = replica_actors("SpecDrafter")
-    assert new._actor_id != drafter._actor_id
+    new = replica_actors("SpecDrafter")
+    assert len(new) == 2 and not {a._actor_id for a in new} & {a._actor_id for a in drafters}
