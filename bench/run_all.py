@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         ["-m", "bench.bench_spec", *(["--sweep"] if args.sweep else [])],
         ["-m", "bench.bench_serve"],
         ["-m", "bench.bench_pd"],
+        ["-m", "bench.bench_remote_drafter"],
     ]
     failed = 0
     for step in steps:
