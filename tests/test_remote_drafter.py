@@ -12,9 +12,9 @@ from test_speculative import (
     NUM_SAMPLES,
     SPEC_ARRIVALS,
     SPEC_PROMPTS,
-    VOCAB,
     _chi_square_p_value,
     _exact_distribution,
+    small_vocab,  # noqa: F401 - the fixture (a target and a drafter over 3 tokens)
 )
 
 from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
@@ -207,15 +207,6 @@ def test_unknown_sessions_and_restarts(models):
 NUM_NEW = 6  # long enough for a round after a fully accepted one (a draft made ahead can be used)
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-
-    root = tmp_path_factory.mktemp("vocab3r")
-    target = save_tiny_model(str(root / "t"), "llama", vocab_size=VOCAB)
-    drafter = save_tiny_model(str(root / "d"), "llama", vocab_size=VOCAB, seed=5, num_hidden_layers=1)
-    return target, drafter
-
-
 class WrongQ:
     """Hands the target uniform q rows instead of the distributions the drafts came from."""
 
@@ -231,7 +222,7 @@ class WrongQ:
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_sampled_distribution_matches_target(small_vocab, broken):
+def test_sampled_distribution_matches_target(small_vocab, broken):  # noqa: F811 - the imported fixture
     """Chi-square goodness of fit of 3000 samples of (x1..x6), drafted remotely (ahead too: some
     rounds' drafts were made ahead) against the target's exact joint distribution (729 cells,
     small ones pooled; as test_speculative, a correct sampler fails with probability 1e-4 per
