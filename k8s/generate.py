@@ -1,13 +1,15 @@
-"""Build the KubeRay RayService manifests from one base template and three small overlays.
+"""Build the KubeRay RayService manifests from one base template and small per-variant overlays.
 
-    python -m k8s.generate            # write k8s/rayservice-{cpu-dev,gpu,ha}.yaml
+    python -m k8s.generate            # write k8s/rayservice-{cpu-dev,gpu,ha,pd,drafter}.yaml
     python -m k8s.generate --check    # exit 1 (and show a diff) if the committed files are stale
 
-Each manifest's `serveConfigV2` is deployments/serve_config.yaml with only the overrides that
+Each manifest's `serveConfigV2` is its Serve config (deployments/serve_config.yaml; the pd and
+drafter variants: serve_config_pd.yaml / serve_config_drafter.yaml) with only the overrides that
 `serve_overrides(variant)` declares applied (device, replica resources, autoscaling bounds and
-policy, HA placement). Around it, the variants differ only in the fields `Variant` holds: image
-tag, resources, replica bounds, GPU tolerations, trace sampling and the HA extras (Redis-backed
-GCS fault tolerance, worker spreading, a PodDisruptionBudget). Plain dicts in, YAML out.
+policy, HA placement, pools pinned to worker groups). Around it, the variants differ only in the
+fields `Variant` holds: image tag, resources, replica bounds, GPU tolerations, trace sampling, the
+HA extras (Redis-backed GCS fault tolerance, worker spreading, a PodDisruptionBudget) and the worker
+groups of the pooled variants. Plain dicts in, YAML out.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 K8S_DIR = REPO_ROOT / "k8s"
 SERVE_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config.yaml"
 PD_SERVE_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config_pd.yaml"  # prefill/decode variant
+DRAFTER_SERVE_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config_drafter.yaml"  # drafter-pool variant
 PYPROJECT_PATH = REPO_ROOT / "pyproject.toml"
 
 NAME = "specdecode"  # RayService name: KubeRay names the serve Service `<NAME>-serve-svc`
@@ -40,6 +43,13 @@ INGRESS_DEPLOYMENT_NAME = "SpecDecodeIngress"  # HA: one per worker node, so los
 PREFILL_DEPLOYMENT_NAME = "SpecDecodePrefill"  # the prefill pool of the pd variant
 # pd variant: worker group (and the Ray custom resource its pods offer) -> the deployment it hosts
 POOLS = {"prefill": PREFILL_DEPLOYMENT_NAME, "decode": DEPLOYMENT_NAME}
+DRAFTER_DEPLOYMENT_NAME = "SpecDrafter"  # the drafter pool of the drafter variant (deployments/drafter.py)
+# drafter variant: the engine replicas (target only) and the drafter pool, each in its own group
+DRAFTER_POOLS = {"engine": DEPLOYMENT_NAME, "drafter": DRAFTER_DEPLOYMENT_NAME}
+# Each engine replica keeps at most one draft call in flight, so a drafter replica's ongoing
+# requests are the engine replicas routed to it: Serve's default policy then keeps one drafter
+# replica per this many engine replicas.
+ENGINES_PER_DRAFTER = 2
 SLO_POLICY = "deployments.autoscaling:SLOAutoscalingPolicy"
 TARGET_ONGOING_REQUESTS = 8  # the default policy's target; the SLO policy has its own signals
 
@@ -90,17 +100,41 @@ class Variant:
     tpot_p95_ms: float
     ha: bool = False
     pd: bool = False  # prefill/decode disaggregation: a worker group per pool
+    drafter: bool = False  # the remote drafter pool: an engine group and a drafter group
+    # drafter variant: the drafter group's bounds and pod size (the engine group has the above)
+    drafter_replicas: tuple[int, int] = (1, 2)
+    drafter_resources: dict | None = None
 
     @property
     def serve_config_path(self) -> Path:
-        return PD_SERVE_CONFIG_PATH if self.pd else SERVE_CONFIG_PATH
+        if self.pd:
+            return PD_SERVE_CONFIG_PATH
+        return DRAFTER_SERVE_CONFIG_PATH if self.drafter else SERVE_CONFIG_PATH
+
+    @property
+    def pinned(self) -> bool:
+        """Each worker group offers a Ray custom resource that only its pool's replicas ask for."""
+        return self.pd or self.drafter
 
     @property
     def pools(self) -> dict[str, str]:
         """{worker group name: the deployment its pods host}."""
         if self.pd:
             return {f"{pool}-workers": name for pool, name in POOLS.items()}
+        if self.drafter:
+            return {f"{pool}-workers": name for pool, name in DRAFTER_POOLS.items()}
         return {f"{self.flavour}-workers": DEPLOYMENT_NAME}
+
+    def bounds(self, group_name: str) -> tuple[int, int]:
+        """(min, max) replicas of the group's deployment == pods of the group."""
+        if self.drafter and self.pools[group_name] == DRAFTER_DEPLOYMENT_NAME:
+            return self.drafter_replicas
+        return self.min_replicas, self.max_replicas
+
+    def resources(self, group_name: str) -> dict:
+        if self.drafter and self.pools[group_name] == DRAFTER_DEPLOYMENT_NAME and self.drafter_resources:
+            return self.drafter_resources
+        return self.worker_resources
 
     @property
     def path(self) -> Path:
@@ -183,6 +217,23 @@ VARIANTS: dict[str, Variant] = {
             tpot_p95_ms=50,  # the decode pool's
             pd=True,
         ),
+        Variant(
+            name="drafter",
+            summary="The remote drafter pool on GPUs: an engine worker group (the target on each GPU) and a "
+            "drafter worker group (the draft model, shared by the engine replicas; deployments/serve_config_drafter.yaml)",
+            gpu=True,
+            min_replicas=1,
+            max_replicas=4,
+            head_resources=_resources("2", "2", "8Gi"),
+            worker_resources=_resources("4", "4", "16Gi", gpus=1),
+            trace_sampling_ratio="0.1",
+            idle_timeout_s=300,
+            ttft_p95_ms=500,
+            tpot_p95_ms=50,
+            drafter=True,
+            drafter_replicas=(1, 2),  # one drafter replica per ENGINES_PER_DRAFTER engine replicas
+            drafter_resources=_resources("2", "2", "8Gi", gpus=1),  # a small model: a smaller pod
+        ),
     )
 }
 
@@ -206,9 +257,11 @@ def serve_overrides(variant: Variant) -> dict:
     """The only changes a manifest makes to its Serve config (deployments/serve_config.yaml, or
     serve_config_pd.yaml for the pd variant), for the application `APP_IMPORT_PATH`: `args` keys
     and keys of its deployment entries: `deployment` (the engine / decode pool), `ingress`, and
-    `prefill` (the pd variant's prefill pool). In the pd variant each pool keeps the other
-    pool's SLO from the config (null: not its signal) and is pinned to its worker
-    group by a Ray custom resource."""
+    `prefill` (the pd variant's prefill pool) and `drafter` (the drafter variant's pool). In the
+    pd variant each pool keeps the other pool's SLO from the config (null: not its signal); in
+    the pd and drafter variants each pool is pinned to its worker group by a Ray custom
+    resource. The drafter pool has no latency signal of its own: Serve's default policy scales it
+    on ongoing calls, one replica per `ENGINES_PER_DRAFTER` engine replicas."""
 
     def engine_pool(pool: str | None, slo: dict) -> dict:
         block: dict[str, Any] = {
@@ -230,10 +283,20 @@ def serve_overrides(variant: Variant) -> dict:
         return block
 
     ingress: dict[str, Any] = {"num_replicas": 2, "max_replicas_per_node": 1} if variant.ha else {}
-    overrides = {"args": {"device": "cuda" if variant.gpu else "cpu"}, "ingress": ingress, "prefill": {}}
+    overrides = {"args": {"device": "cuda" if variant.gpu else "cpu"}, "ingress": ingress, "prefill": {},
+                 "drafter": {}}
     if variant.pd:
         overrides["deployment"] = engine_pool("decode", {"tpot_p95_ms": variant.tpot_p95_ms})
         overrides["prefill"] = engine_pool("prefill", {"ttft_p95_ms": variant.ttft_p95_ms})
+    elif variant.drafter:
+        overrides["deployment"] = engine_pool("engine", slo_policy_kwargs(variant))
+        low, high = variant.drafter_replicas
+        overrides["drafter"] = {
+            "num_replicas": REMOVE,
+            "autoscaling_config": {"min_replicas": low, "max_replicas": high,
+                                   "target_ongoing_requests": ENGINES_PER_DRAFTER},
+            "ray_actor_options": {"num_gpus": 1, "num_cpus": 1, "resources": {"drafter": 1}},
+        }
     else:
         overrides["deployment"] = engine_pool(None, slo_policy_kwargs(variant))
     return overrides
@@ -286,7 +349,8 @@ def apply_serve_overrides(config: dict, variant: Variant) -> dict:
     overrides = serve_overrides(variant)
     app["args"] = _merge(app.get("args") or {}, overrides["args"])
     for name, overlay in ((DEPLOYMENT_NAME, overrides["deployment"]), (INGRESS_DEPLOYMENT_NAME, overrides["ingress"]),
-                          (PREFILL_DEPLOYMENT_NAME, overrides["prefill"])):
+                          (PREFILL_DEPLOYMENT_NAME, overrides["prefill"]),
+                          (DRAFTER_DEPLOYMENT_NAME, overrides["drafter"])):
         if not overlay:
             continue
         deployment = find_deployment(app, name)
@@ -404,7 +468,7 @@ def worker_group(variant: Variant, image_ref: str, group_name: str) -> dict:
         "imagePullPolicy": "IfNotPresent",
         "ports": [_port("metrics", METRICS_PORT), _port("serve", HTTP_PORT), _port("serve-grpc", GRPC_PORT)],
         "env": _env(variant),
-        "resources": copy.deepcopy(variant.worker_resources),
+        "resources": copy.deepcopy(variant.resources(group_name)),
         "livenessProbe": copy.deepcopy(LIVENESS_PROBE),
         "readinessProbe": copy.deepcopy(WORKER_READINESS_PROBE),
         "securityContext": dict(CONTAINER_SECURITY),
@@ -445,13 +509,14 @@ def worker_group(variant: Variant, image_ref: str, group_name: str) -> dict:
             }
         }
     params: dict[str, str] = {}
-    if variant.pd:  # the pool's custom resource, which its deployment's replicas ask for
+    if variant.pinned:  # the pool's custom resource, which its deployment's replicas ask for
         params["resources"] = json.dumps(json.dumps({group_name.removesuffix("-workers"): 1}))
+    low, high = variant.bounds(group_name)
     return {
         "groupName": group_name,
-        "replicas": variant.min_replicas,
-        "minReplicas": variant.min_replicas,
-        "maxReplicas": variant.max_replicas,
+        "replicas": low,
+        "minReplicas": low,
+        "maxReplicas": high,
         "rayStartParams": params,
         "template": {"metadata": {"labels": _labels("ray-worker")}, "spec": spec},
     }
@@ -609,9 +674,9 @@ def render(variant: Variant, serve_config: dict, image_repo: str = DEFAULT_IMAGE
 
 def render_all(serve_config: dict | None = None, image_repo: str = DEFAULT_IMAGE_REPO) -> dict[str, str]:
     """{variant name: file contents} for every variant. `serve_config` replaces
-    deployments/serve_config.yaml (the pd variant always embeds serve_config_pd.yaml)."""
+    deployments/serve_config.yaml (the pd and drafter variants always embed their own files)."""
     def config_of(variant: Variant) -> dict:
-        if variant.pd or serve_config is None:
+        if variant.serve_config_path != SERVE_CONFIG_PATH or serve_config is None:
             return load_serve_config(variant.serve_config_path)
         return serve_config
 

@@ -210,7 +210,7 @@ def test_serve_config_v2_is_the_project_config_plus_declared_overrides(variant: 
     overrides = generate.serve_overrides(v)
     allowed = generate.override_paths(overrides)
     names = {"deployment": generate.DEPLOYMENT_NAME, "ingress": generate.INGRESS_DEPLOYMENT_NAME,
-             "prefill": generate.PREFILL_DEPLOYMENT_NAME}
+             "prefill": generate.PREFILL_DEPLOYMENT_NAME, "drafter": generate.DRAFTER_DEPLOYMENT_NAME}
 
     def strip(config: dict) -> dict:
         config = copy.deepcopy(config)
@@ -239,6 +239,11 @@ def test_serve_config_v2_is_the_project_config_plus_declared_overrides(variant: 
         prefill = generate.find_deployment(our_app(embedded), generate.PREFILL_DEPLOYMENT_NAME)
         assert prefill["ray_actor_options"]["resources"] == {"prefill": 1}
         assert our_deployment(embedded)["ray_actor_options"]["resources"] == {"decode": 1}
+    if v.drafter:
+        assert our_app(embedded)["args"]["speculative"]["placement"] == "remote"
+        pool = generate.find_deployment(our_app(embedded), generate.DRAFTER_DEPLOYMENT_NAME)
+        assert pool["ray_actor_options"]["resources"] == {"drafter": 1} and "num_replicas" not in pool
+        assert our_deployment(embedded)["ray_actor_options"]["resources"] == {"engine": 1}
 
 
 def differing_paths(a: Any, b: Any, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
@@ -349,17 +354,40 @@ def test_worker_bounds_match_serve_autoscaling(variant: str) -> None:
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
 
 
-def test_pd_pools_are_pinned_to_their_worker_groups() -> None:
-    """pd: each group's pods offer the custom resource its pool's replicas ask for (and only they)."""
+@pytest.mark.parametrize("variant", ["pd", "drafter"], ids=["rayservice-pd", "rayservice-drafter"])
+def test_pools_are_pinned_to_their_worker_groups(variant: str) -> None:
+    """pd, drafter: each group's pods offer the custom resource its pool's replicas ask for (and
+    only they), so that no replica of one pool lands on the other pool's pods."""
     import json
 
-    doc = rayservice("pd")
+    doc = rayservice(variant)
     app = our_app(serve_config(doc))
+    pools = generate.VARIANTS[variant].pools
+    assert len(pools) == 2
     for group in worker_groups(doc):
         pool = group["groupName"].removesuffix("-workers")
         offered = json.loads(json.loads(group["rayStartParams"]["resources"]))
-        deployment = generate.find_deployment(app, generate.POOLS[pool])
+        deployment = generate.find_deployment(app, pools[group["groupName"]])
         assert offered == deployment["ray_actor_options"]["resources"] == {pool: 1}
+
+
+def test_drafter_variant_sizes_the_pool_by_engine_replicas() -> None:
+    """drafter: the pool scales on ongoing calls (each engine replica keeps at most one in flight),
+    up to one drafter replica per ENGINES_PER_DRAFTER engine replicas; its pods are smaller."""
+    from ray.serve.config import AutoscalingConfig
+
+    doc = rayservice("drafter")
+    app = our_app(serve_config(doc))
+    engine = our_deployment(serve_config(doc))["autoscaling_config"]
+    pool = generate.find_deployment(app, generate.DRAFTER_DEPLOYMENT_NAME)["autoscaling_config"]
+    parsed = AutoscalingConfig(**pool)  # Serve's default policy: no policy block
+    assert "policy" not in pool and parsed.target_ongoing_requests == generate.ENGINES_PER_DRAFTER
+    assert parsed.max_replicas == -(-engine["max_replicas"] // generate.ENGINES_PER_DRAFTER)
+    groups = {g["groupName"]: g for g in worker_groups(doc)}
+    engine_limits = worker_container(groups["engine-workers"])["resources"]["limits"]
+    pool_limits = worker_container(groups["drafter-workers"])["resources"]["limits"]
+    assert pool_limits["nvidia.com/gpu"] == engine_limits["nvidia.com/gpu"] == 1
+    assert _quantity(pool_limits["cpu"]) < _quantity(engine_limits["cpu"])
 
 
 def _quantity(value: Any) -> float:
