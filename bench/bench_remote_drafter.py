@@ -16,6 +16,16 @@ per speculating step the target's verify time and the drafting time (remote: the
 and for remote rows the share of drafts that were made ahead and the steps whose call failed.
 
     python -m bench.bench_remote_drafter [--repeats 3] [--prompts 4] [--new-tokens 96]
+
+`--batching 1,2,4,8,16` measures instead what one pool replica gains from merging the calls of
+several engine replicas into one round (the `SpecDrafter` deployment's `@serve.batch`): in one
+process on one thread, a `DraftService` with N sessions (one per caller, each a held-out code
+prompt), step after step either one round of N calls (merged) or N rounds of one call
+(separate), the same tokens either way: each call brings 3 committed tokens (an accepted length
+near the shipped pair's) and asks for k = 4 drafts. Steps interleave the two modes; medians of
+the per-step times. No Ray: the round trip is not in it.
+
+    python -m bench.bench_remote_drafter --batching 1,2,4,8,16 [--steps 40]
 """
 
 from __future__ import annotations
@@ -124,6 +134,49 @@ def configs() -> dict[str, tuple]:
     }
 
 
+def batching(callers: list[int], steps: int, prompt_len: int, name: str) -> dict:
+    """The `--batching` measurement (module docstring)."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from engine.spec.remote import DraftBatch, DraftCall, DraftService
+
+    torch.set_num_threads(1)
+    service = DraftService(str(MODELS / "drafter"), dtype="bfloat16", device="cpu", num_threads=1,
+                           kv_cache_memory_bytes=256 << 20)
+    tokenizer = AutoTokenizer.from_pretrained(str(MODELS / "target"))
+    docs = code_prompts(tokenizer, max(callers), prompt_len + 3 * (steps + 1), seed=3)
+    rows = []
+    for n in callers:
+        sent = {mode: [0] * n for mode in ("merged", "separate")}
+        times: dict[str, list[float]] = {"merged": [], "separate": []}
+
+        for step in range(steps + 1):
+            upto = prompt_len + 3 * step
+            for mode in (("merged", "separate") if step % 2 == 0 else ("separate", "merged")):
+                calls = []
+                for i in range(n):  # caller i's session: the tokens committed since its last call
+                    calls.append(DraftCall(f"{mode}-{n}-{i}", sent[mode][i], tuple(docs[i][sent[mode][i]:upto]), 4))
+                    sent[mode][i] = upto
+                batches = [DraftBatch(tuple(calls))] if mode == "merged" else [DraftBatch((c,)) for c in calls]
+                t0 = time.perf_counter()
+                for batch in batches:
+                    assert not any(r.unknown for r in service.draft(batch).replies)
+                if step:  # step 0 is each session's prompt
+                    times[mode].append((time.perf_counter() - t0) * 1e3)
+        service.close([f"{mode}-{n}-{i}" for mode in sent for i in range(n)])
+        merged, separate = statistics.median(times["merged"]), statistics.median(times["separate"])
+        rows.append({"callers": n, "merged_ms": merged, "separate_ms": separate, "merged_ms_per_call": merged / n,
+                     "speedup": separate / merged})
+        print(f"{n} callers: one round {merged:.2f} ms, {n} rounds {separate:.2f} ms", flush=True)
+    print(table(rows, ["callers", "merged_ms", "separate_ms", "merged_ms_per_call", "speedup"]))
+    out = {"machine": machine_info(), "args": {"callers": callers, "steps": steps, "prompt_len": prompt_len},
+           "rows": rows}
+    print(f"wrote {write_results(name, out)}")
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=4)
@@ -133,8 +186,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--loads", default=",".join(LOADS))
     ap.add_argument("--only", default="", help="comma-separated substrings of the configurations to run (no "
                     "speculation and the co-located adaptive engine always run)")
-    ap.add_argument("--name", default="remote_drafter")
+    ap.add_argument("--name", default=None, help="results file name (default: remote_drafter, or "
+                    "remote_drafter_batching with --batching)")
+    ap.add_argument("--batching", default="", help="comma-separated caller counts: measure merged rounds instead")
+    ap.add_argument("--steps", type=int, default=40, help="--batching: steps per caller count")
     args = ap.parse_args(argv)
+    if args.batching:
+        return batching([int(n) for n in args.batching.split(",")], args.steps, args.prompt_len,
+                        args.name or "remote_drafter_batching")
+    args.name = args.name or "remote_drafter"
     import ray
     from ray import serve
     from transformers import AutoTokenizer

@@ -49,6 +49,8 @@ class SpecDrafterServer:
         self.draft.set_batch_wait_timeout_s(pool.batch_wait_timeout_s)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self.waiting = 0  # draft calls waiting for the worker: drafting ahead yields to them
+        self.batches = 0  # DraftBatches received (one per engine replica and step)
+        self.rounds = 0  # rounds run: one per `draft` batch, however many DraftBatches it merged
         logger.info("SpecDrafter replica ready: %s on %s, %d torch threads, draft_ahead %s",
                     config.speculative.model, self.service.device, threads, pool.draft_ahead)
 
@@ -58,6 +60,8 @@ class SpecDrafterServer:
         from engine.spec.remote import DraftBatch, DraftBatchReply
 
         merged = DraftBatch(tuple(c for b in batches for c in b.calls), tuple(n for b in batches for n in b.closed))
+        self.batches += len(batches)
+        self.rounds += 1
         loop = asyncio.get_running_loop()
         self.waiting += 1
         try:
@@ -78,12 +82,13 @@ class SpecDrafterServer:
 
     async def stats(self) -> dict:
         """Counts of this replica's calls, drafts, drafts made ahead and used, `unknown` answers,
-        evictions, sessions, blocks; `replica`: its id."""
+        evictions, sessions, blocks; `batches` (DraftBatches received) and `rounds` (rounds run:
+        fewer than `batches` when calls of several engine replicas were merged); `replica`: its id."""
         try:
             replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a replica (direct construction)
             replica = ""
-        return {"replica": replica, **self.service.stats()}
+        return {"replica": replica, "batches": self.batches, "rounds": self.rounds, **self.service.stats()}
 
     def __del__(self) -> None:
         worker = getattr(self, "worker", None)

@@ -186,6 +186,53 @@ def test_greedy_equals_the_target_alone_from_both_engine_replicas(served: Served
     assert pool_total("sessions") == 0 and pool_total("used_blocks") == 0
 
 
+def _draft_sequence(handle, tag: str, seed: int, steps: int, barrier: threading.Barrier | None = None) -> list:
+    """One caller's session through `steps` calls of the pool (greedy, k = 3): the first sends the
+    prompt, each next one the first draft of the last answer as the committed token; its drafts."""
+    from engine.spec.remote import DraftBatch, DraftCall
+
+    committed, sent, drafts = prompt_of(seed, 30), 0, []
+    for _ in range(steps):
+        call = DraftCall(f"{tag}-{seed}", sent, tuple(committed[sent:]), K)
+        if barrier is not None:
+            barrier.wait(30)
+        (reply,) = handle.draft.remote(DraftBatch((call,))).result(timeout_s=30).replies
+        assert not reply.unknown
+        drafts.append(list(reply.token_ids))
+        sent = len(committed)
+        committed.append(reply.token_ids[0])
+    handle.draft.remote(DraftBatch((), (f"{tag}-{seed}",))).result(timeout_s=30)
+    return drafts
+
+
+def test_one_pool_replica_merges_several_callers_calls_into_one_round(served: Served) -> None:
+    """Four callers (as four engine replicas) routed to one pool replica, calling at the same
+    moments: Serve's batching runs their calls in fewer rounds than calls, and each caller gets
+    the drafts it gets when it calls alone."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("SpecDrafter", app_name=APP).options(session_id="one-replica")
+    alone = {seed: _draft_sequence(handle, "alone", seed, 8) for seed in range(4)}
+    before = handle.stats.remote().result(timeout_s=30)
+    barrier = threading.Barrier(4)
+    merged: dict[int, list] = {}
+
+    def caller(seed: int) -> None:
+        merged[seed] = _draft_sequence(handle, "merged", seed, 8, barrier)
+
+    threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    after = handle.stats.remote().result(timeout_s=30)
+    assert after["replica"] == before["replica"]
+    assert merged == alone
+    batches, rounds = after["batches"] - before["batches"], after["rounds"] - before["rounds"]
+    assert batches == 4 * 9  # 8 calls and a close per caller
+    assert rounds < batches, (rounds, batches)
+
+
 def test_seeded_sampled_request_repeats(served: Served) -> None:
     """A seeded request's drafts at a context come from (seed, position) alone, drafted ahead or
     not, so a healthy pool gives the same tokens each time."""
