@@ -12,12 +12,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -449,16 +452,36 @@ def _interpret_main() -> None:
     print("RESULTS " + json.dumps(results))
 
 
-def run_triton_interpreter(script: str, timeout: int = 300) -> dict:
-    """Run `python script --interpret-check` with TRITON_INTERPRET=1 in a subprocess (the variable
-    must be set before triton is imported, and this process may have imported it already) and
-    return the JSON the script prints on its last line starting with "RESULTS "."""
+def run_triton_interpreter(script: str, timeout: int = 300, parts: tuple[str, ...] = ()) -> dict:
+    """Run `python script --interpret-check [part]` with TRITON_INTERPRET=1 in a subprocess (the
+    variable must be set before triton is imported, and this process may have imported it
+    already) and return the JSON the script prints on its last line starting with "RESULTS ".
+    With `parts`, one subprocess per part, all at once (the interpreter is one Python thread: a
+    2-core host runs two side by side), their results merged."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, script, "--interpret-check"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    results: dict = {}
+    with contextlib.ExitStack() as stack:  # output to files: a full pipe would stall a process
+        runs = []
+        for part in parts or ("",):
+            out, err = (stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+            runs.append((subprocess.Popen([sys.executable, script, "--interpret-check", *([part] if part else [])],
+                                          cwd=ROOT, env=env, stdout=out, stderr=err, text=True), out, err))
+        deadline = time.monotonic() + timeout
+        try:
+            for proc, out, err in runs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 1))
+                out.seek(0)
+                err.seek(0)
+                stdout, stderr = out.read(), err.read()
+                lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULTS ")]
+                assert proc.returncode == 0 and lines, f"interpreter run failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+                results.update(json.loads(lines[-1][len("RESULTS ") :]))
+        finally:
+            for proc, _, _ in runs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    return results
 
 
 @pytest.fixture(scope="module")
