@@ -554,10 +554,19 @@ INTERPRET_TREE_CASES = [(name, "float32") for name in sorted(TREE_CASES)] + [("v
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _interpret_main() -> None:
-    """Subprocess entry (TRITON_INTERPRET=1 set): per case, the Triton kernel's max error vs the
-    dense reference (and for the first, whether chain masks reproduce the causal kernel exactly)."""
+INTERPRET_PARTS = ("kernels", "engine")  # run side by side, one subprocess each
+
+
+def _interpret_main(parts: tuple[str, ...] = INTERPRET_PARTS) -> None:
+    """Subprocess entry (TRITON_INTERPRET=1 set): part "kernels": per case, the Triton kernel's
+    max error vs the dense reference (and for the first, whether chain masks reproduce the causal
+    kernel exactly); part "engine": the engine with trees on the Triton backend."""
     results = {}
+    if "engine" in parts:
+        results["engine"] = _triton_engine_trees()
+    if "kernels" not in parts:
+        print("RESULTS " + json.dumps(results))
+        return
     for name, dtype_name in INTERPRET_TREE_CASES:
         case, masks = tree_case(name, dtype=_DTYPES[dtype_name])
         out = run_with_trees("triton", case, masks)
@@ -575,7 +584,6 @@ def _interpret_main() -> None:
     case, masks = tree_case(INTERPRET_TREE_CASES[0][0])
     chains = [None if m is None else torch.ones_like(m).tril() for m in masks]
     results["chain_equal"] = bool(torch.equal(run_with_trees("triton", case, chains), run_with_trees("triton", case, None)))
-    results["engine"] = _triton_engine_trees()
     print("RESULTS " + json.dumps(results))
 
 
@@ -629,7 +637,7 @@ def _triton_engine_trees(device: str = "cpu") -> dict:
 def interpreter_results() -> dict:
     if not triton_available():
         pytest.skip("triton not importable")
-    return run_triton_interpreter(os.path.abspath(__file__))
+    return run_triton_interpreter(os.path.abspath(__file__), parts=INTERPRET_PARTS)
 
 
 @pytest.mark.parametrize("name,dtype_name", INTERPRET_TREE_CASES)
@@ -691,4 +699,4 @@ def test_triton_chain_masks_are_the_causal_kernel(interpreter_results):
 
 
 if __name__ == "__main__" and "--interpret-check" in sys.argv:
-    _interpret_main()
+    _interpret_main(tuple(sys.argv[sys.argv.index("--interpret-check") + 1 :]) or INTERPRET_PARTS)
