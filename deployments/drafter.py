@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,6 +49,7 @@ class SpecDrafterServer:
         self.draft.set_max_batch_size(pool.max_batch_size)
         self.draft.set_batch_wait_timeout_s(pool.batch_wait_timeout_s)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        self.metrics = self._start_metrics()
         self.waiting = 0  # draft calls waiting for the worker: drafting ahead yields to them
         self.batches = 0  # DraftBatches received (one per engine replica and step)
         self.rounds = 0  # rounds run: one per `draft` batch, however many DraftBatches it merged
@@ -57,6 +59,11 @@ class SpecDrafterServer:
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0)
     async def draft(self, batches: list[Any]) -> list[Any]:
         """One round for the `DraftBatch`es of every engine replica that called meanwhile."""
+        return await self.merged_round(batches)
+
+    async def merged_round(self, batches: list[Any]) -> list[Any]:
+        """The `DraftBatch`es of several engine replicas drafted in one round of the model (on
+        the worker thread); each engine replica's answer."""
         from engine.spec.remote import DraftBatch, DraftBatchReply
 
         merged = DraftBatch(tuple(c for b in batches for c in b.calls), tuple(n for b in batches for n in b.closed))
@@ -65,7 +72,7 @@ class SpecDrafterServer:
         loop = asyncio.get_running_loop()
         self.waiting += 1
         try:
-            answer = await loop.run_in_executor(self.worker, self.service.draft, merged)
+            answer = await loop.run_in_executor(self.worker, self._timed_round, merged)
         finally:
             self.waiting -= 1
         if self.service.draft_ahead:
@@ -75,6 +82,22 @@ class SpecDrafterServer:
             out.append(DraftBatchReply(answer.replies[i : i + len(b.calls)], answer.identity, answer.vocab_size))
             i += len(b.calls)
         return out
+
+    def _timed_round(self, batch: Any) -> Any:
+        start = time.perf_counter()
+        answer = self.service.draft(batch)
+        self.metrics.observe_round(time.perf_counter() - start)
+        return answer
+
+    def _start_metrics(self) -> Any:
+        """This replica's Prometheus metrics (deployments.metrics.POOL_METRICS), flushed from
+        `_stats()` every 2 s."""
+        from deployments.metrics import DrafterPoolMetrics
+
+        return DrafterPoolMetrics().start(self._stats)
+
+    def _stats(self) -> dict:
+        return {"batches": self.batches, "rounds": self.rounds, **self.service.stats()}
 
     def _draft_ahead(self) -> None:
         if self.waiting == 0:  # a call that waits for the worker goes first
@@ -88,9 +111,11 @@ class SpecDrafterServer:
             replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a replica (direct construction)
             replica = ""
-        return {"replica": replica, "batches": self.batches, "rounds": self.rounds, **self.service.stats()}
+        return {"replica": replica, **self._stats()}
 
     def __del__(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.shutdown()
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.shutdown(wait=False, cancel_futures=True)

@@ -1,6 +1,7 @@
 """Prometheus metrics of one replica, through `ray.serve.metrics` (Ray exports them with a `ray_` prefix).
 
-`METRICS` is the one list of what a replica exports; the Grafana dashboard
+`METRICS` is the one list of what an engine replica exports, `POOL_METRICS` what a drafter-pool
+replica exports (deployments/drafter.py); the Grafana dashboard
 (deployments/grafana_dashboard.json) may reference only these. The engine-thread step listener
 and the per-request hook only add to plain Python totals under a lock; a flush thread pushes them
 to Ray every `flush_interval_s` together with the engine's queue depth and KV block counts, so
@@ -34,6 +35,7 @@ TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 
                   0.2, 0.3, 0.5, 1.0, 2.5)
 HANDOFF_BYTES_BUCKETS = tuple(float(1 << n) for n in range(12, 34, 2))  # 4 KiB .. 8 GiB
 HANDOFF_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+ROUND_BUCKETS_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -123,8 +125,37 @@ METRICS: tuple[MetricDef, ...] = (
     _c("specdecode_remote_drafter_ahead_drafts_total", "Drafts the pool had made ahead (while the target verified) "
        "and the engine used."),
 )
+# A drafter-pool replica (deployments/drafter.py): what it did for the engine replicas routed to it.
+POOL_METRICS: tuple[MetricDef, ...] = (
+    _c("specdecode_drafter_pool_engine_calls_total", "Calls received from engine replicas (one per engine step "
+       "with requests drafting remotely)."),
+    _c("specdecode_drafter_pool_rounds_total", "Rounds of the draft model run for those calls: fewer than the calls "
+       "when calls of several engine replicas were merged into one round."),
+    _c("specdecode_drafter_pool_request_calls_total", "Requests drafted for, summed over the calls."),
+    _c("specdecode_drafter_pool_drafts_total", "Draft tokens answered."),
+    _c("specdecode_drafter_pool_unknown_total", "Requests answered `unknown` (a session this replica did not hold "
+       "at the call's start: forgotten, or routed here from another replica); the engine resends their context."),
+    _c("specdecode_drafter_pool_catch_up_tokens_total", "Tokens the draft model ran over before drafting (new "
+       "prompts, resent contexts): the pool's prefill work."),
+    _c("specdecode_drafter_pool_evicted_sessions_total", "Sessions forgotten before the engine closed them: idle "
+       "past drafter_pool.session_ttl_s, or least recently used when the replica's KV blocks ran out."),
+    _c("specdecode_drafter_pool_ahead_hits_total", "Requests answered with drafts made ahead, while the target "
+       "verified (drafter_pool.draft_ahead)."),
+    _g("specdecode_drafter_pool_sessions", "Sessions (engine requests) the replica holds."),
+    _g("specdecode_drafter_pool_kv_blocks_used", "Draft-model KV blocks in use, of the replica's pool."),
+    _h("specdecode_drafter_pool_round_seconds", "Time of one round, from the worker taking it to its answer.",
+       ROUND_BUCKETS_S),
+)
+# DraftService / SpecDrafterServer stats key -> the counter it feeds
+POOL_COUNTERS = {"batches": "specdecode_drafter_pool_engine_calls_total", "rounds": "specdecode_drafter_pool_rounds_total",
+                 "calls": "specdecode_drafter_pool_request_calls_total", "drafted": "specdecode_drafter_pool_drafts_total",
+                 "unknown": "specdecode_drafter_pool_unknown_total",
+                 "catch_up_tokens": "specdecode_drafter_pool_catch_up_tokens_total",
+                 "evicted": "specdecode_drafter_pool_evicted_sessions_total",
+                 "ahead_hits": "specdecode_drafter_pool_ahead_hits_total"}
 METRICS_BY_NAME = {m.name: m for m in METRICS}
-PROMETHEUS_NAMES = frozenset(n for m in METRICS for n in m.prometheus_names)
+POOL_METRICS_BY_NAME = {m.name: m for m in POOL_METRICS}
+PROMETHEUS_NAMES = frozenset(n for m in METRICS + POOL_METRICS for n in m.prometheus_names)
 _NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
@@ -149,15 +180,46 @@ class _Totals:
     prefills: dict[str, int] = field(default_factory=dict)  # where -> count
 
 
-class ReplicaMetrics:
+class _Flushing:
+    """A daemon thread that calls `self.flush(stats_fn())` every `flush_interval_s`."""
+
+    flush_interval_s: float
+    _stop: threading.Event
+    _thread: threading.Thread | None
+
+    def _start_flushing(self, stats_fn: Any, name: str) -> None:
+        def run() -> None:
+            while not self._stop.wait(self.flush_interval_s):
+                try:
+                    self.flush(stats_fn())
+                except Exception:  # noqa: BLE001 - a failed flush must not end the metrics thread
+                    logger.exception("%s flush failed", name)
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def _stop_flushing(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def flush(self, stats: Any) -> None:
+        raise NotImplementedError
+
+
+def _backend(backend: Any, flush_interval_s: float) -> Any:
+    if flush_interval_s <= 0:
+        raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
+    return backend if backend is not None else importlib.import_module(DEFAULT_BACKEND)
+
+
+class ReplicaMetrics(_Flushing):
     """The replica's metrics. `backend` provides Counter/Gauge/Histogram with Ray's signatures
     (default `ray.serve.metrics`; tests pass a fake). `start(llm)` hooks it to an AsyncLLM."""
 
     def __init__(self, backend: Any = None, *, num_speculative_tokens: int = 0,
                  flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S) -> None:
-        if flush_interval_s <= 0:
-            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
-        backend = backend if backend is not None else importlib.import_module(DEFAULT_BACKEND)
+        backend = _backend(backend, flush_interval_s)
         self.metrics: dict[str, Any] = {m.name: _make(backend, m) for m in METRICS}
         self.flush_interval_s = flush_interval_s
         self._lock = threading.Lock()
@@ -175,24 +237,14 @@ class ReplicaMetrics:
         """Listen to `llm`'s engine steps and flush every flush_interval_s on a daemon thread."""
         self._llm = llm
         llm.engine.step_listeners.append(self.on_step)
-        self._thread = threading.Thread(target=self._run, name="replica-metrics", daemon=True)
-        self._thread.start()
+        self._start_flushing(llm.stats, "replica-metrics")
         return self
 
     def shutdown(self) -> None:
         """Stop listening and flushing (what accumulated since the last flush is dropped)."""
-        self._stop.set()
         if self._llm is not None and self.on_step in self._llm.engine.step_listeners:
             self._llm.engine.step_listeners.remove(self.on_step)
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.flush_interval_s):
-            try:
-                self.flush(self._llm.stats() if self._llm is not None else None)
-            except Exception:  # noqa: BLE001 - a failed flush must not end the metrics thread
-                logger.exception("replica metrics flush failed")
+        self._stop_flushing()
 
     # --- hooks ----------------------------------------------------------------------------------
     def on_step(self, record: StepRecord) -> None:
@@ -301,6 +353,46 @@ class ReplicaMetrics:
                 _inc(m["specdecode_remote_drafter_unknown_total"], d["unknown"])
                 _inc(m["specdecode_remote_drafter_ahead_drafts_total"], d["ahead"])
                 self._last_remote = remote
+
+
+class DrafterPoolMetrics(_Flushing):
+    """A drafter-pool replica's metrics (`POOL_METRICS`): counters from the replica's running
+    counts (`SpecDrafterServer.stats()`: what changed since the last flush), its sessions and KV
+    blocks, and the time of each round (`observe_round`, from the event loop)."""
+
+    def __init__(self, backend: Any = None, flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S) -> None:
+        backend = _backend(backend, flush_interval_s)
+        self.metrics: dict[str, Any] = {m.name: _make(backend, m) for m in POOL_METRICS}
+        self.flush_interval_s = flush_interval_s
+        self._lock = threading.Lock()
+        self._rounds_s: list[float] = []
+        self._last: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, stats_fn: Any) -> DrafterPoolMetrics:
+        """Flush `stats_fn()` (the replica's stats dict) every flush_interval_s on a daemon thread."""
+        self._start_flushing(stats_fn, "drafter-pool-metrics")
+        return self
+
+    def shutdown(self) -> None:
+        self._stop_flushing()
+
+    def observe_round(self, seconds: float) -> None:
+        with self._lock:
+            self._rounds_s.append(seconds)
+
+    def flush(self, stats: dict) -> None:
+        with self._lock:
+            rounds, self._rounds_s = self._rounds_s, []
+        m = self.metrics
+        for key, name in POOL_COUNTERS.items():
+            _inc(m[name], stats[key] - self._last.get(key, 0))
+        self._last = {key: stats[key] for key in POOL_COUNTERS}
+        m["specdecode_drafter_pool_sessions"].set(stats["sessions"])
+        m["specdecode_drafter_pool_kv_blocks_used"].set(stats["used_blocks"])
+        for seconds in rounds:
+            m["specdecode_drafter_pool_round_seconds"].observe(seconds)
 
 
 def _inc(counter: Any, value: float, tags: dict[str, str] | None = None) -> None:

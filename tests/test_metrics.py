@@ -105,9 +105,9 @@ def fake() -> tuple[mm.ReplicaMetrics, dict[str, FakeMetric]]:
 
 # --- definitions -------------------------------------------------------------------------------
 def test_definitions_are_valid_prometheus_metrics() -> None:
-    names = [m.name for m in mm.METRICS]
+    names = [m.name for m in mm.METRICS + mm.POOL_METRICS]
     assert len(names) == len(set(names))
-    for m in mm.METRICS:
+    for m in mm.METRICS + mm.POOL_METRICS:
         assert re.fullmatch(r"specdecode_[a-z0-9_]+", m.name), m.name
         assert m.kind in ("counter", "gauge", "histogram") and m.description
         assert m.name.endswith("_total") == (m.kind == "counter"), m.name
@@ -228,6 +228,73 @@ def test_remote_drafting_counts_become_counters(fake) -> None:
     assert made["specdecode_remote_drafter_ahead_drafts_total"].total() == 9
 
 
+def test_pool_counts_become_counters_gauges_and_round_times() -> None:
+    """A drafter-pool replica's running counts become counters of what changed between flushes;
+    sessions and KV blocks are gauges; each round's time is observed once."""
+    backend = FakeBackend()
+    pool = mm.DrafterPoolMetrics(backend)
+    assert set(backend.made) == set(mm.POOL_METRICS_BY_NAME)
+    counts = dict.fromkeys(mm.POOL_COUNTERS, 0)
+    for batches, rounds, sessions in ((6, 4, 3), (10, 5, 1), (10, 5, 0)):
+        counts.update(batches=batches, rounds=rounds, calls=2 * batches, drafted=8 * batches, unknown=1,
+                      catch_up_tokens=100, evicted=rounds - 4, ahead_hits=0)
+        pool.observe_round(0.002)
+        pool.flush({**counts, "sessions": sessions, "used_blocks": 2 * sessions, "num_blocks": 64})
+    made = backend.made
+    assert made["specdecode_drafter_pool_engine_calls_total"].calls == [(6, {}), (4, {})]  # nothing at the idle flush
+    assert made["specdecode_drafter_pool_rounds_total"].total() == 5
+    assert made["specdecode_drafter_pool_request_calls_total"].total() == 20
+    assert made["specdecode_drafter_pool_drafts_total"].total() == 80
+    assert made["specdecode_drafter_pool_unknown_total"].total() == 1
+    assert made["specdecode_drafter_pool_catch_up_tokens_total"].total() == 100
+    assert made["specdecode_drafter_pool_evicted_sessions_total"].total() == 1
+    assert made["specdecode_drafter_pool_ahead_hits_total"].calls == []
+    assert [v for v, _ in made["specdecode_drafter_pool_sessions"].calls] == [3, 1, 0]
+    assert made["specdecode_drafter_pool_kv_blocks_used"].last() == 0
+    assert len(made["specdecode_drafter_pool_round_seconds"].calls) == 3
+
+
+def test_a_pool_replica_feeds_its_metrics(tmp_path) -> None:
+    """A `SpecDrafterServer` (no Serve: what its batch method runs, on a plain event loop) given
+    three engine replicas' calls as Serve's batching would (two merged into one round, then one
+    alone): its metrics count the calls, the rounds, the requests, drafts and catch-up tokens, and
+    time every round."""
+    from helpers import save_perturbed_copy
+
+    from deployments.config import AppConfig
+    from deployments.drafter import SpecDrafterServer
+    from engine.spec.remote import DraftBatch, DraftCall
+
+    target = save_tiny_model(str(tmp_path / "target"), "llama")
+    drafter = save_perturbed_copy(target, str(tmp_path / "drafter"), noise=0.02)
+    config = AppConfig.from_dict({"model": target, "device": "cpu", "dtype": "float32",
+                                  "speculative": {"method": "draft", "model": drafter, "placement": "remote"}})
+    server = SpecDrafterServer(config)
+    server.metrics.shutdown()  # the Ray backend's, flushing on its own thread: a fake one instead
+    backend = FakeBackend()
+    server.metrics = mm.DrafterPoolMetrics(backend)
+    prompts = [[3 + i, 5, 7, 11, 13][: 3 + i] for i in range(3)]
+
+    batches = [DraftBatch((DraftCall(f"e{i}-r", 0, tuple(p), 3),)) for i, p in enumerate(prompts)]
+
+    async def calls() -> list:
+        return await server.merged_round(batches[:2]) + await server.merged_round(batches[2:])
+
+    replies = asyncio.run(calls())
+    assert [len(r.replies) for r in replies] == [1, 1, 1]
+    assert [len(r.replies[0].token_ids) for r in replies] == [3, 3, 3]
+    server.metrics.flush(server._stats())
+    made = backend.made
+    assert made["specdecode_drafter_pool_engine_calls_total"].total() == 3
+    assert made["specdecode_drafter_pool_rounds_total"].total() == 2
+    assert len(made["specdecode_drafter_pool_round_seconds"].calls) == 2
+    assert made["specdecode_drafter_pool_request_calls_total"].total() == 3
+    assert made["specdecode_drafter_pool_drafts_total"].total() == 9
+    assert made["specdecode_drafter_pool_catch_up_tokens_total"].total() == sum(map(len, prompts))
+    assert made["specdecode_drafter_pool_sessions"].last() == 3
+    server.worker.shutdown(wait=True)
+
+
 def test_finished_requests_observe_latency_histograms(fake) -> None:
     metrics, made = fake
 
@@ -309,10 +376,11 @@ def test_dashboard_queries_only_metrics_the_module_defines() -> None:
     referenced = {name for e in exprs for name in re.findall(r"\bray_[a-zA-Z0-9_]+", e)}
     assert referenced <= mm.PROMETHEUS_NAMES, referenced - mm.PROMETHEUS_NAMES
     # ... and shows every one of them.
-    shown = {m.name for m in mm.METRICS if set(m.prometheus_names) & referenced}
-    assert shown == set(mm.METRICS_BY_NAME), set(mm.METRICS_BY_NAME) - shown
+    every = mm.METRICS + mm.POOL_METRICS
+    shown = {m.name for m in every if set(m.prometheus_names) & referenced}
+    assert shown == {m.name for m in every}, {m.name for m in every} - shown
     # Labels used in selectors and `by (...)` exist: ours, Serve's, or a histogram's `le`.
-    known = {k for m in mm.METRICS for k in m.tag_keys} | set(mm.SERVE_TAGS) | {"le"}
+    known = {k for m in every for k in m.tag_keys} | set(mm.SERVE_TAGS) | {"le"}
     for e in exprs:
         labels = {x.strip() for group in re.findall(r"by \(([^)]*)\)", e) for x in group.split(",")}
         labels |= set(re.findall(r"[{,]\s*([a-z_]+)\s*=~?", e))
@@ -335,3 +403,9 @@ def test_dashboard_is_a_grafana_dashboard() -> None:
         assert p["targets"] and all(t["refId"] and t["expr"] for t in p["targets"])
         for t in p["targets"]:
             assert set(re.findall(r"\$([a-z_]+)", t["expr"])) - {"__rate_interval"} <= variables
+            # a legend names labels as {{label}}, labels the query keeps
+            legend = t.get("legendFormat", "")
+            assert "{{{" not in legend and "}}}" not in legend, legend
+            for label in re.findall(r"\{\{\s*([^}]*?)\s*\}\}", legend):
+                kept = {x.strip() for group in re.findall(r"by \(([^)]*)\)", t["expr"]) for x in group.split(",")}
+                assert label in kept | {"replica"} or "by (" not in t["expr"], (legend, t["expr"])
