@@ -155,6 +155,19 @@ def _resources(cpu_request: str, cpu_limit: str, memory: str, gpus: int = 0) -> 
     return {"requests": requests, "limits": limits}
 
 
+# What the GPU variants share: one GPU per worker pod, 1-4 replicas, the production SLO.
+GPU_PRODUCTION: dict[str, Any] = dict(
+    gpu=True,
+    min_replicas=1,
+    max_replicas=4,
+    head_resources=_resources("2", "2", "8Gi"),
+    worker_resources=_resources("4", "4", "16Gi", gpus=1),
+    trace_sampling_ratio="0.1",
+    idle_timeout_s=300,
+    ttft_p95_ms=500,
+    tpot_p95_ms=50,
+)
+
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
@@ -178,58 +191,26 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             name="gpu",
             summary="GPU production: one GPU worker pod per replica (target + drafter on its GPU)",
-            gpu=True,
-            min_replicas=1,
-            max_replicas=4,
-            head_resources=_resources("2", "2", "8Gi"),
-            worker_resources=_resources("4", "4", "16Gi", gpus=1),
-            trace_sampling_ratio="0.1",
-            idle_timeout_s=300,
-            ttft_p95_ms=500,
-            tpot_p95_ms=50,
+            **GPU_PRODUCTION,
         ),
         Variant(
             name="ha",
             summary="High availability: GPU workers, GCS fault tolerance in Redis, >= 2 replicas on distinct nodes",
-            gpu=True,
-            min_replicas=2,
-            max_replicas=4,
-            head_resources=_resources("2", "2", "8Gi"),
-            worker_resources=_resources("4", "4", "16Gi", gpus=1),
-            trace_sampling_ratio="0.1",
-            idle_timeout_s=300,
-            ttft_p95_ms=500,
-            tpot_p95_ms=50,
+            **{**GPU_PRODUCTION, "min_replicas": 2},
             ha=True,
         ),
         Variant(
             name="pd",
             summary="Prefill/decode disaggregation on GPUs: a prefill worker group and a decode worker group, "
             "one replica per GPU pod, each pool autoscaled on its own SLO (deployments/serve_config_pd.yaml)",
-            gpu=True,
-            min_replicas=1,
-            max_replicas=4,
-            head_resources=_resources("2", "2", "8Gi"),
-            worker_resources=_resources("4", "4", "16Gi", gpus=1),
-            trace_sampling_ratio="0.1",
-            idle_timeout_s=300,
-            ttft_p95_ms=500,  # the prefill pool's signal
-            tpot_p95_ms=50,  # the decode pool's
+            **GPU_PRODUCTION,  # the prefill pool's signal is ttft_p95_ms, the decode pool's tpot_p95_ms
             pd=True,
         ),
         Variant(
             name="drafter",
             summary="The remote drafter pool on GPUs: an engine worker group (the target on each GPU) and a "
             "drafter worker group (the draft model, shared by the engine replicas; deployments/serve_config_drafter.yaml)",
-            gpu=True,
-            min_replicas=1,
-            max_replicas=4,
-            head_resources=_resources("2", "2", "8Gi"),
-            worker_resources=_resources("4", "4", "16Gi", gpus=1),
-            trace_sampling_ratio="0.1",
-            idle_timeout_s=300,
-            ttft_p95_ms=500,
-            tpot_p95_ms=50,
+            **GPU_PRODUCTION,
             drafter=True,
             drafter_replicas=(1, 2),  # one drafter replica per ENGINES_PER_DRAFTER engine replicas
             drafter_resources=_resources("2", "2", "8Gi", gpus=1),  # a small model: a smaller pod
