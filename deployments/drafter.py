@@ -49,10 +49,10 @@ class SpecDrafterServer:
         self.draft.set_max_batch_size(pool.max_batch_size)
         self.draft.set_batch_wait_timeout_s(pool.batch_wait_timeout_s)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
-        self.metrics = self._start_metrics()
         self.waiting = 0  # draft calls waiting for the worker: drafting ahead yields to them
         self.batches = 0  # DraftBatches received (one per engine replica and step)
         self.rounds = 0  # rounds run: one per `draft` batch, however many DraftBatches it merged
+        self.metrics = self._start_metrics()
         logger.info("SpecDrafter replica ready: %s on %s, %d torch threads, draft_ahead %s",
                     config.speculative.model, self.service.device, threads, pool.draft_ahead)
 
