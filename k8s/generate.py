@@ -46,9 +46,10 @@ POOLS = {"prefill": PREFILL_DEPLOYMENT_NAME, "decode": DEPLOYMENT_NAME}
 DRAFTER_DEPLOYMENT_NAME = "SpecDrafter"  # the drafter pool of the drafter variant (deployments/drafter.py)
 # drafter variant: the engine replicas (target only) and the drafter pool, each in its own group
 DRAFTER_POOLS = {"engine": DEPLOYMENT_NAME, "drafter": DRAFTER_DEPLOYMENT_NAME}
-# Each engine replica keeps at most one draft call in flight, so a drafter replica's ongoing
-# requests are the engine replicas routed to it: Serve's default policy then keeps one drafter
-# replica per this many engine replicas.
+# The drafter pool scales on Serve's default policy: a replica is added while more than this many
+# calls are in flight at each on average (its one worker always busy, calls queueing behind the
+# round). Each engine replica has at most one call in flight (while it waits for a step's drafts),
+# so the pool never needs more than one replica per this many engine replicas: its max_replicas.
 ENGINES_PER_DRAFTER = 2
 SLO_POLICY = "deployments.autoscaling:SLOAutoscalingPolicy"
 TARGET_ONGOING_REQUESTS = 8  # the default policy's target; the SLO policy has its own signals
@@ -212,7 +213,7 @@ VARIANTS: dict[str, Variant] = {
             "drafter worker group (the draft model, shared by the engine replicas; deployments/serve_config_drafter.yaml)",
             **GPU_PRODUCTION,
             drafter=True,
-            drafter_replicas=(1, 2),  # one drafter replica per ENGINES_PER_DRAFTER engine replicas
+            drafter_replicas=(1, 2),  # at most one drafter replica per ENGINES_PER_DRAFTER engine replicas
             drafter_resources=_resources("2", "2", "8Gi", gpus=1),  # a small model: a smaller pod
         ),
     )
@@ -242,7 +243,7 @@ def serve_overrides(variant: Variant) -> dict:
     pd variant each pool keeps the other pool's SLO from the config (null: not its signal); in
     the pd and drafter variants each pool is pinned to its worker group by a Ray custom
     resource. The drafter pool has no latency signal of its own: Serve's default policy scales it
-    on ongoing calls, one replica per `ENGINES_PER_DRAFTER` engine replicas."""
+    on ongoing calls, at most one replica per `ENGINES_PER_DRAFTER` engine replicas."""
 
     def engine_pool(pool: str | None, slo: dict) -> dict:
         block: dict[str, Any] = {

@@ -373,7 +373,8 @@ def test_pools_are_pinned_to_their_worker_groups(variant: str) -> None:
 
 def test_drafter_variant_sizes_the_pool_by_engine_replicas() -> None:
     """drafter: the pool scales on ongoing calls (each engine replica keeps at most one in flight),
-    up to one drafter replica per ENGINES_PER_DRAFTER engine replicas; its pods are smaller."""
+    at most one drafter replica per ENGINES_PER_DRAFTER engine replicas (more could never reach the
+    target: each engine replica has at most one call in flight); its pods are smaller."""
     from ray.serve.config import AutoscalingConfig
 
     doc = rayservice("drafter")
