@@ -174,10 +174,35 @@ def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
 
 
+RAY_WORKER_PORTS_END = 19999  # Ray's default max_worker_port: workers listen on 10002..this
+
+
 def free_port() -> int:
+    """A port free now, for a server a test starts later (a Serve proxy, a subprocess). Drawn at
+    random above Ray's worker ports and below the kernel's ephemeral range, where Ray's and gRPC's
+    own servers (which bind port 0) and outgoing connections get theirs: a port the kernel hands
+    out for port 0 here could be taken by one of them before our server binds it (a CI run lost
+    the HTTP proxy's port that way)."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    if low - 1 > RAY_WORKER_PORTS_END + 100:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(RAY_WORKER_PORTS_END + 1, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("0.0.0.0", port))  # the proxies bind every interface
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no such range on this host: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
