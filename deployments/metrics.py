@@ -118,8 +118,9 @@ METRICS: tuple[MetricDef, ...] = (
        "max_inflight_prefills remote prefills), fallback (the handoff was lost or could not be imported: prefilled locally).",
        "where"),
     # The drafter pool (speculative.placement: remote): this engine replica's calls to it.
-    _c("specdecode_remote_drafter_rounds_total", "Steps' calls to the drafter pool by result: ok, or failed "
-       "(that step had no drafts: the pool replica was lost, slow past drafter_pool.timeout_s, or erred).", "result"),
+    _c("specdecode_remote_drafter_rounds_total", "Steps' calls to the drafter pool by result: ok; failed "
+       "(that step had no drafts: the pool replica was lost, slow past drafter_pool.timeout_s, or erred); skipped "
+       "(no call: a recent one failed, the engine backs off).", "result"),
     _c("specdecode_remote_drafter_unknown_total", "Requests the drafter pool did not hold at their call "
        "(forgotten, or another pool replica): that step had no drafts for them, their whole context is resent."),
     _c("specdecode_remote_drafter_ahead_drafts_total", "Drafts the pool had made ahead (while the target verified) "
@@ -350,6 +351,7 @@ class ReplicaMetrics(_Flushing):
                 d = {key: remote[key] - self._last_remote.get(key, 0) for key in remote}
                 _inc(m["specdecode_remote_drafter_rounds_total"], d["rounds"], {"result": "ok"})
                 _inc(m["specdecode_remote_drafter_rounds_total"], d["failures"], {"result": "failed"})
+                _inc(m["specdecode_remote_drafter_rounds_total"], d.get("skipped", 0), {"result": "skipped"})
                 _inc(m["specdecode_remote_drafter_unknown_total"], d["unknown"])
                 _inc(m["specdecode_remote_drafter_ahead_drafts_total"], d["ahead"])
                 self._last_remote = remote

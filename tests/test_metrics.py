@@ -217,13 +217,14 @@ def test_remote_drafting_counts_become_counters(fake) -> None:
     """An engine that drafts in a drafter pool: its proposer's running counts (engine stats)
     become counters of what happened between flushes."""
     metrics, made = fake
-    for rounds, failures, unknown, ahead in ((10, 1, 2, 3), (25, 4, 2, 9)):
+    for rounds, failures, skipped, unknown, ahead in ((10, 1, 6, 2, 3), (25, 4, 30, 2, 9)):
         st = stats(running=1, waiting=0, used=5, free=95, preemptions=0)
-        st["remote_drafting"] = {"rounds": rounds, "failures": failures, "unknown": unknown, "ahead": ahead,
-                                 "drafts": 4 * rounds}
+        st["remote_drafting"] = {"rounds": rounds, "failures": failures, "skipped": skipped, "unknown": unknown,
+                                 "ahead": ahead, "drafts": 4 * rounds}
         metrics.flush(st)
     rounds = made["specdecode_remote_drafter_rounds_total"]
     assert rounds.total(result="ok") == 25 and rounds.total(result="failed") == 4
+    assert rounds.total(result="skipped") == 30
     assert made["specdecode_remote_drafter_unknown_total"].total() == 2
     assert made["specdecode_remote_drafter_ahead_drafts_total"].total() == 9
 

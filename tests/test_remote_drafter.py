@@ -3,6 +3,8 @@ speculation lossless (greedy output = the target alone, sampled output = the tar
 distribution), drafts what the co-located draft model drafts, survives a pool that forgets, fails
 or serves another model, and drafts ahead while the target verifies."""
 
+import time
+
 import pytest
 import torch
 from helpers import assert_no_leaked_blocks, save_perturbed_copy, save_tiny_model
@@ -112,13 +114,59 @@ def test_a_failing_pool_costs_drafts_never_tokens(models, baseline):
     service = DraftService(models["close"], dtype="float32", device="cpu")
     client = FlakyClient(LocalDrafterClient(service))
     engine, _ = remote_engine(models, client=client, service=service)
+    engine.speculator.proposer.backoff_first_s = 0.0  # call again at once after each failure
     assert run(engine) == baseline
     counts = engine.speculator.proposer.counts
     assert counts["failures"] > 0 and counts["rounds"] > 0 and engine.spec_stats.num_accepted_tokens > 0
+    assert counts["skipped"] == 0
     # a pool that never answers: no drafts at all, the same tokens
     engine, _ = remote_engine(models, client=FlakyClient(None, every=1, error=ConnectionError))
     assert run(engine) == baseline
     assert engine.spec_stats.num_draft_tokens == 0
+
+
+def test_a_pool_that_is_gone_costs_one_timeout_then_the_engine_backs_off(models, baseline):
+    """A pool that answers nothing (each call waits its timeout, then fails): the engine calls it
+    once, then leaves it alone for the backoff and decodes at the target's own speed, tokens
+    unchanged; while calls keep failing the backoff doubles up to its cap; the first call that
+    succeeds ends it and drafting resumes."""
+
+    class Gone:
+        def __init__(self, inner) -> None:
+            self.inner, self.gone, self.calls = inner, True, 0
+
+        def draft(self, batch):
+            self.calls += 1
+            if self.gone:
+                time.sleep(0.02)  # the engine's wait for drafts, drafter_pool.timeout_s
+                raise TimeoutError("no answer from the drafter pool")
+            return self.inner.draft(batch)
+
+    service = DraftService(models["close"], dtype="float32", device="cpu")
+    client = Gone(LocalDrafterClient(service))
+    engine, _ = remote_engine(models, client=client, service=service)
+    proposer = engine.speculator.proposer
+    proposer.backoff_first_s, proposer.backoff_max_s = 600.0, 1200.0  # the whole run inside the first backoff
+    assert run(engine) == baseline
+    assert client.calls == 1 and proposer.counts["failures"] == 1 and proposer.counts["skipped"] > 10
+    assert engine.spec_stats.num_draft_tokens == 0
+    # calls that keep failing double the wait, up to the cap
+    waits = []
+    for _ in range(3):
+        proposer.backoff_until = 0.0  # the wait is over
+        assert run(engine) == baseline
+        waits.append(proposer.backoff_s)
+    assert waits == [1200.0, 1200.0, 1200.0] and client.calls == 4
+    proposer.backoff_first_s, proposer.backoff_max_s, proposer.backoff_s = 1.0, 8.0, 0.0
+    for expected in (1.0, 2.0, 4.0, 8.0, 8.0):
+        proposer.backoff_until = 0.0
+        assert run(engine) == baseline
+        assert proposer.backoff_s == expected
+    # the pool is back: the next call after the wait succeeds, drafting resumes, the backoff ends
+    client.gone, proposer.backoff_until = False, 0.0
+    assert run(engine) == baseline
+    assert proposer.backoff_s == 0.0 and engine.spec_stats.num_accepted_tokens > 0
+    assert_no_leaked_blocks(engine)
 
 
 def test_a_pool_serving_another_model_is_not_used(models, baseline, tmp_path):

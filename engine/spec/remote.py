@@ -13,8 +13,10 @@ its request id), the committed tokens it has seen and the KV it computed over th
 sessions freely: closed by the target, idle for `session_ttl_s`, or the least recently used when
 its block pool is full. A call whose `start` does not match what the service holds (a session it
 forgot, another pool replica) is answered `unknown` with no drafts; the target sends the whole
-context next step. A lost pool replica, a timeout or any error of the call likewise leaves one
-step without drafts: the target decodes on, its outputs unchanged (drafts only ever propose).
+context next step. A lost pool replica, a timeout or any error of the call likewise leaves that
+step without drafts, and the engine then leaves the pool alone for BACKOFF_FIRST_S (doubling up to
+BACKOFF_MAX_S while calls keep failing), so a pool that is gone costs one timeout, not one a step:
+the target decodes on at its own speed, its outputs unchanged (drafts only ever propose).
 
 Drafting ahead (`draft_ahead`): between calls (`draft_ahead_round`: nothing waits for the model)
 the service guesses, for each request it just answered, the bonus token the target makes if it
@@ -51,6 +53,11 @@ AHEAD_DECAY = 0.9  # a request's guess hit rate counts about its last 10 calls
 AHEAD_MIN_RATE = 0.25  # draft ahead for a request whose guesses held this often (ahead_worth)
 AHEAD_PRIOR_TRIES = 2.0  # the rate's prior: one hit in this many tries
 MAX_PENDING_CLOSES = 4096  # session closes an engine holds for the pool's next answer
+# After a failed call the engine leaves the pool alone for a while (doubling from the first to the
+# last value while calls keep failing): a pool that is gone or stuck would otherwise cost every
+# step its timeout until Serve replaces it.
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -373,9 +380,13 @@ class RemoteDrafterProposer(Proposer):
         self.timer = StepTimer(3e-3)  # a remote round, round trip included
         self.disabled: str | None = None  # why remote drafting stopped (a mismatched pool)
         self._identity = DrafterIdentity(self.expected_model, None, self.vocab_size)
-        # steps' calls answered, failed; requests answered `unknown`; drafts made ahead; drafts
-        self.counts = {"rounds": 0, "failures": 0, "unknown": 0, "ahead": 0, "drafts": 0}
+        # steps' calls answered, failed; steps that left the pool alone after a failure (backing
+        # off); requests answered `unknown`; drafts made ahead; drafts
+        self.counts = {"rounds": 0, "failures": 0, "skipped": 0, "unknown": 0, "ahead": 0, "drafts": 0}
         self._last_warning = 0.0
+        self.backoff_first_s, self.backoff_max_s = BACKOFF_FIRST_S, BACKOFF_MAX_S
+        self.backoff_s = 0.0  # the current wait after a failure (0: the last call succeeded)
+        self.backoff_until = 0.0  # time.monotonic() before which no call is made
 
     def identity(self) -> DrafterIdentity:
         return self._identity
@@ -397,14 +408,25 @@ class RemoteDrafterProposer(Proposer):
         if self.known.pop(request_id, None) is not None:
             self.closed.append(self.prefix + request_id)
             del self.closed[:-MAX_PENDING_CLOSES]  # a pool unreachable for long forgets them itself (session_ttl_s)
-        if self.closed and not self.known and not self.disabled:
+        if self.closed and not self.known and not self.disabled and not self._backing_off():
             batch = DraftBatch((), tuple(self.closed))
             try:
                 self.client.draft(batch)
             except Exception as e:  # noqa: BLE001 - the pool forgets idle sessions by itself (session_ttl_s)
+                self._failed()
                 self._warn("remote drafter: closing sessions failed: %s (%s)", type(e).__name__, e)
                 return
+            self.backoff_s = 0.0
             self.closed = [name for name in self.closed if name not in batch.closed]
+
+    def _backing_off(self) -> bool:
+        return self.backoff_s > 0 and time.monotonic() < self.backoff_until
+
+    def _failed(self) -> None:
+        """A call failed: leave the pool alone for backoff_s (doubled while calls keep failing)."""
+        self.counts["failures"] += 1
+        self.backoff_s = min(max(2 * self.backoff_s, self.backoff_first_s), self.backoff_max_s)
+        self.backoff_until = time.monotonic() + self.backoff_s
 
     def check_no_leaks(self, live_ids: set[str]) -> None:
         super().check_no_leaks(live_ids)
@@ -423,6 +445,9 @@ class RemoteDrafterProposer(Proposer):
         active = [i for i, k in enumerate(num_tokens) if k > 0]
         if not active or self.disabled:
             return drafts
+        if self._backing_off():  # a recent call failed: this step decodes without drafts
+            self.counts["skipped"] += 1
+            return drafts
         calls = []
         for i in active:
             r = requests[i]
@@ -437,11 +462,13 @@ class RemoteDrafterProposer(Proposer):
         try:
             answer = self.client.draft(batch)
         except Exception as e:  # noqa: BLE001 - a lost or slow pool costs drafts, never the request
-            self.counts["failures"] += 1
-            self._warn("remote drafter: %s (%s); this step decodes without drafts", type(e).__name__, e)
+            self._failed()
+            self._warn("remote drafter: %s (%s); steps decode without drafts for %.1f s", type(e).__name__, e,
+                       self.backoff_s)
             for i in active:  # the pool may or may not have seen these tokens: resend all next time
                 self.known[requests[i].request_id] = 0
             return drafts
+        self.backoff_s = 0.0
         self.closed = [name for name in self.closed if name not in batch.closed]
         if not self._check(answer):
             return drafts
