@@ -130,7 +130,12 @@ class ServeDrafterClient:
         self.timeout_s = timeout_s
 
     def draft(self, batch: Any) -> Any:
-        return self.handle.draft.remote(batch).result(timeout_s=self.timeout_s)
+        response = self.handle.draft.remote(batch)
+        try:
+            return response.result(timeout_s=self.timeout_s)
+        except TimeoutError:
+            response.cancel()  # the step went on without these drafts: the pool need not make them
+            raise
 
 
 def drafter_options(config: AppConfig, overrides: dict | None = None) -> dict:

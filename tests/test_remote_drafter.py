@@ -365,3 +365,43 @@ def test_aborted_and_finished_requests_close_their_sessions(models):
     engine.abort_request("b")
     assert service.stats()["sessions"] == 0 and service.stats()["used_blocks"] == 0
     assert not engine.speculator.proposer.known
+
+
+def test_serve_client_cancels_a_call_it_stopped_waiting_for():
+    """`ServeDrafterClient` (the engine replica's handle to the pool): a call past
+    `drafter_pool.timeout_s` raises TimeoutError to the engine (that step goes without drafts) and
+    is cancelled at the pool, which need not draft for it; an answered call is not cancelled."""
+    from deployments.drafter import ServeDrafterClient
+
+    class Response:
+        def __init__(self, late: bool) -> None:
+            self.late, self.cancelled, self.waited = late, False, None
+
+        def result(self, timeout_s=None):
+            self.waited = timeout_s
+            if self.late:
+                raise TimeoutError("no answer in time")
+            return "drafts"
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    class Handle:
+        def __init__(self) -> None:
+            self.responses, self.session_id, self.draft = [], None, self
+
+        def options(self, session_id):
+            self.session_id = session_id
+            return self
+
+        def remote(self, batch):
+            self.responses.append(Response(late=batch == "late"))
+            return self.responses[-1]
+
+    handle = Handle()
+    client = ServeDrafterClient(handle, "engine-replica-1", timeout_s=0.25)
+    assert handle.session_id == "engine-replica-1"
+    assert client.draft("on time") == "drafts"
+    with pytest.raises(TimeoutError):
+        client.draft("late")
+    assert [(r.waited, r.cancelled) for r in handle.responses] == [(0.25, False), (0.25, True)]
