@@ -398,8 +398,9 @@ class SpecDecodeServer:
 
     async def remote_drafting(self) -> dict[str, Any]:
         """This replica's drafting in the drafter pool (speculative.placement: remote): rounds,
-        failures (steps without drafts: a lost, slow or mismatched pool), `unknown` answers, drafts
-        and those made ahead; {} when it drafts locally."""
+        failures (steps without drafts: a lost, slow or mismatched pool), skipped (steps that left
+        the pool alone after a failure), `unknown` answers, drafts and those made ahead; {} when it
+        drafts locally."""
         spec = self.llm.engine.speculator
         if spec is None or not getattr(spec.proposer, "remote", False):
             return {}

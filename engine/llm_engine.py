@@ -650,7 +650,7 @@ class LLMEngine:
             "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             "spec": self.spec_stats.as_dict(),
             "handoff": self.handoff_stats.as_dict(),
-            # drafting in a drafter pool (engine/spec/remote.py): rounds, failures, unknown, ahead, drafts
+            # drafting in a drafter pool (engine/spec/remote.py): rounds, failures, skipped, unknown, ahead, drafts
             "remote_drafting": dict(getattr(self.speculator.proposer, "counts", {})) if self.speculator else {},
         }
 

@@ -126,7 +126,7 @@ def pool_total(key: str) -> int:
 
 
 def proposer_counts() -> list[dict]:
-    """Each engine replica's remote-drafting counts (rounds, failures, unknown, ahead, drafts),
+    """Each engine replica's remote-drafting counts (rounds, failures, skipped, unknown, ahead, drafts),
     asked until both replicas answered (the router picks one per call)."""
     from ray import serve
 
