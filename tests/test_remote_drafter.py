@@ -114,7 +114,7 @@ def test_a_failing_pool_costs_drafts_never_tokens(models, baseline):
     service = DraftService(models["close"], dtype="float32", device="cpu")
     client = FlakyClient(LocalDrafterClient(service))
     engine, _ = remote_engine(models, client=client, service=service)
-    engine.speculator.proposer.backoff_first_s = 0.0  # call again at once after each failure
+    engine.speculator.proposer.backoff.first_s = 0.0  # call again at once after each failure
     assert run(engine) == baseline
     counts = engine.speculator.proposer.counts
     assert counts["failures"] > 0 and counts["rounds"] > 0 and engine.spec_stats.num_accepted_tokens > 0
@@ -146,26 +146,26 @@ def test_a_pool_that_is_gone_costs_one_timeout_then_the_engine_backs_off(models,
     client = Gone(LocalDrafterClient(service))
     engine, _ = remote_engine(models, client=client, service=service)
     proposer = engine.speculator.proposer
-    proposer.backoff_first_s, proposer.backoff_max_s = 600.0, 1200.0  # the whole run inside the first backoff
+    proposer.backoff.first_s, proposer.backoff.max_s = 600.0, 1200.0  # the whole run inside the first backoff
     assert run(engine) == baseline
     assert client.calls == 1 and proposer.counts["failures"] == 1 and proposer.counts["skipped"] > 10
     assert engine.spec_stats.num_draft_tokens == 0
     # calls that keep failing double the wait, up to the cap
     waits = []
     for _ in range(3):
-        proposer.backoff_until = 0.0  # the wait is over
+        proposer.backoff.until = 0.0  # the wait is over
         assert run(engine) == baseline
-        waits.append(proposer.backoff_s)
+        waits.append(proposer.backoff.wait_s)
     assert waits == [1200.0, 1200.0, 1200.0] and client.calls == 4
-    proposer.backoff_first_s, proposer.backoff_max_s, proposer.backoff_s = 1.0, 8.0, 0.0
+    proposer.backoff.first_s, proposer.backoff.max_s, proposer.backoff.wait_s = 1.0, 8.0, 0.0
     for expected in (1.0, 2.0, 4.0, 8.0, 8.0):
-        proposer.backoff_until = 0.0
+        proposer.backoff.until = 0.0
         assert run(engine) == baseline
-        assert proposer.backoff_s == expected
+        assert proposer.backoff.wait_s == expected
     # the pool is back: the next call after the wait succeeds, drafting resumes, the backoff ends
-    client.gone, proposer.backoff_until = False, 0.0
+    client.gone, proposer.backoff.until = False, 0.0
     assert run(engine) == baseline
-    assert proposer.backoff_s == 0.0 and engine.spec_stats.num_accepted_tokens > 0
+    assert proposer.backoff.wait_s == 0.0 and engine.spec_stats.num_accepted_tokens > 0
     assert_no_leaked_blocks(engine)
 
 

@@ -41,6 +41,7 @@ from types import SimpleNamespace
 
 import torch
 
+from engine.backoff import Backoff
 from engine.errors import DrafterMismatchError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -384,9 +385,7 @@ class RemoteDrafterProposer(Proposer):
         # off); requests answered `unknown`; drafts made ahead; drafts
         self.counts = {"rounds": 0, "failures": 0, "skipped": 0, "unknown": 0, "ahead": 0, "drafts": 0}
         self._last_warning = 0.0
-        self.backoff_first_s, self.backoff_max_s = BACKOFF_FIRST_S, BACKOFF_MAX_S
-        self.backoff_s = 0.0  # the current wait after a failure (0: the last call succeeded)
-        self.backoff_until = 0.0  # time.monotonic() before which no call is made
+        self.backoff = Backoff(BACKOFF_FIRST_S, BACKOFF_MAX_S)  # after a failed call: no calls for a while
 
     def identity(self) -> DrafterIdentity:
         return self._identity
@@ -408,25 +407,17 @@ class RemoteDrafterProposer(Proposer):
         if self.known.pop(request_id, None) is not None:
             self.closed.append(self.prefix + request_id)
             del self.closed[:-MAX_PENDING_CLOSES]  # a pool unreachable for long forgets them itself (session_ttl_s)
-        if self.closed and not self.known and not self.disabled and not self._backing_off():
+        if self.closed and not self.known and not self.disabled and not self.backoff.active():
             batch = DraftBatch((), tuple(self.closed))
             try:
                 self.client.draft(batch)
             except Exception as e:  # noqa: BLE001 - the pool forgets idle sessions by itself (session_ttl_s)
-                self._failed()
+                self.counts["failures"] += 1
+                self.backoff.failed()
                 self._warn("remote drafter: closing sessions failed: %s (%s)", type(e).__name__, e)
                 return
-            self.backoff_s = 0.0
+            self.backoff.succeeded()
             self.closed = [name for name in self.closed if name not in batch.closed]
-
-    def _backing_off(self) -> bool:
-        return self.backoff_s > 0 and time.monotonic() < self.backoff_until
-
-    def _failed(self) -> None:
-        """A call failed: leave the pool alone for backoff_s (doubled while calls keep failing)."""
-        self.counts["failures"] += 1
-        self.backoff_s = min(max(2 * self.backoff_s, self.backoff_first_s), self.backoff_max_s)
-        self.backoff_until = time.monotonic() + self.backoff_s
 
     def check_no_leaks(self, live_ids: set[str]) -> None:
         super().check_no_leaks(live_ids)
@@ -445,7 +436,7 @@ class RemoteDrafterProposer(Proposer):
         active = [i for i, k in enumerate(num_tokens) if k > 0]
         if not active or self.disabled:
             return drafts
-        if self._backing_off():  # a recent call failed: this step decodes without drafts
+        if self.backoff.active():  # a recent call failed: this step decodes without drafts
             self.counts["skipped"] += 1
             return drafts
         calls = []
@@ -462,13 +453,13 @@ class RemoteDrafterProposer(Proposer):
         try:
             answer = self.client.draft(batch)
         except Exception as e:  # noqa: BLE001 - a lost or slow pool costs drafts, never the request
-            self._failed()
+            self.counts["failures"] += 1
             self._warn("remote drafter: %s (%s); steps decode without drafts for %.1f s", type(e).__name__, e,
-                       self.backoff_s)
+                       self.backoff.failed())
             for i in active:  # the pool may or may not have seen these tokens: resend all next time
                 self.known[requests[i].request_id] = 0
             return drafts
-        self.backoff_s = 0.0
+        self.backoff.succeeded()
         self.closed = [name for name in self.closed if name not in batch.closed]
         if not self._check(answer):
             return drafts
