@@ -51,6 +51,11 @@ from protos.specdecode.v1 import specdecode_pb2 as pb
 logger = logging.getLogger("ray.serve")
 
 HEALTH_CHECK_TIMEOUT_S = 30.0
+# After the prefill pool fails a call, long prompts are prefilled locally for this long, doubled
+# while calls keep failing (engine.backoff.Backoff): a stuck prefill replica would otherwise cost
+# each long prompt replica_wait_timeout_s before its local prefill.
+PREFILL_BACKOFF_FIRST_S = 5.0
+PREFILL_BACKOFF_MAX_S = 60.0
 # Limits on fields the proto leaves unbounded (each is named in the error a client gets).
 MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform noise to float32
 MAX_SPECULATIVE_TOKENS = 64
@@ -117,6 +122,7 @@ class SpecDecodeServer:
 
     def __init__(self, config: AppConfig, prefill_pool: Any = None, drafter_pool: Any = None) -> None:
         from engine import AsyncLLM
+        from engine.backoff import Backoff
 
         self.config = config
         try:
@@ -129,6 +135,9 @@ class SpecDecodeServer:
         self.inflight_prefills = 0  # remote prefills this replica waits on (max_inflight_prefills)
         self.busy_prefills = 0  # long prompts it prefills itself because the pool was busy, until their first token
         self.fallbacks: dict[str, int] = {}  # why remote prefills fell back: no_handoff, lost, refused
+        # after the prefill pool failed a call (lost, stuck past replica_wait_timeout_s), long
+        # prompts are prefilled here for a while (local_backoff) instead of each paying the failure
+        self.prefill_backoff = Backoff(PREFILL_BACKOFF_FIRST_S, PREFILL_BACKOFF_MAX_S)
         self.transports: dict[str, int] = {}  # handoffs received, by transport
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
         engine_kwargs = config.engine_kwargs()
@@ -181,11 +190,12 @@ class SpecDecodeServer:
         trace = TraceMetadata(trace_metadata or [], route)
         yield Accepted(self.replica_id)
         remote = self.prefill_pool is not None and await self.should_prefill_remotely(prompt, params)
-        busy = remote and prefill_locally_when_busy(self.inflight_prefills, self.busy_prefills,
-                                                     self.config.disaggregation.max_inflight_prefills)
-        if busy or not remote:
+        backing_off = remote and self.prefill_backoff.active()
+        busy = remote and not backing_off and prefill_locally_when_busy(
+            self.inflight_prefills, self.busy_prefills, self.config.disaggregation.max_inflight_prefills)
+        if busy or backing_off or not remote:
             if self.prefill_pool is not None:
-                self._count_prefill("local_busy" if busy else "local")
+                self._count_prefill("local_busy" if busy else "local_backoff" if backing_off else "local")
             self.busy_prefills += busy
             try:
                 async for item in self._run(prompt, params, label, trace, speculating):
@@ -366,6 +376,7 @@ class SpecDecodeServer:
         finished = False
         try:
             first = await asyncio.wait_for(response.__anext__(), self.config.replica_wait_timeout_s)
+            self.prefill_backoff.succeeded()  # the pool answered (a refusal of the request included)
             if isinstance(first, ClientError):
                 finished = True
                 if first.code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -375,7 +386,9 @@ class SpecDecodeServer:
                 yield item
             finished = True
         except (TimeoutError, StopAsyncIteration, *REPLICA_LOST) as e:
-            logger.warning("request %r: prefill pool failed (%s)", label, type(e).__name__)
+            wait = self.prefill_backoff.failed()
+            logger.warning("request %r: prefill pool failed (%s); long prompts are prefilled here for %.0f s",
+                           label, type(e).__name__, wait)
         finally:
             if not finished:
                 response.cancel()

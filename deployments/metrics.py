@@ -114,7 +114,8 @@ METRICS: tuple[MetricDef, ...] = (
     _h("specdecode_handoff_seconds", "Time from the prefill replica's last message to the decode replica "
        "holding the handoff (transfer through Ray's object store).", HANDOFF_SECONDS_BUCKETS),
     _c("specdecode_prefills_total", "Prefills of decode replicas' requests by where they ran: remote (prefill "
-       "pool), local (short prompt or prefix-cache hit), local_busy (a long prompt while the replica waited on "
+       "pool), local (short prompt or prefix-cache hit), local_backoff (a long prompt shortly after the prefill pool "
+       "failed a call), local_busy (a long prompt while the replica waited on "
        "max_inflight_prefills remote prefills), fallback (the handoff was lost or could not be imported: prefilled locally).",
        "where"),
     # The drafter pool (speculative.placement: remote): this engine replica's calls to it.
@@ -291,7 +292,8 @@ class ReplicaMetrics(_Flushing):
     def on_prefill(self, where: str, num_bytes: int = 0, seconds: float | None = None) -> None:
         """A decode replica's request was prefilled `where` (remote; local: a short prompt or a
         cache hit; local_busy: a long one while the replica waited on max_inflight_prefills remote
-        prefills; fallback: the remote prefill or its handoff failed); a remote
+        prefills; local_backoff: a long one shortly after the pool failed a call; fallback: the
+        remote prefill or its handoff failed); a remote
         one's handoff had `num_bytes` and took `seconds` to arrive (event loop)."""
         with self._lock:
             self._totals.prefills[where] = self._totals.prefills.get(where, 0) + 1

@@ -476,7 +476,11 @@ def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated)
 def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colocated) -> None:
     """The prefill replica dies after the client got the first token and before the decode side
     has the handoff: the decode replica prefills locally (after the tokens already sent), the
-    client sees the co-located tokens and no error, and the fallback is counted. (Last: the
-    prefill replica is gone afterwards.)"""
+    client sees the co-located tokens and no error, and the fallback is counted. The decode
+    replica then backs off the pool: the next long prompt is prefilled locally at once
+    (`local_backoff`) instead of trying the pool again. (Last: the prefill replica is gone
+    afterwards.)"""
     _, _, counts = run_variant(served, colocated, 11, DIE)
     assert counts == {"fallback": 1, "fallback_no_handoff": 1}, counts
+    _, _, counts = run_variant(served, colocated, 14)  # a new prompt, within PREFILL_BACKOFF_FIRST_S of the failure
+    assert counts == {"local_backoff": 1}, counts
