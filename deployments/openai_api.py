@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API, served by the ingress through Serve's HTTP proxy (port 8000):
-`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`.
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /v1/models/{model}`, `GET /health`.
 
 This module only translates. A request becomes a `specdecode.v1.GenerateRequest` (a chat request:
 plus its messages, which the engine replica renders with the tokenizer's chat template) and goes
@@ -383,15 +383,14 @@ def build_http_app(ingress: Any) -> FastAPI:
         messages = chat_messages(body)
         return await _respond(ingress, request, body, generate_request(body, None), messages, CHAT_ROUTE)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    async def model_card() -> dict:
         """The served model, with an engine replica's limits (503 when none answers)."""
         try:
             info = await ingress.model_info()
         except ClientError as e:
             raise api_error(e, "models") from None
         limits = info.limits
-        return {"object": "list", "data": [{
+        return {
             "id": served_model, "object": "model", "created": created, "owned_by": "specdecode",
             "max_model_len": limits.max_model_len,
             "specdecode": {
@@ -400,7 +399,16 @@ def build_http_app(ingress: Any) -> FastAPI:
                 "max_prompt_tokens": limits.max_prompt_tokens, "max_tokens": limits.max_tokens,
                 "default_max_tokens": limits.default_max_tokens,
             },
-        }]}
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [await model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # a path: model ids are often folders ("models/target")
+    async def retrieve_model(model: str) -> dict:
+        check_model(model, served_model)
+        return await model_card()
 
     @app.get("/health")
     async def health() -> dict:

@@ -65,11 +65,14 @@ class IncrementalDetokenizer:
         self.stream = tokenizers.decoders.DecodeStream(skip_special_tokens=True) if self.backend else None
 
     def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
         if self.stream is not None:
             if not new_ids:
                 return ""
-            return self.stream.step(self.backend, list(new_ids)) or ""
-        self.ids.extend(new_ids)
+            delta = self.stream.step(self.backend, list(new_ids)) or ""
+            if delta:  # the same offsets as the window decoder's, for flush()
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return delta
         dec = self.tokenizer.decode
         prefix_text = dec(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
         new_text = dec(self.ids[self.prefix_offset :], skip_special_tokens=True)
@@ -79,6 +82,18 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return delta
         return ""
+
+    def flush(self) -> str:
+        """The text of the ids held back as an incomplete UTF-8 sequence, as the tokenizer decodes
+        them ('\ufffd' for each byte that starts no complete character): at a request's end its
+        text is then the whole decode of its ids, e.g. when max_tokens cut a character in two."""
+        if self.read_offset == len(self.ids):
+            return ""
+        dec = self.tokenizer.decode
+        prefix_text = dec(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        new_text = dec(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]
 
 
 class RequestState:
@@ -107,7 +122,9 @@ class RequestState:
         """The text `new_ids` add to the output, less what is left of the healed prefix."""
         if self.detokenizer is None:
             return ""
-        text = self.detokenizer.push(new_ids)
+        return self._strip_healed(self.detokenizer.push(new_ids))
+
+    def _strip_healed(self, text: str) -> str:
         if self.unstripped_prefix and text:
             n = min(len(text), len(self.unstripped_prefix))
             if text[:n] != self.unstripped_prefix[:n]:
@@ -144,6 +161,9 @@ class RequestState:
         before = len(self.full_text)
         self.full_text += self._new_text(out.new_token_ids)
         finish_reason = out.finish_reason
+        if finish_reason is not None and finish_reason != "handoff" and self.detokenizer is not None:
+            # the request ends here (a handed-off one goes on elsewhere): its held-back bytes too
+            self.full_text += self._strip_healed(self.detokenizer.flush())
         stop_hit = False
         stops = self.params.stop_strings
         longest = max((len(s) for s in stops), default=0)

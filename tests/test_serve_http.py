@@ -272,6 +272,12 @@ def test_models_and_health(served: Served) -> None:
     models = served.openai().models.list()
     assert [m.id for m in models.data] == [served.model]
     assert models.data[0].model_extra["specdecode"]["drafter_method"] == "ngram"
+    # the official client's models.retrieve (GET /v1/models/{id}; the id may hold slashes)
+    one = served.openai().models.retrieve(served.model)
+    assert one.id == served.model and one.model_extra == models.data[0].model_extra
+    with pytest.raises(openai.NotFoundError) as e:
+        served.openai().models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found" and served.model in e.value.body["message"]
     with urllib.request.urlopen(f"{served.http_base}/health", timeout=30) as response:
         assert response.status == 200 and json.loads(response.read())["status"] == "ok"
 
