@@ -40,6 +40,13 @@ logger = logging.getLogger("ray.serve")
 MAX_ATTEMPTS = 3  # a request that streamed nothing is tried on this many replicas at most
 RETRY_BACKOFF_S = 0.2  # before a retry, so Serve's router can learn that the replica is gone
 TRACE_KEYS = ("traceparent", "tracestate")
+HEALTH_TIMEOUT_S = 5.0  # /health and grpc.health.v1: healthy when an engine replica answers within it
+HEALTH_WATCH_INTERVAL_S = 5.0
+HEALTH_SERVICES = ("", "specdecode.v1.SpecDecode")  # "": the server as a whole
+
+
+def _unknown_service(name: str) -> str:
+    return f"service {name!r} is not served here; ask for '' (the server) or 'specdecode.v1.SpecDecode'"
 # What a lost replica (its actor or node died, or Serve took it out) looks like to a handle call.
 REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError, ReplicaUnavailableError,
                 DeploymentUnavailableError)
@@ -85,6 +92,51 @@ class SpecDecodeIngress:
         except ClientError as e:
             _set_status(grpc_context, e)
             raise
+
+    # --- grpc.health.v1.Health (deployments.servicer.add_HealthServicer_to_server) --------------------
+    async def Check(self, request, grpc_context: RayServegRPCContext):  # noqa: N802 - gRPC method name
+        """SERVING when an engine replica answers within HEALTH_TIMEOUT_S, else NOT_SERVING (status
+        OK: the health protocol's answer); NOT_FOUND for a service this server does not run."""
+        from grpc_health.v1 import health_pb2
+
+        try:
+            if isinstance(request, MalformedRequest):
+                raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+            if request.service not in HEALTH_SERVICES:
+                raise ClientError(grpc.StatusCode.NOT_FOUND, _unknown_service(request.service))
+            return health_pb2.HealthCheckResponse(status=await self._health())
+        except ClientError as e:
+            _set_status(grpc_context, e)
+            raise
+
+    async def Watch(self, request, grpc_context: RayServegRPCContext):  # noqa: N802 - gRPC method name
+        """The status now, then each change (checked every HEALTH_WATCH_INTERVAL_S) until the client
+        hangs up; SERVICE_UNKNOWN for a service this server does not run, as the protocol says."""
+        from grpc_health.v1 import health_pb2
+
+        try:
+            if isinstance(request, MalformedRequest):
+                raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+            last = None
+            while True:
+                status = (await self._health() if request.service in HEALTH_SERVICES
+                          else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                if status != last:
+                    last = status
+                    yield health_pb2.HealthCheckResponse(status=status)
+                await asyncio.sleep(HEALTH_WATCH_INTERVAL_S)
+        except ClientError as e:
+            _set_status(grpc_context, e)
+            raise
+
+    async def _health(self) -> int:
+        from grpc_health.v1 import health_pb2
+
+        try:
+            await self.model_info(HEALTH_TIMEOUT_S)
+        except ClientError:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse.SERVING
 
     # --- the one path under both protocols --------------------------------------------------------
     async def generate(

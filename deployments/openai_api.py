@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import ClientError
+from deployments.ingress import HEALTH_TIMEOUT_S
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 logger = logging.getLogger("ray.serve")
@@ -42,7 +43,6 @@ logger = logging.getLogger("ray.serve")
 COMPLETIONS_ROUTE = "/v1/completions"
 CHAT_ROUTE = "/v1/chat/completions"
 TRACE_HEADERS = ("traceparent", "tracestate")
-HEALTH_TIMEOUT_S = 5.0
 INT32_MAX = 2**31 - 1
 # gRPC status of a ClientError -> HTTP status and OpenAI error type.
 HTTP_STATUS = {

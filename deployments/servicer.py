@@ -165,16 +165,31 @@ def _with_cancel_on_rpc_end(factory):
     return make
 
 
-def add_SpecDecodeServicer_to_server(servicer, server) -> None:  # noqa: N802 - gRPC's naming
-    """`specdecode_pb2_grpc.add_SpecDecodeServicer_to_server` with lenient deserializers and, on
-    Serve's proxy server, streams whose client cancel always reaches the request."""
+def _add_leniently(add, servicer, server, deserializers: dict) -> None:
+    """Call a generated `add_*Servicer_to_server` with lenient deserializers and, on Serve's proxy
+    server, streams whose client cancel always reaches the request."""
     install_log_filter(drop=True)  # the proxy: the ingress logs each client error once
-    deserializers = {"Generate": lenient(pb.GenerateRequest), "GetModelInfo": lenient(pb.GetModelInfoRequest)}
     factory = getattr(server, "service_handler_factory", None)
     if factory is not None:
         server.service_handler_factory = _with_cancel_on_rpc_end(factory)
     try:
-        pb_grpc.add_SpecDecodeServicer_to_server(servicer, _LenientServer(server, deserializers))
+        add(servicer, _LenientServer(server, deserializers))
     finally:
         if factory is not None:
             server.service_handler_factory = factory
+
+
+def add_SpecDecodeServicer_to_server(servicer, server) -> None:  # noqa: N802 - gRPC's naming
+    """`specdecode_pb2_grpc.add_SpecDecodeServicer_to_server`, leniently (see `_add_leniently`)."""
+    deserializers = {"Generate": lenient(pb.GenerateRequest), "GetModelInfo": lenient(pb.GetModelInfoRequest)}
+    _add_leniently(pb_grpc.add_SpecDecodeServicer_to_server, servicer, server, deserializers)
+
+
+def add_HealthServicer_to_server(servicer, server) -> None:  # noqa: N802 - gRPC's naming
+    """The standard gRPC health service (`grpc.health.v1.Health`: Check and Watch), answered by the
+    ingress (`SpecDecodeIngress.Check`/`Watch`) from whether an engine replica answers: what
+    Kubernetes' `grpc` probes, grpc-health-probe, Envoy and cloud load balancers ask."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deserializers = {m: lenient(health_pb2.HealthCheckRequest) for m in ("Check", "Watch")}
+    _add_leniently(health_pb2_grpc.add_HealthServicer_to_server, servicer, server, deserializers)

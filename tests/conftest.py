@@ -23,7 +23,7 @@ def serve_instance():
     Serve per module cost ~10 s each time. Spans are exported within 0.1 s (replicas inherit the
     environment of `ray.init`)."""
     import ray
-    from helpers import SERVICER, SharedServe, free_port
+    from helpers import SERVICERS, SharedServe, free_port
     from ray import serve
 
     with pytest.MonkeyPatch.context() as mp:
@@ -33,7 +33,7 @@ def serve_instance():
         shared = SharedServe(free_port(), free_port())
         serve.start(
             http_options={"host": "127.0.0.1", "port": shared.http_port},
-            grpc_options={"port": shared.grpc_port, "grpc_servicer_functions": [SERVICER]},
+            grpc_options={"port": shared.grpc_port, "grpc_servicer_functions": SERVICERS},
         )
         yield shared
     finally:

@@ -171,7 +171,8 @@ def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 
 
 # --- one Ray + Serve for every test module that deploys applications ---------------------------
-SERVICER = "deployments.servicer.add_SpecDecodeServicer_to_server"
+# the servicer functions of deployments/serve_config.yaml
+SERVICERS = ["deployments.servicer.add_SpecDecodeServicer_to_server", "deployments.servicer.add_HealthServicer_to_server"]
 
 
 RAY_WORKER_PORTS_END = 19999  # Ray's default max_worker_port: workers listen on 10002..this

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from helpers import SERVICER, free_port
+from helpers import SERVICERS, free_port
 from test_serve_grpc import collect, save_char_tokenizer
 
 from deployments.client import SpecDecodeClient, make_request
@@ -82,7 +82,7 @@ def served(tmp_path_factory) -> Iterator[Served]:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()},
-                    grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]})
+                    grpc_options={"port": port, "grpc_servicer_functions": SERVICERS})
         config = app_config(target, drafter, tracing={"exporter": "file"},  # the file: per pool, below
                             transport="nixl" if nixl_available() else "object_store")
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from helpers import SERVICER, free_port
+from helpers import SERVICERS, free_port
 from test_serve_grpc import collect, save_char_tokenizer
 
 from deployments.client import SpecDecodeClient
@@ -57,7 +57,7 @@ def served(tmp_path_factory) -> Iterator[Served]:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()},
-                    grpc_options={"port": port, "grpc_servicer_functions": [SERVICER]})
+                    grpc_options={"port": port, "grpc_servicer_functions": SERVICERS})
         config = AppConfig.from_dict({
             "model": target, "device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_queued_requests": 16,
             "max_prompt_tokens": 200, "max_tokens": 400, "default_max_tokens": 16, "num_cpus": 1,

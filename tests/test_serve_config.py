@@ -49,7 +49,7 @@ def test_import_paths_resolve() -> None:
     from ray.serve.config import gRPCOptions
 
     grpc_options = gRPCOptions(**SHIPPED["grpc_options"])
-    assert len(grpc_options.grpc_servicer_func_callable) == 1
+    assert len(grpc_options.grpc_servicer_func_callable) == len(SHIPPED["grpc_options"]["grpc_servicer_functions"]) == 2
     for app in SHIPPED["applications"]:
         builder = import_attr(app["import_path"])
         # What `serve run` does with the import path: one-parameter builder returning an Application.

