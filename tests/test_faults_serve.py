@@ -238,14 +238,18 @@ def test_huge_text_prompt_is_refused_without_stalling_other_streams(served: Serv
 
 
 # --- malformed and extreme requests ----------------------------------------------------------
-def test_undecodable_bytes_are_invalid_argument(served: Served) -> None:
+@pytest.mark.parametrize("method,message", [
+    ("/specdecode.v1.SpecDecode/Generate", "specdecode.v1.GenerateRequest"),
+    ("/grpc.health.v1.Health/Check", "grpc.health.v1.HealthCheckRequest"),
+    ("/grpc.health.v1.Health/Watch", "grpc.health.v1.HealthCheckRequest"),
+])
+def test_undecodable_bytes_are_invalid_argument(served: Served, method: str, message: str) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
-        call = channel.unary_stream("/specdecode.v1.SpecDecode/Generate", request_serializer=None,
-                                    response_deserializer=pb.GenerateResponse.FromString)
+        call = channel.unary_stream(method, request_serializer=None, response_deserializer=None)
         with pytest.raises(grpc.RpcError) as info:
             list(call(b"\xff\xff\xff\xff", metadata=[("application", APP)], timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (info.value.code(), info.value.details())
-    assert "not a valid specdecode.v1.GenerateRequest" in info.value.details()
+    assert f"not a valid {message}" in info.value.details()
 
 
 EXTREME = {
