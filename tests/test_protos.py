@@ -1,7 +1,11 @@
-"""The committed gRPC stubs match what protos/build.py generates from the .proto (not stale)."""
+"""The committed gRPC stubs match what protos/build.py generates from the .proto (not stale); buf
+(a tool nobody here wrote) lints the API and finds no breaking change against v1 as published."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from protos import build
@@ -40,3 +44,31 @@ def test_request_fields_follow_sampling_params() -> None:
     oneof = pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"]
     assert {f.name for f in oneof.fields} == {"prompt", "prompt_token_ids"}
     assert pb.GenerateRequest(seed=0).HasField("seed")  # seed 0 is distinct from no seed
+
+
+PUBLISHED = build.REPO_ROOT / "protos" / "published" / "specdecode_v1.binpb"
+
+
+def _buf(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "buf"  # buf-bin (the dev extra)
+    assert exe.exists(), f"{exe} missing: `make install` installs buf-bin"
+    return subprocess.run([str(exe), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_buf_lint_and_no_breaking_change_against_the_published_v1(tmp_path: Path) -> None:
+    protos = build.REPO_ROOT / "protos"
+    lint = _buf("lint", cwd=protos)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    breaking = _buf("breaking", "--against", str(PUBLISHED), cwd=protos)
+    assert breaking.returncode == 0, breaking.stdout + breaking.stderr
+    # the check can fail: the same module with a field renumbered and a method removed
+    shutil.copy(protos / "buf.yaml", tmp_path / "buf.yaml")
+    (tmp_path / "specdecode" / "v1").mkdir(parents=True)
+    source = (protos / "specdecode" / "v1" / "specdecode.proto").read_text()
+    changed = source.replace("optional int32 max_tokens = 3;", "optional int32 max_tokens = 30;")
+    changed = changed.replace("  rpc GetModelInfo(GetModelInfoRequest) returns (ModelInfo);\n", "")
+    assert changed.count("\n") == source.count("\n") - 1, "the proto changed under the test: update it"
+    (tmp_path / "specdecode" / "v1" / "specdecode.proto").write_text(changed)
+    broken = _buf("breaking", "--against", str(PUBLISHED), cwd=tmp_path)
+    assert broken.returncode != 0
+    assert "max_tokens" in broken.stdout and "GetModelInfo" in broken.stdout, broken.stdout + broken.stderr
