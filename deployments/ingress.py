@@ -44,9 +44,6 @@ HEALTH_TIMEOUT_S = 5.0  # /health and grpc.health.v1: healthy when an engine rep
 HEALTH_WATCH_INTERVAL_S = 5.0
 HEALTH_SERVICES = ("", "specdecode.v1.SpecDecode")  # "": the server as a whole
 
-
-def _unknown_service(name: str) -> str:
-    return f"service {name!r} is not served here; ask for '' (the server) or 'specdecode.v1.SpecDecode'"
 # What a lost replica (its actor or node died, or Serve took it out) looks like to a handle call.
 REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError, ReplicaUnavailableError,
                 DeploymentUnavailableError)
@@ -206,6 +203,10 @@ class SpecDecodeIngress:
         finally:
             if not finished:
                 response.cancel()
+
+
+def _unknown_service(name: str) -> str:
+    return f"service {name!r} is not served here; ask for '' (the server) or 'specdecode.v1.SpecDecode'"
 
 
 def _replica_lost(label: str, num_sent: int, attempts: int, e: BaseException) -> ClientError:
