@@ -43,6 +43,9 @@ TRACE_KEYS = ("traceparent", "tracestate")
 HEALTH_TIMEOUT_S = 5.0  # /health and grpc.health.v1: healthy when an engine replica answers within it
 HEALTH_WATCH_INTERVAL_S = 5.0
 HEALTH_SERVICES = ("", "specdecode.v1.SpecDecode")  # "": the server as a whole
+# A client's request_id is a label that goes back in every message and into logs and traces: short
+# and printable (no newline to forge a log line with, no 4 MB label echoed with every token).
+MAX_REQUEST_ID_CHARS = 256
 
 # What a lost replica (its actor or node died, or Serve took it out) looks like to a handle call.
 REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError, ReplicaUnavailableError,
@@ -143,6 +146,11 @@ class SpecDecodeIngress:
         """The response messages of one request from an engine replica (chat `messages` replace
         the prompt; `route` names the gRPC method or HTTP route for its trace); a refusal or
         failure raises `ClientError`. A replica lost before the first message is retried."""
+        if len(label) > MAX_REQUEST_ID_CHARS or not label.isprintable():
+            control = "" if label.isprintable() else ", with a control character"
+            raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"request_id: {len(label)} characters{control}; give at most {MAX_REQUEST_ID_CHARS} printable "
+                "characters (a label for logs and traces)"))
         num_sent = 0
         for attempt in range(1, MAX_ATTEMPTS + 1):
             response = self.stream.generate.remote(request, label, trace, messages, route)

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import ClientError
-from deployments.ingress import HEALTH_TIMEOUT_S
+from deployments.ingress import HEALTH_TIMEOUT_S, MAX_REQUEST_ID_CHARS
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 logger = logging.getLogger("ray.serve")
@@ -248,6 +248,8 @@ def api_error(e: ClientError, label: str) -> ApiError:
     """The HTTP form of a ClientError, logged once (one line, as the gRPC path's). Statuses that
     are our faults (INTERNAL, ...) get a plain message; their details stay in this log."""
     status = HTTP_STATUS.get(e.code_name)
+    if len(label) > MAX_REQUEST_ID_CHARS:  # refused for it (the ingress checks it first): not whole into the log
+        label = f"{label[:64]}...({len(label)} characters)"
     if status is None:
         logger.error("request %r failed: %s", label, e)
         return ApiError(500, INTERNAL_MESSAGE, None, e.code_name)

@@ -270,6 +270,8 @@ EXTREME = {
     "1 MB stop string": dict(stop=["x" * (1 << 20)]),
     "100k stop token ids": dict(stop_token_ids=[3] * 100_000),
     "stop token id negative": dict(stop_token_ids=[-7]),
+    "request_id 100k characters": dict(request_id="x" * 100_000),  # echoed in every message before
+    "request_id with a newline": dict(request_id="ok\nERROR forged log line"),
 }
 
 

@@ -182,6 +182,8 @@ def test_errors_are_openai_errors(served: Served) -> None:
         (openai.BadRequestError, "prompt", dict(prompt=[1, 97])),
         (openai.BadRequestError, "prompt", dict(prompt=["a", "b"])),
         (openai.NotFoundError, "model", dict(model="gpt-4o")),
+        (openai.BadRequestError, "request_id", dict(extra_body={"specdecode": {"request_id": "x" * 300}})),
+        (openai.BadRequestError, "request_id", dict(extra_headers={"X-Request-Id": "a\tb"})),
     ]
     for exc, param, kwargs in cases:
         kwargs = {"model": m, "prompt": "a", "max_tokens": 4, **kwargs}
