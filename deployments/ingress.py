@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -42,6 +43,7 @@ RETRY_BACKOFF_S = 0.2  # before a retry, so Serve's router can learn that the re
 TRACE_KEYS = ("traceparent", "tracestate")
 HEALTH_TIMEOUT_S = 5.0  # /health and grpc.health.v1: healthy when an engine replica answers within it
 HEALTH_WATCH_INTERVAL_S = 5.0
+HEALTH_MAX_AGE_S = 1.0  # a health answer this recent is shared, not asked again
 HEALTH_SERVICES = ("", "specdecode.v1.SpecDecode")  # "": the server as a whole
 # A client's request_id is a label that goes back in every message and into logs and traces: short
 # and printable (no newline to forge a log line with, no 4 MB label echoed with every token).
@@ -60,6 +62,9 @@ class SpecDecodeIngress:
         self.stream = engine.options(stream=True)
         self.wait_s = config.replica_wait_timeout_s
         self.config = config
+        self._health_task: asyncio.Future | None = None  # the health check every caller shares (`_health`)
+        self._health_at: float | None = None
+        self.health_probes = 0
 
     def __serve_build_asgi_app__(self):  # noqa: N807 - Serve's hook name
         """The OpenAI-compatible HTTP API (Serve's HTTP proxy), over `generate` and `model_info`."""
@@ -130,8 +135,23 @@ class SpecDecodeIngress:
             raise
 
     async def _health(self) -> int:
+        """The health status, from one engine call shared by every Check and Watch asking within
+        HEALTH_MAX_AGE_S of it (or while it runs): many watchers or probing load balancers cost
+        the engine replicas one call a second at most, not one each."""
+        now = time.monotonic()
+        fresh = self._health_at is not None and now - self._health_at < HEALTH_MAX_AGE_S
+        if self._health_task is None or (self._health_task.done() and not fresh):
+            self._health_task = asyncio.ensure_future(self._probe_health())
+            self._health_at = None
+        status = await asyncio.shield(self._health_task)  # a caller cancelled does not cancel the others'
+        if self._health_at is None:
+            self._health_at = time.monotonic()
+        return status
+
+    async def _probe_health(self) -> int:
         from grpc_health.v1 import health_pb2
 
+        self.health_probes += 1
         try:
             await self.model_info(HEALTH_TIMEOUT_S)
         except ClientError:

@@ -478,7 +478,8 @@ def test_standard_grpc_health_service(served: Served) -> None:
 def test_health_follows_whether_an_engine_replica_answers(monkeypatch) -> None:
     """The ingress's Check and Watch over a stand-in engine handle (no Ray): NOT_SERVING while no
     replica answers within HEALTH_TIMEOUT_S, SERVING once one does, Watch sending each change
-    and only changes; SERVICE_UNKNOWN from Watch for a service this server does not run."""
+    and only changes; concurrent checks share one engine call; SERVICE_UNKNOWN from Watch for a
+    service this server does not run."""
     import asyncio
 
     from grpc_health.v1 import health_pb2
@@ -505,8 +506,10 @@ def test_health_follows_whether_an_engine_replica_answers(monkeypatch) -> None:
 
     monkeypatch.setattr(ingress_module, "HEALTH_TIMEOUT_S", 0.2)
     monkeypatch.setattr(ingress_module, "HEALTH_WATCH_INTERVAL_S", 0.05)
+    monkeypatch.setattr(ingress_module, "HEALTH_MAX_AGE_S", 0.1)
     ingress = object.__new__(ingress_module.SpecDecodeIngress)  # its methods, without Serve
     ingress.engine, ingress.wait_s = Engine(), 30.0
+    ingress._health_task, ingress._health_at, ingress.health_probes = None, None, 0
     statuses = health_pb2.HealthCheckResponse
     ask = health_pb2.HealthCheckRequest
 
@@ -521,6 +524,11 @@ def test_health_follows_whether_an_engine_replica_answers(monkeypatch) -> None:
         assert (await asyncio.wait_for(waiting, 5)).status == statuses.SERVING
         await watch.aclose()
         assert (await ingress.Check(ask(service=""), Context())).status == statuses.SERVING
+        # 50 callers at once (watchers, probing load balancers) share one engine call
+        await asyncio.sleep(0.15)
+        before = ingress.health_probes
+        answers = await asyncio.gather(*(ingress.Check(ask(service=""), Context()) for _ in range(50)))
+        assert {a.status for a in answers} == {statuses.SERVING} and ingress.health_probes == before + 1
         unknown = ingress.Watch(ask(service="nope.v1.Nope"), Context())
         assert (await anext(unknown)).status == statuses.SERVICE_UNKNOWN
         await unknown.aclose()
