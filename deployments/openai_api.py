@@ -26,12 +26,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import ClientError
@@ -96,8 +96,15 @@ class _GenerationRequest(BaseModel):
     specdecode: SpecDecodeOptions = Field(default_factory=SpecDecodeOptions)
 
 
+def _prompt_shape(value: Any) -> Any:
+    """One plain message for a prompt of the wrong type, instead of one per branch of the union."""
+    if isinstance(value, str | list):
+        return value
+    raise ValueError(f"must be a string or a list of token ids, got {type(value).__name__ if value is not None else 'null'}")
+
+
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], BeforeValidator(_prompt_shape)]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -363,7 +370,7 @@ def build_http_app(ingress: Any) -> FastAPI:
                 return error_response(400, f"body: not valid JSON ({detail})", "body", "INVALID_ARGUMENT")
             loc = [str(p) for p in err.get("loc", ()) if p != "body"]
             param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".") or "body"
-            problems.append(f"{param}: {err.get('msg', 'invalid')}")
+            problems.append(f"{param}: {err.get('msg', 'invalid').removeprefix('Value error, ')}")
             params.append(param)
         return error_response(400, "; ".join(problems), params[0] if params else None, "INVALID_ARGUMENT")
 

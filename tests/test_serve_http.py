@@ -192,6 +192,9 @@ def test_errors_are_openai_errors(served: Served) -> None:
         error = info.value.body
         assert error["param"] == param or error["message"].startswith(param), (kwargs, error)
         assert error["message"] and "Traceback" not in error["message"] and error["type"], error
+    with pytest.raises(openai.BadRequestError) as info:  # one message, not one per branch of the union
+        client.completions.create(model=m, prompt=None, max_tokens=4)
+    assert info.value.body["message"] == "prompt: must be a string or a list of token ids, got null"
     with pytest.raises(openai.BadRequestError, match="only text parts"):
         client.chat.completions.create(model=m, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
