@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(model {info.model}, drafter {info.drafter_method or 'none'}"
             f"{f' k={info.num_speculative_tokens}' if info.drafter_method else ''}, device {info.device})\n"
             f"  try:  {client_command(port, info.has_tokenizer)}\n"
+            f"  health (grpc.health.v1): grpcurl -plaintext localhost:{port} grpc.health.v1.Health/Check\n"
             f"OpenAI-compatible HTTP API on 0.0.0.0:{http_port}{route_prefix.rstrip('/')}/v1 "
             f"(completions, chat/completions, models; /health)\n"
             f"  try:  {curl_command(http_port, route_prefix, info.model)}\n"
