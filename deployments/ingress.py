@@ -63,7 +63,7 @@ class SpecDecodeIngress:
         self.wait_s = config.replica_wait_timeout_s
         self.config = config
         self._health_task: asyncio.Future | None = None  # the health check every caller shares (`_health`)
-        self._health_at: float | None = None
+        self._health_at = 0.0  # when the last health answer was had
         self.health_probes = 0
 
     def __serve_build_asgi_app__(self):  # noqa: N807 - Serve's hook name
@@ -138,15 +138,10 @@ class SpecDecodeIngress:
         """The health status, from one engine call shared by every Check and Watch asking within
         HEALTH_MAX_AGE_S of it (or while it runs): many watchers or probing load balancers cost
         the engine replicas one call a second at most, not one each."""
-        now = time.monotonic()
-        fresh = self._health_at is not None and now - self._health_at < HEALTH_MAX_AGE_S
-        if self._health_task is None or (self._health_task.done() and not fresh):
-            self._health_task = asyncio.ensure_future(self._probe_health())
-            self._health_at = None
-        status = await asyncio.shield(self._health_task)  # a caller cancelled does not cancel the others'
-        if self._health_at is None:
-            self._health_at = time.monotonic()
-        return status
+        task = self._health_task
+        if task is None or (task.done() and time.monotonic() - self._health_at >= HEALTH_MAX_AGE_S):
+            task = self._health_task = asyncio.ensure_future(self._probe_health())
+        return await asyncio.shield(task)  # a caller cancelled does not cancel the others' check
 
     async def _probe_health(self) -> int:
         from grpc_health.v1 import health_pb2
@@ -156,6 +151,8 @@ class SpecDecodeIngress:
             await self.model_info(HEALTH_TIMEOUT_S)
         except ClientError:
             return health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            self._health_at = time.monotonic()  # when this answer was had: it is shared until it ages
         return health_pb2.HealthCheckResponse.SERVING
 
     # --- the one path under both protocols --------------------------------------------------------

@@ -509,7 +509,7 @@ def test_health_follows_whether_an_engine_replica_answers(monkeypatch) -> None:
     monkeypatch.setattr(ingress_module, "HEALTH_MAX_AGE_S", 0.1)
     ingress = object.__new__(ingress_module.SpecDecodeIngress)  # its methods, without Serve
     ingress.engine, ingress.wait_s = Engine(), 30.0
-    ingress._health_task, ingress._health_at, ingress.health_probes = None, None, 0
+    ingress._health_task, ingress._health_at, ingress.health_probes = None, 0.0, 0
     statuses = health_pb2.HealthCheckResponse
     ask = health_pb2.HealthCheckRequest
 
