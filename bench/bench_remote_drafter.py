@@ -2,7 +2,7 @@
 
 The target engine runs in this process on one torch thread (one core). The draft model drafts
   - co-located: in the same engine, on the same core (the default placement and the baseline);
-  - remote: in a drafter-pool replica on the other core (`engine.spec.remote.DraftService`, one
+  - remote: in a drafter-pool replica on the other core (`engine.spec_decode.remote.DraftService`, one
     thread), reached by a Ray actor call (`ray actor`) or, as deployed, by a Ray Serve handle to
     a `SpecDrafter` replica (`serve handle`, deployments/drafter.py), with drafting ahead off
     (the default) or on.
@@ -60,7 +60,7 @@ def pool_actor(draft_ahead: bool):
     @ray.remote(num_cpus=0.01)  # each configuration's pool idles while the others run (one torch thread each)
     class Pool:
         def __init__(self, model_dir: str, draft_ahead: bool) -> None:
-            from engine.spec.remote import DraftService, LocalDrafterClient
+            from engine.spec_decode.remote import DraftService, LocalDrafterClient
 
             self.client = LocalDrafterClient(DraftService(model_dir, dtype="bfloat16", device="cpu",
                                                           draft_ahead=draft_ahead, num_threads=1))
@@ -140,7 +140,7 @@ def batching(callers: list[int], steps: int, prompt_len: int, name: str) -> dict
 
     from transformers import AutoTokenizer
 
-    from engine.spec.remote import DraftBatch, DraftCall, DraftService
+    from engine.spec_decode.remote import DraftBatch, DraftCall, DraftService
 
     torch.set_num_threads(1)
     service = DraftService(str(MODELS / "drafter"), dtype="bfloat16", device="cpu", num_threads=1,

@@ -42,7 +42,7 @@ from collections import Counter
 import torch
 
 from bench.common import MODELS, code_prompts, machine_info, table, write_results
-from engine.spec.proposers.tree_drafting import CALIBRATION_FILE
+from engine.spec_decode.proposers.tree_drafting import CALIBRATION_FILE
 
 NODES = (4, 6, 8, 12, 16, 24, 32, 48, 63)
 
@@ -88,7 +88,7 @@ def true_path_logits(prompts: list[list[int]], new_tokens: int, depth: int) -> l
 def default_draft_vocabulary(folder: str, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the token ids models/`folder`'s drafts rank by default, as the engine resolves them;
     [vocab] each token's index among them, -1 outside)."""
-    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
+    from engine.spec_decode.proposers.draft_vocab import resolve_draft_token_ids
 
     token_ids = resolve_draft_token_ids(None, str(MODELS / folder), vocab)
     if token_ids is None:

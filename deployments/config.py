@@ -210,7 +210,7 @@ class DrafterPoolArgs:
     and a KV cache of `kv_cache_memory_bytes` (null: 256 MiB) for its sessions, which it forgets
     after `session_ttl_s` idle. An engine replica waits at most `timeout_s` for a step's drafts
     (then that step has none; outputs never change). `draft_ahead`: between calls, draft the
-    next round assuming every draft is accepted (engine/spec/remote.py); off by default: on the
+    next round assuming every draft is accepted (engine/spec_decode/remote.py); off by default: on the
     2-core CPU host it made a round trip ~1 ms dearer and served 1.6% of the shipped draft
     model's rounds (bench/bench_remote_drafter.py). `max_batch_size` and
     `batch_wait_timeout_s`: how Serve batches the calls of several engine replicas into one round."""

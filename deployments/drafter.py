@@ -1,7 +1,7 @@
 """The drafter pool (`speculative.placement: remote`): `SpecDrafter`, draft-model replicas shared
 by the engine replicas, and the client an engine replica drafts through.
 
-Each `SpecDrafterServer` wraps one `engine.spec.remote.DraftService`. Its `draft` method is a
+Each `SpecDrafterServer` wraps one `engine.spec_decode.remote.DraftService`. Its `draft` method is a
 Serve batch method: the calls of several engine replicas that arrive together become one round of
 the draft model. The draft model runs in one worker thread, so the replica's event loop keeps
 taking calls; between calls (nothing waiting) the same thread drafts ahead for the sessions the
@@ -37,7 +37,7 @@ class SpecDrafterServer:
     """One drafter-pool replica: the draft model and its sessions (module docstring)."""
 
     def __init__(self, config: AppConfig) -> None:
-        from engine.spec.remote import DraftService
+        from engine.spec_decode.remote import DraftService
 
         pool = config.drafter_pool
         threads = pool.torch_threads or default_torch_threads(pool.num_cpus)
@@ -64,7 +64,7 @@ class SpecDrafterServer:
     async def merged_round(self, batches: list[Any]) -> list[Any]:
         """The `DraftBatch`es of several engine replicas drafted in one round of the model (on
         the worker thread); each engine replica's answer."""
-        from engine.spec.remote import DraftBatch, DraftBatchReply
+        from engine.spec_decode.remote import DraftBatch, DraftBatchReply
 
         merged = DraftBatch(tuple(c for b in batches for c in b.calls), tuple(n for b in batches for n in b.closed))
         self.batches += len(batches)

@@ -34,7 +34,7 @@ class KVBlockManager:
         self.num_prefix_hits = 0
         self.num_prefix_queries = 0
         # called with each block handed out fresh (its old content, cached or not, is gone):
-        # a feature drafter's record of which blocks hold its KV (features.DrafterKVCoverage)
+        # a feature drafter's record of which blocks hold its KV (feature_buffers.DrafterKVCoverage)
         self.allocation_listeners: list = []
 
     # --- queries ----------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class SpeculativeConfig:
     "mtp" (the multi-token-prediction layers stored in the target's own checkpoint, DeepSeek-V3
     or MiMo layout: `model` None, or the target's directory).
     adaptive: choose k per request from its predicted acceptance and switch speculation off for a
-    step when the batch is large enough that verifying costs more than it saves (engine/spec/
+    step when the batch is large enough that verifying costs more than it saves (engine/spec_decode/
     speculator.py). acceptance_ema_alpha: how fast a request's own acceptance counts forget, per
     verification (0.1: about the last 10).
     draft_vocab_size: draft over the N most frequent tokens only (FR-Spec; the drafter's LM head

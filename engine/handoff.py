@@ -34,7 +34,7 @@ import torch
 from engine.errors import HandoffMismatchError
 from engine.request import SpecStats
 from engine.sampling_params import SamplingParams
-from engine.spec.tree import DraftTree
+from engine.spec_decode.tree import DraftTree
 
 
 @dataclass(frozen=True)

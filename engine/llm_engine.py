@@ -25,8 +25,8 @@ from engine.model_runner import ModelRunner, gather_kv_blocks, kv_bytes_per_toke
 from engine.request import Request, RequestStatus, SpecStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.spec.proposers.base import ProposeContext, model_name, weights_digest
-from engine.spec.tree import DraftTree
+from engine.spec_decode.proposers.base import ProposeContext, model_name, weights_digest
+from engine.spec_decode.tree import DraftTree
 
 logger = logging.getLogger("engine")
 
@@ -157,7 +157,7 @@ class LLMEngine:
         verification) and the model drafters' small forwards as captured CUDA graphs
         (engine/step_graph.py; the target's tokens the same bits as without); False runs
         everything eagerly.
-        `remote_drafter`: a drafter pool's client (engine/spec/remote.py: `draft(DraftBatch)`); with
+        `remote_drafter`: a drafter pool's client (engine/spec_decode/remote.py: `draft(DraftBatch)`); with
         `speculative` method "draft" its draft model drafts there, not on this device."""
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
@@ -189,8 +189,8 @@ class LLMEngine:
         self.speculator = None
         num_lookahead = 0
         if speculative is not None:
-            from engine.spec.proposers import make_proposer
-            from engine.spec.speculator import Speculator
+            from engine.spec_decode.proposers import make_proposer
+            from engine.spec_decode.speculator import Speculator
 
             self.speculator = Speculator(
                 speculative, make_proposer(speculative, self.runner, remote_drafter), max_model_len, max_num_batched_tokens
@@ -650,7 +650,7 @@ class LLMEngine:
             "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             "spec": self.spec_stats.as_dict(),
             "handoff": self.handoff_stats.as_dict(),
-            # drafting in a drafter pool (engine/spec/remote.py): rounds, failures, skipped, unknown, ahead, drafts
+            # drafting in a drafter pool (engine/spec_decode/remote.py): rounds, failures, skipped, unknown, ahead, drafts
             "remote_drafting": dict(getattr(self.speculator.proposer, "counts", {})) if self.speculator else {},
         }
 

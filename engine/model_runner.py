@@ -22,8 +22,8 @@ from engine.models.loader import load_model
 from engine.request import Request
 from engine.sampler import probs_from_logits
 from engine.scheduler import SchedulerOutput
-from engine.spec.rejection_sampler import rejection_sample, tree_rejection_sample
-from engine.spec.tree import (
+from engine.spec_decode.rejection_sampler import rejection_sample, tree_rejection_sample
+from engine.spec_decode.tree import (
     DraftTree,
     accepted_kv_moves,
     chain_tree,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.spec.tree import DraftTree
+    from engine.spec_decode.tree import DraftTree
 
 
 class RequestStatus(enum.Enum):

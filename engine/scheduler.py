@@ -22,7 +22,7 @@ from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from engine.spec.tree import DraftTree
+    from engine.spec_decode.tree import DraftTree
 
 
 @dataclass

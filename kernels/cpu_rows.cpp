@@ -2354,7 +2354,7 @@ struct RowsStack {
   }
 };
 
-// Greedy chain drafting of an EAGLE-3 head in one call (engine/spec/proposers/eagle3.py describes
+// Greedy chain drafting of an EAGLE-3 head in one call (engine/spec_decode/proposers/eagle3.py describes
 // the head): the midlayer's catch-up forward over each request's buffered elements, then, for
 // each request, num_drafts[b] greedy drafts, every forward after the first on the element (own
 // output feature, token just drafted) at the next position: one call per drafting round instead
@@ -2670,7 +2670,7 @@ std::tuple<torch::Tensor, torch::Tensor> draft_chain(
   return {drafts, probs};
 }
 
-// Dynamic trees in one call (engine/spec/proposers/tree_drafting.py's grow_trees) for a drafter
+// Dynamic trees in one call (engine/spec_decode/proposers/tree_drafting.py's grow_trees) for a drafter
 // (Drafter below: the EAGLE-3 midlayer and head of draft_chain, or a draft model's RowsStack):
 // the catch-up forward over each request's buffered elements (its last element is the root, at
 // position r); then level by level, for each request b with depths[b] > d, the widths[b]
@@ -2746,7 +2746,7 @@ static std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, to
   }
   // sampled requests: sampling [R, 3] (temperature, top_k, top_p; temperature 0: greedy) and
   // uniforms [R, U], request b's first w + (depth - 1) * w * w read in TreeUniforms' order
-  // (engine/spec/proposers/tree_drafting.py); empty: every request greedy
+  // (engine/spec_decode/proposers/tree_drafting.py); empty: every request greedy
   const bool any_sampled = sampling.defined() && sampling.numel() > 0;
   TORCH_CHECK(!any_sampled || (sampling.scalar_type() == torch::kFloat32 && sampling.is_contiguous() &&
                                sampling.dim() == 2 && sampling.size(0) == R && sampling.size(1) == 3 &&
@@ -3133,7 +3133,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   return grow_trees_in_one_call(drafter, req, temperature, min_logprob, sampling, uniforms, "stack_tree");
 }
 
-// A one-module feature drafter as a Drafter (engine/spec/proposers/chain.py: native MTP with one
+// A one-module feature drafter as a Drafter (engine/spec_decode/proposers/feature_layer.py: native MTP with one
 // module, EAGLE-1): an element is (its parent's output feature, its token), its layer input
 //   x = proj(cat(token_norm(embed[token]), hidden_norm(feature))) (+ proj_bias)
 // (the halves swapped when hidden_first, MiMo's order; an empty norm: none, EAGLE-1's fc), the
@@ -3277,7 +3277,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 
 // Copy the rows at slots src onto slots dst in each paged cache ([blocks, block_size, ...],
 // contiguous, one row a slot), every source read before any write: the KV moves that commit an
-// accepted tree path (engine/spec/tree.py move_kv), one call for every layer's caches instead of
+// accepted tree path (engine/spec_decode/tree.py move_kv), one call for every layer's caches instead of
 // two torch ops per cache.
 void move_slots(std::vector<torch::Tensor> caches, torch::Tensor src, torch::Tensor dst) {
   TORCH_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64 && src.is_contiguous() &&

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from engine import SamplingParams, SpeculativeConfig
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, Proposer
-from engine.spec.speculator import (
+from engine.spec_decode.proposers.base import Draft, ProposeContext, Proposer
+from engine.spec_decode.speculator import (
     MIN_GAIN,
     POINT_SAMPLES,
     AcceptanceModel,
@@ -178,7 +178,7 @@ def test_the_startup_profile_is_not_bent_by_a_burst_of_noise(monkeypatch, burst_
     """A burst of slow calls as long as the samples one point used to take back to back (3), and
     the first call of each shape, leave the profiled curve at the true step times: the points are
     timed in interleaved rounds (plus an untimed first round) and each keeps its fastest."""
-    import engine.spec.speculator as sp_module
+    import engine.spec_decode.speculator as sp_module
 
     clock = [0.0]
     monkeypatch.setattr(sp_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -223,7 +223,7 @@ def test_a_batch_does_not_speculate_on_steps_with_drafts_measured_cheaper_than_s
     step with drafts is taken as at least as slow as the curve says steps without are
     (FLOOR_ON_AT_OFF), so the batch stays off; without the floor (the control) it speculates. One
     request keeps its own ratios."""
-    from engine.spec import speculator as spm
+    from engine.spec_decode import speculator as spm
 
     monkeypatch.setattr(spm, "FLOOR_ON_AT_OFF", floor)
     spec = Speculator(SpeculativeConfig(method="draft", model="unused"), FixedCostProposer(0.0), 1000)
@@ -356,7 +356,7 @@ def test_ngram_index_equals_the_scan(tokens, cuts, n_min, extra, k, count):
     """The incremental n-gram index proposes exactly what the reference scan proposes, at every
     length a request grows through (small alphabet: many matches, overlaps and ties): the latest
     match's continuation, and (trees) the `count` latest ones."""
-    from engine.spec.proposers.ngram import NgramIndex, ngram_lookup, ngram_lookup_many
+    from engine.spec_decode.proposers.ngram import NgramIndex, ngram_lookup, ngram_lookup_many
 
     index = NgramIndex(n_min, n_min + extra, keep=count)
     for cut in sorted({min(c, len(tokens)) for c in cuts} | {len(tokens)}):
@@ -388,7 +388,7 @@ def test_choose_k_maximizes_tokens_per_second_on_the_measured_curve():
 def test_probes_of_a_batch_whose_drafts_do_not_pay_thin_out_as_it_grows():
     """One probe every 32 steps up to 7 requests, 32 per 4 requests beyond (a probe verifies a draft
     of every request)."""
-    from engine.spec.speculator import probe_interval
+    from engine.spec_decode.speculator import probe_interval
 
     assert [probe_interval(b) for b in (1, 4, 7, 8, 16, 64)] == [32, 32, 32, 64, 128, 512]
 
@@ -400,7 +400,7 @@ def test_a_step_without_drafts_is_weighed_again_after_off_recheck_steps(tmp_path
     once."""
     from helpers import save_tiny_model
 
-    import engine.spec.speculator as speculator_mod
+    import engine.spec_decode.speculator as speculator_mod
     from engine import LLMEngine, SpeculativeConfig
 
     monkeypatch.setattr(speculator_mod, "OFF_RECHECK", recheck)
@@ -430,10 +430,10 @@ def test_a_step_without_drafts_is_weighed_again_after_off_recheck_steps(tmp_path
 
 
 def test_a_probe_drafts_only_for_requests_caught_up_or_the_closest_one():
-    """While speculation is off a layer drafter's rows wait (features.LAZY_BUFFER_ROWS): a probe
+    """While speculation is off a layer drafter's rows wait (feature_buffers.LAZY_BUFFER_ROWS): a probe
     drafts for the requests with at most PROBE_CATCH_UP_ROWS to catch up, or, if none, for the
     one with the fewest, never running every request's wait at once."""
-    from engine.spec.speculator import PROBE_CATCH_UP_ROWS
+    from engine.spec_decode.speculator import PROBE_CATCH_UP_ROWS
 
     spec = speculator_with([1.0] * 9)
     waiting = {"a": 200, "b": PROBE_CATCH_UP_ROWS, "c": 3, "d": 90}
@@ -447,7 +447,7 @@ def test_a_probe_drafts_only_for_requests_caught_up_or_the_closest_one():
 def test_calibration_points_take_over_from_their_side_once_measured():
     """A (side, batch bucket, tokens per request) point's own median is used from POINT_SAMPLES
     steps on; before that the side's; without `borrow`, another bucket's measurements do not count."""
-    from engine.spec.speculator import POINT_SAMPLES
+    from engine.spec_decode.speculator import POINT_SAMPLES
 
     cal = StepCalibration()
     for _ in range(4):
@@ -518,7 +518,7 @@ def test_a_lone_request_drafts_the_k_its_measured_steps_favour(monkeypatch, expl
     probability 0.85 given the one before, a draft 0.02 s) make 4 the best (2.90 tokens a second
     vs 2.26 at k = 2). Exploring a neighbour of the best k while its point is unmeasured climbs
     there; without exploring, the policy stays at 2 (the negative control)."""
-    import engine.spec.speculator as speculator_mod
+    import engine.spec_decode.speculator as speculator_mod
 
     if not explore:
         monkeypatch.setattr(speculator_mod, "EXPLORE_EVERY", 10**9)
@@ -541,7 +541,7 @@ def test_a_host_slowed_for_a_while_does_not_leave_the_policy_drafting_less(monke
     the slowdown moves them all and k stays (or comes back) at 4 once the host recovers. Negative
     control: without the drift (DRIFT_WINDOW = 0, each point its raw ratios, as until stop 37) the
     points measured slow keep their ratios and the policy drafts less than 4 after the recovery."""
-    import engine.spec.speculator as speculator_mod
+    import engine.spec_decode.speculator as speculator_mod
 
     if not drift:
         monkeypatch.setattr(speculator_mod, "DRIFT_WINDOW", 0)
@@ -576,7 +576,7 @@ def test_a_point_not_measured_for_a_while_is_forgotten_and_explored_again():
     only 3-token steps run. Within POINT_HORIZON steps the 6-token point keeps its shape and
     follows the host (0.8 x 1.5); after it, it reads as unmeasured (its side's median shape, 1.0,
     times the host's level now, 1.5) and counts no samples, so a lone request explores it again."""
-    from engine.spec.speculator import POINT_HORIZON
+    from engine.spec_decode.speculator import POINT_HORIZON
 
     cal = StepCalibration()
     for i in range(24):
@@ -638,7 +638,7 @@ def test_a_batch_whose_steps_with_drafts_run_under_their_prediction_stops_drafti
     are measured (`_observe_realized`: tokens / (the step's time + the drafting that made its
     drafts) against the prediction), the batch stops drafting; without them (the control) it
     drafts, as until stop 38 (16 sustained requests of sampled text ran 0.82-0.84x)."""
-    from engine.spec.speculator import REALIZED_MIN
+    from engine.spec_decode.speculator import REALIZED_MIN
 
     spec, rs = batch_speculator()
     cap = spec.best_cap(16, rs, [1] * 16)
@@ -663,7 +663,7 @@ def test_a_batch_measures_its_steps_without_drafts_again():
     the bucket that point expires, and while it holds fewer than POINT_SAMPLES recent steps a
     speculating batch goes without drafts once every OFF_PROBE_EVERY steps; three such steps at
     the curve bring its price back (not the transient's)."""
-    from engine.spec.speculator import BATCH_POINT_HORIZON, OFF_PROBE_EVERY
+    from engine.spec_decode.speculator import BATCH_POINT_HORIZON, OFF_PROBE_EVERY
 
     spec, rs = batch_speculator(acceptance=0.9)
     spec.calibration = StepCalibration()

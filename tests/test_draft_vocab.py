@@ -24,8 +24,8 @@ from test_speculative import (
 
 from engine import CheckpointError, LLMEngine, SamplingParams, SpeculativeConfig
 from engine.request import Request
-from engine.spec.proposers.base import sample_drafts
-from engine.spec.proposers.draft_vocab import FILENAME, DraftLMHead, resolve_draft_token_ids
+from engine.spec_decode.proposers.base import sample_drafts
+from engine.spec_decode.proposers.draft_vocab import FILENAME, DraftLMHead, resolve_draft_token_ids
 
 
 def write_ranking(folder: str, ranked: list[int], default_size: int) -> str:

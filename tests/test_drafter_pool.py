@@ -189,7 +189,7 @@ def test_greedy_equals_the_target_alone_from_both_engine_replicas(served: Served
 def _draft_sequence(handle, tag: str, seed: int, steps: int, barrier: threading.Barrier | None = None) -> list:
     """One caller's session through `steps` calls of the pool (greedy, k = 3): the first sends the
     prompt, each next one the first draft of the last answer as the committed token; its drafts."""
-    from engine.spec.remote import DraftBatch, DraftCall
+    from engine.spec_decode.remote import DraftBatch, DraftCall
 
     committed, sent, drafts = prompt_of(seed, 30), 0, []
     for _ in range(steps):

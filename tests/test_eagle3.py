@@ -35,7 +35,7 @@ from test_speculative import (
 from engine import LLMEngine, SamplingParams, SpeculativeConfig
 from engine.errors import DrafterMismatchError
 from engine.model_runner import ModelRunner
-from engine.spec.proposers.eagle3 import Eagle3Proposer, resolve_aux_layer_ids
+from engine.spec_decode.proposers.eagle3 import Eagle3Proposer, resolve_aux_layer_ids
 from kernels import cpu_kernels
 
 NUM_LAYERS = 7  # default aux boundaries (2, L // 2, L - 3) = (2, 3, 4)
@@ -220,13 +220,13 @@ def finish_checking_drafts(setup, engine, plain, r, tokens: list[int]) -> None:
 @pytest.mark.parametrize("bound", [None, 24])
 def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
     """Speculation forced off for 30 steps after a prompt longer than the fused kernels take: with
-    the lazy bound (features.LAZY_BUFFER_ROWS) the midlayer never runs meanwhile and the request
+    the lazy bound (feature_buffers.LAZY_BUFFER_ROWS) the midlayer never runs meanwhile and the request
     buffers every row; with a small bound (24) it catches up whenever the buffer passes it. Turned
     back on, the first round catches up over what waits (a long catch-up first, on its own) and
     its drafts equal the reference's over the whole context, then each later round's do too, and
     the output equals the target alone's; that catch-up's time is recorded (`record_catch_up`)."""
-    from engine.spec.proposers.eagle3 import FUSED_MAX_ROWS
-    from engine.spec.proposers.features import LAZY_BUFFER_ROWS
+    from engine.spec_decode.proposers.eagle3 import FUSED_MAX_ROWS
+    from engine.spec_decode.proposers.feature_buffers import LAZY_BUFFER_ROWS
 
     spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=4, adaptive=True)
     engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec, max_num_seqs=4)
@@ -685,7 +685,7 @@ def test_packed_catch_up_matches_the_torch_midlayer_bfloat16(setup):
     more rows than the fused row path takes (a prompt's) runs its matmuls through the packed CPU
     kernel: the same features as torch's bfloat16 forward, to bfloat16 rounding."""
     from engine.model_runner import SeqChunk
-    from engine.spec.proposers.eagle3 import FUSED_MAX_ROWS
+    from engine.spec_decode.proposers.eagle3 import FUSED_MAX_ROWS
     from kernels import cpu_kernels
 
     if not (cpu_kernels.available() and cpu_kernels.emulated_bf16()):

@@ -266,7 +266,7 @@ def test_published_eagle_drafts_and_q_match_reference(setup, tmp_path, pickled):
 
 def test_published_eagle_missing_or_misshaped_key_is_refused(setup, tmp_path):
     from engine.model_runner import ModelRunner
-    from engine.spec.proposers.eagle import EagleProposer
+    from engine.spec_decode.proposers.eagle import EagleProposer
 
     src = save_published_eagle(str(tmp_path / "src"), setup["target"])
     runner = ModelRunner(setup["target"], torch.device("cpu"), torch.float32, 128)

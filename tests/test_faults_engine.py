@@ -23,7 +23,7 @@ from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
 from engine.sampler import sample_from_probs
 from engine.scheduler import Scheduler
-from engine.spec.proposers.features import LAZY_BUFFER_ROWS
+from engine.spec_decode.proposers.feature_buffers import LAZY_BUFFER_ROWS
 
 METHODS = ["draft", "eagle", "medusa", "ngram"]
 SHORT_PROMPTS = [[1, 2, 3], [5, 6], [7, 8, 9, 10], [11]]
@@ -131,7 +131,7 @@ def inject_drafting_failure(monkeypatch, proposer, on_call: int) -> list[int]:
     if proposer.method in ("draft", "eagle"):
         return fail_once(monkeypatch, proposer, "_forward", on_call)
     if proposer.method == "medusa":
-        import engine.spec.proposers.medusa as medusa_module
+        import engine.spec_decode.proposers.medusa as medusa_module
 
         return fail_once(monkeypatch, medusa_module, "sample_drafts", on_call)
     return fail_once(monkeypatch, proposer, "propose", on_call)

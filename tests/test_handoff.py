@@ -21,7 +21,7 @@ from engine import (
     SamplingParams,
     SpeculativeConfig,
 )
-from engine.spec.proposers.draft_model import DraftModelState
+from engine.spec_decode.proposers.draft_model import DraftModelState
 
 METHODS = [None, "draft", "eagle", "medusa", "ngram"]
 # 38 tokens (2 full blocks of 16 + 6) with repetition, so n-gram lookup finds matches.

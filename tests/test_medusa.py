@@ -21,7 +21,7 @@ from test_speculative import GREEDY, SPEC_ARRIVALS, SPEC_PROMPTS
 from engine import LLMEngine, SamplingParams, SpeculativeConfig
 from engine.errors import DrafterMismatchError
 from engine.model_runner import ModelRunner
-from engine.spec.proposers.medusa import MedusaProposer
+from engine.spec_decode.proposers.medusa import MedusaProposer
 
 H, VOCAB, NUM_HEADS = 64, 97, 3
 

@@ -264,7 +264,7 @@ def test_a_pool_replica_feeds_its_metrics(tmp_path) -> None:
 
     from deployments.config import AppConfig
     from deployments.drafter import SpecDrafterServer
-    from engine.spec.remote import DraftBatch, DraftCall
+    from engine.spec_decode.remote import DraftBatch, DraftCall
 
     target = save_tiny_model(str(tmp_path / "target"), "llama")
     drafter = save_perturbed_copy(target, str(tmp_path / "drafter"), noise=0.02)

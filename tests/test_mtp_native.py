@@ -35,7 +35,7 @@ from test_speculative import (
 from engine import LLMEngine, SamplingParams, SpeculativeConfig
 from engine.errors import DrafterMismatchError
 from engine.model_runner import ModelRunner
-from engine.spec.proposers.mtp import MTPProposer
+from engine.spec_decode.proposers.mtp import MTPProposer
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS, THETA = 64, 4, 2, 16, 128, 1e-5, 10000.0
 NUM_LAYERS = 2  # the tiny targets' decoder layers (helpers.TINY)

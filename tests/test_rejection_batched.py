@@ -16,7 +16,7 @@ import torch
 from test_speculative import _chi_square_p_value
 
 from engine.sampler import draw_uniforms, sample_from_probs
-from engine.spec.rejection_sampler import rejection_sample
+from engine.spec_decode.rejection_sampler import rejection_sample
 
 
 def per_request_reference(num_draft_tokens, draft_token_ids, target_argmax, target_probs, draft_probs,
@@ -147,7 +147,7 @@ def test_unseeded_batch_follows_the_target_distribution():
 def test_wrong_residual_is_detected(monkeypatch):
     """Negative control: the same statistic catches a sampler that, after a rejection, samples
     from p instead of normalize(max(0, p - q))."""
-    import engine.spec.rejection_sampler as rs
+    import engine.spec_decode.rejection_sampler as rs
 
     monkeypatch.setattr(rs, "residual_distribution", lambda p, q, rows=None: p)
     assert unseeded_batch_p_value() < 1e-6

@@ -1,4 +1,4 @@
-"""Remote drafting (engine/spec/remote.py): a draft model in a drafter pool of its own keeps
+"""Remote drafting (engine/spec_decode/remote.py): a draft model in a drafter pool of its own keeps
 speculation lossless (greedy output = the target alone, sampled output = the target's exact
 distribution), drafts what the co-located draft model drafts, survives a pool that forgets, fails
 or serves another model, and drafts ahead while the target verifies."""
@@ -20,7 +20,7 @@ from test_speculative import (
 )
 
 from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
-from engine.spec.remote import DraftBatch, DraftBatchReply, DraftCall, DraftService, LocalDrafterClient
+from engine.spec_decode.remote import DraftBatch, DraftBatchReply, DraftCall, DraftService, LocalDrafterClient
 
 
 @pytest.fixture(scope="module")

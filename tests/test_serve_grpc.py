@@ -166,9 +166,9 @@ def served(tmp_path_factory, serve_instance) -> Iterator[Served]:
 def ngram_app(served: Served) -> str:
     """A second app on the same Serve whose replica speculates with n-gram lookup."""
     try:
-        from engine.spec.proposers import make_proposer  # noqa: F401
+        from engine.spec_decode.proposers import make_proposer  # noqa: F401
     except ImportError:
-        pytest.skip("speculative decoding (engine.spec.proposers.make_proposer) has not landed yet")
+        pytest.skip("speculative decoding (engine.spec_decode.proposers.make_proposer) has not landed yet")
     from ray import serve
 
     from deployments.app import build_app

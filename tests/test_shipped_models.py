@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.spec.tree import DraftTree
+from engine.spec_decode.tree import DraftTree
 from training import data
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -133,7 +133,7 @@ def test_draft_vocab_holds_the_targets_predictions(folder, target_out):
     """Each shipped draft vocabulary (the engine's default: the drafter's, and the target's for its
     MTP layer) contains the target's own top-1 at nearly every snippet position: a broken or
     mismatched ranking would cut acceptance."""
-    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
+    from engine.spec_decode.proposers.draft_vocab import resolve_draft_token_ids
 
     ids = resolve_draft_token_ids(None, str(need(folder)), 8192)
     assert ids is not None and len(ids) < 8192
@@ -337,7 +337,7 @@ def test_eagle3_tree_calibration_fits_the_head(target, snippets, target_out):
     at it, the head's depth-1 log-likelihood of the target's top-1 is higher than at 1 and its mean
     top probability is within 0.1 of how often its top token is the target's (at 1 it is far below)."""
     from bench.eval_models import load_eagle3
-    from engine.spec.proposers.tree_drafting import read_tree_temperature
+    from engine.spec_decode.proposers.tree_drafting import read_tree_temperature
 
     path = need("eagle3-head")
     t = read_tree_temperature(str(path))
@@ -388,8 +388,8 @@ def test_mtp_tree_calibration_fits_it(target, heldout_continuations):
 
     from bench.eval_models import load_mtp
     from engine import LLMEngine, SpeculativeConfig
-    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
-    from engine.spec.proposers.tree_drafting import read_tree_temperature
+    from engine.spec_decode.proposers.draft_vocab import resolve_draft_token_ids
+    from engine.spec_decode.proposers.tree_drafting import read_tree_temperature
 
     path = need("target")
     t = read_tree_temperature(str(path))
@@ -426,8 +426,8 @@ def test_draft_model_tree_calibration_fits_it(target, heldout_continuations):
     the first tokens of files, are harder for it: there it is right 40% of the time at 0.56.)"""
     from transformers import AutoModelForCausalLM
 
-    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
-    from engine.spec.proposers.tree_drafting import read_tree_temperature
+    from engine.spec_decode.proposers.draft_vocab import resolve_draft_token_ids
+    from engine.spec_decode.proposers.tree_drafting import read_tree_temperature
 
     path = need("drafter")
     t = read_tree_temperature(str(path))

@@ -9,7 +9,7 @@ from test_engine import PROMPTS, run_staggered
 
 from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
 from engine.sampler import probs_from_logits
-from engine.spec.rejection_sampler import rejection_sample
+from engine.spec_decode.rejection_sampler import rejection_sample
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 ARRIVALS = [0, 0, 1, 3, 3, 5, 8, 13, 14]
@@ -247,7 +247,7 @@ def test_bf16_agreement_and_divergence_at_near_ties(models):
 def test_drafting_cost_ignores_prompt_catch_up_rounds():
     """A drafter's first round after a prefill also processes the whole prompt; that one-off cost
     must not become the per-step estimate the adaptive policy uses."""
-    from engine.spec.proposers.base import StepTimer
+    from engine.spec_decode.proposers.base import StepTimer
 
     timer = StepTimer(1e-3)
     timer.add_round(16, seconds=0.8, num_forwards=4, catch_up=128, k_max=4)  # after a 128-token prefill
@@ -265,7 +265,7 @@ def test_drafting_rounds_are_priced_by_their_length_not_by_the_mean_forward():
     0.19. The round model reads each measured length as measured and prices an unmeasured one
     from its measured neighbours' slope, never above the mean per forward. Trees' rounds count
     per forward only."""
-    from engine.spec.proposers.base import ROUND_SAMPLES, StepTimer
+    from engine.spec_decode.proposers.base import ROUND_SAMPLES, StepTimer
 
     cost = {k: 0.37e-3 + 0.19e-3 * (k - 1) for k in range(1, 9)}
     timer = StepTimer(1e-3)
@@ -291,7 +291,7 @@ def test_a_larger_batchs_unmeasured_drafting_is_priced_per_request():
     catch-up, attention and bookkeeping; borrowed as is, 16 requests' rounds were priced at 1/6-1/9
     of their measured 1.4-2.1 ms); once its own bucket is measured, its own median; a smaller
     batch borrows a larger one's as is."""
-    from engine.spec.proposers.base import StepTimer
+    from engine.spec_decode.proposers.base import StepTimer
 
     timer = StepTimer(1e-3)
     for _ in range(3):

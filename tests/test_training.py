@@ -300,7 +300,7 @@ def test_draft_vocab_step_ranks_by_training_frequency(tmp_path, monkeypatch):
     import json
 
     import training.__main__ as cli
-    from engine.spec.proposers.draft_vocab import resolve_draft_token_ids
+    from engine.spec_decode.proposers.draft_vocab import resolve_draft_token_ids
 
     data_dir, models = tmp_path / "data", tmp_path / "models"
     data_dir.mkdir()

@@ -18,9 +18,9 @@ from test_kernels import Case, make_case, run_triton_interpreter
 from test_rejection_batched import _extend_and_count, generators_for, random_step
 from test_speculative import _chi_square_p_value
 
-import engine.spec.rejection_sampler as rs
-from engine.spec.rejection_sampler import rejection_sample, tree_rejection_sample
-from engine.spec.tree import (
+import engine.spec_decode.rejection_sampler as rs
+from engine.spec_decode.rejection_sampler import rejection_sample, tree_rejection_sample
+from engine.spec_decode.tree import (
     DraftTree,
     TreeLevel,
     accepted_kv_moves,

@@ -223,7 +223,7 @@ def test_tree_temperature_from_the_drafter_folder_or_the_config(setup, tmp_path)
     import json
     import shutil
 
-    from engine.spec.proposers.tree_drafting import CALIBRATION_FILE
+    from engine.spec_decode.proposers.tree_drafting import CALIBRATION_FILE
 
     head = tmp_path / "e3"
     shutil.copytree(setup["eagle3"], head)

@@ -19,7 +19,7 @@ from test_speculative import (
 )
 
 from engine import LLM, LLMEngine, SamplingParams, SpeculativeConfig
-from engine.spec.tree import DraftTree, TreeLevel, build_sampled_trees, tree_attention_mask
+from engine.spec_decode.tree import DraftTree, TreeLevel, build_sampled_trees, tree_attention_mask
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 CHAIN = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, num_speculative_tokens=3)
@@ -399,7 +399,7 @@ def test_adaptive_trees_equal_target_and_are_chosen_when_cheap(models, baseline)
     """adaptive=True with trees: greedy output still equals the target alone. With a cost model
     where verifying more tokens costs nothing extra (as at small batch on a GPU), the policy drafts
     trees; where each verified token costs a whole step, it drafts chains."""
-    from engine.spec.speculator import StepCostModel
+    from engine.spec_decode.speculator import StepCostModel
 
     # chains of at most 2 drafts, trees of depth 4; drafting costs next to nothing (stubbed)
     spec = SpeculativeConfig(model=models["close"], num_speculative_tokens=2, **(TREE | {"adaptive": True}))
@@ -425,7 +425,7 @@ def test_tree_choice_follows_the_predicted_rate(models):
     verification is flat, lose when it is steep; measured tree acceptance moves the choice.
     (Trees without a value floor: tree_min_prob=0.)"""
     from engine.request import Request
-    from engine.spec.speculator import StepCostModel
+    from engine.spec_decode.speculator import StepCostModel
 
     engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=SpeculativeConfig(
         model=models["target"], **(TREE | {"adaptive": True, "tree_min_prob": 0.0})))
@@ -456,7 +456,7 @@ def test_adaptive_floor_follows_the_verify_cost(models):
     still probed every TREE_PROBE_EVERY steps (unfloored ones are not): their acceptance is only
     measured by drafting them; once FLOORED_PROBE_TRIALS are measured, every TREE_FAR_PROBE_EVERY."""
     from engine.request import Request
-    from engine.spec.speculator import (
+    from engine.spec_decode.speculator import (
         FLOORED_PROBE_TRIALS,
         TREE_FAR_PROBE_EVERY,
         TREE_PROBE_EVERY,
@@ -505,7 +505,7 @@ def test_adaptive_trees_are_sized_per_request(models):
     covers the width rule.) Trees without a value floor (tree_min_prob=0); with one, a greedy
     request plans the configured tree and the floor prunes it (test_adaptive_floor_*)."""
     from engine.request import Request
-    from engine.spec.speculator import StepCostModel
+    from engine.spec_decode.speculator import StepCostModel
 
     qs = [1, 2, 3, 5, 9]
     plans = {}
@@ -535,8 +535,8 @@ def test_ngram_tree_is_a_trie_of_the_latest_continuations():
     """The propose_trees docstring example: the continuations of the suffix [1, 2] after its two
     earlier matches, the most recent first, cut at 4 nodes; then two that share a first token."""
     from engine.request import Request
-    from engine.spec.proposers.base import ProposeContext
-    from engine.spec.proposers.ngram import NgramProposer
+    from engine.spec_decode.proposers.base import ProposeContext
+    from engine.spec_decode.proposers.ngram import NgramProposer
 
     r = Request("n", [1, 2, 3, 1, 2, 4, 1, 2], GREEDY)
     draft, = NgramProposer(1, 2, tree_width=2).propose_trees([r], [4], [3], ProposeContext({}))

@@ -9,15 +9,15 @@ from test_tree_engine import GREEDY, MIXED_PROMPTS, PLAIN, models, run_mixed  # 
 
 from engine import LLMEngine, SamplingParams, SpeculativeConfig
 from engine.request import Request
-from engine.spec.proposers.tree_drafting import grow_trees, tree_widths
-from engine.spec.speculator import (
+from engine.spec_decode.proposers.tree_drafting import grow_trees, tree_widths
+from engine.spec_decode.speculator import (
     SIBLING_PRIOR,
     TREE_PROBE_EVERY,
     SiblingAcceptance,
     StepCostModel,
     top_chain_observation,
 )
-from engine.spec.tree import DraftTree
+from engine.spec_decode.tree import DraftTree
 
 VOCAB, HIDDEN = 11, 8
 

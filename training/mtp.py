@@ -23,7 +23,7 @@ Saved keys (`model.layers.{L}.`, L = the target's num_hidden_layers): enorm.weig
 hnorm.weight, eh_proj.weight, shared_head.norm.weight and the decoder layer's own tensors
 (input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj),
 with `num_nextn_predict_layers: 1` in config.json: the DeepSeek-V3 layout as vLLM's
-deepseek_mtp.py reads it (engine/spec/proposers/mtp.py).
+deepseek_mtp.py reads it (engine/spec_decode/proposers/mtp.py).
 """
 
 from __future__ import annotations

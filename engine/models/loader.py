@@ -38,7 +38,7 @@ def load_hf_config(model_dir: str):
 def mtp_weight_prefixes(num_hidden_layers: int, num_mtp_layers: int) -> tuple[str, ...]:
     """Name prefixes of the native multi-token-prediction layers a checkpoint stores next to the
     model (`num_nextn_predict_layers` of them): DeepSeek-V3's `model.layers.{num_hidden_layers + i}.`
-    and MiMo's `model.mtp_layers.{i}.`. The MTP drafter (engine/spec/proposers/mtp.py) loads them,
+    and MiMo's `model.mtp_layers.{i}.`. The MTP drafter (engine/spec_decode/proposers/mtp.py) loads them,
     the target does not."""
     return tuple(f"model.layers.{num_hidden_layers + i}." for i in range(num_mtp_layers)) + tuple(
         f"model.mtp_layers.{i}." for i in range(num_mtp_layers)

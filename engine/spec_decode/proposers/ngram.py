@@ -10,9 +10,9 @@ the tree sampler verifies exactly."""
 from __future__ import annotations
 
 from engine.request import Request
-from engine.spec.proposers.base import Draft, ProposeContext, Proposer
-from engine.spec.proposers.tree_drafting import tree_widths
-from engine.spec.tree import DraftTree
+from engine.spec_decode.proposers.base import Draft, ProposeContext, Proposer
+from engine.spec_decode.proposers.tree_drafting import tree_widths
+from engine.spec_decode.tree import DraftTree
 
 
 def ngram_lookup_many(tokens: list[int], n_min: int, n_max: int, k: int, count: int) -> list[list[int]]:

@@ -38,9 +38,9 @@ import torch
 
 from engine.request import Request
 from engine.sampler import draw_uniforms, inverse_cdf_sample, probs_from_logits
-from engine.spec.proposers.base import Draft
-from engine.spec.proposers.draft_vocab import DraftLMHead
-from engine.spec.tree import (
+from engine.spec_decode.proposers.base import Draft
+from engine.spec_decode.proposers.draft_vocab import DraftLMHead
+from engine.spec_decode.tree import (
     DraftTree,
     TreeLevel,
     build_dynamic_trees,

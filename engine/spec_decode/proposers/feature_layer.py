@@ -26,13 +26,13 @@ Between rounds a request buffers, per module, the features of the positions that
 run over (`HiddenRows`: the target's rows for module 0, `deeper` for the others; each buffer ends
 where the previous module's starts). A request that does not draft (speculation off, or a prompt
 still in chunked prefill) buffers every target row it commits: once it holds more than
-`max_buffered_rows` (the lazy bound of features.LAZY_BUFFER_ROWS; max(16, k + 1) for a request
+`max_buffered_rows` (the lazy bound of feature_buffers.LAZY_BUFFER_ROWS; max(16, k + 1) for a request
 handed over after its prefill), the modules catch up over all its rows but the last (no
 drafting); a request that finishes before drafting again never runs them over its last rows.
 A request with `speculative=False` never drafts, so none of its rows are kept. Sampled drafts
 come with their probabilities (exactness). With prefix caching, a cached block serves a drafting
 request only if the modules ran over all its positions for the request that wrote it
-(features.DrafterKVCoverage); the rest of the prefix is recomputed.
+(feature_buffers.DrafterKVCoverage); the rest of the prefix is recomputed.
 """
 
 from __future__ import annotations
@@ -48,21 +48,21 @@ from engine.model_runner import (
     build_forward_batch,
 )
 from engine.request import Request
-from engine.spec.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, may_draft
-from engine.spec.proposers.draft_vocab import DraftLMHead
-from engine.spec.proposers.features import (
+from engine.spec_decode.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, may_draft
+from engine.spec_decode.proposers.draft_vocab import DraftLMHead
+from engine.spec_decode.proposers.feature_buffers import (
     HiddenRows,
     append_rows,
     committed_hidden,
     import_hidden_rows,
     lazy_buffer_rows,
 )
-from engine.spec.tree import DraftTree
+from engine.spec_decode.tree import DraftTree
 
 BUFFER_ROWS = 16  # the steady bound of a request's buffered target rows (k + 1 if larger)
 
 
-class ChainProposer(Proposer):
+class FeatureLayerProposer(Proposer):
     """Subclasses set, before `_finish_init`: `arch` (ArchConfig of the layers; num_layers = L),
     `layers` (L `DecoderLayer`s), `heads` (L `DraftLMHead`s), `embed_tokens`, `feature_size`
     (width of the target rows it buffers), `rope_offset` (RoPE position = slot + offset) and the
@@ -371,7 +371,7 @@ class ChainProposer(Proposer):
         levels run new nodes only. Like a chain's, the elements of drafts are scratch: the next
         round's catch-up runs over the accepted path's target rows (the runner moves them into
         place)."""
-        from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
+        from engine.spec_decode.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
 
         t_start = time.perf_counter()
         num_modules = len(self.layers)
@@ -442,7 +442,7 @@ class ChainProposer(Proposer):
         module's layer as a one-layer `RowsStack`, its packed projection and the head's packed
         LM head; the loop's slots, positions, attention, ranking and draws) instead of a Python
         round trip per level; the same trees as the loop (tested), greedy and sampled."""
-        from engine.spec.proposers.tree_drafting import kernel_tree_args, kernel_tree_drafts
+        from engine.spec_decode.proposers.tree_drafting import kernel_tree_args, kernel_tree_drafts
         from kernels import cpu_kernels
 
         tables, depths_t, widths_t, nodes_t, sampling, uniforms = kernel_tree_args(

@@ -45,7 +45,7 @@ from engine.backoff import Backoff
 from engine.errors import DrafterMismatchError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.spec.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, model_name
+from engine.spec_decode.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, model_name
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class DraftService:
         from engine.llm_engine import resolve_device, resolve_dtype
         from engine.model_runner import kv_bytes_per_token
         from engine.models.loader import load_hf_config
-        from engine.spec.proposers.draft_model import DraftModelProposer
+        from engine.spec_decode.proposers.draft_model import DraftModelProposer
         from kernels import cpu_kernels, get_attention_backend
 
         if num_threads is not None:

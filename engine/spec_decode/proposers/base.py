@@ -26,7 +26,7 @@ import torch
 
 from engine.request import Request
 from engine.sampler import probs_from_logits, sample_from_probs
-from engine.spec.tree import DraftTree
+from engine.spec_decode.tree import DraftTree
 
 ROUND_SAMPLES = 3  # a drafting round length's own median counts from this many rounds (StepTimer)
 ROUND_WINDOW = 16  # the rounds of each length it keeps (the last ones)
@@ -129,7 +129,7 @@ class Proposer:
 
     kv_arch = None  # the ArchConfig of the proposer's own paged-KV layers; None: it keeps no KV
 
-    # a feature drafter's record of the blocks its KV covers (features.DrafterKVCoverage); None:
+    # a feature drafter's record of the blocks its KV covers (feature_buffers.DrafterKVCoverage); None:
     # the proposer's KV, if any, is filled from tokens alone (a draft model recomputes a request's
     # prompt), so a cached prefix serves it as is
     kv_coverage = None
@@ -144,7 +144,7 @@ class Proposer:
         """Allocate the proposer's own paged KV cache (same block tables as the target's), if any:
         `kv_arch`'s layers."""
         if self.feature_kv:
-            from engine.spec.proposers.features import DrafterKVCoverage
+            from engine.spec_decode.proposers.feature_buffers import DrafterKVCoverage
 
             self.kv_coverage = DrafterKVCoverage(num_blocks, block_size)
         if self.kv_arch is not None:
@@ -168,7 +168,7 @@ class Proposer:
     def configure_buffers(self, max_num_seqs: int, max_model_len: int) -> None:
         """Size the per-request buffers for an engine of `max_num_seqs` requests of up to
         `max_model_len` tokens (before `buffer_bytes`): the layer drafters' lazy bound
-        (features.LAZY_BUFFER_ROWS)."""
+        (feature_buffers.LAZY_BUFFER_ROWS)."""
 
     def pending_rows(self, request: Request) -> int:
         """Positions the drafter would catch up over before its next draft for `request` (its

@@ -45,7 +45,7 @@ from engine.model_runner import (
 from engine.models.llama import ArchConfig, apply_rope, linear, rope_cos_sin
 from engine.models.loader import load_safetensors
 from engine.request import Request
-from engine.spec.proposers.base import (
+from engine.spec_decode.proposers.base import (
     Draft,
     DrafterIdentity,
     ProposeContext,
@@ -55,8 +55,8 @@ from engine.spec.proposers.base import (
     model_name,
     weights_digest,
 )
-from engine.spec.proposers.draft_vocab import DraftLMHead
-from engine.spec.proposers.features import (
+from engine.spec_decode.proposers.draft_vocab import DraftLMHead
+from engine.spec_decode.proposers.feature_buffers import (
     HiddenRows,
     buffer_rows,
     catch_up_rows,
@@ -65,7 +65,7 @@ from engine.spec.proposers.features import (
     import_hidden_rows,
     lazy_buffer_rows,
 )
-from engine.spec.proposers.tree_drafting import kernel_tree_args, kernel_tree_drafts, sampling_rows
+from engine.spec_decode.proposers.tree_drafting import kernel_tree_args, kernel_tree_drafts, sampling_rows
 from kernels.torch_attn import rows_kernel_inputs
 
 # Rows (elements) up to which the midlayer's forwards and drafting chains run the fused CPU kernels
@@ -582,7 +582,7 @@ class Eagle3Proposer(Proposer):
     def observe_step(self, sched, runner_out) -> None:
         """Buffer fc(aux) of each drafting-capable request's newly committed positions, then bound
         the buffers: run the midlayer over the rows of every request holding more than its bound
-        (`max_buffered_rows`, features.LAZY_BUFFER_ROWS), all but the last."""
+        (`max_buffered_rows`, feature_buffers.LAZY_BUFFER_ROWS), all but the last."""
         aux = runner_out.aux_hidden_states
         if not any(may_draft(s.request) and not s.request.is_finished for s in sched.scheduled):
             return
@@ -690,11 +690,11 @@ class Eagle3Proposer(Proposer):
     @torch.inference_mode()
     def propose_trees(self, requests: list[Request], num_nodes: list[int], max_depths: list[int],
                       context: ProposeContext, widths: list[int] | None = None) -> list[Draft]:
-        """Dynamic trees (`tree_drafting.grow_trees`) of the midlayer, as `ChainProposer`'s: the
+        """Dynamic trees (`tree_drafting.grow_trees`) of the midlayer, as `FeatureLayerProposer`'s: the
         catch-up's last output (position n - 2) gives the root's children; a node's element pairs
         its parent's output feature with its token, at slot n - 2 + its index in the expanded
         tree and RoPE position by depth; each level runs its new nodes only (a partial tree)."""
-        from engine.spec.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
+        from engine.spec_decode.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
 
         self._flush_deferred({r.request_id for r in requests})
         t_start = time.perf_counter()

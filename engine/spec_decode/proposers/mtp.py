@@ -13,7 +13,7 @@ KV cache and RoPE at the element's position, MLP; out is its residual stream). T
 orders are vLLM's (deepseek_mtp.py, mimo_mtp.py), and so are the features: DeepSeek-V3's MTP
 reads the target's final-norm hidden state (what its model returns), MiMo's the last layer's
 output before the final norm (vLLM's MiMo applies the norm in compute_logits); vLLM's zeroing of
-the embedding at position 0 is not done (SGLang does not either). `ChainProposer` runs the
+the embedding at position 0 is not done (SGLang does not either). `FeatureLayerProposer` runs the
 modules (one per depth, the last applied recursively for drafts beyond them; a one-module
 checkpoint is applied recursively from the first draft on, as vLLM does).
 
@@ -40,10 +40,10 @@ from torch import nn
 from engine.errors import DrafterMismatchError
 from engine.models.llama import DecoderLayer
 from engine.models.loader import load_safetensors, mtp_weight_prefixes
-from engine.spec.proposers.base import DrafterIdentity, model_name, weights_digest
-from engine.spec.proposers.chain import ChainProposer
-from engine.spec.proposers.checkpoint import check_tensors, load_decoder_layer, read_config, refuse_unused
-from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
+from engine.spec_decode.proposers.base import DrafterIdentity, model_name, weights_digest
+from engine.spec_decode.proposers.feature_layer import FeatureLayerProposer
+from engine.spec_decode.proposers.checkpoint import check_tensors, load_decoder_layer, read_config, refuse_unused
+from engine.spec_decode.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
 
 DEEPSEEK, MIMO = "deepseek", "mimo"
 # published tensor names (under a module's prefix) of: token norm, feature norm, projection, and
@@ -100,7 +100,7 @@ def resolve_mtp_dir(model_dir: str | None, target_dir: str) -> str:
     return target_dir
 
 
-class MTPProposer(ChainProposer):
+class MTPProposer(FeatureLayerProposer):
     method = "mtp"
     name = "MTP"
 

@@ -31,7 +31,7 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.request import Request
-from engine.spec.proposers.base import BucketedMedians, Draft, ProposeContext, Proposer
+from engine.spec_decode.proposers.base import BucketedMedians, Draft, ProposeContext, Proposer
 
 logger = logging.getLogger("engine")
 
@@ -558,7 +558,7 @@ class Speculator:
     def usable_prefix(self, request: Request, cached_blocks: list[int]) -> list[int]:
         """The leading blocks of a request's cached prefix it may reuse: all of them, except
         that a request that may draft with a feature drafter stops at the first block whose
-        drafter KV was never filled (features.DrafterKVCoverage) and recomputes from there."""
+        drafter KV was never filled (feature_buffers.DrafterKVCoverage) and recomputes from there."""
         return self.usable_blocks(request.sampling_params.speculative, cached_blocks)
 
     def usable_blocks(self, speculative: bool, cached_blocks: list[int]) -> list[int]:
@@ -923,7 +923,7 @@ class Speculator:
     def _cheap_probes(self, requests: list[Request]) -> list[int]:
         """Indices of the requests a probe drafts for: those whose drafter is caught up to within
         PROBE_CATCH_UP_ROWS positions, or else the one closest. While speculation is off a layer
-        drafter's rows wait un-run (features.LAZY_BUFFER_ROWS); a probe of every request would
+        drafter's rows wait un-run (feature_buffers.LAZY_BUFFER_ROWS); a probe of every request would
         run them all at once, a stall of the whole batch to refresh an estimate."""
         pending = self.proposer.pending_rows_of(requests)
         keep = [i for i, p in enumerate(pending) if p <= PROBE_CATCH_UP_ROWS]

@@ -25,7 +25,7 @@ import torch
 
 from engine.errors import CheckpointError
 from engine.request import Request
-from engine.spec.proposers.base import sample_drafts
+from engine.spec_decode.proposers.base import sample_drafts
 
 FILENAME = "draft_vocab.json"
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from engine.errors import CheckpointError, DrafterMismatchError
 from engine.request import Request
-from engine.spec.proposers.base import (
+from engine.spec_decode.proposers.base import (
     Draft,
     DrafterIdentity,
     ProposeContext,
@@ -38,15 +38,15 @@ from engine.spec.proposers.base import (
     sample_drafts,
     weights_digest,
 )
-from engine.spec.proposers.checkpoint import (
+from engine.spec_decode.proposers.checkpoint import (
     check_head_matches_target,
     check_tensors,
     load_tensors,
     read_config,
     refuse_unused,
 )
-from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.features import HiddenRows, committed_hidden, import_hidden_rows
+from engine.spec_decode.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
+from engine.spec_decode.proposers.feature_buffers import HiddenRows, committed_hidden, import_hidden_rows
 
 OUR_ARCHITECTURE = "MedusaHeads"
 PUBLISHED_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")

@@ -33,7 +33,7 @@ from engine.model_runner import (
 from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
 from engine.request import Request
-from engine.spec.proposers.base import (
+from engine.spec_decode.proposers.base import (
     Draft,
     DrafterIdentity,
     ProposeContext,
@@ -42,15 +42,15 @@ from engine.spec.proposers.base import (
     model_name,
     weights_digest,
 )
-from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
-from engine.spec.proposers.tree_drafting import (
+from engine.spec_decode.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
+from engine.spec_decode.proposers.tree_drafting import (
     grow_trees,
     kernel_tree_args,
     kernel_tree_drafts,
     scratch_depths,
     tree_widths,
 )
-from engine.spec.tree import DraftTree
+from engine.spec_decode.tree import DraftTree
 
 
 @dataclass

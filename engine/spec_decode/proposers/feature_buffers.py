@@ -4,7 +4,7 @@ native MTP, Medusa).
 After every step, the hidden states of each scheduled request's newly committed positions
 (prefill chunk rows, or the last token + accepted drafts of a verification) are sliced out of the
 step's batch output. Each proposer keeps what it needs of them, bounded per request: Medusa the
-last row, the layer drafters the rows their layers have not yet run over (see chain.py).
+last row, the layer drafters the rows their layers have not yet run over (see feature_layer.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class HiddenRows:
 
     start: int
     rows: torch.Tensor  # [num_rows, hidden]
-    # A drafter with several chained modules (native MTP, chain.py): module m's buffered input
+    # A drafter with several chained modules (native MTP, feature_layer.py): module m's buffered input
     # features (module m - 1's outputs), m = 1.., each ending where the previous one starts.
     deeper: tuple[HiddenRows, ...] = ()
     # the tensor whose first rows `rows` are, with room for more (`append_rows`); None: none

@@ -6,7 +6,7 @@ element sits at RoPE position j+1 (a constant shift: attention scores only see r
 positions) and in the head's own paged KV cache at position j (same block tables as the target;
 one layer, so its KV costs 1/L of the target's). Drafting runs the layer autoregressively: the
 predicted feature and the drafted token form the next element. The head's KV, like the target's,
-only keeps committed elements; buffering and drafting are `ChainProposer`'s with one module.
+only keeps committed elements; buffering and drafting are `FeatureLayerProposer`'s with one module.
 
 Two layouts load: ours (`architectures: ["EagleHead"]`, the target's name and sizes under
 `eagle`), and the published EAGLE-1 layout as the EAGLE repo saves it and vLLM reads it (a Llama
@@ -24,9 +24,9 @@ import torch
 
 from engine.errors import DrafterMismatchError
 from engine.models.llama import ArchConfig, DecoderLayer, rope_cos_sin
-from engine.spec.proposers.base import DrafterIdentity, model_name, weights_digest
-from engine.spec.proposers.chain import ChainProposer
-from engine.spec.proposers.checkpoint import (
+from engine.spec_decode.proposers.base import DrafterIdentity, model_name, weights_digest
+from engine.spec_decode.proposers.feature_layer import FeatureLayerProposer
+from engine.spec_decode.proposers.checkpoint import (
     check_head_matches_target,
     check_tensors,
     load_decoder_layer,
@@ -34,12 +34,12 @@ from engine.spec.proposers.checkpoint import (
     read_config,
     refuse_unused,
 )
-from engine.spec.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
+from engine.spec_decode.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
 
 OUR_ARCHITECTURE = "EagleHead"
 
 
-class EagleProposer(ChainProposer):
+class EagleProposer(FeatureLayerProposer):
     method = "eagle"
     name = "EAGLE"
 
