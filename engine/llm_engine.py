@@ -19,6 +19,7 @@ import torch
 
 from engine.block_manager import KVBlockManager, cdiv
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from engine.device import resolve_device, resolve_dtype
 from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.handoff import Handoff, HandoffCompat, HandoffStats
 from engine.model_runner import ModelRunner, gather_kv_blocks, kv_bytes_per_token, scatter_kv_blocks
@@ -30,7 +31,6 @@ from engine.spec_decode.tree import DraftTree
 
 logger = logging.getLogger("engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
@@ -49,38 +49,6 @@ def gpu_kv_budget(total: int, free: int, utilization: float, buffers: int) -> in
             f"processes) and the drafter's buffers take {buffers / gib:.2f} GiB; give each engine sharing the "
             "GPU its share (a lower gpu_memory_utilization than the first engine's) or set kv_cache_memory_bytes")
     return budget
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cpu" or device.startswith("cuda"):
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but no CUDA device is available")
-        return torch.device(device)
-    raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """True when the CPU has bf16 matrix instructions (AMX or AVX512-BF16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 @dataclass

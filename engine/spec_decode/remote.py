@@ -45,7 +45,14 @@ from engine.backoff import Backoff
 from engine.errors import DrafterMismatchError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, model_name
+from engine.spec_decode.proposers.base import (
+    Draft,
+    DrafterIdentity,
+    ProposeContext,
+    Proposer,
+    StepTimer,
+    model_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +153,7 @@ class DraftService:
         session_ttl_s: float = 300.0,
         num_threads: int | None = None,
     ) -> None:
-        from engine.llm_engine import resolve_device, resolve_dtype
+        from engine.device import resolve_device, resolve_dtype
         from engine.model_runner import kv_bytes_per_token
         from engine.models.loader import load_hf_config
         from engine.spec_decode.proposers.draft_model import DraftModelProposer
