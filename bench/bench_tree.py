@@ -188,12 +188,12 @@ def main(argv=None) -> dict:
     for name, llm in llms.items():
         sp = llm.engine.speculator
         if sp is not None and sp.config.uses_tree and sp.config.adaptive:
-            policy[name] = {"planned_widths": dict(sorted(sp.width_counts.items())),
-                            "sibling_rates": [round(sp.sibling_acceptance.rate(j), 3) for j in range(1, 4)],
+            policy[name] = {"planned_widths": dict(sorted(sp.trees.width_counts.items())),
+                            "sibling_rates": [round(sp.trees.sibling_acceptance.rate(j), 3) for j in range(1, 4)],
                             "tree_steps": sp.num_tree_steps, "steps_on": sp.num_steps_on,
-                            "last_floor": round(sp.adaptive_floor, 3) if sp.floors_trees else None,
-                            "floored_accepted_per_tree": round(sp.floored_acceptance.mean(), 2),
-                            "floored_nodes_per_tree": round(sp.floored_acceptance.mean_nodes(15), 2)}
+                            "last_floor": round(sp.trees.adaptive_floor, 3) if sp.trees.floors_trees else None,
+                            "floored_accepted_per_tree": round(sp.trees.floored_acceptance.mean(), 2),
+                            "floored_nodes_per_tree": round(sp.trees.floored_acceptance.mean_nodes(15), 2)}
             print(name, policy[name])
     png = RESULTS / f"{args.name}.png"
     plot(rows, png)

@@ -15,16 +15,10 @@ from hypothesis import strategies as st
 
 from engine import SamplingParams, SpeculativeConfig
 from engine.request import Request
+from engine.spec_decode.acceptance import AcceptanceModel
+from engine.spec_decode.cost_model import POINT_SAMPLES, StepCalibration, StepCostModel, StepMode, monotone
 from engine.spec_decode.proposers.base import Draft, ProposeContext, Proposer
-from engine.spec_decode.speculator import (
-    MIN_GAIN,
-    POINT_SAMPLES,
-    AcceptanceModel,
-    Speculator,
-    StepCalibration,
-    StepCostModel,
-    monotone,
-)
+from engine.spec_decode.speculator import MIN_GAIN, Speculator
 
 
 def request(i: int = 0) -> Request:
@@ -105,14 +99,14 @@ def test_one_early_rejection_at_a_deep_position_does_not_stop_the_policy_draftin
 
 def test_calibration_medians_borrowing_and_buckets():
     cal = StepCalibration()
-    assert cal.ratio(16, True) == 1.0  # nothing measured
+    assert cal.ratio(16, StepMode.CHAIN) == 1.0  # nothing measured
     for x in (1.2, 1.3, 9.0):  # one outlier step
-        cal.add(16, False, x)
-    assert cal.ratio(16, False) == pytest.approx(1.3)
-    assert cal.ratio(16, True) == pytest.approx(1.3)  # borrowed from the other side
-    cal.add(16, True, 1.5)
-    assert cal.ratio(16, True) == pytest.approx(1.5)
-    assert cal.ratio(1, False) == pytest.approx(1.3)  # nearest measured bucket
+        cal.add(16, StepMode.PLAIN, x)
+    assert cal.ratio(16, StepMode.PLAIN) == pytest.approx(1.3)
+    assert cal.ratio(16, StepMode.CHAIN) == pytest.approx(1.3)  # borrowed from the other side
+    cal.add(16, StepMode.CHAIN, 1.5)
+    assert cal.ratio(16, StepMode.CHAIN) == pytest.approx(1.5)
+    assert cal.ratio(1, StepMode.PLAIN) == pytest.approx(1.3)  # nearest measured bucket
 
 
 class FixedCostProposer:
@@ -178,10 +172,10 @@ def test_the_startup_profile_is_not_bent_by_a_burst_of_noise(monkeypatch, burst_
     """A burst of slow calls as long as the samples one point used to take back to back (3), and
     the first call of each shape, leave the profiled curve at the true step times: the points are
     timed in interleaved rounds (plus an untimed first round) and each keeps its fastest."""
-    import engine.spec_decode.speculator as sp_module
+    import engine.spec_decode.cost_model as cost_model
 
     clock = [0.0]
-    monkeypatch.setattr(sp_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(cost_model, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     spec = Speculator(SpeculativeConfig(method="draft", model="unused"), FixedCostProposer(0.0), 1000)
     cost = spec.profile(ClockRunner(clock, burst_at, 3), max_num_seqs=1, max_tokens=2048)
     for q in cost.tokens_per_request:
@@ -211,8 +205,8 @@ def test_best_cap_uses_measured_calibration():
         spec.acceptance.observe(r, 1, int(i % 10 < 4))  # 40%: 1.4 / 1.1 = 1.27x predicted
     assert spec.best_cap(1, [r], [1]) == 1
     for _ in range(8):
-        spec.calibration.add(1, False, 1.0)
-        spec.calibration.add(1, True, 1.4)
+        spec.calibration.add(1, StepMode.PLAIN, 1.0)
+        spec.calibration.add(1, StepMode.CHAIN, 1.4)
     assert spec.best_cap(1, [r], [1]) == 0
 
 
@@ -234,10 +228,10 @@ def test_a_batch_does_not_speculate_on_steps_with_drafts_measured_cheaper_than_s
         for r in rs:
             spec.acceptance.observe(r, 1, int(i % 10 < 8))  # 80% at position 1
     for _ in range(8):
-        spec.calibration.add(16, False, 1.5, 16)
-        spec.calibration.add(16, True, 1.05, 32)
-        spec.calibration.add(1, False, 1.5, 1)
-        spec.calibration.add(1, True, 1.05, 2)
+        spec.calibration.add(16, StepMode.PLAIN, 1.5, 16)
+        spec.calibration.add(16, StepMode.CHAIN, 1.05, 32)
+        spec.calibration.add(1, StepMode.PLAIN, 1.5, 1)
+        spec.calibration.add(1, StepMode.CHAIN, 1.05, 2)
     # raw: 16 * 1.8 tokens / (18.5 * 1.05) beats 16 / (10 * 1.5); floored: / (18.5 * 1.5) does not
     assert (spec.best_cap(16, rs, [1] * 16) == 0) == floor
     assert spec.best_cap(1, rs[:1], [1]) == 1
@@ -294,7 +288,7 @@ def test_a_lone_request_step_times_never_fall_with_more_drafts():
     spec = speculator_with([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4])
     for _ in range(8):
         for tokens, ratio in ((1, 1.0), (2, 1.0), (5, 1.0), (6, 1.5), (7, 1.0)):
-            spec.calibration.add(1, tokens > 1, ratio, tokens)
+            spec.calibration.add(1, StepMode.CHAIN if tokens > 1 else StepMode.PLAIN, ratio, tokens)
     times = spec._k_times(6, None)
     assert all(a <= b for a, b in itertools.pairwise(times)), times
 
@@ -447,24 +441,23 @@ def test_a_probe_drafts_only_for_requests_caught_up_or_the_closest_one():
 def test_calibration_points_take_over_from_their_side_once_measured():
     """A (side, batch bucket, tokens per request) point's own median is used from POINT_SAMPLES
     steps on; before that the side's; without `borrow`, another bucket's measurements do not count."""
-    from engine.spec_decode.speculator import POINT_SAMPLES
 
     cal = StepCalibration()
     for _ in range(4):
-        cal.add(1, True, 1.2, num_tokens=3)
-    assert cal.ratio(1, True, 3) == pytest.approx(1.2)
+        cal.add(1, StepMode.CHAIN, 1.2, num_tokens=3)
+    assert cal.ratio(1, StepMode.CHAIN, 3) == pytest.approx(1.2)
     for _ in range(POINT_SAMPLES):
-        assert cal.ratio(1, True, 6) == pytest.approx(1.2)  # the side's median until the point has enough
-        cal.add(1, True, 0.7, num_tokens=6)
-    assert cal.samples(1, True, 6) == POINT_SAMPLES
-    assert cal.ratio(1, True, 6) == pytest.approx(0.7)
-    assert cal.ratio(1, True, 3) == pytest.approx(1.2)
-    assert cal.ratio(16, True, 32) == pytest.approx(cal.ratio(1, True))  # borrowed from batch 1's side
-    assert cal.ratio(16, True, 32, borrow=False) == 1.0
+        assert cal.ratio(1, StepMode.CHAIN, 6) == pytest.approx(1.2)  # the side's median until the point has enough
+        cal.add(1, StepMode.CHAIN, 0.7, num_tokens=6)
+    assert cal.samples(1, StepMode.CHAIN, 6) == POINT_SAMPLES
+    assert cal.ratio(1, StepMode.CHAIN, 6) == pytest.approx(0.7)
+    assert cal.ratio(1, StepMode.CHAIN, 3) == pytest.approx(1.2)
+    assert cal.ratio(16, StepMode.CHAIN, 32) == pytest.approx(cal.ratio(1, StepMode.CHAIN))  # borrowed from batch 1's side
+    assert cal.ratio(16, StepMode.CHAIN, 32, borrow=False) == 1.0
     # 16 requests with 32 tokens in the step: 2 tokens a request, a point of its own
     for _ in range(POINT_SAMPLES):
-        cal.add(16, True, 1.5, num_tokens=32)
-    assert cal.ratio(16, True, 31) == pytest.approx(1.5) and cal.ratio(1, True, 2) == pytest.approx(1.2)
+        cal.add(16, StepMode.CHAIN, 1.5, num_tokens=32)
+    assert cal.ratio(16, StepMode.CHAIN, 31) == pytest.approx(1.5) and cal.ratio(1, StepMode.CHAIN, 2) == pytest.approx(1.2)
     assert cal.as_dict()["on@1x6"] == pytest.approx(0.7) and cal.as_dict()["on@16x2"] == pytest.approx(1.5)
 
 
@@ -541,16 +534,16 @@ def test_a_host_slowed_for_a_while_does_not_leave_the_policy_drafting_less(monke
     the slowdown moves them all and k stays (or comes back) at 4 once the host recovers. Negative
     control: without the drift (DRIFT_WINDOW = 0, each point its raw ratios, as until stop 37) the
     points measured slow keep their ratios and the policy drafts less than 4 after the recovery."""
-    import engine.spec_decode.speculator as speculator_mod
+    import engine.spec_decode.cost_model as cost_model
 
     if not drift:
-        monkeypatch.setattr(speculator_mod, "DRIFT_WINDOW", 0)
+        monkeypatch.setattr(cost_model, "DRIFT_WINDOW", 0)
     spec, ks = lone_request_ks(TRUE_STEP_S, TRUE_STEP_S, host=lambda step: 2.5 if 100 <= step < 160 else 1.0)
     after = ks[200:]
     common = max(set(after), key=after.count)
     if drift:
         assert common == 4, sorted(collections.Counter(after).items())
-        assert spec.calibration.ratio(1, True, 5) == pytest.approx(1.0, abs=0.05)
+        assert spec.calibration.ratio(1, StepMode.CHAIN, 5) == pytest.approx(1.0, abs=0.05)
     else:
         assert common < 4, sorted(collections.Counter(after).items())
 
@@ -563,12 +556,12 @@ def test_a_points_ratio_does_not_move_with_the_mix_of_other_points():
     cal = StepCalibration()
     for i in range(32):
         six = i % 4 == 3
-        cal.add(1, True, 1.25 if six else 1.0, num_tokens=6 if six else 3)
-    assert cal.ratio(1, True, 6) == pytest.approx(1.25) and cal.ratio(1, True, 3) == pytest.approx(1.0)
+        cal.add(1, StepMode.CHAIN, 1.25 if six else 1.0, num_tokens=6 if six else 3)
+    assert cal.ratio(1, StepMode.CHAIN, 6) == pytest.approx(1.25) and cal.ratio(1, StepMode.CHAIN, 3) == pytest.approx(1.0)
     for i in range(32):
         six = i % 4 != 3
-        cal.add(1, True, 1.25 if six else 1.0, num_tokens=6 if six else 3)
-    assert cal.ratio(1, True, 6) == pytest.approx(1.25) and cal.ratio(1, True, 3) == pytest.approx(1.0)
+        cal.add(1, StepMode.CHAIN, 1.25 if six else 1.0, num_tokens=6 if six else 3)
+    assert cal.ratio(1, StepMode.CHAIN, 6) == pytest.approx(1.25) and cal.ratio(1, StepMode.CHAIN, 3) == pytest.approx(1.0)
 
 
 def test_a_point_not_measured_for_a_while_is_forgotten_and_explored_again():
@@ -576,24 +569,24 @@ def test_a_point_not_measured_for_a_while_is_forgotten_and_explored_again():
     only 3-token steps run. Within POINT_HORIZON steps the 6-token point keeps its shape and
     follows the host (0.8 x 1.5); after it, it reads as unmeasured (its side's median shape, 1.0,
     times the host's level now, 1.5) and counts no samples, so a lone request explores it again."""
-    from engine.spec_decode.speculator import POINT_HORIZON
+    from engine.spec_decode.cost_model import POINT_HORIZON
 
     cal = StepCalibration()
     for i in range(24):
-        cal.add(1, True, 0.8 if i % 4 == 3 else 1.0, num_tokens=6 if i % 4 == 3 else 3)
+        cal.add(1, StepMode.CHAIN, 0.8 if i % 4 == 3 else 1.0, num_tokens=6 if i % 4 == 3 else 3)
     for _ in range(POINT_HORIZON - 24):  # (the first 6-token step, the 4th, is POINT_HORIZON - 4 steps ago)
-        cal.add(1, True, 1.5, num_tokens=3)
-    assert cal.ratio(1, True, 6) == pytest.approx(1.2) and cal.samples(1, True, 6) == 6
+        cal.add(1, StepMode.CHAIN, 1.5, num_tokens=3)
+    assert cal.ratio(1, StepMode.CHAIN, 6) == pytest.approx(1.2) and cal.samples(1, StepMode.CHAIN, 6) == 6
     for _ in range(16):  # 4 of the 6 fall past the horizon
-        cal.add(1, True, 1.5, num_tokens=3)
-    assert cal.samples(1, True, 6) < POINT_SAMPLES
-    assert cal.ratio(1, True, 6) == pytest.approx(1.5)
+        cal.add(1, StepMode.CHAIN, 1.5, num_tokens=3)
+    assert cal.samples(1, StepMode.CHAIN, 6) < POINT_SAMPLES
+    assert cal.ratio(1, StepMode.CHAIN, 6) == pytest.approx(1.5)
     # other batch buckets keep their own clocks (and drifts)
     for _ in range(3):
-        cal.add(16, False, 1.1, num_tokens=16)
+        cal.add(16, StepMode.PLAIN, 1.1, num_tokens=16)
     for _ in range(2 * POINT_HORIZON):
-        cal.add(1, True, 1.5, num_tokens=3)
-    assert cal.ratio(16, False, 16) == pytest.approx(1.1)
+        cal.add(1, StepMode.CHAIN, 1.5, num_tokens=3)
+    assert cal.ratio(16, StepMode.PLAIN, 16) == pytest.approx(1.1)
 
 
 
@@ -625,8 +618,8 @@ def batch_speculator(acceptance: float = 0.65, priced_s: float = 0.0005) -> tupl
         for _ in range(200):
             spec.acceptance.observe(r, 1, int(rng.random() < acceptance))
     for _ in range(POINT_SAMPLES):  # both sides measured as the curve says
-        spec.calibration.add(16, False, 1.0, 16)
-        spec.calibration.add(16, True, 1.0, 32)
+        spec.calibration.add(16, StepMode.PLAIN, 1.0, 16)
+        spec.calibration.add(16, StepMode.CHAIN, 1.0, 32)
     return spec, rs
 
 
@@ -663,15 +656,16 @@ def test_a_batch_measures_its_steps_without_drafts_again():
     the bucket that point expires, and while it holds fewer than POINT_SAMPLES recent steps a
     speculating batch goes without drafts once every OFF_PROBE_EVERY steps; three such steps at
     the curve bring its price back (not the transient's)."""
-    from engine.spec_decode.speculator import BATCH_POINT_HORIZON, OFF_PROBE_EVERY
+    from engine.spec_decode.cost_model import BATCH_POINT_HORIZON
+    from engine.spec_decode.speculator import OFF_PROBE_EVERY
 
     spec, rs = batch_speculator(acceptance=0.9)
     spec.calibration = StepCalibration()
     for _ in range(9):
-        spec.calibration.add(16, False, 2.7, 16)
+        spec.calibration.add(16, StepMode.PLAIN, 2.7, 16)
     for _ in range(BATCH_POINT_HORIZON):
-        spec.calibration.add(16, True, 1.0, 32)
-    assert spec.calibration.samples(16, False, 16) == 0
+        spec.calibration.add(16, StepMode.CHAIN, 1.0, 32)
+    assert spec.calibration.samples(16, StepMode.PLAIN, 16) == 0
     sched = SimpleNamespace(scheduled=[SimpleNamespace(request=r, spec_token_ids=[7], num_new_tokens=1,
                                                        spec_tree=None) for r in rs])
     out = SimpleNamespace(sampled_token_ids=[[7, 7]] * 16)
@@ -679,6 +673,6 @@ def test_a_batch_measures_its_steps_without_drafts_again():
     probes = [i + 1 for i, d in enumerate(drafted) if not d]
     assert probes == [OFF_PROBE_EVERY, 2 * OFF_PROBE_EVERY, 3 * OFF_PROBE_EVERY] and spec.num_off_probes == 3
     for _ in range(POINT_SAMPLES):  # the probes' steps, measured at the curve
-        spec.calibration.add(16, False, 1.0, 16)
-    assert spec.calibration.ratio(16, False, 16) == pytest.approx(1.0)
+        spec.calibration.add(16, StepMode.PLAIN, 1.0, 16)
+    assert spec.calibration.ratio(16, StepMode.PLAIN, 16) == pytest.approx(1.0)
     assert not spec.propose_for_step(rs, sched, out, 4 * OFF_PROBE_EVERY, ProposeContext({})) == {}

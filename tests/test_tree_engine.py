@@ -399,7 +399,7 @@ def test_adaptive_trees_equal_target_and_are_chosen_when_cheap(models, baseline)
     """adaptive=True with trees: greedy output still equals the target alone. With a cost model
     where verifying more tokens costs nothing extra (as at small batch on a GPU), the policy drafts
     trees; where each verified token costs a whole step, it drafts chains."""
-    from engine.spec_decode.speculator import StepCostModel
+    from engine.spec_decode.cost_model import StepCostModel
 
     # chains of at most 2 drafts, trees of depth 4; drafting costs next to nothing (stubbed)
     spec = SpeculativeConfig(model=models["close"], num_speculative_tokens=2, **(TREE | {"adaptive": True}))
@@ -410,7 +410,7 @@ def test_adaptive_trees_equal_target_and_are_chosen_when_cheap(models, baseline)
         sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + slope * (q - 1)) for q in qs]] * 2)
         sp.observe_step_time = lambda sched, seconds: None  # keep the fake model's calibration (1)
         sp.proposer.step_cost = lambda n, k: 1e-6 * k
-        sp.tree_draft_time = lambda n, depth: 1e-6 * depth
+        sp.trees.tree_draft_time = lambda n, depth: 1e-6 * depth
         outs, _ = run_mixed(engine, MIXED_PROMPTS[:3], [GREEDY] * 3, [0, 0, 1])
         assert outs == {f"r{i}": baseline[f"r{i}"] for i in range(3)}
         if expect_trees:
@@ -425,7 +425,7 @@ def test_tree_choice_follows_the_predicted_rate(models):
     verification is flat, lose when it is steep; measured tree acceptance moves the choice.
     (Trees without a value floor: tree_min_prob=0.)"""
     from engine.request import Request
-    from engine.spec_decode.speculator import StepCostModel
+    from engine.spec_decode.cost_model import StepCostModel
 
     engine = LLMEngine(models["target"], dtype="float32", device="cpu", speculative=SpeculativeConfig(
         model=models["target"], **(TREE | {"adaptive": True, "tree_min_prob": 0.0})))
@@ -444,7 +444,7 @@ def test_tree_choice_follows_the_predicted_rate(models):
     sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + 0.05 * (q - 1)) for q in qs]] * 2)  # mild slope
     assert sp._trees_pay(reqs, step_index=1)
     for _ in range(2000):  # trees that accept nothing
-        sp.tree_acceptance.observe(0, 15)
+        sp.trees.tree_acceptance.observe(0, 15)
     assert not sp._trees_pay(reqs, step_index=1)
 
 
@@ -456,12 +456,8 @@ def test_adaptive_floor_follows_the_verify_cost(models):
     still probed every TREE_PROBE_EVERY steps (unfloored ones are not): their acceptance is only
     measured by drafting them; once FLOORED_PROBE_TRIALS are measured, every TREE_FAR_PROBE_EVERY."""
     from engine.request import Request
-    from engine.spec_decode.speculator import (
-        FLOORED_PROBE_TRIALS,
-        TREE_FAR_PROBE_EVERY,
-        TREE_PROBE_EVERY,
-        StepCostModel,
-    )
+    from engine.spec_decode.cost_model import StepCostModel
+    from engine.spec_decode.tree_policy import FLOORED_PROBE_TRIALS, TREE_FAR_PROBE_EVERY, TREE_PROBE_EVERY
 
     qs = [1, 2, 3, 5, 9]
     floors = {}
@@ -472,27 +468,27 @@ def test_adaptive_floor_follows_the_verify_cost(models):
         r = Request("q", list(range(1, 30)), GREEDY)
         r.block_ids = list(range(8))
         sp.proposer.step_cost = lambda n, k: 1e-5 * k
-        assert sp.floors_trees == (min_prob is None)
+        assert sp.trees.floors_trees == (min_prob is None)
         for slope in (0.0, 0.2, 1.0):
             sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + slope * (q - 1)) for q in qs]] * 2)
             pays = sp._trees_pay([r], step_index=TREE_PROBE_EVERY)
             if min_prob is None:
-                floors[slope] = (pays, sp.adaptive_floor, math.exp(sp.tree_floor()))
+                floors[slope] = (pays, sp.trees.adaptive_floor, math.exp(sp.trees.tree_floor()))
         if min_prob is None:
             assert floors[0.0][0] and floors[0.0][1] < 0.1 and floors[0.0][2] == pytest.approx(floors[0.0][1])
             assert floors[0.0][1] < floors[0.2][1] < 1.0
             assert not floors[1.0][0] and floors[1.0][1] >= 1.0
         else:
-            assert sp.tree_floor() == float("-inf")
+            assert sp.trees.tree_floor() == float("-inf")
         # trees that accept nothing: priced far below chains; probed only when floored
         sp.cost = StepCostModel([1, 4], qs, [[1e-3 * (1 + 0.2 * (q - 1)) for q in qs]] * 2)
         for _ in range(FLOORED_PROBE_TRIALS - 1):
-            sp.tree_model(r).observe(0, 4)
+            sp.trees.tree_model(r).observe(0, 4)
         assert not sp._trees_pay([r], step_index=1)
         assert sp._trees_pay([r], step_index=TREE_PROBE_EVERY) == (min_prob is None)
         # measured: probed only every TREE_FAR_PROBE_EVERY steps
         for _ in range(2000):
-            sp.tree_model(r).observe(0, 4)
+            sp.trees.tree_model(r).observe(0, 4)
         assert not sp._trees_pay([r], step_index=TREE_PROBE_EVERY)
         assert sp._trees_pay([r], step_index=TREE_FAR_PROBE_EVERY) == (min_prob is None)
 
@@ -505,7 +501,7 @@ def test_adaptive_trees_are_sized_per_request(models):
     covers the width rule.) Trees without a value floor (tree_min_prob=0); with one, a greedy
     request plans the configured tree and the floor prunes it (test_adaptive_floor_*)."""
     from engine.request import Request
-    from engine.spec_decode.speculator import StepCostModel
+    from engine.spec_decode.cost_model import StepCostModel
 
     qs = [1, 2, 3, 5, 9]
     plans = {}

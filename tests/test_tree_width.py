@@ -9,15 +9,11 @@ from test_tree_engine import GREEDY, MIXED_PROMPTS, PLAIN, models, run_mixed  # 
 
 from engine import LLMEngine, SamplingParams, SpeculativeConfig
 from engine.request import Request
+from engine.spec_decode.acceptance import SIBLING_PRIOR, SiblingAcceptance, top_chain_observation
+from engine.spec_decode.cost_model import StepCostModel
 from engine.spec_decode.proposers.tree_drafting import grow_trees, tree_widths
-from engine.spec_decode.speculator import (
-    SIBLING_PRIOR,
-    TREE_PROBE_EVERY,
-    SiblingAcceptance,
-    StepCostModel,
-    top_chain_observation,
-)
 from engine.spec_decode.tree import DraftTree
+from engine.spec_decode.tree_policy import TREE_PROBE_EVERY
 
 VOCAB, HIDDEN = 11, 8
 
@@ -152,7 +148,7 @@ def test_width_follows_the_requests_acceptance_and_the_sibling_rates(policy):
     assert flat_width > steep_width
     siblings_never = DraftTree((0, 5, 6, 7, 8), (-1, 0, 0, 0, 0), (0.0,) * 5)
     for _ in range(600):
-        sp.sibling_acceptance.observe(siblings_never, [1])  # the top child missed, and every sibling
+        sp.trees.sibling_acceptance.observe(siblings_never, [1])  # the top child missed, and every sibling
     sp.cost = _costs(0.1)
     assert sp._tree_plan(hard)[2] == 1
 
@@ -237,7 +233,7 @@ def test_a_step_where_chains_beat_trees_decides_its_chain_once(models):  # noqa:
                        speculative=SpeculativeConfig(model=models["target"], method="draft", adaptive=True,
                                                      tree_nodes=12, tree_width=4, tree_depth=4))
     sp = engine.speculator
-    sp.tree_draft_time = lambda n, d: 1.0  # trees never pay (nor come within probing distance)
+    sp.trees.tree_draft_time = lambda n, d: 1.0  # trees never pay (nor come within probing distance)
     calls: list[int] = []
     best_chain = sp.best_chain
 
