@@ -90,7 +90,7 @@ class SpeculativeConfig:
     drafter is unsure and stops drafting levels nothing reaches (a tree of width 1 is then a chain
     cut where its confidence falls). None (default): with `adaptive`, the policy's floor each
     step (a node must be worth the verify and drafting time it adds at the predicted tokens/s:
-    `Speculator.tree_floor`), else 0 (EAGLE-2's fixed count). Sampled trees take no floor (a draw
+    `TreePolicy.tree_floor`), else 0 (EAGLE-2's fixed count). Sampled trees take no floor (a draw
     kept by its value would bias the rejection sampler); n-gram trees have no probabilities.
     Trees need method "draft", "eagle", "eagle3", "mtp" (each path drafted as that chain would
     be: module d at depth d, the last applied recursively) or "ngram" (the continuations after the `tree_width` latest matches, merged into a trie). With
@@ -101,11 +101,11 @@ class SpeculativeConfig:
     decoding request drafts the configured tree every step. See docs/architecture.md, "Tree speculation".
     draft_weights: how an EAGLE-3 head's matrices are stored for its CPU row kernels. "int8": one
     int8 per weight and a scale per output row (`cpu_kernels.pack_rows_int8`: half the bytes a draft
-    reads, ~0.65x the drafting time at batch 1; the drafts' logits move by ~1e-3 of their scale,
+    reads, and drafting is bound by reading them; the drafts' logits move by ~1e-3 of their scale,
     the output stays the target's: drafts are verified); "int4": 4 bits a weight and a bfloat16
-    scale per group of 32 inputs of a row (`cpu_kernels.pack_rows_int4`: about half of int8's bytes;
-    ~0.85x int8's drafting time and 1.04x its batch-1 tokens/s with the shipped head, the same
-    accepted length at k = 6; needs every matrix a multiple of 32 wide); "model": the checkpoint's
+    scale per group of 32 inputs of a row (`cpu_kernels.pack_rows_int4`: about half of int8's bytes,
+    so faster drafting than int8 at the same accepted length with the shipped head; needs every
+    matrix a multiple of 32 wide); "model": the checkpoint's
     dtype; "auto" (default): int4 for a bfloat16 head where the CPU row kernels run it and the CPU
     has AVX512-VNNI (int8 where a matrix is not a multiple of 32 wide), else "model". Other methods
     take "auto" or "model".

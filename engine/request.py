@@ -149,7 +149,7 @@ class Request:
         # ...or, for tree speculation, the tree they form (its nodes 1.. are spec_token_ids, in
         # index order; node 0 is the last token); None for a chain.
         self.spec_tree: DraftTree | None = None
-        self.acceptance_counts = (0.0, 0.0)  # decayed (accepted, tried) drafts: spec/speculator.py
+        self.acceptance_counts = (0.0, 0.0)  # decayed (accepted, tried) drafts: spec_decode/acceptance.py
         self.spec_stats = SpecStats()
         # Timing for metrics / tracing.
         self.first_scheduled_time: float | None = None

@@ -1,8 +1,8 @@
 """The target's decode and verification steps as one captured CUDA graph.
 
 On a GPU a step of this engine's small models is bound by launches, not by the device: a forward
-is ~35 kernels a layer, each launched from Python (the H200 run of stop 38: 5.3 ms a step,
-whether it verified 1 or 8 tokens). A CUDA graph replays the whole forward in one launch.
+is ~35 kernels a layer, each launched from Python, so a step takes about as long whether it
+verifies 1 or 8 tokens. A CUDA graph replays the whole forward in one launch.
 
 Which steps: those the `exact="pad"` (or "batch_invariant") mode already runs on EXACT_ROWS-row
 products with attention one token at a time through the Triton backend's `rows_attention` (every

@@ -169,8 +169,8 @@ class ClockRunner:
 
 @pytest.mark.parametrize("burst_at", [0, 3, 8, 20])
 def test_the_startup_profile_is_not_bent_by_a_burst_of_noise(monkeypatch, burst_at):
-    """A burst of slow calls as long as the samples one point used to take back to back (3), and
-    the first call of each shape, leave the profiled curve at the true step times: the points are
+    """A burst of 3 slow calls in a row (as many as one point's samples would take back to back),
+    and the first call of each shape, leave the profiled curve at the true step times: the points are
     timed in interleaved rounds (plus an untimed first round) and each keeps its fastest."""
     import engine.spec_decode.cost_model as cost_model
 
@@ -213,7 +213,7 @@ def test_best_cap_uses_measured_calibration():
 @pytest.mark.parametrize("floor", [True, False])
 def test_a_batch_does_not_speculate_on_steps_with_drafts_measured_cheaper_than_steps_without(monkeypatch, floor):
     """16 requests whose decode steps without drafts measured 1.5x the curve and with drafts
-    1.05x (stop 34's sustained load, where speculating ran slower): with several requests a
+    1.05x (a sustained load where speculating runs slower): with several requests a
     step with drafts is taken as at least as slow as the curve says steps without are
     (FLOOR_ON_AT_OFF), so the batch stays off; without the floor (the control) it speculates. One
     request keeps its own ratios."""
@@ -243,7 +243,7 @@ def test_a_catch_up_debt_is_weighed_over_the_steps_left():
     rows at 25 us: 80 ms). With 90 tokens left each (~50 steps at 1.8 tokens), 1.6 ms a step of
     debt still leaves a gain: speculate. With 10 left (~6 steps), 14 ms a step does not: stay off.
     Rows within a steady round (k + 1) are no debt; without a recorded catch-up cost there is none
-    (the decision as before)."""
+    (the decision without debt)."""
     spec = Speculator(SpeculativeConfig(method="draft", model="unused"), FixedCostProposer(0.0), 1000)
     qs = [1, 2, 3, 5, 9]
     spec.cost = StepCostModel([16], qs, [[0.010 + 0.005 * (q - 1) for q in qs]])
@@ -283,7 +283,7 @@ def test_monotone_is_the_least_squares_non_decreasing_fit(values):
 
 
 def test_a_lone_request_step_times_never_fall_with_more_drafts():
-    """A point measured slow among faster neighbours (k = 5 above k = 4 and 6, as stop 34 saw)
+    """A point measured slow among faster neighbours (k = 5 above k = 4 and 6: noisy medians)
     does not make its neighbours look cheaper than it: the times per k are non-decreasing."""
     spec = speculator_with([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4])
     for _ in range(8):
@@ -532,7 +532,7 @@ def test_a_host_slowed_for_a_while_does_not_leave_the_policy_drafting_less(monke
     while the policy drafts 4: the points it measures then read slow while the others keep their
     earlier, fast steps, so k falls. With the host's speed read as a drift shared by every point,
     the slowdown moves them all and k stays (or comes back) at 4 once the host recovers. Negative
-    control: without the drift (DRIFT_WINDOW = 0, each point its raw ratios, as until stop 37) the
+    control: without the drift (DRIFT_WINDOW = 0, each point its raw ratios) the
     points measured slow keep their ratios and the policy drafts less than 4 after the recovery."""
     import engine.spec_decode.cost_model as cost_model
 
@@ -551,8 +551,8 @@ def test_a_host_slowed_for_a_while_does_not_leave_the_policy_drafting_less(monke
 def test_a_points_ratio_does_not_move_with_the_mix_of_other_points():
     """Steps of 3 tokens measure 1.0x the curve and steps of 6 tokens 1.25x, first one 6-token
     step in four, then three in four (the policy's k changed, the host did not). Each point reads
-    its own steps: 1.0 and 1.25 throughout. (Read relative to the side's median at the time, as
-    until stop 35, the 6-token point came out 1.25 / 1.0 * 1.25 = 1.56x once the mix changed.)"""
+    its own steps: 1.0 and 1.25 throughout. (Read relative to the mode's median at the time, the
+    6-token point would come out 1.25 / 1.0 * 1.25 = 1.56x once the mix changed.)"""
     cal = StepCalibration()
     for i in range(32):
         six = i % 4 == 3
@@ -630,7 +630,7 @@ def test_a_batch_whose_steps_with_drafts_run_under_their_prediction_stops_drafti
     ~0.9x the tokens/s predicted, and lose to 16 tokens in 10 ms. Once REALIZED_MIN such steps
     are measured (`_observe_realized`: tokens / (the step's time + the drafting that made its
     drafts) against the prediction), the batch stops drafting; without them (the control) it
-    drafts, as until stop 38 (16 sustained requests of sampled text ran 0.82-0.84x)."""
+    drafts."""
     from engine.spec_decode.speculator import REALIZED_MIN
 
     spec, rs = batch_speculator()

@@ -203,9 +203,9 @@ def test_top_chain_observation_follows_the_first_children():
 
 
 def test_tree_verifications_keep_measuring_chains(policy):
-    """A policy that picks trees must not stop measuring chains (the censoring trap that kept
-    bench_tree's adaptive trees at 0.67x the adaptive chain): a request whose chain estimate was
-    pessimistic when trees took over, and whose trees then accept their whole top-1 chain every
+    """A policy that picks trees must not stop measuring chains (a censoring trap: the chain
+    estimate trees are compared against would stay wherever it was when trees won): a request
+    whose chain estimate was pessimistic when trees took over, and whose trees then accept their whole top-1 chain every
     step, gets its chain estimate back up from those tree verifications."""
     from types import SimpleNamespace
 
@@ -223,11 +223,9 @@ def test_tree_verifications_keep_measuring_chains(policy):
 
 def test_a_step_where_chains_beat_trees_decides_its_chain_once(models):  # noqa: F811
     """The adaptive tree-or-chain policy prices the best chain to compare trees against it; when
-    chains win, the step drafts that chain without pricing it again (the second pricing, and the
-    per-level costs of each request's tree plan recomputed per depth, were ~0.3 ms of Python a
-    batch-1 step: the adaptive tree configurations ran 0.91-0.92x the adaptive chain in stop 39's
-    bench_tree while drafting chains), and trees priced far below chains are not priced again
-    before the next TREE_PROBE_EVERY step. Same drafts either way: the engine's greedy text is the
+    chains win, the step drafts that chain without pricing it again (pricing is Python work that
+    a batch-1 step feels), and trees priced far below chains are not priced again before the
+    next TREE_PROBE_EVERY step. Same drafts either way: the engine's greedy text is the
     target's, and it still speculates."""
     engine = LLMEngine(models["target"], dtype="float32", device="cpu",
                        speculative=SpeculativeConfig(model=models["target"], method="draft", adaptive=True,

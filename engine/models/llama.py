@@ -118,8 +118,8 @@ def linear(mod: nn.Linear, x: torch.Tensor, tile_rows: int = 0, packed: torch.Te
     tile padded with zero rows); `tile_rows` 1 is one row-vector product per row; ROW_KERNEL is
     kernels.cpu_kernels.rows_linear, row-invariant by construction (one pass over the weights)."""
     if packed is not None:
-        # bfloat16 weights on a CPU without native bfloat16 products (torch emulates them, ~6x
-        # slower): the packed kernel (`packed`: cpu_kernels.pack_rows of mod.weight) serves any
+        # bfloat16 weights on a CPU without native bfloat16 products (torch emulates them, several
+        # times slower): the packed kernel (`packed`: cpu_kernels.pack_rows of mod.weight) serves any
         # rows, and any `tile_rows` (its rows never depend on the others: no tiles needed).
         return cpu_kernels.packed_linear(x, packed, mod.weight.shape[0], mod.bias)
     if tile_rows == ROW_KERNEL:
@@ -341,7 +341,7 @@ class CausalLM(nn.Module):
     def prepare_rows(self) -> None:
         """Make the fused row path's packed weights now (at load) rather than in the first step;
         where torch emulates bfloat16 products (`cpu_kernels.emulated_bf16`), every matmul of the
-        model then uses them (prefill included: ~6x faster here than torch's)."""
+        model then uses them (prefill included: torch's emulated products are several times slower)."""
         packed_all = self.norm.dtype == torch.bfloat16 and cpu_kernels.emulated_bf16()
         for layer in self.layers:
             layer.row_weights()

@@ -59,7 +59,7 @@ def rejection_sample(
     device = draft_token_ids.device
     num_drafts = sum(num_draft_tokens)
     if not any_sampled:  # all greedy: the same one host sync, then a walk over two short lists
-        flat = torch.cat([draft_token_ids, target_argmax]).tolist()  # (~2 us here; ten tensor ops: ~90)
+        flat = torch.cat([draft_token_ids, target_argmax]).tolist()  # (cheaper than ten small tensor ops)
         out, d0, t0 = [], 0, num_drafts
         for n in num_draft_tokens:
             a = 0
@@ -135,7 +135,7 @@ def _step_kinds(is_greedy: list[bool], target_argmax, target_probs) -> tuple[boo
 
 
 @dataclass(frozen=True)
-class TreeAcceptance:
+class VerifiedPath:
     """One request's verified tree: the accepted draft nodes (root's child first, node indices
     of the request's tree) and the tokens to commit: theirs, then the recovered/bonus token."""
 
@@ -153,7 +153,7 @@ def tree_rejection_sample(
     is_greedy: list[bool],
     generators: list[torch.Generator | None],
     host_walk: bool | None = None,
-) -> list[TreeAcceptance]:
+) -> list[VerifiedPath]:
     """Walk each request's token tree from its root, accepting one child per level.
 
     num_nodes: n_r + 1 per request (root included). parent_ids [sum num_nodes] (host list):
@@ -188,7 +188,7 @@ def tree_rejection_sample(
     distribution try the children one after the other (the residual is not linear in q).
     One host sync at the end. On the CPU (host_walk None), or with host_walk=True: the same walk
     on the host, request by request (`_walk_host`: the same outputs; the per-depth tensor ops
-    cost more than the walk there, ~1.5 ms a step of 16-node greedy trees, ~2.5 ms sampled).
+    cost more than the walk there).
     """
     num_reqs = len(num_nodes)
     if num_reqs == 0:
@@ -249,14 +249,14 @@ def tree_rejection_sample(
     out = []
     for row in table:
         n = next((d for d in range(depth) if row[d] < 0), depth)
-        out.append(TreeAcceptance(row[:n], row[depth : depth + n] + [row[-1]]))
+        out.append(VerifiedPath(row[:n], row[depth : depth + n] + [row[-1]]))
     return out
 
 
 def _walk_host(num_nodes: list[int], parent_ids: list[int], node_token_ids: torch.Tensor,
                target_argmax: torch.Tensor | None, target_probs: torch.Tensor | None,
                draft_probs: torch.Tensor | None, is_greedy: list[bool],
-               generators: list[torch.Generator | None]) -> list[TreeAcceptance]:
+               generators: list[torch.Generator | None]) -> list[VerifiedPath]:
     """`tree_rejection_sample` walked on the host (CPU tensors), request by request, after one
     sync of the tokens and argmaxes: the same walk, the same uniforms, the same float32
     arithmetic. Greedy: the first child (index order) whose token is the target's argmax at the
@@ -265,7 +265,7 @@ def _walk_host(num_nodes: list[int], parent_ids: list[int], node_token_ids: torc
     and the final draw by the tensor walk's own functions on the request's one row
     (`residual_distribution`, `inverse_cdf_sample`; deterministic drafts: `_try_deterministic`),
     so the outputs are the tensor walk's (tested); what it saves is the per-depth tensor ops over
-    the whole batch (~20 a depth, ~2.5 ms a step of a 16-node sampled tree here). Trees are
+    the whole batch (~20 a depth). Trees are
     checked as `_children_table` checks them."""
     rows = [node_token_ids] + ([target_argmax.to(node_token_ids.dtype)] if target_argmax is not None else [])
     flat = torch.stack(rows).tolist()
@@ -324,7 +324,7 @@ def _walk_host(num_nodes: list[int], parent_ids: list[int], node_token_ids: torc
                 cur, p = nxt, None
             row = target_probs[start + cur : start + cur + 1] if p is None else p
             final = int(inverse_cdf_sample(row, u_t[start + n - 1 : start + n])[0])
-        out.append(TreeAcceptance(path, [tokens[start + c] for c in path] + [final]))
+        out.append(VerifiedPath(path, [tokens[start + c] for c in path] + [final]))
         start += n
     return out
 
