@@ -1,7 +1,7 @@
 """What Ray Serve + gRPC (or HTTP) add to latency: TTFT and TPOT at batch 1, served vs in-process.
 
     python -m bench.bench_serve [--model models/target --drafter models/drafter --method draft -k 4]
-        [--num-requests 20 --max-tokens 64] [--no-speculation] [--out bench/results/serve.json]
+        [--num-requests 20 --max-tokens 64] [--no-speculation] [--out PATH]
 
 Loads the same engine config three times on this machine: `engine.AsyncLLM` in this process;
 the SpecDecode application on an embedded Ray Serve (gRPC proxy -> ingress -> engine replica),
@@ -15,7 +15,7 @@ sequential (batch 1), greedy and ignore EOS (fixed length).
 TTFT: request sent -> first token received. TPOT: (last token - first token) / (tokens - 1).
 Medians over --num-requests after --warmup requests, for speculation on (if a drafter is
 configured) and off (per request). Goal: Serve+gRPC add < 10 ms to TTFT and < 15% to TPOT.
-Writes JSON to --out and prints a table.
+Writes bench/results/<host>/serve.json (or --out) and prints a table.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 from deployments.config import AppConfig, ConfigError, missing_models, resolve_path
 
@@ -118,8 +117,9 @@ class InProcess:
 def direct_server_class() -> type:
     """The engine replica answering Serve's proxy itself, with no ingress in front (the served
     path before the ingress existed): `Generate` relays `generate`'s messages. Bench only."""
-    from deployments.app import Accepted, SpecDecodeServer
+    from deployments.common import Accepted
     from deployments.errors import ClientError
+    from deployments.replica import SpecDecodeServer
 
     class DirectServer(SpecDecodeServer):
         async def Generate(self, request, grpc_context):  # noqa: N802 - gRPC method name
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-cpus", type=int, default=os.cpu_count() or 1, help="CPUs for the engine (both runs)")
     p.add_argument("--port", type=int, default=None, help="gRPC port (default: a free one)")
     p.add_argument("--pause", type=float, default=0.2, help="seconds of idle before each request")
-    p.add_argument("--out", default="bench/results/serve.json")
+    p.add_argument("--out", default=None, help="result JSON (default: bench/results/<host>/serve.json)")
     args = p.parse_args(argv)
 
     spec = None
@@ -385,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         "unary_round_trip_direct_ms_median": unary_direct_ms,
         "unary_round_trip_http_ms_median": unary_http_ms,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    from bench.common import write_results
+
+    out = write_results("serve", report, args.out)
 
     print(f"\n{'mode':<8} {'path':<18} {'TTFT ms':>9} {'TPOT ms':>9}")
     ok = lambda flag: "ok" if flag else "MISSED"  # noqa: E731

@@ -25,6 +25,7 @@ from typing import Any
 
 from ray import serve
 
+from deployments.common import apply_overrides, replica_resources
 from deployments.config import AppConfig, default_torch_threads, resolve_path
 
 logger = logging.getLogger("ray.serve")
@@ -142,8 +143,6 @@ def drafter_options(config: AppConfig, overrides: dict | None = None) -> dict:
     """Serve options for the drafter pool: `drafter_pool.num_cpus` CPUs (one GPU where the
     engine replicas take GPUs), sticky routing by engine replica, then the config file's
     `deployments:` overrides (num_replicas, autoscaling_config, ...)."""
-    from deployments.app import _apply, replica_resources
-
     resources = replica_resources(config)
     if "num_gpus" not in resources:
         resources = {"num_cpus": config.drafter_pool.num_cpus}
@@ -154,4 +153,4 @@ def drafter_options(config: AppConfig, overrides: dict | None = None) -> dict:
         "graceful_shutdown_timeout_s": 10,
         "request_router_config": {"request_router_class": AFFINITY_ROUTER},
     }
-    return _apply(options, overrides)
+    return apply_overrides(options, overrides)

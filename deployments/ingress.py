@@ -1,6 +1,6 @@
 """The ingress: the `specdecode.v1.SpecDecode` methods Serve's gRPC proxy calls and the OpenAI-style
 HTTP API Serve's HTTP proxy calls (`deployments/openai_api.py`), in front of the engine replicas
-(`deployments/app.py`), which it calls through a deployment handle. Both protocols go through
+(`deployments/replica.py`), which it calls through a deployment handle. Both protocols go through
 `generate` and `model_info`: one path for validation, limits, retries, statuses and cancels.
 
 Why a deployment of its own: Serve's proxy turns a replica that dies mid-stream into INTERNAL with
@@ -12,8 +12,8 @@ changed from a replica. The ingress owns the client's stream, so it can:
   client has part of the output and must retry), or when no engine replica accepted the request
   within `replica_wait_timeout_s` (none running, or all full and Serve queued it);
 - map refusals the engine replica yields (`ClientError`) and Serve's backpressure to their status.
-It holds no model and reserves no CPU: it relays messages (the hop's cost is in README's Serve
-overhead table). Cancelling the client's stream cancels the engine request through the handle.
+It holds no model and reserves no CPU: it relays messages (`bench/bench_serve.py` measures the
+hop's cost). Cancelling the client's stream cancels the engine request through the handle.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 from ray import serve
-from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 
-from deployments.app import Accepted
+from deployments.common import HEALTH_TIMEOUT_S, MAX_REQUEST_ID_CHARS, REPLICA_LOST, Accepted
 from deployments.config import AppConfig
 from deployments.errors import ClientError, install_log_filter
 from deployments.servicer import MalformedRequest
@@ -41,17 +40,9 @@ logger = logging.getLogger("ray.serve")
 MAX_ATTEMPTS = 3  # a request that streamed nothing is tried on this many replicas at most
 RETRY_BACKOFF_S = 0.2  # before a retry, so Serve's router can learn that the replica is gone
 TRACE_KEYS = ("traceparent", "tracestate")
-HEALTH_TIMEOUT_S = 5.0  # /health and grpc.health.v1: healthy when an engine replica answers within it
 HEALTH_WATCH_INTERVAL_S = 5.0
 HEALTH_MAX_AGE_S = 1.0  # a health answer this recent is shared, not asked again
 HEALTH_SERVICES = ("", "specdecode.v1.SpecDecode")  # "": the server as a whole
-# A client's request_id is a label that goes back in every message and into logs and traces: short
-# and printable (no newline to forge a log line with, no 4 MB label echoed with every token).
-MAX_REQUEST_ID_CHARS = 256
-
-# What a lost replica (its actor or node died, or Serve took it out) looks like to a handle call.
-REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError, ReplicaUnavailableError,
-                DeploymentUnavailableError)
 
 
 @serve.ingress()  # the HTTP app comes from __serve_build_asgi_app__, built after __init__

@@ -34,8 +34,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.common import HEALTH_TIMEOUT_S, MAX_REQUEST_ID_CHARS
 from deployments.errors import ClientError
-from deployments.ingress import HEALTH_TIMEOUT_S, MAX_REQUEST_ID_CHARS
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 logger = logging.getLogger("ray.serve")

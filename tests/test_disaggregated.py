@@ -223,7 +223,7 @@ def test_prefill_replica_holds_its_handoff_until_the_call_is_closed(served: Serv
     from ray.serve.exceptions import RequestCancelledError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from deployments.app import PrefillResult
+    from deployments.replica import PrefillResult
     from engine import SamplingParams
 
     rng = random.Random(8)
@@ -376,7 +376,8 @@ def variant_target(target: str, drafter: str):
     import ray
     from ray import serve
 
-    from deployments.app import PrefillResult, SpecDecodeServer, bind_app
+    from deployments.app import bind_app
+    from deployments.replica import PrefillResult, SpecDecodeServer
 
     die, mismatch, slow, slow_s = DIE, MISMATCH, SLOW, SLOW_S  # travel with the class (pickled by value)
 

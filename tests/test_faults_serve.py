@@ -106,7 +106,7 @@ def test_async_llm_abort_ends_the_stream(tiny_llama: str) -> None:
 # --- one Serve for the module ----------------------------------------------------------------
 def slow_server_class(step_s: float, start_s: float) -> type:
     """SpecDecodeServer whose constructor and engine steps are slow (by value for Ray)."""
-    from deployments.app import SpecDecodeServer
+    from deployments.replica import SpecDecodeServer
 
     class SlowServer(SpecDecodeServer):
         def __init__(self, config) -> None:  # noqa: ANN001 - AppConfig

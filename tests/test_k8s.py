@@ -399,7 +399,7 @@ def _quantity(value: Any) -> float:
 @pytest.mark.parametrize("variant", VARIANT_NAMES, ids=VARIANT_IDS)
 def test_one_replica_per_worker_pod(variant: str) -> None:
     """A worker pod's Ray resources (KubeRay derives them from the limits) hold exactly one replica."""
-    from deployments.app import replica_resources
+    from deployments.common import replica_resources
     from deployments.config import AppConfig
 
     doc = rayservice(variant)

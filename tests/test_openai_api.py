@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.app import SpecDecodeServer
 from deployments.errors import ClientError
 from deployments.openai_api import (
     INTERNAL_MESSAGE,
@@ -26,6 +25,7 @@ from deployments.openai_api import (
     completion_prompt,
     generate_request,
 )
+from deployments.replica import SpecDecodeServer
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 

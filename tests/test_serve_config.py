@@ -280,7 +280,7 @@ def test_a_busy_prefill_pool_sends_one_long_prompt_at_a_time_to_the_decode_repli
     (`local_busy`) once it waits on N remote prefills, unless it is already prefilling one such
     prompt itself (a second would queue behind the first there instead of at the pool); without N,
     never. (The end-to-end case: tests/test_disaggregated.py, a slowed prefill pool.)"""
-    from deployments.app import prefill_locally_when_busy
+    from deployments.replica import prefill_locally_when_busy
 
     assert not prefill_locally_when_busy(inflight=5, busy=0, max_inflight=None)
     assert not prefill_locally_when_busy(inflight=1, busy=0, max_inflight=2)

@@ -38,7 +38,7 @@ PROMPT = [5, 17, 33, 8, 40, 41]
 def padded_server_class(step_base_s: float, step_per_seq_s: float) -> type:
     """SpecDecodeServer whose engine sleeps before each step. Defined in a function so that Ray
     pickles it by value: replicas need not import this test module."""
-    from deployments.app import SpecDecodeServer
+    from deployments.replica import SpecDecodeServer
 
     class PaddedStepServer(SpecDecodeServer):
         def __init__(self, config) -> None:  # noqa: ANN001 - AppConfig

@@ -334,8 +334,8 @@ def test_handoff_heals_the_same_prompt_on_both_sides(models, llm):
 
 # --- serving fields ------------------------------------------------------------------------------
 def test_grpc_and_http_requests_carry_token_healing(llm, tokenizer):
-    from deployments.app import SpecDecodeServer
     from deployments.openai_api import CompletionRequest, generate_request
+    from deployments.replica import SpecDecodeServer
     from protos.specdecode.v1 import specdecode_pb2 as pb
 
     body = CompletionRequest.model_validate(

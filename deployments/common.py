@@ -1,0 +1,50 @@
+"""What the ingress, the engine replicas, the OpenAI API and the drafter pool share, below all of
+them: the first item of an accepted stream, the limits both protocols apply to a request, what a
+lost replica looks like to a handle call, and the Serve options every deployment starts from.
+It imports nothing else from `deployments` but its config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+from deployments.config import AppConfig
+
+HEALTH_TIMEOUT_S = 5.0  # /health and grpc.health.v1: healthy when an engine replica answers within it
+# A client's request_id is a label that goes back in every message and into logs and traces: short
+# and printable (no newline to forge a log line with, no 4 MB label echoed with every token).
+MAX_REQUEST_ID_CHARS = 256
+
+# What a lost replica (its actor or node died, or Serve took it out) looks like to a handle call.
+REPLICA_LOST = (RayActorError, WorkerCrashedError, NodeDiedError, ObjectLostError, ReplicaUnavailableError,
+                DeploymentUnavailableError)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """First item of every `generate` stream that passed validation: the engine holds the request
+    (the ingress's bounded wait for a replica ends here)."""
+
+    replica_id: str
+
+
+def replica_resources(config: AppConfig) -> dict:
+    """`ray_actor_options`: one GPU per replica when the cluster has GPUs (and the device allows),
+    else `num_cpus` CPUs. Decided where the app is built, i.e. on the cluster."""
+    wants_gpu = config.device == "cuda"
+    if config.device == "auto" and ray.is_initialized():
+        wants_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    return {"num_gpus": 1, "num_cpus": 1} if wants_gpu else {"num_cpus": config.num_cpus}
+
+
+def apply_overrides(options: dict, overrides: dict | None) -> dict:
+    """`options` with a config file's `deployments:` entry (num_replicas, autoscaling_config, ...)
+    set on top; its `name` only says which deployment the entry is for, so it is not an option."""
+    for key, value in (overrides or {}).items():
+        if key != "name":
+            options[key] = value
+    return options

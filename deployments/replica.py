@@ -1,0 +1,664 @@
+"""The engine replica: one `engine.AsyncLLM` (target + drafter on one device) as a Ray Serve
+deployment, called by the ingress (`deployments/ingress.py`: gRPC and OpenAI-style HTTP) through a
+deployment handle; in disaggregated mode the same class is the prefill pool's and the decode pool's.
+
+It translates a `GenerateRequest` (from gRPC, or built from an HTTP request by
+`deployments/openai_api.py`; chat messages rendered by the tokenizer's chat template) into token
+ids and `SamplingParams` (text is tokenized in a worker thread, after a length check that needs no
+tokenizer), validating every field against this deployment's limits; streams the engine's outputs
+back as `GenerateResponse`s; and reports refusals as a yielded `ClientError` instead of raising (an
+exception raised here is logged by Serve with a traceback, and a refusal is not a fault). Each
+engine request gets a fresh id of the server's own; the client's `request_id` is a label for the
+response, logs and traces, so reusing one can never touch another request. Cancelling the stream
+(client cancel, deadline) cancels the generator, which aborts the engine request and frees its KV
+blocks. `deployments/app.py` binds it into the Serve application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import ray
+from ray import serve
+
+from deployments import tracing as t
+from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
+from deployments.common import REPLICA_LOST, Accepted
+from deployments.config import AppConfig, resolve_path
+from deployments.drafter import ServeDrafterClient
+from deployments.errors import ClientError
+from deployments.handoff_transport import get_handoff, put_handoff, resolve_transport
+from deployments.metrics import start_replica_metrics
+from deployments.router import routing_stats
+from deployments.tracing import grpc_span_attributes, setup_tracing
+from protos.specdecode.v1 import specdecode_pb2 as pb
+
+logger = logging.getLogger("ray.serve")
+
+HEALTH_CHECK_TIMEOUT_S = 30.0
+# After the prefill pool fails a call, long prompts are prefilled locally for this long, doubled
+# while calls keep failing (engine.backoff.Backoff): a stuck prefill replica would otherwise cost
+# each long prompt replica_wait_timeout_s before its local prefill.
+PREFILL_BACKOFF_FIRST_S = 5.0
+PREFILL_BACKOFF_MAX_S = 60.0
+# Limits on fields the proto leaves unbounded (each is named in the error a client gets).
+MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform noise to float32
+MAX_SPECULATIVE_TOKENS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TEMPLATE_ERROR_CHARS = 200
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill replica's last item: where the handoff is and what the client already got.
+    The ObjectRef sits in a list, so that Ray passes it on as a reference (not its value)."""
+
+    handoff: list  # [ObjectRef[engine.handoff.Handoff]]
+    transport: str  # how it was put (deployments/handoff_transport.py)
+    num_bytes: int
+    num_emitted_chars: int  # characters of text the first message(s) carried
+    sent_at: float  # time.time() when the handoff was put into the object store
+
+
+def _num_cached_tokens(engine: Any, prompt: list[int], params: Any) -> int:
+    """Prompt tokens the engine's prefix cache would give this request (run on the engine thread;
+    not counted as a prefix-cache query)."""
+    return engine.num_cached_prompt_tokens(prompt, params)
+
+
+def _fewer_tokens(params: Any, n: int) -> Any:
+    """`params` with `max_tokens` lowered by the `n` tokens already produced elsewhere; once some
+    were, the first-token constraint of token healing is met and its prefix already cut."""
+    import dataclasses
+
+    if n == 0:
+        return params
+    return dataclasses.replace(
+        params, max_tokens=max(1, params.max_tokens - n), first_token_ids=None, healed_prefix=""
+    )
+
+
+class TraceMetadata:
+    """The caller's W3C trace headers, shaped like the gRPC context `parent_context` reads, and
+    the method or HTTP route the request came in by (a span attribute)."""
+
+    def __init__(self, pairs: list[tuple[str, str]], route: str = "Generate") -> None:
+        self.pairs = pairs
+        self.route = route
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.pairs
+
+
+class SpecDecodeServer:
+    """One engine replica: an AsyncLLM (target + drafter on one device) behind `generate`."""
+
+    def __init__(self, config: AppConfig, prefill_pool: Any = None, drafter_pool: Any = None) -> None:
+        from engine import AsyncLLM
+        from engine.backoff import Backoff
+
+        self.config = config
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside a replica (direct construction in tests)
+            self.replica_id = ""
+        # mode: disaggregated: the decode replicas get a handle to the prefill pool.
+        self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
+        self.prefills: dict[str, int] = {}  # where this replica's requests were prefilled
+        self.inflight_prefills = 0  # remote prefills this replica waits on (max_inflight_prefills)
+        self.busy_prefills = 0  # long prompts it prefills itself because the pool was busy, until their first token
+        self.fallbacks: dict[str, int] = {}  # why remote prefills fell back: no_handoff, lost, refused
+        # after the prefill pool failed a call (lost, stuck past replica_wait_timeout_s), long
+        # prompts are prefilled here for a while (local_backoff) instead of each paying the failure
+        self.prefill_backoff = Backoff(PREFILL_BACKOFF_FIRST_S, PREFILL_BACKOFF_MAX_S)
+        self.transports: dict[str, int] = {}  # handoffs received, by transport
+        self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
+        engine_kwargs = config.engine_kwargs()
+        # speculative.placement: remote: the draft model drafts in the drafter pool (deployments/drafter.py)
+        self.drafter_pool = drafter_pool
+        remote = {}
+        if drafter_pool is not None:
+            affinity = self.replica_id or uuid.uuid4().hex
+            remote["remote_drafter"] = ServeDrafterClient(drafter_pool, affinity, config.drafter_pool.timeout_s)
+        self.llm = AsyncLLM(resolve_path(config.model), **engine_kwargs, **remote)
+        engine = self.llm.engine
+        self.transport = resolve_transport(config.disaggregation.transport, engine.device.type)  # of its handoffs
+        engine.export_kv_on_device = self.transport == "nixl"  # NIXL moves GPU memory itself
+        self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
+        self.max_prompt_tokens = min(config.max_prompt_tokens or engine.max_model_len - 1, engine.max_model_len - 1)
+        self.has_drafter = config.speculative is not None
+        self.latency = LatencyTracker(config.metrics_window_s)  # p95s for the SLO autoscaling policy
+        # Prometheus metrics always; tracing only when configured (else None: nothing registered).
+        k = config.speculative.num_speculative_tokens if config.speculative else 0
+        self.metrics = start_replica_metrics(self.llm, k)
+        self.tracing = setup_tracing(config.tracing, self.llm)
+        logger.info(
+            "SpecDecode replica ready: %s, drafter %s, max_model_len %d, max_prompt_tokens %d, "
+            "%d torch threads on %s",
+            config.model, config.speculative, self.max_model_len, self.max_prompt_tokens,
+            engine_kwargs["num_threads"], self.llm.engine.device,
+        )
+
+    # --- called by the ingress ----------------------------------------------------------------
+    async def generate(
+        self, request: pb.GenerateRequest, label: str, trace_metadata: list[tuple[str, str]] | None = None,
+        messages: list[dict[str, str]] | None = None, route: str = "Generate",
+    ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse]:
+        """`Accepted`, then the response messages; or one `ClientError` (and nothing else) when the
+        request is refused or the engine fails it. `label` is the client's id for the request.
+        `messages` (chat, HTTP only) replaces the request's prompt: the tokenizer's chat template
+        renders them. `route` is the gRPC method or HTTP route it came by (for its trace).
+        In disaggregated mode (a decode replica: `self.prefill_pool` set) a long prompt is
+        prefilled by the prefill pool, whose first message is relayed, and continued here from
+        its handoff."""
+        try:
+            prompt, params = await self.translate(request, messages)
+        except ClientError as e:  # logged once, by the ingress
+            yield e
+            return
+        speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
+        trace = TraceMetadata(trace_metadata or [], route)
+        yield Accepted(self.replica_id)
+        remote = self.prefill_pool is not None and await self.should_prefill_remotely(prompt, params)
+        backing_off = remote and self.prefill_backoff.active()
+        busy = remote and not backing_off and prefill_locally_when_busy(
+            self.inflight_prefills, self.busy_prefills, self.config.disaggregation.max_inflight_prefills)
+        if busy or backing_off or not remote:
+            if self.prefill_pool is not None:
+                self._count_prefill("local_busy" if busy else "local_backoff" if backing_off else "local")
+            self.busy_prefills += busy
+            try:
+                async for item in self._run(prompt, params, label, trace, speculating):
+                    if busy and isinstance(item, pb.GenerateResponse):  # its prefill is done
+                        self.busy_prefills -= 1
+                        busy = False
+                    yield item
+            finally:
+                self.busy_prefills -= busy
+            return
+        span = None
+        if self.tracing is not None:  # one span over prefill pool, handoff and decode
+            attributes = grpc_span_attributes(trace.route, self.replica_id, params, speculating, label)
+            span = self.tracing.start_disaggregated(self.tracing.parent_context(trace), attributes)
+            trace = TraceMetadata(self.tracing.metadata(span), trace.route)
+        try:
+            async for item in self._disaggregated(prompt, params, label, trace, speculating, span):
+                yield item
+        finally:
+            if span is not None:
+                span.end()
+
+    async def _disaggregated(
+        self, prompt: list[int], params: Any, label: str, trace: TraceMetadata, speculating: bool, span: Any,
+    ) -> AsyncIterator[ClientError | pb.GenerateResponse]:
+        """A request the prefill pool prefills: relay its first message(s), fetch the handoff,
+        continue here; a lost prefill replica or handoff, or a refused import, is prefilled here
+        after the tokens already sent (`fallback`)."""
+        result, sent = None, []
+        prefill_stream = self._remote_prefill(prompt, params, label, trace.pairs)
+        self.inflight_prefills += 1
+        try:
+            async for item in prefill_stream:
+                if isinstance(item, PrefillResult):
+                    result = item
+                    break  # the prefill replica holds the handoff until this stream is closed
+                yield item  # the first message(s), or the last one if it finished in the prefill
+                if isinstance(item, ClientError) or item.finish_reason:
+                    return
+                sent.extend(item.token_ids)
+            fetched = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
+        finally:
+            self.inflight_prefills -= 1
+            await prefill_stream.aclose()  # cancels the prefill call: its replica drops its reference
+        if result is not None:
+            result.handoff.clear()  # drop the ObjectRef: the owner frees the handoff now
+            if span is not None:
+                self.tracing.handoff(span, int(result.sent_at * 1e9), time.time_ns(), {
+                    t.ATTR_HANDOFF_BYTES: result.num_bytes, t.ATTR_HANDOFF_TRANSPORT: result.transport,
+                }, error=None if fetched is not None else "handoff lost")
+        if fetched is not None:
+            handoff, seconds = fetched
+            fetched = None
+            stream = self._run(prompt, params, label, trace, speculating, handoff=handoff,
+                               num_emitted_chars=result.num_emitted_chars)
+            handoff = None
+            first = True
+            async for item in stream:
+                if first and isinstance(item, ClientError):
+                    # Not imported (e.g. a prefill pool serving another model): nothing of it
+                    # reached the client, so prefill here instead of failing the request.
+                    logger.error("request %r: handoff not imported (%s: %s); prefilling locally",
+                                 label, item.code_name, item.details)
+                    reason = "refused"
+                    break
+                if first:
+                    self._count_prefill("remote", result.num_bytes, seconds)
+                    self.transports[result.transport] = self.transports.get(result.transport, 0) + 1
+                    if span is not None:
+                        span.set_attribute(t.ATTR_PREFILLED, "remote")
+                    first = False
+                yield item
+            else:
+                return
+        else:
+            reason = "lost" if result is not None else "no_handoff"
+            logger.warning("request %r: %s; prefilling locally", label,
+                           "handoff lost" if result is not None else "no handoff from the prefill pool")
+        self._count_prefill("fallback")
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        if span is not None:
+            span.set_attribute(t.ATTR_PREFILLED, "fallback")
+        async for item in self._run(prompt + sent, _fewer_tokens(params, len(sent)), label, trace, speculating,
+                                    already_sent=sent):
+            yield item
+
+    async def prefill(
+        self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None = None
+    ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse | PrefillResult]:
+        """The prefill pool's method (called by a decode replica): `Accepted`, the first message(s),
+        then a `PrefillResult` whose handoff (target KV, drafter state, first drafts; in Ray's
+        object store, owned by this replica) the decode replica imports; this replica holds its
+        reference until the decode replica closes the call. A request that finishes on its first
+        token ends with its last message instead."""
+        speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
+        yield Accepted(self.replica_id)
+        async for item in self._run(prompt, params, label, TraceMetadata(trace_metadata or []), speculating,
+                                    export=True):
+            yield item
+
+    async def _run(
+        self, prompt: list[int], params: Any, label: str, trace: TraceMetadata, speculating: bool, *,
+        export: bool = False, handoff: Any = None, num_emitted_chars: int = 0, already_sent: list[int] | None = None,
+    ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult]:
+        """Run one engine request and yield its messages; engine errors become a `ClientError`."""
+        from engine import EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError
+        from engine.errors import HandoffMismatchError
+
+        request_id = uuid.uuid4().hex  # the engine's id: never the client's
+        role = "prefill" if export else "decode" if handoff is not None or already_sent else None
+        self.latency.start(request_id)
+        try:
+            stream = self.llm.generate(prompt, params, request_id=request_id, export_after_prefill=export,
+                                       handoff=handoff, num_emitted_chars=num_emitted_chars,
+                                       with_drafter_state=self.config.disaggregation.with_drafter_state)
+            handoff = None  # the engine copies it into its own blocks; do not hold it for the whole stream
+            if self.tracing is not None:
+                attributes = grpc_span_attributes(trace.route, self.replica_id, params, speculating, label)
+                if role is not None:
+                    attributes[t.ATTR_ROLE] = role
+                parent = self.tracing.parent_context(trace)
+                stream = self.tracing.trace(stream, request_id, parent=parent, server=True, attributes=attributes)
+            async for out in stream:
+                self.latency.on_tokens(request_id, len(out.delta_token_ids))
+                if out.handoff is not None:  # owned by this replica; freed when the decode side drops it
+                    ref = put_handoff(out.handoff, self.transport)
+                    yield PrefillResult([ref], self.transport, out.handoff.num_bytes, len(out.text), time.time())
+                    # Keep this replica's own reference until the decode replica has read the
+                    # handoff and closed the call (which cancels it here), at most twice its fetch
+                    # timeout: Ray can free an object whose reference a generator yielded inside
+                    # another object once the producer's local reference is gone, before the
+                    # consumer's borrow is registered (ray-project/ray#58080), and the decode side
+                    # then finds it lost.
+                    await asyncio.sleep(2 * self.config.replica_wait_timeout_s)
+                    return
+                if out.finished:
+                    self.metrics.on_request_finished(out, speculating)
+                message = self.to_response(out, label, speculating)
+                if already_sent and out.finished:  # a fallback prefill took the sent tokens as prompt
+                    message.usage.prompt_tokens -= len(already_sent)
+                    message.usage.completion_tokens += len(already_sent)
+                yield message
+        except InvalidRequestError as e:
+            yield ClientError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineOverloadedError as e:
+            yield ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"replica full: {e}; retry later")
+        except HandoffMismatchError as e:  # the caller (`generate`) prefills locally instead
+            yield ClientError(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except EngineDeadError as e:
+            logger.error("request %r failed: engine stopped: %s", label, e)
+            yield ClientError(grpc.StatusCode.UNAVAILABLE, "the engine on this replica stopped; retry the request")
+        except EngineError as e:
+            logger.error("request %r failed: engine error: %s", label, e)
+            yield ClientError(grpc.StatusCode.INTERNAL, f"engine error: {e}")
+        finally:
+            self.latency.finish(request_id)
+
+    # --- disaggregation (decode replicas) -------------------------------------------------------
+    async def should_prefill_remotely(self, prompt: list[int], params: Any) -> bool:
+        """Prefill in the prefill pool when at least `min_prompt_tokens` of the prompt are not in
+        this replica's prefix cache as this request would use it (a drafting request recomputes
+        blocks whose drafter KV was never filled; the lookup runs on the engine thread, between
+        steps)."""
+        threshold = self.config.disaggregation.min_prompt_tokens
+        if len(prompt) < threshold:
+            return False
+        cached = await self.llm.call(_num_cached_tokens, self.llm.engine, prompt, params)
+        return len(prompt) - cached >= threshold
+
+    async def _remote_prefill(
+        self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None
+    ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult]:
+        """Relay the prefill pool's messages; nothing more when its replica is lost or refuses
+        (then this replica prefills itself). A refusal of the request itself is passed on."""
+        response = self.prefill_pool.prefill.remote(prompt, params, label, trace_metadata)
+        finished = False
+        try:
+            first = await asyncio.wait_for(response.__anext__(), self.config.replica_wait_timeout_s)
+            self.prefill_backoff.succeeded()  # the pool answered (a refusal of the request included)
+            if isinstance(first, ClientError):
+                finished = True
+                if first.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    yield first
+                return
+            async for item in response:
+                yield item
+            finished = True
+        except (TimeoutError, StopAsyncIteration, *REPLICA_LOST) as e:
+            wait = self.prefill_backoff.failed()
+            logger.warning("request %r: prefill pool failed (%s); long prompts are prefilled here for %.0f s",
+                           label, type(e).__name__, wait)
+        finally:
+            if not finished:
+                response.cancel()
+
+    def _count_prefill(self, where: str, num_bytes: int = 0, seconds: float | None = None) -> None:
+        self.prefills[where] = self.prefills.get(where, 0) + 1
+        if seconds is not None:
+            self.handoffs.append((num_bytes, seconds))
+        self.metrics.on_prefill(where, num_bytes, seconds)
+
+    async def _fetch_handoff(self, result: PrefillResult, label: str) -> tuple[Any, float] | None:
+        """The handoff (by the transport its prefill replica chose) and the seconds since the
+        prefill replica published it (None when it is lost: its owner died)."""
+        try:
+            handoff = await get_handoff(result.handoff[0], self.config.replica_wait_timeout_s)
+        except (TimeoutError, ray.exceptions.RayError) as e:
+            logger.warning("request %r: handoff lost (%s)", label, type(e).__name__)
+            return None
+        return handoff, max(0.0, time.time() - result.sent_at)
+
+    async def remote_drafting(self) -> dict[str, Any]:
+        """This replica's drafting in the drafter pool (speculative.placement: remote): rounds,
+        failures (steps without drafts: a lost, slow or mismatched pool), skipped (steps that left
+        the pool alone after a failure), `unknown` answers, drafts and those made ahead; {} when it
+        drafts locally."""
+        spec = self.llm.engine.speculator
+        if spec is None or not getattr(spec.proposer, "remote", False):
+            return {}
+        return {"replica": self.replica_id, "disabled": spec.proposer.disabled, **spec.proposer.counts}
+
+    async def prefill_counts(self) -> dict[str, float]:
+        """How this decode replica's requests were prefilled (remote, local, fallback), by which
+        transport its handoffs came (`via_nixl`, `via_object_store`), why fallbacks happened
+        (`fallback_no_handoff`, `fallback_lost`, `fallback_refused`), the remote prefills it waits on
+        now (`inflight_prefills`) and the handoffs' median size
+        and transfer time (tests and bench/bench_pd.py)."""
+        out: dict[str, float] = dict(self.prefills)
+        out["inflight_prefills"] = self.inflight_prefills  # remote prefills it waits on now
+        out.update({f"via_{name}": n for name, n in self.transports.items()})
+        out.update({f"fallback_{why}": n for why, n in self.fallbacks.items()})
+        if self.handoffs:
+            out["handoff_mb_median"] = statistics.median(b for b, _ in self.handoffs) / 1e6
+            out["handoff_ms_median"] = statistics.median(s for _, s in self.handoffs) * 1e3
+        return out
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self.GetModelInfo(pb.GetModelInfoRequest())
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:  # noqa: N802 - gRPC name
+        cfg, engine = self.config, self.llm.engine
+        stats = await self.llm.call(engine.stats)
+        spec = cfg.speculative
+        return pb.ModelInfo(
+            model=cfg.model,
+            drafter_method=spec.method if spec else "",
+            drafter_model=(spec.model or "") if spec else "",
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            adaptive=spec.adaptive if spec else False,
+            has_tokenizer=self.llm.tokenizer is not None,
+            device=str(engine.device),
+            dtype=str(engine.dtype).removeprefix("torch."),
+            limits=pb.Limits(
+                max_model_len=self.max_model_len,
+                max_prompt_tokens=self.max_prompt_tokens,
+                max_tokens=cfg.max_tokens,
+                default_max_tokens=cfg.default_max_tokens,
+                max_num_seqs=cfg.max_num_seqs,
+                max_queued_requests=cfg.max_queued_requests,
+                vocab_size=self.vocab_size,
+            ),
+            usage=pb.EngineUsage(
+                num_blocks=stats["num_blocks"],
+                num_used_blocks=stats["num_used_blocks"],
+                num_free_blocks=stats["num_free_blocks"],
+                num_running=stats["num_running"],
+                num_waiting=stats["num_waiting"],
+                num_preemptions=stats["num_preemptions"],
+                speculation=_spec_stats(stats.get("spec", {}), enabled=spec is not None),
+            ),
+            replica_id=self.replica_id,
+        )
+
+    # --- Serve hooks ------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Serve restarts the replica when this raises: the engine thread must answer a no-op
+        call between two steps within HEALTH_CHECK_TIMEOUT_S."""
+        try:
+            await asyncio.wait_for(self.llm.call(_noop), HEALTH_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"the engine loop did not answer within {HEALTH_CHECK_TIMEOUT_S} s") from None
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve autoscaling metrics for deployments.autoscaling.SLOAutoscalingPolicy: windowed
+        p95 TTFT/TPOT, engine queue and KV-cache use (cheap: a snapshot, no engine call). Async
+        so that it runs on the event loop that updates the latency tracker (Serve runs sync
+        methods in a thread pool)."""
+        return replica_autoscaling_stats(self.llm.stats(), self.latency.snapshot())
+
+    async def record_routing_stats(self) -> dict[str, float]:
+        """Engine load for deployments.router.EngineLoadRouter (queued tokens, KV-cache use)."""
+        return routing_stats(self.llm.stats())
+
+    def __del__(self) -> None:
+        for hook in (getattr(self, "metrics", None), getattr(self, "tracing", None)):
+            if hook is not None:
+                hook.shutdown()
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.shutdown()
+
+    # --- translation ------------------------------------------------------------------------
+    async def translate(
+        self, request: pb.GenerateRequest, messages: list[dict[str, str]] | None = None
+    ) -> tuple[list[int], Any]:
+        """Prompt token ids and SamplingParams for a request (its prompt, or chat `messages`);
+        ClientError if it is bad. Every field is checked before the prompt is tokenized, and the
+        prompt's length before that. A text prompt with `token_healing` comes back healed (the
+        params then carry the first-token constraint); token ids and chat messages are not."""
+        from engine import InvalidRequestError, SamplingParams
+
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        kind = request.WhichOneof("input")
+        if kind is None and messages is None:
+            raise ClientError(invalid, "prompt: set `prompt` (text) or `prompt_token_ids`")
+        if kind is not None and messages is not None:
+            raise ClientError(invalid, "messages: a chat request has no prompt of its own")
+        kwargs = self.sampling_kwargs(request)
+        try:
+            params = SamplingParams(**kwargs)
+        except InvalidRequestError as e:
+            raise ClientError(invalid, str(e)) from None
+        if messages is not None:
+            ids = await self.encode_chat(messages)
+        elif kind == "prompt":
+            if not request.prompt:
+                raise ClientError(invalid, "prompt: is empty; give at least one character")
+            try:
+                _, ids = await self.llm.encode_async(request.prompt, self.max_prompt_tokens)
+            except InvalidRequestError as e:
+                raise ClientError(invalid, f"prompt: {e}") from None
+            ids, params = await self.llm.heal_async(request.prompt, ids, params)  # with token_healing
+        else:
+            ids = list(request.prompt_token_ids.ids)
+            if not ids:
+                raise ClientError(invalid, "prompt_token_ids: is empty; give at least one token id")
+            if len(ids) > self.max_prompt_tokens:
+                raise ClientError(
+                    invalid, f"prompt: has {len(ids)} tokens; this deployment accepts at most {self.max_prompt_tokens}"
+                )
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ClientError(
+                    invalid, f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size - 1}]"
+                )
+        if len(ids) > self.max_prompt_tokens:
+            raise ClientError(
+                invalid, f"prompt: has {len(ids)} tokens; this deployment accepts at most {self.max_prompt_tokens}"
+            )
+        return ids, params
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat `messages` ({"role", "content"} each) rendered by the tokenizer's chat
+        template with the assistant's turn opened, in a worker thread; ClientError when the model
+        has no chat template, the text cannot fit, or the template refuses the messages."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ClientError(invalid, f"messages: the model {self.config.model!r} has no chat template; send a "
+                                       "prompt to /v1/completions instead")
+        if not messages:
+            raise ClientError(invalid, "messages: is empty; give at least one message")
+        num_chars = sum(len(m["content"]) for m in messages)
+        limit = self.llm.max_prompt_chars(self.max_prompt_tokens)
+        if num_chars > limit:
+            raise ClientError(invalid, f"messages: have {num_chars} characters; at most {self.max_prompt_tokens} "
+                                       f"tokens are accepted, which no text over {limit} characters fits in")
+
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tokenizer.encode(text, add_special_tokens=False))  # the template has the specials
+
+        from jinja2.exceptions import TemplateError
+
+        try:
+            ids = await asyncio.to_thread(render)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:  # e.g. the template's raise_exception
+            raise ClientError(invalid, f"messages: the model's chat template refused them: "
+                                       f"{str(e)[:MAX_TEMPLATE_ERROR_CHARS]}") from None
+        if not ids:
+            raise ClientError(invalid, "messages: the chat template rendered them as no tokens")
+        return ids
+
+    def sampling_kwargs(self, request: pb.GenerateRequest) -> dict[str, Any]:
+        """SamplingParams keyword arguments from the request's fields, each range-checked here (the
+        proto's ranges are wider than the engine's: int64 seeds, infinite doubles, long lists)."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        cfg = self.config
+        max_tokens = request.max_tokens if request.HasField("max_tokens") else cfg.default_max_tokens
+        if max_tokens > cfg.max_tokens:
+            raise ClientError(invalid, f"max_tokens: {max_tokens} exceeds this deployment's cap of {cfg.max_tokens}")
+        for name in ("temperature", "top_p"):
+            value = getattr(request, name)
+            if request.HasField(name) and not math.isfinite(value):
+                raise ClientError(invalid, f"{name}: must be a finite number, got {value!r}")
+        if request.HasField("temperature") and request.temperature > MAX_TEMPERATURE:
+            raise ClientError(invalid, f"temperature: must be in [0, {MAX_TEMPERATURE}], got {request.temperature!r}")
+        if request.HasField("top_k") and request.top_k > self.vocab_size:
+            raise ClientError(invalid, f"top_k: must be in [0, {self.vocab_size}] (0 = off), got {request.top_k}")
+        if request.HasField("seed") and request.seed < 0:
+            raise ClientError(invalid, f"seed: must be in [0, {2**63 - 1}], got {request.seed}")
+        mode = request.speculation
+        if mode not in pb.SpeculationMode.values():
+            names = ", ".join(pb.SpeculationMode.keys())
+            raise ClientError(invalid, f"speculation: unknown mode {mode}; use one of {names}")
+        if mode == pb.SPECULATION_MODE_ON and not self.has_drafter:
+            raise ClientError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "speculation: ON, but this deployment has no drafter; use DEFAULT or OFF",
+            )
+        if request.HasField("max_speculative_tokens") and request.max_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ClientError(invalid, f"max_speculative_tokens: must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                                       f"got {request.max_speculative_tokens}")
+        stops = list(request.stop)
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ClientError(invalid, f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                                       f"characters, got {len(stops)} (longest {max(map(len, stops))})")
+        stop_ids = list(request.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise ClientError(invalid, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(stop_ids)}")
+        bad = [t for t in stop_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ClientError(invalid, f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size - 1}]")
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "stop": stops or None,
+            "stop_token_ids": stop_ids,
+            "ignore_eos": request.ignore_eos,
+            "speculative": mode != pb.SPECULATION_MODE_OFF,
+            "token_healing": request.token_healing,
+        }
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            if request.HasField(name):
+                kwargs[name] = getattr(request, name)
+        if request.HasField("max_speculative_tokens"):
+            kwargs["num_speculative_tokens"] = request.max_speculative_tokens
+        return kwargs
+
+    @staticmethod
+    def to_response(out: Any, label: str, speculating: bool) -> pb.GenerateResponse:
+        """One engine RequestOutput as a stream message (the last one carries the totals)."""
+        msg = pb.GenerateResponse(request_id=label, token_ids=out.delta_token_ids, text=out.delta_text)
+        if out.finished:
+            m = out.metrics
+            msg.finish_reason = _FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+            msg.usage.CopyFrom(
+                pb.Usage(
+                    prompt_tokens=m.get("num_prompt_tokens", len(out.prompt_token_ids)),
+                    completion_tokens=m.get("num_output_tokens", len(out.token_ids)),
+                    cached_prompt_tokens=out.num_cached_tokens,
+                )
+            )
+            msg.speculation.CopyFrom(_spec_stats(m.get("spec", {}), enabled=speculating))
+            msg.timing.CopyFrom(pb.Timing(ttft_s=m.get("ttft_s") or 0.0, e2e_s=m.get("e2e_s") or 0.0))
+        return msg
+
+
+def prefill_locally_when_busy(inflight: int, busy: int, max_inflight: int | None) -> bool:
+    """Whether a decode replica prefills a long prompt itself (`local_busy`) instead of sending it
+    to the prefill pool: it waits on `max_inflight` remote prefills already
+    (`disaggregation.max_inflight_prefills`; None: never) and is not already prefilling such a
+    prompt itself (`busy` of them until their first token). One at a time: each stalls this
+    replica's streams for a whole prefill, and a second would queue here behind the first (and
+    delay the short prompts this replica prefills) instead of at the pool."""
+    return max_inflight is not None and inflight >= max_inflight and busy == 0
+
+
+def _noop() -> None:
+    return None
+
+
+def _spec_stats(spec: dict, enabled: bool) -> pb.SpeculationStats:
+    return pb.SpeculationStats(
+        enabled=enabled,
+        num_draft_tokens=spec.get("num_draft_tokens", 0),
+        num_accepted_tokens=spec.get("num_accepted_tokens", 0),
+        num_verify_steps=spec.get("num_verify_steps", 0),
+        acceptance_rate=spec.get("acceptance_rate", 0.0),
+        mean_accepted_length=spec.get("mean_accepted_length", 0.0),
+        draft_time_s=spec.get("draft_time_s", 0.0),
+        verify_time_s=spec.get("verify_time_s", 0.0),
+    )
