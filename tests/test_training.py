@@ -299,8 +299,8 @@ def test_draft_vocab_step_ranks_by_training_frequency(tmp_path, monkeypatch):
     into every drafter folder, and the engine's resolver reads it back."""
     import json
 
-    import training.__main__ as cli
     from engine.spec_decode.proposers.draft_vocab import resolve_draft_token_ids
+    from training import corpus, pipeline
 
     data_dir, models = tmp_path / "data", tmp_path / "models"
     data_dir.mkdir()
@@ -308,11 +308,11 @@ def test_draft_vocab_step_ranks_by_training_frequency(tmp_path, monkeypatch):
         (models / name).mkdir(parents=True)
     torch.save(torch.tensor([5, 5, 5, 2, 2, 7, 9, 9]), data_dir / "train_tokens.pt")
     torch.save(torch.tensor([5, 2, 3]), data_dir / "heldout_tokens.pt")
-    monkeypatch.setattr(cli, "DATA", data_dir)
-    monkeypatch.setattr(cli, "MODELS", models)
+    monkeypatch.setattr(pipeline, "DATA", data_dir)
+    monkeypatch.setattr(pipeline, "MODELS", models)
     import argparse
 
-    cli.step_draft_vocab(argparse.Namespace(vocab_size=12, draft_vocab_size=3))  # main() would set threads
+    corpus.rank_draft_vocab(argparse.Namespace(vocab_size=12, draft_vocab_size=3))  # main() would set threads
     for name in ("drafter", "eagle-head"):
         doc = json.loads((models / name / "draft_vocab.json").read_text())
         assert doc["ranked_token_ids"][:4] == [5, 2, 9, 7] and sorted(doc["ranked_token_ids"]) == list(range(12))
@@ -322,7 +322,7 @@ def test_draft_vocab_step_ranks_by_training_frequency(tmp_path, monkeypatch):
 
 
 def test_recorded_command_drops_staging_folder():
-    from training.__main__ import strip_models_dir
+    from training.cards import strip_models_dir
 
     assert strip_models_dir("target --models-dir runs/v3 --max-minutes 75") == "target --max-minutes 75"
     assert strip_models_dir("draft-all --parts drafter") == "draft-all --parts drafter"

@@ -6,14 +6,16 @@ and ``bench/results/eval_models.md`` / ``.json`` (written by ``bench/eval_models
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 from pathlib import Path
 
+from training import pipeline
 from training.config import DRAFTER_SPEC, TARGET_SPEC
+from training.drafters import DRAFT_PARTS
+from training.pipeline import MODELS, RUNS, log
 
-RUNS = Path("runs")
-MODELS = Path("models")
 EVAL_MD = Path("bench/results/eval_models.md")
 EVAL_JSON = Path("bench/results/eval_models.json")
 
@@ -576,3 +578,48 @@ def update_cards(models_dir: Path = MODELS) -> list[Path]:
         (e3 / "README.md").write_text(eagle3_card(_load(RUNS / "eagle3_stats.json"), e3))
         written.append(e3 / "README.md")
     return written
+
+
+def strip_models_dir(argv: str) -> str:
+    """A recorded command line without its `--models-dir X` (runs staged elsewhere before shipping)."""
+    words = argv.split()
+    if "--models-dir" in words:
+        i = words.index("--models-dir")
+        del words[i : i + 2]
+    return " ".join(words)
+
+
+def make_cards(args: argparse.Namespace) -> None:
+    """`cards`: write the models' README.md cards from runs/*_stats.json and bench/results; where
+    the pre-training's stats are not on this machine, update the cards' newer sections in place."""
+    models_dir = pipeline.MODELS
+    if not (RUNS / "target_stats.json").exists():
+        for path in update_cards(models_dir):
+            log(f"cards: updated {path}")
+        return
+
+    def stats(name: str) -> dict:
+        path = RUNS / f"{name}_stats.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    run = "nohup nice -n 19 python -m training {} > runs/{}.log 2>&1 &"
+    lines: list[str] = []
+    for n in DRAFT_PARTS:
+        st = stats(n)
+        log_name = "draft-" + "-".join(st.get("parts", DRAFT_PARTS)) if st.get("joint") else n
+        line = run.format(strip_models_dir(st.get("argv", n)), log_name)
+        if line not in lines:
+            lines.append(line)
+    downstream = "\n".join(lines)
+    target_argv = strip_models_dir(stats("target").get("argv", "target"))
+    shrink = stats("shrink")
+    shrink_line = ""
+    if shrink:
+        # the full-depth target goes to runs/target-full first (the shrink pipeline's --teacher default)
+        words = [w for w in strip_models_dir(shrink.get("argv", "shrink")).split() if w]
+        if "--teacher" in words:
+            del words[words.index("--teacher") : words.index("--teacher") + 2]
+        shrink_line = "mv models/target runs/target-full\npython -m training " + " ".join(words)
+    args_ = {"downstream": downstream, "target": target_argv, "shrink": shrink_line}
+    for path in write_cards(args_, models_dir):
+        log(f"cards: wrote {path}")

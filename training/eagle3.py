@@ -33,14 +33,18 @@ vocabulary's rows of the target's LM head, the target's final norm) and are trai
 
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
+
+from . import pipeline
+from .pipeline import fit, load_streams, load_target, log, train_config, write_stats
 
 TTT_DECAY = 0.8
 
@@ -289,3 +293,45 @@ def save_eagle3(head: Eagle3Head, token_ids: torch.Tensor, folder: Path, dtype=t
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(c.to_json_dict(), indent=2) + "\n")
 
+
+
+def train_eagle3(args: argparse.Namespace) -> None:
+    """`eagle3`: train models/eagle3-head on the frozen shipped target, over the drafter's draft
+    vocabulary (its draft_vocab.json ranking)."""
+    cfg = train_config(args, "eagle3")
+    train, _ = load_streams(cfg.seq_len, args.corpus)
+    target = load_target(dtype=args.dtype)
+    t = target.config
+    ranked = json.loads((pipeline.MODELS / "drafter" / "draft_vocab.json").read_text())["ranked_token_ids"]
+    token_ids = draft_vocabulary(ranked, args.draft_vocab_size)
+    layers = t.num_hidden_layers
+    c = Eagle3Config(
+        hidden_size=t.hidden_size, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=t.hidden_size // t.num_attention_heads,
+        intermediate_size=args.head_intermediate_size or t.intermediate_size, vocab_size=t.vocab_size,
+        draft_vocab_size=token_ids.numel(),
+        aux_layer_ids=tuple(int(i) for i in args.aux_layers.split(",")) if args.aux_layers else (2, layers // 2, layers - 3),
+        rms_norm_eps=t.rms_norm_eps, rope_theta=float(t.rope_parameters["rope_theta"]),
+        max_position_embeddings=t.max_position_embeddings,
+    )
+    torch.manual_seed(cfg.seed + 5)
+    head = Eagle3Head(c)
+    with torch.no_grad():  # start the head's LM head and norm at the target's (rows of the draft vocabulary)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[token_ids])
+        head.norm.weight.copy_(target.model.norm.weight)
+    if args.init_from:  # warm start: every tensor of an earlier head (e.g. trained on other aux layers)
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(args.init_from) / "model.safetensors"))
+        head.load_state_dict({k: v.float() for k, v in state.items() if k not in ("d2t", "t2d")})
+        log(f"eagle3: initialized from {args.init_from}")
+    n_params = sum(p.numel() for p in head.parameters())
+    log(f"eagle3: {n_params / 1e6:.2f}M params, ttt_steps {args.ttt_steps}, {c}, config {asdict(cfg)}")
+    loss_fn = eagle3_loss_fn(head, target, token_ids, args.ttt_steps)
+    out = fit(args, cfg, head, loss_fn, train, 5, "eagle3.pt")
+    if out is None:
+        return
+    folder = pipeline.MODELS / "eagle3-head"
+    save_eagle3(head, token_ids, folder)  # no tokenizer copy: the head reads the target's token ids
+    out.update(params=n_params, ttt_steps=args.ttt_steps, head=asdict(c), config=asdict(cfg))
+    write_stats("eagle3", out)

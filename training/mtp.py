@@ -28,14 +28,18 @@ deepseek_mtp.py reads it (engine/spec_decode/proposers/mtp.py).
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training import pipeline
+from training.pipeline import fit, load_streams, log, train_config, write_stats
 from training.trainer import LossFn, TargetOutputs, _outputs
 
 
@@ -141,3 +145,39 @@ def save_mtp(module: MTPModule, target_dir: Path, out_dir: Path) -> Path:
     cfg["num_nextn_predict_layers"] = 1
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out_dir
+
+
+def train_mtp(args: argparse.Namespace) -> None:
+    """`mtp`: train the module on the frozen target (`--init-from`, default models/target) and save
+    it with a copy of that target in `--out` (default runs/target-mtp): copy model.safetensors and
+    config.json over the target's to ship."""
+    from transformers import LlamaForCausalLM
+
+    cfg = train_config(args, "mtp")
+    train, _ = load_streams(cfg.seq_len, args.corpus)
+    src = Path(args.init_from) if args.init_from else pipeline.MODELS / "target"
+    target = LlamaForCausalLM.from_pretrained(str(src), dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
+    target.eval().requires_grad_(False)
+    torch.manual_seed(cfg.seed)
+    module = MTPModule(target.config)
+    if args.warm_start:  # an MTP stored with an earlier target (DeepSeek-V3 names)
+        from safetensors.torch import load_file
+
+        layer = json.loads((Path(args.warm_start) / "config.json").read_text())["num_hidden_layers"]
+        module.load_published(load_file(str(Path(args.warm_start) / "model.safetensors")), layer)
+        log(f"mtp: initialized from {args.warm_start}")
+    n_params = sum(p.numel() for p in module.parameters())
+    log(f"mtp: {n_params / 1e6:.2f}M params, unroll {args.ttt_steps}, target {src}, config {asdict(cfg)}")
+    loss_fn = mtp_loss_fn(module, target, unroll=args.ttt_steps)
+    out = fit(args, cfg, module, loss_fn, train, 6, "mtp.pt")
+    if out is None:
+        return
+    folder = save_mtp(module.float(), src, Path(args.out))
+    # the drafters' frequency-ranked draft vocabulary (`draft-vocab`), which the MTP proposer
+    # reads from its target's folder: the module's LM head then costs a quarter at 2048 of 8192
+    ranking = next((pipeline.MODELS / n / "draft_vocab.json" for n in pipeline.DRAFT_FOLDERS
+                    if (pipeline.MODELS / n / "draft_vocab.json").exists()), None)
+    if ranking is not None:
+        shutil.copy(ranking, folder / "draft_vocab.json")
+    out.update(params=n_params, target=str(src), folder=str(folder), config=asdict(cfg))
+    write_stats("mtp", out)
