@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--name", default="adaptive", help="results: bench/results/<name>.json")
+    ap.add_argument("--name", default="adaptive", help="results: bench/results/<host>/<name>.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     configs = {"no speculation": (None, 1, False), f"adaptive (k <= {args.cap})": (args.method, args.cap, True)}

@@ -2,7 +2,7 @@
 
     python -m bench.bench_exact [--prompts 4] [--max-tokens 64] [--reps 2] [--dtype auto]
         [--methods eagle3,draft] [--modes off,rows,pad,batch_invariant[,rows-widen]] [--concurrent 16]
-        [--out bench/results/exact.json]
+        [--out PATH]
 
 Shipped target and drafters, one torch thread, held-out code prompts, greedy. For each mode
 (off, rows, pad, batch_invariant; `auto` is reported as the mode it picked) and each drafter
@@ -12,19 +12,18 @@ text without it (same mode) on every prompt. Then --concurrent requests at once 
 speculation and the first drafter; median of --reps interleaved rounds) for off,
 batch_invariant and rows, and whether the latter two's texts equal their batch-1 texts (rows:
 steps of <= ROW_KERNEL_MAX_TOKENS tokens through the CPU kernels; 16 requests verifying 4 drafts
-each make 80). Writes JSON and prints a table.
+each make 80). Writes bench/results/<host>/exact.json (or --out) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
-from bench.common import MODELS, RESULTS, code_prompts, machine_info, median
+from bench.common import MODELS, code_prompts, machine_info, median, write_results
 
 DRAFTERS = {"draft": "drafter", "eagle3": "eagle3-head", "mtp": None, "ngram": None}
 MODES = ("off", "rows", "pad", "batch_invariant")
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"exact modes to compare (off first; {WIDEN}: rows without the AVX512-BF16 products)")
     p.add_argument("--concurrent", type=int, default=16)
-    p.add_argument("--out", default=str(RESULTS / "exact.json"))
+    p.add_argument("--out", default=None, help="result JSON (default: bench/results/<host>/exact.json)")
     args = p.parse_args(argv)
     from engine import SamplingParams
 
@@ -129,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {"benchmark": "exact", "machine": machine_info(), "dtype": dtype, "auto_picked": picked,
               "args": vars(args), "batch1": rows, "concurrent": concurrent}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    path = write_results("exact", report, args.out)
     print(f"dtype {dtype}; exact=auto picks {picked!r} here; batch 1, {args.max_tokens} greedy tokens, "
           f"{len(prompts)} prompts x {args.reps} reps")
     print(f"{'drafter':<8}{'mode':<17}{'tokens/s':>10}{'vs off':>8}{'text = no spec':>16}")
@@ -141,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in concurrent:
         print(f"{args.concurrent} concurrent, {r['method']}, {r['mode']}: {r['tokens_per_s']:.1f} tokens/s"
               + (f", texts equal to batch 1: {r['equal_to_batch1']}" if "equal_to_batch1" in r else ""))
-    print(f"wrote {args.out}")
+    print(f"wrote {path}")
     return 0
 
 

@@ -16,9 +16,10 @@ records the exact mode the engine chose there and the start-up profile of its st
 
     python -m bench.bench_gpu pack --out gpupack                  # here
     python -m bench.bench_gpu unpack --pack gpupack --out /tmp/m  # there
-    SPECDECODE_MODELS=/tmp/m python -m bench.bench_gpu exact --prompts gpupack/prompts.json --out exact.json
+    SPECDECODE_MODELS=/tmp/m python -m bench.bench_gpu exact --prompts gpupack/prompts.json
 
 `graphs` measures the engine with and without CUDA graphs of its steps (engine/step_graph.py).
+Both write bench/results/<host>/gpu_{exact,graphs}.json unless `--out`.
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ def unpack(pack_dir: Path, out: Path) -> None:
                 shutil.copy(f, dst / f.name)
 
 
-def exact(prompts_file: Path, out_file: Path, device: str, new_tokens: int) -> dict:
+def exact(prompts_file: Path, out_file: Path | None, device: str, new_tokens: int) -> dict:
     from bench.bench_spec import METHODS
-    from bench.common import MODELS, machine_info
+    from bench.common import MODELS, machine_info, write_results
     from engine import LLM, SamplingParams, SpeculativeConfig
 
     sets = json.loads(prompts_file.read_text())
@@ -151,11 +152,11 @@ def exact(prompts_file: Path, out_file: Path, device: str, new_tokens: int) -> d
         del llm
         if device == "cuda":
             torch.cuda.empty_cache()
-    out_file.write_text(json.dumps(result, indent=1))
+    print(f"wrote {write_results('gpu_exact', result, out_file)}")
     return result
 
 
-def graphs(prompts_file: Path, out_file: Path, device: str, new_tokens: int, repeats: int) -> dict:
+def graphs(prompts_file: Path, out_file: Path | None, device: str, new_tokens: int, repeats: int) -> dict:
     """The engine with and without CUDA graphs (engine/step_graph.py), interleaved: no speculation,
     EAGLE-3's adaptive chain (k <= 6) and a fixed 8/2/5 EAGLE-3 tree, MTP's and the draft model's
     adaptive chains, batch 1 (greedy held-out code,
@@ -165,7 +166,7 @@ def graphs(prompts_file: Path, out_file: Path, device: str, new_tokens: int, rep
     import time
 
     from bench.bench_spec import METHODS
-    from bench.common import MODELS, machine_info
+    from bench.common import MODELS, machine_info, write_results
     from engine import LLM, SamplingParams, SpeculativeConfig
 
     sets = json.loads(prompts_file.read_text())
@@ -243,7 +244,7 @@ def graphs(prompts_file: Path, out_file: Path, device: str, new_tokens: int, rep
         rows.append(row)
         print(row, flush=True)
     result = {"machine": machine_info(), "new_tokens": new_tokens, "repeats": repeats, "rows": rows}
-    out_file.write_text(json.dumps(result, indent=1))
+    print(f"wrote {write_results('gpu_graphs', result, out_file)}")
     return result
 
 
@@ -258,12 +259,12 @@ def main(argv=None) -> None:
     u.add_argument("--out", type=Path, required=True)
     e = sub.add_parser("exact")
     e.add_argument("--prompts", type=Path, required=True)
-    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--out", type=Path, help="result JSON (default: bench/results/<host>/gpu_exact.json)")
     e.add_argument("--device", default="cuda")
     e.add_argument("--new-tokens", type=int, default=64)
     g = sub.add_parser("graphs")
     g.add_argument("--prompts", type=Path, required=True)
-    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--out", type=Path, help="result JSON (default: bench/results/<host>/gpu_graphs.json)")
     g.add_argument("--device", default="cuda")
     g.add_argument("--new-tokens", type=int, default=96)
     g.add_argument("--repeats", type=int, default=3)

@@ -6,10 +6,12 @@ bits (checked; `--other-order` when the baseline sums in another order: the larg
 difference is reported instead). Example, against the kernel before a change:
 
     git show 80ab678:kernels/cpu_rows.cpp > /tmp/cpu_rows_before.cpp
-    python -m bench.bench_kernels --baseline /tmp/cpu_rows_before.cpp --out bench/results/kernels.json
+    python -m bench.bench_kernels --baseline /tmp/cpu_rows_before.cpp
 
 Timings: per configuration `--reps` interleaved rounds (baseline, current, baseline, ...) of
-`--calls` calls each; the medians are reported. One thread unless --threads.
+`--calls` calls each; the medians are reported. One thread unless --threads. Results go to
+`bench/results/<host>/kernels.json` (`kernels_step.json` with `--step`, `rows_attention.json` with
+`--attention`, `prefill_attention.json` with `--prefill-attention`) unless `--out`.
 
 Layouts (`--layouts`): `widen` (bfloat16 widened to float32 in registers, or float32 weights) and
 `dp` (bfloat16 weights for AVX512-BF16 `vdpbf16ps`, where the CPU has it). A shape's weights stay
@@ -22,7 +24,7 @@ head, 80 MB in bfloat16), so the weights come from DRAM as in the engine, e.g.
 `--attention` times the rows path's attention of a step over the 12 layers' bfloat16 caches of the
 shipped target's shape (230 positions of context): one decode token, a verification of 5 drafts
 (6 tokens of one request), 16 requests' decode tokens; `attention_rows_dp` (AVX512-BF16 dot
-products) against the float32 kernel and, on an AMX CPU, `attention_rows_amx` (tiles), interleaved (`--out` default bench/results/rows_attention.json);
+products) against the float32 kernel and, on an AMX CPU, `attention_rows_amx` (tiles), interleaved;
 with `--baseline`, also `attention_rows_dp` of the other source, interleaved, bits required equal:
 
     python -m bench.bench_kernels --attention --baseline /tmp/cpu_rows_before.cpp
@@ -30,8 +32,7 @@ with `--baseline`, also `attention_rows_dp` of the other source, interleaved, bi
 `--prefill-attention` times the torch backend's attention of prompt chunks (q_len query tokens
 after `context` cached ones, the shipped target's heads, bfloat16) through
 `cpu_kernels.prefill_attention` and through SDPA (the path before it), interleaved; then the
-whole prefill of a 1.5k-token prompt by the shipped target with each (`--out` default
-bench/results/prefill_attention.json).
+whole prefill of a 1.5k-token prompt by the shipped target with each.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
-from bench.common import RESULTS, machine_info, table
+from bench.common import ROOT, machine_info, table, write_results
 from kernels import cpu_kernels
 
 SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu_rows.cpp"
@@ -86,11 +87,10 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.attention:
-        return rows_attention_bench(args.reps, args.out or str(RESULTS / "rows_attention.json"),
+        return rows_attention_bench(args.reps, args.out,
                                     build("baseline", args.baseline) if args.baseline else None)
     if args.prefill_attention:
-        return prefill_attention_bench(args.reps, args.out or str(RESULTS / "prefill_attention.json"))
-    args.out = args.out or str(RESULTS / "kernels.json")
+        return prefill_attention_bench(args.reps, args.out)
     mods = {"current": build("current", SOURCE)}
     if args.baseline:
         mods["baseline"] = build("baseline", args.baseline)
@@ -144,12 +144,11 @@ def main(argv=None) -> dict:
         cols += ["baseline_us", "baseline_gmac_s", "speedup"]
     print(table(rows, cols))
     results = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {write_results('kernels_step' if args.step else 'kernels', results, args.out)}")
     return results
 
 
-def rows_attention_bench(reps: int, out: str, baseline=None) -> dict:
+def rows_attention_bench(reps: int, out: str | None = None, baseline=None) -> dict:
     """See the module docstring (`--attention`); `baseline`: another build's module, whose dot
     kernel is timed too (and must give the same bits)."""
     g = torch.Generator().manual_seed(0)
@@ -206,14 +205,14 @@ def rows_attention_bench(reps: int, out: str, baseline=None) -> dict:
                 + (["baseline_dot_us", "speedup_over_baseline"] if baseline is not None else [])
                 + (["baseline_amx_us"] if rows and "baseline_amx_us" in rows[0] else [])))
     results = {"machine": machine_info(), "rows": rows}
-    Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {write_results('rows_attention', results, out)}")
     return results
 
 
 PREFILL_CHUNKS = ((16, 0), (64, 0), (128, 0), (512, 0), (1500, 0), (32, 1500), (256, 1250), (512, 1000))
 
 
-def prefill_attention_bench(reps: int, out: str) -> dict:
+def prefill_attention_bench(reps: int, out: str | None = None) -> dict:
     """See the module docstring (`--prefill-attention`)."""
     from unittest import mock
 
@@ -221,7 +220,7 @@ def prefill_attention_bench(reps: int, out: str) -> dict:
 
     if not cpu_kernels.prefill_attention_available():
         raise SystemExit("prefill_attention needs the CPU kernels and AVX512-BF16")
-    cfg = json.loads((RESULTS.parent.parent / "models" / "target" / "config.json").read_text())
+    cfg = json.loads((ROOT / "models" / "target" / "config.json").read_text())
     h, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d, bs = cfg["hidden_size"] // h, 16
     backend = torch_attn.TorchAttentionBackend()
@@ -258,7 +257,7 @@ def prefill_attention_bench(reps: int, out: str) -> dict:
     from bench.common import code_prompts
     from engine import LLM, SamplingParams
 
-    target = RESULTS.parent.parent / "models" / "target"
+    target = ROOT / "models" / "target"
     prompts = code_prompts(AutoTokenizer.from_pretrained(str(target)), 2 * reps + 1, 1500, seed=0)
     llm = LLM(str(target), dtype="bfloat16", device="cpu", enable_prefix_caching=False, num_threads=1)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -277,8 +276,7 @@ def prefill_attention_bench(reps: int, out: str) -> dict:
     print(f"prefill of a {whole['prompt_tokens']}-token prompt: {whole['kernel_s']:.3f} s with prefill_attention, "
           f"{whole['sdpa_s']:.3f} s with SDPA")
     results = {"machine": machine_info(), "heads": [h, hkv, d], "rows": rows, "prefill": whole}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {write_results('prefill_attention', results, out)}")
     return results
 
 

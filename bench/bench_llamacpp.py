@@ -27,7 +27,6 @@ ours. If the llama.cpp binaries or GGUF files are missing, `run` says so and exi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -439,15 +438,9 @@ def run(args) -> dict:
                           "num_draft_tokens": NUM_DRAFT_TOKENS, "llama_cpp": LLAMA_CPP_PYTHON + " (vendored)"},
                "machine": machine_info(), "definitions": __doc__, "prompts": prompts_info,
                "rows": rows, "per_prompt": details}
-    path = write_results("llamacpp", results) if args.out is None else write_json(args.out, results)
-    print(f"wrote {path}")
+    name = "llamacpp" if args.dtype == "bf16" else f"llamacpp_{args.dtype}"
+    print(f"wrote {write_results(name, results, args.out)}")
     return results
-
-
-def write_json(path: Path, results: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    return path
 
 
 def summarize(runs: dict, threads: list[int], tokenizer, prompts_info: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -527,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--threads", type=thread_list, default=[1, 2], help="comma-separated thread counts")
     r.add_argument("--reps", type=int, default=3)
     r.add_argument("--dtype", choices=GGUF_TYPES, default="bf16")
-    r.add_argument("--out", type=Path, help="result JSON (default: bench/results/llamacpp.json)")
+    r.add_argument("--out", type=Path,
+                   help="result JSON (default: bench/results/<host>/llamacpp.json, llamacpp_f32.json for f32)")
     args = p.parse_args(argv)
     if args.command == "build":
         build(args.sdist, args.jobs)

@@ -2,7 +2,7 @@
 
     python -m bench.bench_pd [--rates 0.3,0.8] [--duration 60] [--seeds 0,1] [--long-fraction 0.3]
         [--max-tokens 96] [--slo-ttft-ms 4000 --slo-tpot-ms 120] [--method draft]
-        [--min-prompt-tokens 512] [--out bench/results/pd.json]
+        [--min-prompt-tokens 512] [--out PATH]
 
 Each configuration runs on its own embedded Ray Serve with 2 CPUs (one at a time, the same host):
 - colocated: 2 engine replicas x 1 CPU (each prefills and decodes its own requests);
@@ -22,7 +22,7 @@ line and each rate sends its own prompts, so no prefix-cache hits; greedy, --max
 Per request: TTFT, TPOT ((last - first token) / (n - 1)), inter-token gaps, the longest stall.
 Goodput: requests per second meeting both SLOs (--slo-*), and over a grid of TTFT x TPOT SLOs
 (`goodput_grid`, so that no one SLO choice decides the comparison). Handoff bytes and ms come from
-the decode replicas. Writes JSON to --out, a PNG next to it, and prints a table.
+the decode replicas. Writes bench/results/<host>/pd.json (or --out), a PNG next to it, and prints a table.
 """
 
 from __future__ import annotations
@@ -246,11 +246,12 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def merge(sources: list[str], out: Path, slo: tuple[float, float]) -> dict:
+def merge(sources: list[str], out: str | None, slo: tuple[float, float]) -> dict:
     """Combine the results of several runs (`FILE` or `FILE:config,config` to take some of its
     configurations; a configuration at a rate may come from one file only), print a table per
     configuration and rate, and the highest rate at which each configuration served >= 90% of its
-    requests within the SLO (goodput as DistServe defines it). Writes `out` and its plot."""
+    requests within the SLO (goodput as DistServe defines it). Writes `out` (default:
+    bench/results/<host>/pd.json) and its plot."""
     merged = {"benchmark": "pd_vs_colocated", "merged_from": sources, "results": {}}
     for source in sources:
         path, _, only = source.partition(":")
@@ -284,7 +285,9 @@ def merge(sources: list[str], out: Path, slo: tuple[float, float]) -> dict:
     print("\n".join(rows))
     print("highest rate with >= 90% of requests within the SLO:", best)
     merged["max_rate_90pct"] = best
-    out.write_text(json.dumps(merged, indent=2) + "\n")
+    from bench.common import write_results
+
+    out = write_results("pd", merged, out)
     plot(merged, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return merged
@@ -308,10 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="disaggregated_load_aware: disaggregation.max_inflight_prefills")
     p.add_argument("--seeds", default="0", help="arrival/prompt samples, each run at every rate; the "
                    "results pool them (Poisson samples of a minute differ a lot), `per_seed` keeps each")
-    p.add_argument("--out", default="bench/results/pd.json")
+    p.add_argument("--out", default=None, help="result JSON (default: bench/results/<host>/pd.json)")
     args = p.parse_args(argv)
     if args.merge:
-        merge(args.merge, Path(args.out), (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))
+        merge(args.merge, args.out, (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))
         return 0
     rates = [float(r) for r in args.rates.split(",")]
     configs = args.configs.split(",")
@@ -350,9 +353,9 @@ def main(argv: list[str] | None = None) -> int:
                 report["results"][f"{name}@{rate}"] = summary
         finally:
             stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    from bench.common import write_results
+
+    out = write_results("pd", report, args.out)
     plot(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

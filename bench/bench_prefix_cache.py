@@ -1,24 +1,24 @@
 """A feature drafter behind a prefix-cache hit: mean accepted length and tokens/s (prefill
 included) of EAGLE-3 requests whose prompt's blocks were written by an earlier request, against
 the same request on a fresh engine. The earlier request either speculated (its drafter ran over
-the prompt) or did not (`speculative=False`: its drafter never ran there). Before stop 32 the next
-request reused those blocks anyway and drafted over stale drafter KV; now it recomputes them
-(`Speculator.usable_prefix`), and its covered copies take over the cache entry, so the request
-after it (`third`) reuses them. Greedy, k = 5 fixed, bf16, prefix caching on; held-out code
-prompts of `--prompt-len` tokens; a fresh engine per prompt and scenario.
+the prompt) or did not (`speculative=False`: its drafter never ran there). The engine recomputes
+blocks its drafter has no KV for (`Speculator.usable_prefix`), and its covered copies take over
+the cache entry, so the request after it (`third`) reuses them; the "every cached block" rows
+turn that filter off, reusing every block and drafting over missing drafter KV, to show what it
+buys. Greedy, k = 5 fixed, bf16, prefix caching on; held-out code prompts of `--prompt-len`
+tokens; a fresh engine per prompt and scenario. Writes bench/results/<host>/prefix_cache_drafter.json
+(or `--out`).
 
-    python -m bench.bench_prefix_cache --out bench/results/prefix_cache_drafter.json
+    python -m bench.bench_prefix_cache
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
-from bench.common import MODELS, RESULTS, code_prompts, machine_info, table
+from bench.common import MODELS, code_prompts, machine_info, table, write_results
 from engine import LLM, SamplingParams, SpeculativeConfig
 
 SCENARIOS = {"fresh engine": None, "after a speculating request": True, "after a non-speculating request": False}
@@ -29,7 +29,7 @@ def make_llm(filter_prefix: bool) -> LLM:
                              adaptive=False)
     llm = LLM(str(MODELS / "target"), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=4,
               enable_prefix_caching=True, kv_cache_memory_bytes=256 << 20)
-    if not filter_prefix:  # the behaviour before stop 32: every cached block reused
+    if not filter_prefix:  # every cached block reused, whether the drafter has KV for it or not
         llm.engine.scheduler.prefix_filter = None
     return llm
 
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=3)
-    ap.add_argument("--out", default=str(RESULTS / "prefix_cache_drafter.json"))
+    ap.add_argument("--out", default=None, help="result JSON (default: bench/results/<host>/prefix_cache_drafter.json)")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
                 runs.append(second_request(llm, p + [12], args.new_tokens))
                 third.append(second_request(llm, p + [13], args.new_tokens))
             rows.append({
-                "prefix reuse": "drafter-covered blocks only" if filter_prefix else "every cached block (before)",
+                "prefix reuse": "drafter-covered blocks only" if filter_prefix else "every cached block",
                 "scenario": name,
                 "mean_accepted_length": statistics.mean(r["accepted_length"] for r in runs),
                 "cached_tokens": statistics.mean(r["cached_tokens"] for r in runs),
@@ -83,8 +83,7 @@ def main(argv=None) -> dict:
     print(table(rows, ["prefix reuse", "scenario", "mean_accepted_length", "cached_tokens", "tokens_per_s",
                        "third_accepted_length", "third_cached_tokens", "third_tokens_per_s"]))
     result = {"machine": machine_info(), "args": vars(args), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {write_results('prefix_cache_drafter', result, args.out)}")
     return result
 
 

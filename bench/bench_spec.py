@@ -20,6 +20,8 @@ method at fixed k = 1..8 (per-request cap), batch 1 and 16 concurrent, both work
 tokens/s vs k and accepted length vs k.
 
     python -m bench.bench_spec [--sweep] [--prompts 4] [--new-tokens 96]
+
+Writes bench/results/<host>/<--name>.json (and the sweep's <--sweep-name>.json) with the plots beside them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import MODELS, RESULTS, code_prompts, machine_info, table, timed, write_results
+from bench.common import MODELS, code_prompts, machine_info, result_path, table, timed, write_results
 from engine import LLM, SamplingParams, SpeculativeConfig
 
 METHODS = {
@@ -153,9 +155,9 @@ def warm_up(llm: LLM, warm_prompts, new_tokens: int) -> None:
     """Each configuration's warm-up, untimed: the first calls of each shape, and the adaptive
     policy's first steps, as a server has them behind it once it has served a few requests (the
     drafter's per-length round times, the calibration of its steps, each draft position's
-    acceptance; until stop 35 the warm-up was one 8-token request, and the first timed repetition
-    paid the policy's first steps: in one run, 22 steps at k = 2). Held-out prompts other than the
-    measured ones, code then sampled text, one at a time."""
+    acceptance; without them the first timed repetition would pay for the policy's first steps,
+    drafted at a small k before anything is measured). Held-out prompts other than the measured
+    ones, code then sampled text, one at a time."""
     for i, p in enumerate(warm_prompts):
         llm.generate([p], params_for("code" if i % 2 == 0 else "unpredictable", new_tokens, 1000 + i))
 
@@ -198,9 +200,8 @@ def part1(prompts, batch_prompts, sustained_prompts, new_tokens: int, k: int, me
             row = {"workload": workload, "load": load, "batch": 1 if load == LOADS[0] else len(batch_prompts),
                    "system": names[cfg], "repeats": len(results), "ratio_vs_no_spec": statistics.median(ratios),
                    "ratio_min": min(ratios), "ratio_max": max(ratios),
-                   # per repetition: the ratio and no speculation's time per output token (the
-                   # host's memory speed drifts between minutes: a 1-token step took 3.6-7.5 ms
-                   # here within an hour in stop 39, and the ratio with it)
+                   # per repetition: the ratio and no speculation's time per output token (a
+                   # shared host's memory speed drifts within minutes, and the ratio with it)
                    "ratios": [round(x, 3) for x in ratios],
                    "no_spec_tpot_ms": [round(b["tpot_ms"], 3) for b in base],
                    "tpot_ratio_vs_no_spec": statistics.median(tpot_ratios)}
@@ -265,7 +266,7 @@ def plot_sweep(rows: list[dict]) -> list[str]:
             ax.grid(alpha=0.3)
         axes.flat[0].legend()
         fig.tight_layout()
-        path = RESULTS / fname
+        path = result_path(fname.removesuffix(".png"), ".png")
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(str(path))
@@ -285,7 +286,7 @@ def plot_part1(rows: list[dict], name: str = "spec") -> str:
         ax.set_title(f"{workload}, batch 1 (tokens/s, higher is better)")
         ax.invert_yaxis()
     fig.tight_layout()
-    path = RESULTS / f"{name}_batch1.png"
+    path = result_path(f"{name}_batch1", ".png")
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return str(path)
@@ -316,7 +317,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep-name", default="spec_sweep",
                     help="results file of the sweep (a partial sweep, other than the default, draws no plots)")
     ap.add_argument("--skip-part1", action="store_true")
-    ap.add_argument("--name", default="spec", help="part 1's results: bench/results/<name>.json")
+    ap.add_argument("--name", default="spec", help="part 1's results: bench/results/<host>/<name>.json")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the batch-1 code rows of each model drafter over the whole vocabulary")
     ap.add_argument("--threads", type=int, default=1,

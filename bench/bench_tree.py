@@ -14,6 +14,8 @@ verification), the share of verifications that were trees, and per speculating s
 target's verify time (forward + sampling) and the drafting time.
 
     python -m bench.bench_tree [--repeats 3] [--prompts 4] [--new-tokens 96]
+
+Writes bench/results/<host>/<--name>.json and its plot.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ import torch
 
 import bench.bench_spec as bench_spec
 from bench.bench_spec import METHODS, params_for
-from bench.common import MODELS, RESULTS, code_prompts, machine_info, table, timed, write_results
+from bench.common import MODELS, code_prompts, machine_info, result_path, table, timed, write_results
 from engine import LLM, SamplingParams, SpeculativeConfig
 
 # name -> (nodes, width, depth, tree_temperature: None = the drafter's calibration, 1.0 = EAGLE-2's
 # plain ranking, tree_min_prob: the value floor, 0 = none). 15 nodes: with the root, 16 verified
-# tokens, one AMX tile of rows (a 17th token costs a second tile: +1.2 ms a target step there).
+# tokens, one AMX tile of rows (a 17th token takes a second tile).
 # Width 1 with a floor: a chain cut where its calibrated confidence falls below the floor.
 TREES = {"tree 15/2/10": (15, 2, 10, None, 0.0), "tree 15/2/10, T=1": (15, 2, 10, 1.0, 0.0),
          "tree 24/2/12": (24, 2, 12, None, 0.0), "tree 16/4/6": (16, 4, 6, None, 0.0),
@@ -51,7 +53,7 @@ def configs(methods: list[str]) -> dict[str, tuple[str | None, dict]]:
             out[f"{m}, {name}"] = (m, dict(num_speculative_tokens=d, adaptive=False, tree_nodes=n, tree_width=w,
                                           tree_depth=d, tree_temperature=t, tree_min_prob=f))
         # the policy chooses trees, chains or no drafts each step; greedy trees take its value
-        # floor (the default), or, with tree_min_prob=0, are sized by its acceptance models (stop 41)
+        # floor (the default), or, with tree_min_prob=0, are sized by its acceptance models
         out[f"{m}, adaptive tree 15/2/10 or chain"] = (m, dict(num_speculative_tokens=8, adaptive=True, tree_nodes=15,
                                                                tree_width=2, tree_depth=10))
         out[f"{m}, adaptive tree 15/2/10 or chain, no floor"] = (
@@ -127,11 +129,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--name", default="spec_tree")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the configurations whose name has "
                     "one (no speculation and each drafter's adaptive chain, the references, always run)")
-    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from results/<name>.json")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from bench/results/<host>/<name>.json")
     args = ap.parse_args(argv)
     if args.replot:
-        out = json.loads((RESULTS / f"{args.name}.json").read_text())
-        plot(out["rows"], RESULTS / f"{args.name}.png")
+        out = json.loads(result_path(args.name).read_text())
+        plot(out["rows"], result_path(args.name, ".png"))
         return out
     torch.set_num_threads(args.threads)
     bench_spec.DEVICE = args.device
@@ -195,7 +197,7 @@ def main(argv=None) -> dict:
                             "floored_accepted_per_tree": round(sp.trees.floored_acceptance.mean(), 2),
                             "floored_nodes_per_tree": round(sp.trees.floored_acceptance.mean_nodes(15), 2)}
             print(name, policy[name])
-    png = RESULTS / f"{args.name}.png"
+    png = result_path(args.name, ".png")
     plot(rows, png)
     out = {"machine": machine_info(), "args": vars(args), "rows": rows, "policy": policy, "plot": str(png)}
     print(write_results(args.name, out))

@@ -42,7 +42,8 @@ Medusa: heads 0..7 on ``h_{n-2}``).
   averaged over every ``--temp-start-stride``-th start position ``n`` (default 4).
 
 Run ``python -m bench.eval_models`` (default ~20 prompts x 128 tokens, a few minutes on 2 CPU
-cores); writes ``bench/results/eval_models.json`` and prints a markdown table.
+cores); writes ``bench/results/eval_models.json`` (and ``.md``; the model cards quote them, and no
+host class applies: the figures are the models', not the machine's) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from torch.nn import functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import heldout_documents, write_results  # noqa: E402
 from training import data  # noqa: E402
 from training.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from training.heads import EagleHead, load_eagle_head, load_medusa_heads  # noqa: E402
@@ -97,17 +99,6 @@ def load_lm(folder: Path):
         str(folder), dtype=torch.bfloat16, attn_implementation="sdpa"
     )
     return model.eval()
-
-
-def heldout_documents(models_dir: Path, tokenizer) -> list[list[int]]:
-    """Token ids (``<|bos|> ... <|endoftext|>``) of every held-out file."""
-    root = data.stdlib_root()
-    files = data.read_file_list(models_dir / "heldout_files.txt")
-    docs = []
-    for rel in files:
-        ids = tokenizer(data.read_text(root, rel))["input_ids"]
-        docs.append([*ids, data.EOS_ID])
-    return docs
 
 
 @torch.no_grad()
@@ -723,9 +714,7 @@ def main(argv: list[str] | None = None) -> None:
         mtp_dir=args.mtp,
     )
     results = evaluate(cfg, args.methods)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_results("eval_models", results, args.out)
     table = markdown(json.loads(out.read_text()))
     out.with_suffix(".md").write_text(table + "\n")
     print(table)

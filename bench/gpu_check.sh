@@ -1,9 +1,8 @@
 #!/bin/bash
-# The prepared device call (written in stop 39, extended in stop 47; never run yet: no GPU lent
-# since). Sections, in order of what the open issue needs most:
+# The prepared device call: the GPU checks a CPU host cannot make, in sections, most needed first:
 #   pytest  the GPU tests of the step graphs and tree kernels (compiled Triton)       <= 150 s
-#   trees   issue 15's goal where verification is flat in tokens: EAGLE-3 trees vs
-#           chains, batch 1 and 16 concurrent, the adaptive chain as reference        <= 220 s
+#   trees   trees where verification is flat in tokens: EAGLE-3 trees vs chains,
+#           batch 1 and 16 concurrent, the adaptive chain as reference                <= 220 s
 #   graphs  the engine's CUDA graphs: timings with and without (bench/bench_gpu.py)  <= 230 s
 #   exact   every drafter's greedy text with graphs on equals the target alone       <= 120 s
 # One call may run 600 s: `SECTIONS="pytest trees" bash bench/gpu_check.sh` first (timeout_s
@@ -31,7 +30,7 @@ for section in $SECTIONS; do
       timeout 220 python3 -m bench.bench_tree --device cuda --methods eagle3 --loads "batch 1,16 concurrent" --repeats 2 \
         --only "chain k=5,tree 15/2/10,adaptive tree" --prompts-from gpupack/prompts.json --name gpu_tree > $OUT/tree.log 2>&1
       el "trees rc=$?"
-      cp bench/results/gpu_tree.json bench/results/gpu_tree.png $OUT/ 2>/dev/null
+      cp bench/results/nvidia-*/gpu_tree.json bench/results/nvidia-*/gpu_tree.png $OUT/ 2>/dev/null
       grep "^|" $OUT/tree.log | head -16 | cut -c1-300 ;;
     graphs)
       timeout 230 python3 -m bench.bench_gpu graphs --prompts gpupack/prompts.json --out $OUT/graphs.json --repeats 3 > $OUT/graphs.log 2>&1
