@@ -1,4 +1,5 @@
-"""`make bench`: every benchmark in one go (about 25-40 minutes on a 2-core CPU).
+"""`make bench`: every benchmark in one go (about 25-40 minutes on a 2-core CPU), each writing
+bench/results/<host>/<bench>.json, then bench/results/README.md regenerated.
 
     python -m bench.run_all [--sweep]
 """
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         ["-m", "bench.bench_serve"],
         ["-m", "bench.bench_pd"],
         ["-m", "bench.bench_remote_drafter"],
+        ["-m", "bench.results_index"],
     ]
     failed = 0
     for step in steps:
