@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from training.pipeline import MODELS, RUNS, log
 
 EVAL_MD = Path("bench/results/eval_models.md")
 EVAL_JSON = Path("bench/results/eval_models.json")
+EVAL_EAGLE3_MD = Path("bench/results/eval_eagle3_head.md")  # the shipped EAGLE-3 head alone
+EVAL_EAGLE3_JSON = Path("bench/results/eval_eagle3_head.json")
 
 REPRODUCE = """```bash
 python -m training corpus      # models/heldout_files.txt (+ runs/data/*_files.txt)
@@ -42,6 +45,7 @@ def _load(path: Path) -> dict:
 
 
 def _fmt_minutes(stats: dict) -> str:
+    """Wall time, steps, tokens and throughput of a run."""
     if not stats:
         return "n/a"
     parts = stats.get("parts", [])
@@ -63,8 +67,9 @@ def _train_line(stats: dict) -> str:
         f"{c['warmup_steps']} warm-up steps then cosine decay to {c['min_lr_ratio']}x keyed on "
         f"{c['planned_tokens'] / 1e6:.1f}M planned tokens or the {c['max_minutes']:.0f}-minute budget "
         f"(whichever is further along), grad clip {c['grad_clip']}, batch {c['batch_size']} x {c['seq_len']} tokens "
-        f"x {c['grad_accum']} accumulation, seed {c['seed']}; bf16 weights/activations with fp32 master "
-        "weights for AdamW."
+        f"x {c['grad_accum']} accumulation, seed {c['seed']}; "
+        + ("float32 throughout." if c.get("dtype") == "float32"
+           else "bf16 weights/activations with fp32 master weights for AdamW.")
     )
 
 
@@ -121,7 +126,8 @@ def _eval_section() -> str:
         cmd += f" --models-dir {models_dir}"
         side = (f"\n`{models_dir}` holds the shipped models and, for the side-by-side rows, an EAGLE-1 head and "
                 "Medusa heads retrained on the shipped target, which are not shipped (EAGLE-3 and the MTP "
-                "layer replaced them; see the drafter table in the project README).\n")
+                "layer replaced them). Its EAGLE-3 rows are an earlier training run of the head than the "
+                "shipped one, whose own evaluation is on its card (models/eagle3-head/README.md).\n")
     return f"""## Evaluation (`{cmd}`, held-out files)
 
 Perplexity over {c.get("ppl_seqs", "?")} x 512 held-out tokens; agreement = teacher-forced top-1 match with the
@@ -346,7 +352,7 @@ def write_cards(args: dict[str, str], models_dir: Path = MODELS) -> list[Path]:
     return written
 
 
-# --- the continued target and the drafters trained on it (stop 24) -----------------------------
+# --- the continued target and the drafters trained on it -----------------------------------------
 # The pre-training, shrink and first-drafter sections above need runs/{tokenizer,target,shrink}_stats.json;
 # where those are gone (another machine), `update_cards` keeps a card's text up to its evaluation
 # and rewrites the sections below, the evaluation and the recipe.
@@ -375,24 +381,49 @@ mkdir -p {ship} && cp -r runs/target-continued {ship}/target && cp -r models/dra
 python -m training {mtp}
 python -m training {eagle3}
 python -m training {drafter}
-# stop 25: two more EAGLE-3 runs, each warm-started from the last (runs/eagle3_run4_stats.json, runs/eagle3_run5_stats.json)
+# two more EAGLE-3 runs, each warm-started from the last
 cp -r {ship}/eagle3-head runs/eagle3-head-run3 && cp runs/eagle3_stats.json runs/eagle3_run3_stats.json
 python -m training {eagle3_run4}
 cp -r {ship}/eagle3-head runs/eagle3-run4-head && cp runs/eagle3_stats.json runs/eagle3_run4_stats.json
 python -m training {eagle3_run5}
 cp {ship}/target-mtp/* models/target/ && cp {ship}/drafter/*.safetensors models/drafter/ && cp -r {ship}/eagle3-head models/
-# stop 26: one more EAGLE-3 run on the stdlib files plus 4M tokens of the installed packages' sources
+# three more EAGLE-3 runs on the stdlib files plus 4M tokens of the installed packages' sources,
+# the last two in bfloat16 (a CPU with AMX), the last with a 7-step training-time test: the shipped head
 mv {ship}/eagle3-head runs/eagle3-run5-head && cp runs/eagle3_stats.json runs/eagle3_run5_stats.json
 python -m training corpus-extra --extra-tokens 3000000
 python -m training {eagle3_run6}
+cp -r {ship}/eagle3-head models/ && cp runs/eagle3_stats.json runs/eagle3_run6_stats.json
+python -m training {eagle3_run7}
+cp -r {ship}/eagle3-head models/ && cp runs/eagle3_stats.json runs/eagle3_run7_stats.json
+python -m training {eagle3_run8}
 cp -r {ship}/eagle3-head models/
 # side by side only (not shipped): EAGLE-1 and Medusa heads retrained on the shipped target
 python -m training {eagle_medusa}
 mkdir runs/ship-all && ln -s ../../models/{{target,drafter,eagle3-head}} ../ship/{{eagle-head,medusa-heads}} runs/ship-all/ && cp models/heldout_files.txt runs/ship-all/
 python bench/eval_models.py --models-dir runs/ship-all --prompts 8 --gen-len 64 --ppl-seqs 24 --agree-seqs 8
+{eval_eagle3}
 python -m training compare-targets --before runs/old-models/target --init-from models/target
 python -m training cards       # these README.md files
 ```"""
+
+
+# The last two EAGLE-3 runs were trained on another machine than the earlier ones and their stats
+# files stayed there, so the recipe and the card carry their command lines (and `EAGLE3_RECORDED`
+# their durations).
+EAGLE3_RUN7 = ("eagle3 --dtype bfloat16 --threads 1 --batch-size 4 --head-intermediate-size 1024 --aux-layers 2,6,12 "
+               "--models-dir runs/ship --init-from models/eagle3-head --corpus extended --max-minutes 52 "
+               "--planned-tokens 3800000 --lr 3e-4 --warmup-steps 5")
+EAGLE3_RUN8 = ("eagle3 --dtype bfloat16 --threads 1 --batch-size 4 --head-intermediate-size 1024 --aux-layers 2,6,12 "
+               "--models-dir runs/ship --init-from models/eagle3-head --corpus extended --max-minutes 50 "
+               "--planned-tokens 2600000 --lr 2e-4 --warmup-steps 5 --ttt-steps 7 --seed 1")
+
+
+def _eagle3_eval_command() -> str:
+    """The command that wrote bench/results/eval_eagle3_head.json (the shipped EAGLE-3 head)."""
+    return _load(EVAL_EAGLE3_JSON).get("provenance", {}).get("command") or (
+        "python bench/eval_models.py --methods eagle3 --eagle3 models/eagle3-head --prompts 8 --gen-len 64 "
+        f"--ppl-seqs 1 --agree-seqs 8 --threads 1 --out {EVAL_EAGLE3_JSON}"
+    )
 
 
 def _argv(name: str, fallback: str = "") -> str:
@@ -410,7 +441,8 @@ def reproduce_continued() -> str:
         eagle_medusa=_argv("eagle", "draft-all --parts eagle,medusa"),
         ship=SHIP_DIR, mtp=_argv("mtp", "mtp"), eagle3=_argv("eagle3_run3", "eagle3"), drafter=_argv("drafter", "drafter"),
         eagle3_run4=_argv("eagle3_run4", "eagle3"), eagle3_run5=_argv("eagle3_run5", "eagle3"),
-        eagle3_run6=_argv("eagle3", "eagle3"),
+        eagle3_run6=_argv("eagle3_run6", "eagle3"), eagle3_run7=_argv("eagle3_run7", EAGLE3_RUN7),
+        eagle3_run8=_argv("eagle3", EAGLE3_RUN8), eval_eagle3=_eagle3_eval_command(),
     )
 
 
@@ -503,21 +535,104 @@ def _step_argv(step: str, stats: dict) -> str:
     return argv if argv.split(" ", 1)[0] == step else f"{step} {argv}".strip()
 
 
+def _tree_calibration(folder: Path) -> str:
+    """The tree-calibration paragraph of a drafter's card (from its tree_calibration.json)."""
+    cal = _load(folder / "tree_calibration.json")
+    if not cal:
+        return ""
+    command, _, fitted_on = cal.get("fitted_on", "").partition(": ")
+    return f"""## Tree calibration
+
+`tree_calibration.json` (ours, outside the published layout; other engines ignore it): the
+temperature at which the engine's greedy token trees rank this head's candidates
+(`SpeculativeConfig.tree_temperature`), `greedy_temperature` {cal["greedy_temperature"]}, fitted by temperature
+scaling against the target's argmax on {fitted_on} (`{command} --write`; the benchmarks
+use other prompts). At temperature 1 the head's mean top probability is {cal["mean_top_probability_at_1"]:.2f} while its
+top token is the target's {cal["top_token_accuracy"]:.0%} of the time (negative log-likelihood of the target's token
+{cal["nll_at_1"]:.2f}); at {cal["greedy_temperature"]} the mean top probability is {cal["mean_top_probability"]:.2f} (NLL {cal["nll"]:.2f}).
+"""
+
+
+def _eagle3_eval_section() -> str:
+    """The shipped EAGLE-3 head's own evaluation (bench/results/eval_eagle3_head.{json,md})."""
+    ev = _load(EVAL_EAGLE3_JSON)
+    if not ev:
+        return f"## Evaluation\n\n(not run yet: `{_eagle3_eval_command()}`)\n"
+    c = ev["config"]
+    greedy_k5 = ev["acceptance"]["greedy"]["eagle3"]["5"]
+    return f"""## Evaluation (`{_eagle3_eval_command()}`, held-out files)
+
+{c["prompts"]} held-out prompts of {c["prompt_len"]} tokens, {c["gen_len"]} generated tokens each; mean tokens per
+verification step = accepted drafts + the bonus token, k drafts a step. `greedy` is an exact replay of
+greedy speculative decoding; `T0.7` is the *expected* value `1 + sum_i prod_(l<=i) sum_x min(p_l(x), q_l(x))`
+along a fixed-seed T=0.7 sample of the target, averaged over every {c["temp_start_stride"]}-th start position.
+Agreement: teacher-forced top-1 match with the target over {c["agree_seqs"]} x {c["seq_len"]} held-out tokens.
+
+The shipped head drafts **{greedy_k5:.2f} tokens per verification step at k = 5, greedy** (depth-1
+agreement {ev["agreement"]["eagle3"]:.3f}). Greedy replays follow the CPU's floating-point arithmetic: the
+same command on another CPU can give figures a few hundredths apart.
+
+{EVAL_EAGLE3_MD.read_text().strip() if EVAL_EAGLE3_MD.exists() else ""}
+
+An EAGLE-1 head retrained on the same target (not shipped) drafts fewer under the same protocol:
+see `{EVAL_MD}`.
+"""
+
+
+def _num_params(path: Path, skip: tuple[str, ...] = ()) -> int:
+    """Elements of a safetensors file's tensors (read from its header), without those in `skip`."""
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__" and k not in skip)
+
+
+EAGLE3_RUNS = 8  # training runs of the shipped head, each warm-started from the one before
+EAGLE3_RECORDED = {  # run number: (arguments, duration) of the runs whose stats files stayed elsewhere
+    7: (EAGLE3_RUN7, "51.3 min wall (1855 steps, 3.80M tokens, 1234 tokens/s)"),
+    8: (EAGLE3_RUN8, "50 min wall (2.6M tokens)"),
+}
+
+
 def eagle3_card(st: dict, folder: Path) -> str:
+    """The EAGLE-3 head's card: `st` is its last run's stats (runs/eagle3_stats.json), the earlier
+    runs' are runs/eagle3_run<i>_stats.json."""
     c = _load(folder / "config.json")
-    runs = [r for r in (*(_load(RUNS / f"eagle3_run{i}_stats.json") for i in range(1, 6)), st) if r]
-    total_tokens = sum(r["tokens"] for r in runs)
-    total_min = sum(r["elapsed_s"] for r in runs) / 60
-    fm = st.get("final_metrics_ema", {})
-    accs = " / ".join(f"{fm[k]:.3f}" for k in sorted(fm) if k.startswith("acc"))
+    runs = [_load(RUNS / f"eagle3_run{i}_stats.json") for i in range(1, EAGLE3_RUNS)] + [st]
+    lines = []
+    for i, r in enumerate(runs, 1):
+        if r:
+            lines.append(f"- `python -m training {_step_argv('eagle3', r)}`: {_fmt_minutes(r)}")
+        elif i in EAGLE3_RECORDED:
+            lines.append("- `python -m training {}`: {}".format(*EAGLE3_RECORDED[i]))
+    totals = ""
+    if all(runs):
+        totals = (f" {sum(r['tokens'] for r in runs) / 1e6:.2f}M tokens and "
+                  f"{sum(r['elapsed_s'] for r in runs) / 60:.0f} minutes in all.")
+    last = f"Last run: {_train_line(st)}" if st.get("config") else ""
+    if "first_loss" in st:
+        fm = st.get("final_metrics_ema", {})
+        accs = " / ".join(f"{fm[k]:.3f}" for k in sorted(fm) if k.startswith("acc"))
+        last += (f"\nLoss: first {st['first_loss']:.3f}, final (EMA) {st['final_loss_ema']:.3f}; agreement with the "
+                 f"target's argmax per training-time-test step (EMA, training batches): {accs}.")
+    if last:
+        last += "\n"
     aux = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    params = st.get("params") or _num_params(folder / "model.safetensors", skip=("d2t", "t2d"))
     return f"""# eagle3-head: EAGLE-3 draft head for `target`
 
 An EAGLE-3 head (Li et al. 2025, training-time test) for `models/target`, in the layout SpecForge and
 the EAGLE repo publish and vLLM / SGLang load; our engine loads it with
-`SpeculativeConfig(method="eagle3", model="models/eagle3-head")`. It replaced the EAGLE-1 head
-(`eagle-head`, no longer shipped: EAGLE-3 accepts more per step, see the evaluation, and the 100 MiB
-budget holds one of them next to the target with its MTP layer and the drafter).
+`SpeculativeConfig(method="eagle3", model="models/eagle3-head")`. The weights are those of the
+last of its {EAGLE3_RUNS} training runs (below). An EAGLE-1 head (`eagle-head`) is not shipped: EAGLE-3
+accepts more per step (see the evaluation), and the 100 MiB budget holds one of them next to the
+target with its MTP layer and the drafter.
+
+`model.safetensors` stores bfloat16. On a CPU with AVX512-VNNI the engine packs the head's matrices
+for its drafting kernels (`SpeculativeConfig.draft_weights`): "auto" (the default) as int4 with a
+bfloat16 scale per group of 32 inputs of a row, "int8" with a scale per output row, "model" as
+stored. Drafting is bound by reading the weights: int8 halves the bytes a draft reads and int4 halves
+them again, at the same accepted length with this head; every draft is verified, so the output is
+the target's either way.
 
 ## Layout
 
@@ -530,24 +645,28 @@ budget holds one of them next to the target with its MTP layer and the drafter).
 `midlayer.self_attn.{{q,k,v,o}}_proj.weight` (q/k/v read 2H: the normed token embedding and the normed fused
 feature), `midlayer.mlp.{{gate,up,down}}_proj.weight`, `norm.weight`, `lm_head.weight` [draft vocab, H],
 `d2t` (draft id -> target id offset) and `t2d` (membership mask). No embedding: the target's is used.
-Reference forward and training: `training/eagle3.py`. Parameters: {st.get("params", 0):,}.
+Reference forward and training: `training/eagle3.py`. Parameters: {params:,}.
 
 The draft vocabulary is the {c.get("draft_vocab_size")} most frequent training tokens (the drafter's `draft_vocab.json`
 ranking), so the head's LM head is a quarter of the target's.
 
+{_tree_calibration(folder)}
 ## Training
 
-Post hoc on the frozen target (bf16 weights read in float32; features recomputed per batch),
-training-time test unrolled {st.get("ttt_steps", "?")} steps, loss `sum_s 0.8^s CE(p_target|draft vocab, p_head)`
-(see `training/eagle3.py`). {len(runs)} runs, each warm-started from the previous one:
-{chr(10).join(f"- `python -m training {_step_argv('eagle3', r)}`: {_fmt_minutes(r)}" for r in runs)}
+Post hoc on the frozen target (features recomputed per batch), training-time test over the head's
+own drafts, loss `sum_s 0.8^s CE(p_target|draft vocab, p_head)` (see `training/eagle3.py`).
+{EAGLE3_RUNS} runs, each warm-started from the previous head (`--init-from models/eagle3-head` is the head
+of the run before it):
+{chr(10).join(lines)}
 
 The first two ran on the shrunk target before its continued pre-training, the others on the shipped
-target; {total_tokens / 1e6:.2f}M tokens and {total_min:.0f} minutes in all. Last run: {_train_line(st).replace("bf16 weights/activations with fp32 master weights for AdamW.", "float32 throughout.")}
-Loss: first {st.get("first_loss", float("nan")):.3f}, final (EMA) {st.get("final_loss_ema", float("nan")):.3f}; agreement with
-the target's argmax per training-time-test step (EMA, training batches): {accs}.
-
-{_eval_section()}
+target (`runs/ship/target` = `models/target`). The first five trained on the stdlib training files, the
+last three (`--corpus extended`) on those plus the installed packages' Python sources
+(`python -m training corpus-extra --extra-tokens 3000000`: about 1,000 files and 4M tokens, none of
+them copies of held-out code), sequences drawn from both at random. The training-time test unrolls
+5 steps, in the last run 7 (deeper draft positions trained).{totals}
+{last}
+{_eagle3_eval_section()}
 ## Reproduce
 
 {reproduce_continued()}
