@@ -31,7 +31,7 @@ with `--baseline`, also `attention_rows_dp` of the other source, interleaved, bi
 
 `--prefill-attention` times the torch backend's attention of prompt chunks (q_len query tokens
 after `context` cached ones, the shipped target's heads, bfloat16) through
-`cpu_kernels.prefill_attention` and through SDPA (the path before it), interleaved; then the
+`cpu_kernels.prefill_attention` and through torch's SDPA, interleaved; then the
 whole prefill of a 1.5k-token prompt by the shipped target with each.
 """
 

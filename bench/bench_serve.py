@@ -6,8 +6,8 @@
 Loads the same engine config three times on this machine: `engine.AsyncLLM` in this process;
 the SpecDecode application on an embedded Ray Serve (gRPC proxy -> ingress -> engine replica),
 called through its gRPC proxy with `deployments.client`; and, on the same Serve, a "direct"
-application whose engine replica answers the proxy itself (no ingress hop: what the service was
-before the ingress, kept here to measure the hop); and the SpecDecode application again through
+application whose engine replica answers the proxy itself (no ingress: it measures the ingress
+hop); and the SpecDecode application again through
 Serve's HTTP proxy, streaming the OpenAI-compatible `/v1/completions` (server-sent events; HTTP
 proxy -> ingress -> engine replica). Requests rotate between the four (same prompt back to back,
 the idle engines sleeping) so that other load on the machine hits all alike. Requests are
@@ -115,8 +115,8 @@ class InProcess:
 
 
 def direct_server_class() -> type:
-    """The engine replica answering Serve's proxy itself, with no ingress in front (the served
-    path before the ingress existed): `Generate` relays `generate`'s messages. Bench only."""
+    """The engine replica answering Serve's proxy itself, with no ingress in front (what the
+    ingress hop is measured against): `Generate` relays `generate`'s messages. Bench only."""
     from deployments.common import Accepted
     from deployments.errors import ClientError
     from deployments.replica import SpecDecodeServer
