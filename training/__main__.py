@@ -15,10 +15,9 @@ from pathlib import Path
 from . import cards, corpus, drafters, eagle3, mtp, pipeline, target
 
 
-def _common(threads: bool = True, models_dir: bool = True) -> argparse.ArgumentParser:
+def _common(models_dir: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    if threads:
-        p.add_argument("--threads", type=int, default=2, help="torch threads (training alternates 1 and this many)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (training alternates 1 and this many)")
     if models_dir:
         p.add_argument("--models-dir", default="models", help="the models folder read and written")
     return p
@@ -62,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, run, summary: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=list(parents), help=summary, description=summary,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, models_dir="models")
         return p
 
     add("corpus", corpus.split_corpus,
@@ -145,8 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if hasattr(args, "models_dir"):  # every pipeline but `tokenizer`
-        pipeline.MODELS = Path(args.models_dir)
+    pipeline.MODELS = Path(args.models_dir)
     pipeline.set_threads(args.threads)
     pipeline.log(f"python -m training {' '.join(argv if argv is not None else sys.argv[1:])}")
     args.run(args)
