@@ -237,8 +237,8 @@ def test_midlayer_waits_while_speculation_is_off(setup, bound, monkeypatch):
         proposer.max_buffered_rows = bound
     forwards = []
     real = proposer._forward
-    monkeypatch.setattr(proposer, "_forward", lambda chunks, *a, **kw: forwards.append(
-        sum(len(c.token_ids) for c in chunks)) or real(chunks, *a, **kw))
+    monkeypatch.setattr(proposer, "_forward", lambda m, chunks, *a, **kw: forwards.append(
+        sum(len(c.token_ids) for c in chunks)) or real(m, chunks, *a, **kw))
     monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 0)
     prompt = [(7 * i + 3) % 90 + 3 for i in range(FUSED_MAX_ROWS + 20)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -701,9 +701,9 @@ def test_packed_catch_up_matches_the_torch_midlayer_bfloat16(setup):
     n = len(prompt) - 2
     feats = torch.randn(n, proposer.arch.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     chunk = [SeqChunk([0] * n, 0, r.block_ids)]
-    packed = proposer._forward(chunk, prompt[1 : n + 1], feats, num_last=n)
+    packed = proposer._forward(0, chunk, prompt[1 : n + 1], feats)
     proposer.layer.packed_matmuls = False
-    plain = proposer._forward(chunk, prompt[1 : n + 1], feats, num_last=n)
+    plain = proposer._forward(0, chunk, prompt[1 : n + 1], feats)
     proposer.layer.packed_matmuls = True
     torch.testing.assert_close(packed.float(), plain.float(), rtol=3e-2, atol=3e-2)
     assert not torch.equal(packed, torch.zeros_like(packed))

@@ -25,7 +25,6 @@ import torch
 from engine.errors import DrafterMismatchError
 from engine.models.llama import ArchConfig, DecoderLayer, rope_cos_sin
 from engine.spec_decode.proposers.base import DrafterIdentity, model_name, weights_digest
-from engine.spec_decode.proposers.feature_layer import FeatureLayerProposer
 from engine.spec_decode.proposers.checkpoint import (
     check_head_matches_target,
     check_tensors,
@@ -35,6 +34,7 @@ from engine.spec_decode.proposers.checkpoint import (
     refuse_unused,
 )
 from engine.spec_decode.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
+from engine.spec_decode.proposers.feature_layer import FeatureLayerProposer
 
 OUR_ARCHITECTURE = "EagleHead"
 

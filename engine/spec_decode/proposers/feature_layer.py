@@ -1,8 +1,9 @@
 """Drafters that run decoder layers of their own over (feature, token) elements: EAGLE-1 (one
-layer over the target's hidden states) and native MTP (one module per depth, stored in the
-target's checkpoint). Subclasses say how a module turns an element into its layer's input
-(`_inputs`) and what its LM head reads (`_head_input`); this class runs the layers, keeps their
-paged KV caches and the per-request feature buffers, and drafts.
+layer over the target's hidden states), EAGLE-3 (one layer over a projection of three of the
+target's layers) and native MTP (one module per depth, stored in the target's checkpoint).
+Subclasses say how a module turns an element into its output (`_run_module`; by default
+`_inputs` into a decoder layer, then `_output`) and what its LM head reads (`_head_input`); this
+class runs the layers, keeps their paged KV caches and the per-request feature buffers, and drafts.
 
 Module m (of L) works at depth m: its element at position j pairs a feature x_j^m with token
 t_{j+1+m}, where x^0 is the target's hidden state and x^m (m >= 1) module m - 1's output at the
@@ -42,13 +43,16 @@ import time
 
 import torch
 
-from engine.model_runner import (
-    EXACT_ROWS,
-    SeqChunk,
-    build_forward_batch,
-)
+from engine.model_runner import EXACT_ROWS, SeqChunk, build_forward_batch
 from engine.request import Request
-from engine.spec_decode.proposers.base import Draft, DrafterIdentity, ProposeContext, Proposer, StepTimer, may_draft
+from engine.spec_decode.proposers.base import (
+    Draft,
+    DrafterIdentity,
+    ProposeContext,
+    Proposer,
+    StepTimer,
+    may_draft,
+)
 from engine.spec_decode.proposers.draft_vocab import DraftLMHead
 from engine.spec_decode.proposers.feature_buffers import (
     HiddenRows,
@@ -64,18 +68,20 @@ BUFFER_ROWS = 16  # the steady bound of a request's buffered target rows (k + 1 
 
 class FeatureLayerProposer(Proposer):
     """Subclasses set, before `_finish_init`: `arch` (ArchConfig of the layers; num_layers = L),
-    `layers` (L `DecoderLayer`s), `heads` (L `DraftLMHead`s), `embed_tokens`, `feature_size`
-    (width of the target rows it buffers), `rope_offset` (RoPE position = slot + offset) and the
-    RoPE tables `rope_cos`, `rope_sin` (and `rope_f32` for the fused CPU row path)."""
+    `layers` (L `DecoderLayer`s, or layers `_run_module` runs), `heads` (L `DraftLMHead`s),
+    `embed_tokens`, `feature_size` (width of the rows it buffers), `rope_offset` (RoPE position =
+    slot + offset) and the RoPE tables `rope_cos`, `rope_sin` (and `rope_f32` for the fused CPU
+    row path)."""
 
     needs_hidden_states = True
-    name = ""  # in messages: "EAGLE", "MTP"
+    name = ""  # in messages: "EAGLE", "EAGLE-3", "MTP"
     feature_kv = True
+    fused_max_rows = EXACT_ROWS  # forwards of up to this many elements take the fused CPU row path
 
     def __init__(self, runner, num_speculative_tokens: int, tree_width: int = 4) -> None:
         super().__init__()
         self.tree_width = tree_width  # children per expanded node, and nodes expanded per level
-        self.states: dict[str, HiddenRows] = {}
+        self._states: dict[str, HiddenRows] = {}  # (`states` reads them, deferred rows appended)
         # rows a request may buffer: steady_rows while it is handed over after its prefill, the
         # lazy bound (`configure_buffers`) otherwise
         self.steady_rows = self.max_buffered_rows = max(BUFFER_ROWS, num_speculative_tokens + 1)
@@ -93,8 +99,23 @@ class FeatureLayerProposer(Proposer):
     # --- what a subclass defines --------------------------------------------------------------
     def _inputs(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, fused: bool) -> torch.Tensor:
         """Module m's layer input [T, H] for token embeddings and features [T, *]; float32 when
-        `fused` (the CPU row kernel runs the layer)."""
+        `fused` (the CPU row kernel runs the layer). Read by the default `_run_module` only."""
         raise NotImplementedError
+
+    def _run_module(self, m: int, embeds: torch.Tensor, feats: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    attn_metadata, fused: bool) -> torch.Tensor:
+        """Module m's output features [T, H] for token embeddings and features [T, *], writing the
+        elements' KV; cos/sin [T, 1, head_dim], or float32 [T, head_dim] when `fused` (the CPU row
+        kernel runs the layer). Here: `_inputs` into a `DecoderLayer`, its residual stream through
+        `_output`."""
+        x = self._inputs(m, embeds, feats, fused)
+        k_cache, v_cache = self.kv_caches[m]
+        layer = self.layers[m]
+        if fused:  # float32 activations through the layer, one call
+            out, residual = layer.forward_rows(x, None, cos, sin, k_cache, v_cache, attn_metadata)
+            return self._output(m, (residual + out).to(self.dtype))
+        out, residual = layer(x, None, cos, sin, k_cache, v_cache, attn_metadata, self.backend)
+        return self._output(m, residual + out)
 
     def _output(self, m: int, out: torch.Tensor) -> torch.Tensor:
         """Module m's output feature from its layer's output (the residual stream) [T, H]."""
@@ -112,6 +133,24 @@ class FeatureLayerProposer(Proposer):
         """Module 0's input and output as `cpu_kernels.feature_tree` takes them (its `parts`), or
         None where the tree kernel cannot run it."""
         return None
+
+    def _flush_deferred(self, only: set[str] | None = None) -> None:
+        """Append to their buffers the committed rows the drafter holds back, of the requests in
+        `only` (None: all), before those buffers are read (`states`, `export_state`, a step's
+        new rows, a round of drafting). Here none are held back; EAGLE-3 defers decode steps'."""
+
+    def _states_to_draft(self, requests: list[Request], k_max: int, t_start: float
+                         ) -> tuple[list[HiddenRows], float]:
+        """The requests' buffered rows for a round of up to k_max drafts (`_check_states`) and
+        the time the round's cost counts from (`t_start`; EAGLE-3 moves it past a long catch-up
+        it runs on its own)."""
+        return self._check_states(requests), t_start
+
+    def _add_round(self, requests: list[Request], seconds: float, forwards: int, catch_up: int, rows: int,
+                   k_max: int) -> None:
+        """Record a round of chains (`StepTimer.add_round`) of `forwards` forwards, whose first
+        caught up over `rows` buffered rows, at most `catch_up` of one request."""
+        self.timer.add_round(len(requests), seconds, forwards, catch_up, k_max)
 
     # --- set-up ---------------------------------------------------------------------------------
     def _finish_init(self, identity: DrafterIdentity) -> None:
@@ -138,6 +177,25 @@ class FeatureLayerProposer(Proposer):
         return self._identity
 
     @property
+    def states(self) -> dict[str, HiddenRows]:
+        """Each request's buffered rows, every deferred row appended first (`_flush_deferred`)."""
+        self._flush_deferred()
+        return self._states
+
+    @states.setter
+    def states(self, value: dict[str, HiddenRows]) -> None:
+        self._states = value
+
+    def _state(self, request_id: str) -> HiddenRows | None:
+        return self._states.get(request_id)
+
+    def free_request(self, request_id: str) -> None:
+        """Forget a request (reading no other request's buffer)."""
+        self._states.pop(request_id, None)
+        if self.kv_coverage is not None:
+            self.kv_coverage.forget(request_id)
+
+    @property
     def kv_arch(self):
         return self.arch
 
@@ -161,7 +219,8 @@ class FeatureLayerProposer(Proposer):
     def export_state(self, request_id: str) -> HiddenRows | None:
         """The buffered rows (on the CPU) of the positions the modules have not run over yet; the
         modules' KV of the others travels as the handoff's `drafter_kv`."""
-        state = self.states.get(request_id)
+        self._flush_deferred({request_id})
+        state = self._states.get(request_id)
         return None if state is None else state.to("cpu")
 
     def import_state(self, request_id: str, state, num_computed_tokens: int) -> None:
@@ -185,7 +244,7 @@ class FeatureLayerProposer(Proposer):
             raise ValueError(
                 f"{self.name} state has rows for {len(own.deeper) + 1} modules, this drafter has {len(self.layers)}"
             )
-        self.states[request_id] = own
+        self._states[request_id] = own
 
     # --- per step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -195,16 +254,24 @@ class FeatureLayerProposer(Proposer):
         (`max_buffered_rows`, or `steady_rows` when it is handed over after its prefill), all but
         the last."""
         committed = [c for c in committed_hidden(sched, runner_out, self._committed_rows(runner_out)) if may_draft(c[0])]
-        updated = append_rows(self.states, committed, self.name, self.max_buffered_rows + 1)
+        self._flush_deferred({r.request_id for r, _, _ in committed})  # (their earlier rows first)
+        self._buffer(committed)
+
+    def _buffer(self, committed: list[tuple[Request, int, torch.Tensor]]) -> None:
+        """Append each (request, position of its first row, rows) to the request's buffer, then
+        bound the buffers as `observe_step` says."""
+        updated = append_rows(self._states, committed, self.name, self.max_buffered_rows + 1)
         full = [(r, st) for r, st in updated
                 if st.rows.shape[0] > (self.steady_rows if r.export_after_prefill else self.max_buffered_rows)]
         if full:
-            new, _, _ = self._catch_up(
-                [r for r, _ in full], [st for _, st in full], [st.end for _, st in full]
-            )
-            for (r, _), st in zip(full, new, strict=True):
-                self.states[r.request_id] = st
+            self._catch_up_all_but_last([r for r, _ in full], [st for _, st in full])
         self._cover(r for r, _, _ in committed)
+
+    def _catch_up_all_but_last(self, requests: list[Request], states: list[HiddenRows]) -> None:
+        """Run the modules over all of each request's buffered rows but the last, and keep that."""
+        new, _, _ = self._catch_up(requests, states, [st.end for st in states])
+        for r, st in zip(requests, new, strict=True):
+            self._states[r.request_id] = st
 
     def _kv_done(self, state: HiddenRows) -> int:
         return min([state.start] + [d.start for d in state.deeper])
@@ -231,12 +298,10 @@ class FeatureLayerProposer(Proposer):
 
         def forward_of(m: int):
             def forward(g) -> torch.Tensor:
-                x = self._inputs(m, self.embed_tokens(g.input_ids), g.floats["features"], False)
                 rope_pos = g.positions + self.rope_offset
                 cos, sin = self.rope_cos[rope_pos].unsqueeze(1), self.rope_sin[rope_pos].unsqueeze(1)
-                k_cache, v_cache = self.kv_caches[m]
-                out, residual = self.layers[m](x, None, cos, sin, k_cache, v_cache, g.metadata, self.backend)
-                return self._output(m, residual + out)
+                return self._run_module(m, self.embed_tokens(g.input_ids), g.floats["features"], cos, sin,
+                                        g.metadata, False)
             return forward
 
         self.step_graphs = [
@@ -252,7 +317,7 @@ class FeatureLayerProposer(Proposer):
     ) -> torch.Tensor:
         """Run module m on elements (features[i], token_ids[i]) at the cache positions of
         `chunks`; returns every element's output feature [T, H]."""
-        fused = self.row_kernel and len(token_ids) <= EXACT_ROWS
+        fused = self.row_kernel and len(token_ids) <= self.fused_max_rows
         graph = self.step_graphs[m] if m < len(self.step_graphs) else None
         if (not fused and graph is not None and graph.fits(chunks)
                 and features.shape[1] == graph.floats["features"].shape[1]):
@@ -262,17 +327,12 @@ class FeatureLayerProposer(Proposer):
             chunks, self.block_size, self.backend, self.device, row_exact="kernel" if fused else None
         )
         embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
-        x = self._inputs(m, embeds, features, fused)
         rope_pos = batch.positions + self.rope_offset
-        k_cache, v_cache = self.kv_caches[m]
-        layer = self.layers[m]
-        if fused:  # float32 activations through the layer, one call
+        if fused:
             cos, sin = self.rope_f32[0][rope_pos], self.rope_f32[1][rope_pos]
-            out, residual = layer.forward_rows(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata)
-            return self._output(m, (residual + out).to(self.dtype))
-        cos, sin = self.rope_cos[rope_pos].unsqueeze(1), self.rope_sin[rope_pos].unsqueeze(1)
-        out, residual = layer(x, None, cos, sin, k_cache, v_cache, batch.attn_metadata, self.backend)
-        return self._output(m, residual + out)
+        else:
+            cos, sin = self.rope_cos[rope_pos].unsqueeze(1), self.rope_sin[rope_pos].unsqueeze(1)
+        return self._run_module(m, embeds, features, cos, sin, batch.attn_metadata, fused)
 
     def _catch_up(self, requests: list[Request], states: list[HiddenRows], num_known: list[int]):
         """Run every module over its final elements, given the first num_known[i] tokens of
@@ -341,7 +401,7 @@ class FeatureLayerProposer(Proposer):
         states = []
         for r in requests:
             n = r.num_tokens
-            state = self.states.get(r.request_id)
+            state = self._states.get(r.request_id)
             if state is None or state.end != n - 1 or state.start == state.end:
                 raise RuntimeError(
                     f"{self.name}: request {r.request_id!r} cannot draft: it needs the hidden rows up to position "
@@ -371,15 +431,24 @@ class FeatureLayerProposer(Proposer):
         levels run new nodes only. Like a chain's, the elements of drafts are scratch: the next
         round's catch-up runs over the accepted path's target rows (the runner moves them into
         place)."""
-        from engine.spec_decode.proposers.tree_drafting import grow_trees, scratch_depths, tree_widths
+        from engine.spec_decode.proposers.tree_drafting import scratch_depths, tree_widths
 
+        self._flush_deferred({r.request_id for r in requests})  # (their rows first; not timed as drafting)
         t_start = time.perf_counter()
-        num_modules = len(self.layers)
         widths = tree_widths(widths, len(requests), self.tree_width)
-        states = self._check_states(requests)
+        depths = scratch_depths(requests, max_depths, widths, self.block_size, root_offset=2)
+        states, t_start = self._states_to_draft(requests, max(depths), t_start)
+        return self._grow_trees(requests, states, num_nodes, depths, widths, t_start, context)
+
+    def _grow_trees(self, requests: list[Request], states: list[HiddenRows], num_nodes: list[int],
+                    depths: list[int], widths: list[int], t_start: float, context: ProposeContext) -> list[Draft]:
+        """`propose_trees` from the requests' buffered rows `states` (`_states_to_draft`): the
+        catch-up, then the levels (`grow_trees`'s loop, or one `feature_tree` call)."""
+        from engine.spec_decode.proposers.tree_drafting import grow_trees
+
+        num_modules = len(self.layers)
         catch_up = max(r.num_tokens - 1 - st.start for r, st in zip(requests, states, strict=True))
         new, last, num_forwards = self._catch_up(requests, states, [r.num_tokens for r in requests])
-        depths = scratch_depths(requests, max_depths, widths, self.block_size, root_offset=2)
         # outputs[m][i]: module m's output for each node of request i's expanded tree, in index
         # order (row 0, the root: module m's final output at n - 2 - m, where a deeper module reads it)
         outputs: list[list[torch.Tensor]] = [list(last.unsqueeze(1))]
@@ -396,7 +465,7 @@ class FeatureLayerProposer(Proposer):
         if parts is not None and self.head.packed is not None and self.head.packed_few is None:
             drafts = self._propose_tree_kernel(requests, num_nodes, depths, widths, last, parts, context)
             for r, st in zip(requests, new, strict=True):  # the call succeeded: the module's KV holds the final elements
-                self.states[r.request_id] = st
+                self._states[r.request_id] = st
             self._cover(requests)
             self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + max(depths) - 1,
                                  catch_up, max(depths), chain=False)
@@ -428,7 +497,7 @@ class FeatureLayerProposer(Proposer):
                                             self.tree_temperature, context.tree_min_logprob)
         # Every forward succeeded: the module's KV holds the final elements now.
         for r, st in zip(requests, new, strict=True):
-            self.states[r.request_id] = st
+            self._states[r.request_id] = st
         self._cover(requests)
         self.timer.add_round(len(requests), time.perf_counter() - t_start, num_forwards + level_forwards,
                              catch_up, max(depths), chain=False)
@@ -472,12 +541,17 @@ class FeatureLayerProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
+        self._flush_deferred({r.request_id for r in requests})  # (their rows first; not timed as drafting)
         t_start = time.perf_counter()
+        states, t_start = self._states_to_draft(requests, max(num_tokens), t_start)
+        return self._draft_chains(requests, states, num_tokens, t_start, context)
+
+    def _draft_chains(self, requests: list[Request], states: list[HiddenRows], num_tokens: list[int],
+                      t_start: float, context: ProposeContext) -> list[Draft]:
+        """`propose` from the requests' buffered rows `states` (`_states_to_draft`): the catch-up,
+        then a forward per draft."""
         num_modules = len(self.layers)
-        states = self._check_states(requests)
-        catch_up = max(
-            n - 1 - st.start for n, st in zip([r.num_tokens for r in requests], states, strict=True)
-        )
+        pending = [r.num_tokens - 1 - st.start for r, st in zip(requests, states, strict=True)]
         new, feats, num_forwards = self._catch_up(requests, states, [r.num_tokens for r in requests])
         generators = context.generators_for(requests)
         tokens: list[list[int]] = [[] for _ in requests]
@@ -527,11 +601,10 @@ class FeatureLayerProposer(Proposer):
                 prev[i] = o
         # Every forward succeeded: the modules' KV holds the final elements now.
         for r, st in zip(requests, new, strict=True):
-            self.states[r.request_id] = st
+            self._states[r.request_id] = st
         self._cover(requests)
-        self.timer.add_round(
-            len(requests), time.perf_counter() - t_start, num_forwards, catch_up, max(num_tokens)
-        )
+        self._add_round(requests, time.perf_counter() - t_start, num_forwards, max(pending), sum(pending),
+                        max(num_tokens))
         return [
             Draft(t, torch.stack(pr) if pr and not r.sampling_params.is_greedy else None)
             for t, pr, r in zip(tokens, probs, requests, strict=True)

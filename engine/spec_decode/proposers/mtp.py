@@ -41,9 +41,14 @@ from engine.errors import DrafterMismatchError
 from engine.models.llama import DecoderLayer
 from engine.models.loader import load_safetensors, mtp_weight_prefixes
 from engine.spec_decode.proposers.base import DrafterIdentity, model_name, weights_digest
-from engine.spec_decode.proposers.feature_layer import FeatureLayerProposer
-from engine.spec_decode.proposers.checkpoint import check_tensors, load_decoder_layer, read_config, refuse_unused
+from engine.spec_decode.proposers.checkpoint import (
+    check_tensors,
+    load_decoder_layer,
+    read_config,
+    refuse_unused,
+)
 from engine.spec_decode.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
+from engine.spec_decode.proposers.feature_layer import FeatureLayerProposer
 
 DEEPSEEK, MIMO = "deepseek", "mimo"
 # published tensor names (under a module's prefix) of: token norm, feature norm, projection, and
