@@ -296,10 +296,9 @@ class StepTimer:
 
     A round is not a forward times k: the first forward also catches up over the accepted tokens
     and reads the drafter's weights back from DRAM (the target's step evicted them), the others
-    find them in cache; the shipped EAGLE-3 head's fused chain at batch 1 takes 0.37 ms for one
-    draft and 0.19 ms for each further one, where the mean per forward (0.24-0.39 ms) priced a
-    draft 1.2-2x its cost and a short chain at a fraction of it, so the policy drafted 2-4 where
-    5 paid more."""
+    find them in cache. So a further draft costs less than the first, and the mean per forward
+    would overprice long chains and underprice short ones: rounds are also kept by their number
+    of drafts (`round_seconds`)."""
 
     def __init__(self, initial_s: float) -> None:
         self.initial_s = initial_s
@@ -331,9 +330,9 @@ class StepTimer:
     def seconds(self, num_requests: int = 1) -> float:
         """The time per forward for num_requests requests: the median of its batch bucket; where
         only smaller batches were measured, the nearest one's scaled by the requests (n / its
-        size); a larger batch's as is; `initial_s` before any. (Borrowed as is from batch 1, the
-        shipped EAGLE-3 head's 0.24 ms priced a round for 16 requests that takes 1.4-2.1 ms, and
-        the policy turned drafting on for 16 requests where it ran 10% slower.)"""
+        size); a larger batch's as is; `initial_s` before any. (A forward over more requests
+        takes longer: a small batch's time, borrowed as is, would underprice a large batch's
+        drafting.)"""
         near = self.medians.nearest(num_requests)
         if near is None:
             return self.initial_s

@@ -59,8 +59,8 @@ def import_hidden_rows(method: str, state, hidden_size: int, num_computed_tokens
 def committed_hidden(sched, runner_out, hidden: torch.Tensor | None = None) -> Iterator[tuple[Request, int, torch.Tensor]]:
     """(request, position of its first row, rows [m, H]) of each scheduled, unfinished request's
     newly committed positions, from `hidden` [num_tokens, H] (default: the step's final-norm
-    `hidden_states`; EAGLE-3 passes `aux_hidden_states`). The rows are views of the step's
-    output: clone what you keep.
+    `hidden_states`; a drafter that reads other rows passes them, as EAGLE-3 its fc's output).
+    The rows are views of the step's output: clone what you keep.
 
     Example: a verification of 3 drafts with 2 accepted commits rows [c, c+1, c+2] (the last
     token and 2 drafts) of the request's 4 query rows; a partial prefill chunk commits all rows.
@@ -115,37 +115,12 @@ def append_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, in
     return updated
 
 
-def buffer_rows(states: dict[str, HiddenRows], committed: list[tuple[Request, int, torch.Tensor]],
-                bound, forward, what: str, reserve: int = 0) -> None:
-    """`append_rows`, then bound the buffers: every request holding more than `bound(request)`
-    rows catches up (`catch_up_rows`). EAGLE-3's bound between drafting rounds (fc(aux) rows)."""
-    updated = append_rows(states, committed, what, reserve)
-    catch_up_rows(states, [(r, st) for r, st in updated if st.rows.shape[0] > bound(r)], forward)
-
-
-def catch_up_rows(states: dict[str, HiddenRows], items: list[tuple[Request, HiddenRows]], forward) -> None:
-    """Run `forward(chunks, token_ids, features)` over the elements (row j, token j + 1) of all
-    of each request's buffered rows but the last (one call for all of them) and keep the last
-    row only."""
-    from engine.model_runner import SeqChunk
-
-    items = [(r, st) for r, st in items if st.rows.shape[0] > 1]
-    if not items:
-        return
-    chunks = [SeqChunk([0] * (st.rows.shape[0] - 1), st.start, r.block_ids) for r, st in items]
-    token_ids = [r.token_at(j + 1) for r, st in items for j in range(st.start, st.end - 1)]
-    forward(chunks, token_ids, torch.cat([st.rows[:-1] for _, st in items]))
-    for r, st in items:
-        states[r.request_id] = HiddenRows(st.end - 1, st.rows[-1:].clone())
-
-
 # A request that is not drafting (the adaptive policy has speculation off, or its prompt is still
 # in chunked prefill) buffers the rows its drafter has not run over. The drafter catches up over
 # them only when the request drafts again, or when they reach the bound: up to LAZY_BUFFER_ROWS a
 # request, while all requests' rows together stay within LAZY_BUFFER_BYTES. A request that
-# finishes while speculation is off never runs the drafter over them at all (16 concurrent
-# requests with speculation off had spent ~10% of the engine's time keeping an EAGLE-3 head's
-# KV caught up 16 rows at a time). A request that is prefilled to be handed over keeps the steady
+# finishes while speculation is off never runs the drafter over them at all, and one that keeps
+# speculation off pays no drafter forward per step to stay caught up. A request that is prefilled to be handed over keeps the steady
 # bound: its prefill replica does the catch-up, not the decode replica.
 LAZY_BUFFER_ROWS = 256
 LAZY_BUFFER_BYTES = 32 << 20
@@ -164,8 +139,8 @@ class DrafterKVCoverage:
     (EAGLE, EAGLE-3, MTP), which runs only over the target's rows, never fills its KV there: it
     must find it already written. It is not when the request that wrote the blocks did not run the
     drafter over them: it did not speculate (speculative=False), or it finished while its rows
-    waited (LAZY_BUFFER_ROWS). A later request drafting over such blocks attends to stale KV (a
-    256-token shared prompt: mean accepted length 4.04 -> 2.61 with the shipped EAGLE-3 head). So
+    waited (LAZY_BUFFER_ROWS). A later request drafting over such blocks would attend to stale KV and
+    have far fewer drafts accepted (outputs stay exact). So
     a block counts as covered once its writer's drafter holds the final elements of all its
     positions, and a fresh block (any other content gone) as not; a request that may draft reuses
     only the leading covered blocks of its cached prefix (`prefix`) and recomputes the rest;
