@@ -233,6 +233,91 @@ def read_eagle3_config(model_dir: str) -> dict:
     return cfg
 
 
+def read_vocab_map(model_dir: str, w: dict, draft_vocab: int, vocab: int) -> torch.Tensor | None:
+    """Target token id of each draft id (arange(N) + d2t), checked against t2d when present;
+    None when the draft vocabulary is the target's own, in order."""
+    d2t = w.get("d2t")
+    if d2t is None:
+        if draft_vocab != vocab:
+            raise CheckpointError(
+                f"EAGLE-3 checkpoint {model_dir!r} lacks tensor 'd2t' (its draft_vocab_size {draft_vocab} "
+                f"differs from the vocabulary's {vocab})"
+            )
+        return None
+    if tuple(d2t.shape) != (draft_vocab,) or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise CheckpointError(
+            f"EAGLE-3 checkpoint {model_dir!r}: tensor 'd2t' has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, "
+            f"expected ({draft_vocab},) integer offsets"
+        )
+    token_ids = torch.arange(draft_vocab) + d2t.long()
+    if token_ids.min() < 0 or token_ids.max() >= vocab or token_ids.unique().numel() != draft_vocab:
+        raise CheckpointError(
+            f"EAGLE-3 checkpoint {model_dir!r}: tensor 'd2t' maps draft ids to target ids outside [0, {vocab}) "
+            "or to the same id twice"
+        )
+    t2d = w.get("t2d")
+    if t2d is not None:
+        if tuple(t2d.shape) != (vocab,):
+            raise CheckpointError(
+                f"EAGLE-3 checkpoint {model_dir!r}: tensor 't2d' has shape {tuple(t2d.shape)}, expected ({vocab},)"
+            )
+        if int(t2d.bool().sum()) != draft_vocab or not bool(t2d.bool()[token_ids].all()):
+            raise CheckpointError(f"EAGLE-3 checkpoint {model_dir!r}: tensors 't2d' and 'd2t' disagree")
+    if torch.equal(token_ids, torch.arange(vocab)):
+        return None
+    return token_ids
+
+
+def load_head(model_dir: str, arch: ArchConfig, norm_before_residual: bool, fc_in: int, draft_vocab: int):
+    """The head's modules from its checkpoint, every published tensor checked by name and shape
+    and none left unused: (fc, midlayer, final norm, LM head [N, H], its own embedding or None,
+    the target token id of each draft id or None (`read_vocab_map`))."""
+    hidden, vocab = arch.hidden_size, arch.vocab_size
+    w = load_safetensors(model_dir)
+    fc = nn.Linear(fc_in, hidden, bias=False)
+    layer = Eagle3Layer(arch, norm_before_residual)
+    norm = nn.Parameter(torch.ones(hidden))
+    lm_head = torch.empty(draft_vocab, hidden)
+    embed = torch.empty(vocab, hidden) if "embed_tokens.weight" in w else None
+    L, a = layer, arch
+    expected = {  # published key -> (destination, shape)
+        "fc.weight": (fc.weight, None),
+        "midlayer.input_layernorm.weight": (L.input_layernorm, None),
+        "midlayer.hidden_norm.weight": (L.hidden_norm, None),
+        "midlayer.self_attn.q_proj.weight": (None, (L.q_size, 2 * hidden)),
+        "midlayer.self_attn.k_proj.weight": (None, (L.kv_size, 2 * hidden)),
+        "midlayer.self_attn.v_proj.weight": (None, (L.kv_size, 2 * hidden)),
+        "midlayer.self_attn.o_proj.weight": (L.o_proj.weight, None),
+        "midlayer.post_attention_layernorm.weight": (L.post_attention_layernorm, None),
+        "midlayer.mlp.gate_proj.weight": (None, (a.intermediate_size, hidden)),
+        "midlayer.mlp.up_proj.weight": (None, (a.intermediate_size, hidden)),
+        "midlayer.mlp.down_proj.weight": (L.down_proj.weight, None),
+        "norm.weight": (norm, None),
+        "lm_head.weight": (lm_head, None),
+    }
+    if embed is not None:
+        expected["embed_tokens.weight"] = (embed, None)
+    for key, (dest, shape) in expected.items():
+        if key not in w:
+            raise CheckpointError(f"EAGLE-3 checkpoint {model_dir!r} lacks tensor {key!r}")
+        want = tuple(dest.shape) if dest is not None else shape
+        if tuple(w[key].shape) != want:
+            raise CheckpointError(
+                f"EAGLE-3 checkpoint {model_dir!r}: tensor {key!r} has shape {tuple(w[key].shape)}, expected {want}"
+            )
+    token_ids = read_vocab_map(model_dir, w, draft_vocab, vocab)
+    unknown = sorted(k for k in w if k not in expected and k not in ("d2t", "t2d") and "rotary_emb" not in k)
+    if unknown:
+        raise CheckpointError(f"EAGLE-3 checkpoint {model_dir!r} has tensors this head does not use: {unknown[:5]}")
+    with torch.no_grad():
+        for key, (dest, _) in expected.items():
+            if dest is not None:
+                dest.copy_(w[key])
+        L.qkv_proj.weight.copy_(torch.cat([w[f"midlayer.self_attn.{n}_proj.weight"] for n in "qkv"]))
+        L.gate_up_proj.weight.copy_(torch.cat([w["midlayer.mlp.gate_proj.weight"], w["midlayer.mlp.up_proj.weight"]]))
+    return fc, layer, norm, lm_head, embed, token_ids
+
+
 class Eagle3Proposer(FeatureLayerProposer):
     """The midlayer as the one module of a `FeatureLayerProposer` (`layers[0]`, also `layer`)."""
 
@@ -268,51 +353,13 @@ class Eagle3Proposer(FeatureLayerProposer):
             mlp_bias=False, qk_norm=False, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             sliding_window=None,
         )
-        w = load_safetensors(model_dir)
-        self.fc = nn.Linear(len(self.aux_layer_ids) * target_hidden, hidden, bias=False)
-        layer = Eagle3Layer(self.arch, bool(cfg.get("norm_before_residual", False)))
-        self.norm = nn.Parameter(torch.ones(hidden))
-        lm_head = torch.empty(draft_vocab, hidden)
-        embed = torch.empty(vocab, hidden) if "embed_tokens.weight" in w else None
-        L, a = layer, self.arch
-        expected = {  # published key -> (destination, shape)
-            "fc.weight": (self.fc.weight, None),
-            "midlayer.input_layernorm.weight": (L.input_layernorm, None),
-            "midlayer.hidden_norm.weight": (L.hidden_norm, None),
-            "midlayer.self_attn.q_proj.weight": (None, (L.q_size, 2 * hidden)),
-            "midlayer.self_attn.k_proj.weight": (None, (L.kv_size, 2 * hidden)),
-            "midlayer.self_attn.v_proj.weight": (None, (L.kv_size, 2 * hidden)),
-            "midlayer.self_attn.o_proj.weight": (L.o_proj.weight, None),
-            "midlayer.post_attention_layernorm.weight": (L.post_attention_layernorm, None),
-            "midlayer.mlp.gate_proj.weight": (None, (a.intermediate_size, hidden)),
-            "midlayer.mlp.up_proj.weight": (None, (a.intermediate_size, hidden)),
-            "midlayer.mlp.down_proj.weight": (L.down_proj.weight, None),
-            "norm.weight": (self.norm, None),
-            "lm_head.weight": (lm_head, None),
-        }
-        if embed is not None:
-            expected["embed_tokens.weight"] = (embed, None)
-        for key, (dest, shape) in expected.items():
-            if key not in w:
-                raise CheckpointError(f"EAGLE-3 checkpoint {model_dir!r} lacks tensor {key!r}")
-            want = tuple(dest.shape) if dest is not None else shape
-            if tuple(w[key].shape) != want:
-                raise CheckpointError(
-                    f"EAGLE-3 checkpoint {model_dir!r}: tensor {key!r} has shape {tuple(w[key].shape)}, expected {want}"
-                )
-        token_ids = self._read_vocab_map(model_dir, w, draft_vocab, vocab)
-        unknown = sorted(k for k in w if k not in expected and k not in ("d2t", "t2d") and "rotary_emb" not in k)
-        if unknown:
-            raise CheckpointError(f"EAGLE-3 checkpoint {model_dir!r} has tensors this head does not use: {unknown[:5]}")
-        with torch.no_grad():
-            for key, (dest, _) in expected.items():
-                if dest is not None:
-                    dest.copy_(w[key])
-            L.qkv_proj.weight.copy_(torch.cat([w[f"midlayer.self_attn.{n}_proj.weight"] for n in "qkv"]))
-            L.gate_up_proj.weight.copy_(torch.cat([w["midlayer.mlp.gate_proj.weight"], w["midlayer.mlp.up_proj.weight"]]))
-        self.fc = self.fc.to(self.device, self.dtype).eval().requires_grad_(False)
+        fc, layer, norm, lm_head, embed, token_ids = load_head(
+            model_dir, self.arch, bool(cfg.get("norm_before_residual", False)),
+            len(self.aux_layer_ids) * target_hidden, draft_vocab,
+        )
+        self.fc = fc.to(self.device, self.dtype).eval().requires_grad_(False)
         layer = layer.to(self.device, self.dtype).eval().requires_grad_(False)
-        self.norm = self.norm.detach().to(self.device, self.dtype)
+        self.norm = norm.detach().to(self.device, self.dtype)
         if embed is not None:
             self.embed_tokens = nn.Embedding.from_pretrained(embed.to(self.device, self.dtype), freeze=True)
         elif hidden != t.hidden_size:
@@ -329,6 +376,7 @@ class Eagle3Proposer(FeatureLayerProposer):
         self.feature_size = hidden  # the buffers hold fc's output
         from transformers import LlamaConfig
 
+        a = self.arch
         hf = LlamaConfig(
             hidden_size=a.num_heads * a.head_dim, num_attention_heads=a.num_heads, head_dim=a.head_dim,
             rope_theta=cfg.get("rope_theta", 10000.0), rope_scaling=cfg.get("rope_scaling"),
@@ -360,41 +408,6 @@ class Eagle3Proposer(FeatureLayerProposer):
         self._own_embedding = embed is not None
         self._chain_norms: dict[str, torch.Tensor] | None = None  # float32 norms of draft_chain
         self.row_kernel_chain = self.row_kernel  # rounds in one call of cpu_kernels.draft_chain / draft_tree
-
-    @staticmethod
-    def _read_vocab_map(model_dir: str, w: dict, draft_vocab: int, vocab: int) -> torch.Tensor | None:
-        """Target token id of each draft id (arange(N) + d2t), checked against t2d when present;
-        None when the draft vocabulary is the target's own, in order."""
-        d2t = w.get("d2t")
-        if d2t is None:
-            if draft_vocab != vocab:
-                raise CheckpointError(
-                    f"EAGLE-3 checkpoint {model_dir!r} lacks tensor 'd2t' (its draft_vocab_size {draft_vocab} "
-                    f"differs from the vocabulary's {vocab})"
-                )
-            return None
-        if tuple(d2t.shape) != (draft_vocab,) or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-            raise CheckpointError(
-                f"EAGLE-3 checkpoint {model_dir!r}: tensor 'd2t' has shape {tuple(d2t.shape)} and dtype {d2t.dtype}, "
-                f"expected ({draft_vocab},) integer offsets"
-            )
-        token_ids = torch.arange(draft_vocab) + d2t.long()
-        if token_ids.min() < 0 or token_ids.max() >= vocab or token_ids.unique().numel() != draft_vocab:
-            raise CheckpointError(
-                f"EAGLE-3 checkpoint {model_dir!r}: tensor 'd2t' maps draft ids to target ids outside [0, {vocab}) "
-                "or to the same id twice"
-            )
-        t2d = w.get("t2d")
-        if t2d is not None:
-            if tuple(t2d.shape) != (vocab,):
-                raise CheckpointError(
-                    f"EAGLE-3 checkpoint {model_dir!r}: tensor 't2d' has shape {tuple(t2d.shape)}, expected ({vocab},)"
-                )
-            if int(t2d.bool().sum()) != draft_vocab or not bool(t2d.bool()[token_ids].all()):
-                raise CheckpointError(f"EAGLE-3 checkpoint {model_dir!r}: tensors 't2d' and 'd2t' disagree")
-        if torch.equal(token_ids, torch.arange(vocab)):
-            return None
-        return token_ids
 
     @property
     def layer(self) -> Eagle3Layer:
