@@ -394,7 +394,7 @@ class FeatureLayerProposer(Proposer):
     @property
     def supports_tree(self) -> bool:
         """Every chain drafter grows trees (`propose_trees`): one module applied recursively
-        (EAGLE-1, a one-layer MTP checkpoint) or one module per depth (MTP with several layers)."""
+        (EAGLE-1, EAGLE-3, a one-layer MTP checkpoint) or one module per depth (MTP with several layers)."""
         return True
 
     def _check_states(self, requests: list[Request]) -> list[HiddenRows]:
