@@ -49,7 +49,7 @@ from torch.utils.cpp_extension import load
 from bench.common import ROOT, machine_info, table, write_results
 from kernels import cpu_kernels
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu_rows.cpp"
+SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "csrc" / "attention.cpp"
 SHAPES = ((2816, 512), (1024, 512), (512, 1408))  # gate+up, q/k/v, down of the shipped target
 # one forward of the shipped target: per layer q/k/v, o, gate+up, down; then the LM head
 STEP = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 12 + [(8192, 512)]

@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_rows.cpp")
+SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "torch_extensions"
 ENV_DISABLE = "SPECDECODE_CPU_KERNELS"  # "0": never build or use them
 ENV_BF16_DOT = "SPECDECODE_CPU_BF16_DOT"  # "0": no AVX512-BF16 products even where the CPU has them
