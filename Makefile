@@ -23,7 +23,7 @@ else
 	$(BIN)/pip install -q -e '.[dev,triton]' --config-settings editable_mode=compat
 endif
 	$(BIN)/python -m protos.build
-	# the row-invariant CPU kernels (kernels/cpu_rows.cpp), compiled once here rather than by the first engine
+	# the row-invariant CPU kernels (kernels/csrc/), compiled once here rather than by the first engine
 	$(BIN)/python -c "from kernels import cpu_kernels; print('CPU row kernels:', cpu_kernels.available())"
 	touch $(STAMP)
 

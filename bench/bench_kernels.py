@@ -1,12 +1,14 @@
-"""The packed CPU matmul (kernels/cpu_rows.cpp `packed_linear`) against another version of the
-same source, interleaved, on the shipped target's matrix shapes: the time of x[M, K] @ w.T for
+"""The packed CPU matmul (kernels/csrc/products.cpp `packed_linear`) against another version of the
+same sources, interleaved, on the shipped target's matrix shapes: the time of x[M, K] @ w.T for
 M rows (1: a decode step, 5 / 9: a verification of 4 / 8 drafts, 16: 16 concurrent requests,
 128 / 512: prefill chunks) and the multiply-adds per second. Both versions must give the same
 bits (checked; `--other-order` when the baseline sums in another order: the largest relative
-difference is reported instead). Example, against the kernel before a change:
+difference is reported instead). `--baseline` is a folder of sources (kernels/csrc of another
+commit) or one .cpp file (earlier commits' single-file kernels/cpu_rows.cpp). Example, against
+the kernels before a change:
 
-    git show 80ab678:kernels/cpu_rows.cpp > /tmp/cpu_rows_before.cpp
-    python -m bench.bench_kernels --baseline /tmp/cpu_rows_before.cpp
+    mkdir -p /tmp/before && git archive HEAD kernels/csrc | tar -x -C /tmp/before
+    python -m bench.bench_kernels --baseline /tmp/before/kernels/csrc
 
 Timings: per configuration `--reps` interleaved rounds (baseline, current, baseline, ...) of
 `--calls` calls each; the medians are reported. One thread unless --threads. Results go to
@@ -27,7 +29,7 @@ shipped target's shape (230 positions of context): one decode token, a verificat
 products) against the float32 kernel and, on an AMX CPU, `attention_rows_amx` (tiles), interleaved;
 with `--baseline`, also `attention_rows_dp` of the other source, interleaved, bits required equal:
 
-    python -m bench.bench_kernels --attention --baseline /tmp/cpu_rows_before.cpp
+    python -m bench.bench_kernels --attention --baseline /tmp/before/kernels/csrc
 
 `--prefill-attention` times the torch backend's attention of prompt chunks (q_len query tokens
 after `context` cached ones, the shipped target's heads, bfloat16) through
@@ -49,11 +51,9 @@ from torch.utils.cpp_extension import load
 from bench.common import ROOT, machine_info, table, write_results
 from kernels import cpu_kernels
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "csrc" / "attention.cpp"
 SHAPES = ((2816, 512), (1024, 512), (512, 1408))  # gate+up, q/k/v, down of the shipped target
 # one forward of the shipped target: per layer q/k/v, o, gate+up, down; then the LM head
 STEP = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 12 + [(8192, 512)]
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 
 
 def extra(m) -> tuple:
@@ -61,15 +61,21 @@ def extra(m) -> tuple:
     return (torch.empty(0, dtype=torch.int64),) if "arg7" in (m.rows_attention.__doc__ or "") else ()
 
 
-def build(name: str, source: Path):
+def sources(path: Path) -> list[Path]:
+    """The translation units of a `--baseline`: a folder's .cpp files, or the one file."""
+    return sorted(path.glob("*.cpp")) if path.is_dir() else [path]
+
+
+def build(name: str, files: list[Path]):
     out = Path("build") / "bench_kernels" / name
     out.mkdir(parents=True, exist_ok=True)
-    return load(name=f"bench_rows_{name}", sources=[str(source)], extra_cflags=FLAGS, build_directory=str(out))
+    return load(name=f"bench_rows_{name}", sources=[str(s) for s in files],
+                extra_cflags=cpu_kernels.CFLAGS, build_directory=str(out))
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", type=Path, help="another cpu_rows.cpp to compare against (optional)")
+    ap.add_argument("--baseline", type=Path, help="other kernel sources to compare against: a folder of .cpp files or one .cpp file (optional)")
     ap.add_argument("--other-order", action="store_true",
                     help="the baseline sums in another order: report the largest difference instead of requiring equal bits")
     ap.add_argument("--rows", default="1,5,9,16,128,512")
@@ -88,12 +94,12 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     if args.attention:
         return rows_attention_bench(args.reps, args.out,
-                                    build("baseline", args.baseline) if args.baseline else None)
+                                    build("baseline", sources(args.baseline)) if args.baseline else None)
     if args.prefill_attention:
         return prefill_attention_bench(args.reps, args.out)
-    mods = {"current": build("current", SOURCE)}
+    mods = {"current": build("current", cpu_kernels.SOURCES)}
     if args.baseline:
-        mods["baseline"] = build("baseline", args.baseline)
+        mods["baseline"] = build("baseline", sources(args.baseline))
     rows = []
     g = torch.Generator().manual_seed(0)
     dp_ok = all(m.has_dot_bf16() for m in mods.values())

@@ -1,4 +1,5 @@
-"""Row-invariant CPU kernels for decode and verification steps (kernels/cpu_rows.cpp).
+"""Row-invariant CPU kernels for decode and verification steps (C++ in kernels/csrc/: the
+products, attention, the decoder layer, drafting; kernels/csrc/cpu_kernels.h describes them).
 
 `packed_linear` (over weights packed once by `pack_rows`; `rows_linear` packs per call),
 `rows_attention` and `rows_layer` (one whole decoder layer) compute each row (query token) in one
@@ -6,7 +7,8 @@ fixed order that depends on the shapes of one row only, so a token's result is b
 whether its step computes it alone or next to other tokens (the drafts it is verified with,
 other requests); and they read each weight once per call, so a few rows cost little more than
 one. Compiled on first use with torch.utils.cpp_extension (g++, -O3 -mavx2 -mfma -fopenmp) into
-build/torch_extensions/ of this checkout (a few tens of seconds, once). `available()` is False on a
+build/torch_extensions/ of this checkout (a minute or two, once; an edit of any source or of the
+header rebuilds what it touches). `available()` is False on a
 CPU without AVX2/FMA, or when the compiler fails (the reason is logged once); callers then use
 the torch path. Where the CPU has AVX512-BF16, bfloat16 weights are packed for its dot-product
 instructions (`dot_bf16_available`, `pack_rows`): activations rounded to bfloat16, twice the
@@ -26,7 +28,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "attention.cpp"
+CSRC = Path(__file__).with_name("csrc")
+# The translation units; torch keys its build on their contents, and ninja's dependency files
+# rebuild the ones that include an edited header.
+SOURCES = sorted(CSRC.glob("*.cpp"))
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "torch_extensions"
 ENV_DISABLE = "SPECDECODE_CPU_KERNELS"  # "0": never build or use them
 ENV_BF16_DOT = "SPECDECODE_CPU_BF16_DOT"  # "0": no AVX512-BF16 products even where the CPU has them
@@ -69,9 +75,9 @@ def _module():
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     try:
         mod = load(
-            name="specdecode_cpu_rows",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            name="specdecode_cpu_kernels",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(BUILD_DIR),
             verbose=False,
@@ -122,7 +128,7 @@ def wide_attention(on: bool) -> bool:
 
 
 def dot_attention(on: bool) -> bool:
-    """Let bfloat16 caches' attention run on AVX512-BF16 dot products (cpu_rows.cpp
+    """Let bfloat16 caches' attention run on AVX512-BF16 dot products (csrc/attention.cpp
     `attention_rows_dp`: q and the softmax weights rounded to bfloat16, as torch's bfloat16
     attention takes them) where the CPU has them; off, the float32 kernels (`wide_attention`).
     On by default unless `SPECDECODE_CPU_BF16_DOT` is "0". Returns the previous setting."""
@@ -131,7 +137,7 @@ def dot_attention(on: bool) -> bool:
 
 
 def amx_attention(on: bool) -> bool:
-    """Let bfloat16 caches' rows attention run on AMX tiles where it can (cpu_rows.cpp
+    """Let bfloat16 caches' rows attention run on AMX tiles where it can (csrc/attention.cpp
     `attention_rows_amx`: an AMX CPU with the tile products on (`amx_products`) and
     `dot_attention` on, head_dim 64, 128 or 256, at most 16 query heads per kv head, blocks of a
     multiple of 16 positions); off, `attention_rows_dp`.
@@ -142,7 +148,7 @@ def amx_attention(on: bool) -> bool:
 
 
 def amx_available() -> bool:
-    """True where the dp-packed products (`dot_bf16_available`) run on AMX tiles (cpu_rows.cpp
+    """True where the dp-packed products (`dot_bf16_available`) run on AMX tiles (csrc/products.cpp
     `linear_amx`: a CPU with AMX-BF16 whose kernel grants the tile state, and `SPECDECODE_CPU_AMX`
     not "0"): a step of 1-16 rows then costs about one row's weight stream."""
     return dot_bf16_available() and bool(_module().amx_on())
@@ -163,7 +169,7 @@ def int8_available() -> bool:
 
 def pack_rows_int8(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] float32 or bfloat16 -> int8 with one scale per row, packed for the int8
-    products (cpu_rows.cpp `linear_i8`: 16-bit activations, exact int32 sums; half the bytes of
+    products (csrc/products.cpp `linear_i8`: 16-bit activations, exact int32 sums; half the bytes of
     bfloat16, lossy by ~1e-3 of a product's scale). Every function that takes packed weights takes
     these; for drafters only (the target's products stay exact)."""
     return _module().pack_rows_int8(weight.detach())
@@ -171,7 +177,7 @@ def pack_rows_int8(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_rows_int4(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] float32 or bfloat16, K a multiple of 32 -> int4 with a bfloat16 scale per row
-    and group of 32 k, packed for the int4 products (cpu_rows.cpp `linear_i4`: 16-bit activations,
+    and group of 32 k, packed for the int4 products (csrc/products.cpp `linear_i4`: 16-bit activations,
     exact int32 sums per group; 4.5 bits a weight, a quarter of bfloat16's bytes). Lossy (~9% of
     a matrix's norm): for drafters only, as pack_rows_int8. Every function that takes packed
     weights takes these (uint8)."""
@@ -184,7 +190,7 @@ def has_avx512() -> bool:
 
 def dot_bf16_available() -> bool:
     """True where bfloat16 weights are packed for AVX512-BF16 dot-product instructions
-    (`vdpbf16ps`, cpu_rows.cpp `linear_dp`): a CPU with AVX512-BF16 and `SPECDECODE_CPU_BF16_DOT`
+    (`vdpbf16ps`, csrc/products.cpp `linear_dp`): a CPU with AVX512-BF16 and `SPECDECODE_CPU_BF16_DOT`
     not "0". Those products round the activations to bfloat16 (as torch's bfloat16 products do)
     and do twice the multiply-adds per instruction of the widen-then-FMA path."""
     return available() and os.environ.get(ENV_BF16_DOT, "1") != "0" and bool(_module().has_dot_bf16())
@@ -220,7 +226,7 @@ def rows_layer(x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor
                num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float,
                scale: float, attn_in: torch.Tensor | None = None,
                tree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pre-norm decoder layer for a few tokens in one call (cpu_rows.cpp `rows_layer`): x,
+    """One pre-norm decoder layer for a few tokens in one call (csrc/decoder_layer.cpp `rows_layer`): x,
     residual [T, E] float32 (residual None for the first layer); cos/sin [T, head_dim] float32
     rows of each token's position; `weights` holds w_qkv, w_o, w_gate_up, w_down (`pack_rows`
     of the float32 or bfloat16 matrices; gate/up fused as [gate; up]) and in_norm (None: no
@@ -251,7 +257,7 @@ ROW_WEIGHT_ORDER = ("in_norm", "post_norm", "w_qkv", "b_qkv", "w_o", "b_o", "q_n
 def rows_stack(layer_weights: list[dict[str, torch.Tensor | None]], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float, scale: float,
                aux_layer_ids: list[int]):
-    """A C++ stack of decoder layers (cpu_rows.cpp `RowsStack`) holding each layer's `rows_layer`
+    """A C++ stack of decoder layers (csrc/decoder_layer.cpp `RowsStack`) holding each layer's `rows_layer`
     weights (dicts as `rows_layer` takes them) and KV caches: `.forward(x, cos, sin, slots,
     block_tables, ctx_lens, slot_rows, tree)` runs them all in one call (the same bits as one
     `rows_layer` call per layer) and returns (the last residual stream before the final norm,
@@ -270,7 +276,7 @@ def draft_chain(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tens
                 intermediate_size: int, eps: float, scale: float, round_bf16: bool,
                 sampling: torch.Tensor | None = None,
                 uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chain drafting of an EAGLE-3 head in one call (cpu_rows.cpp `draft_chain`): the midlayer's
+    """Chain drafting of an EAGLE-3 head in one call (csrc/drafting.cpp `draft_chain`): the midlayer's
     catch-up forward over feats [N0, H] float32 (elements with tokens, positions and owner
     request [N0] int64, each request's rows together), then num_drafts[b] drafts per request, each
     forward after the first on (own output feature, token just drafted). `norms`: in_ln,
@@ -296,7 +302,7 @@ def draft_chain(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tens
 
 def move_slots(caches: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
     """Copy the rows at slots `src` onto slots `dst` of each paged cache ([blocks, block_size,
-    ...], contiguous), every source read first (cpu_rows.cpp `move_slots`)."""
+    ...], contiguous), every source read first (csrc/drafting.cpp `move_slots`)."""
     _module().move_slots(caches, torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
 
 
@@ -309,7 +315,7 @@ def draft_tree(feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tenso
                scale: float, round_bf16: bool, sampling: torch.Tensor | None = None,
                uniforms: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Dynamic trees of an EAGLE-3 head in one call (cpu_rows.cpp `draft_tree`: the catch-up
+    """Dynamic trees of an EAGLE-3 head in one call (csrc/drafting.cpp `draft_tree`: the catch-up
     forward as `draft_chain`'s, then every level of `tree_drafting.grow_trees`). Greedy requests:
     candidates ranked by log_softmax(logits / temperature), kept only at a cumulative
     log-probability >= min_logprob (-inf keeps EAGLE-2's num_nodes best). Requests whose
@@ -338,7 +344,7 @@ def stack_tree(stack, tokens: torch.Tensor, positions: torch.Tensor, owner: torc
                min_logprob: float, lm_head: torch.Tensor, n_draft: int, token_ids: torch.Tensor | None,
                sampling: torch.Tensor | None = None, uniforms: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`draft_tree` for a draft model (cpu_rows.cpp `stack_tree`): `stack` its layers
+    """`draft_tree` for a draft model (csrc/drafting.cpp `stack_tree`): `stack` its layers
     (`rows_stack` with `set_ends`), its catch-up elements tokens at positions ([N0] int64, owner
     request, each request's rows together), lm_head packed (`pack_rows`) over n_draft rows, column
     i being target token token_ids[i] (None: i). The same trees, levels and outputs as
@@ -360,7 +366,7 @@ def feature_tree(stack, root_feats: torch.Tensor, tokens: torch.Tensor, position
                  rope_offset: int, round_bf16: bool, sampling: torch.Tensor | None = None,
                  uniforms: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`draft_tree` for a one-module feature drafter (cpu_rows.cpp `feature_tree`: native MTP
+    """`draft_tree` for a one-module feature drafter (csrc/drafting.cpp `feature_tree`: native MTP
     with one module, EAGLE-1): `stack` the module's decoder layer (`rows_stack` of one layer),
     root_feats [R, E] float32 each request's module output at its root (its last final element:
     token tokens[b] at position positions[b], [R] int64); an element (parent's output feature g,
@@ -436,7 +442,7 @@ def prefill_attention_available() -> bool:
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Causal paged attention (cpu_rows.cpp `prefill_attention`) of a step's query tokens,
+    """Causal paged attention (csrc/attention.cpp `prefill_attention`) of a step's query tokens,
     bfloat16 query [T, H, D] and caches -> [T, H, D] bfloat16: request b's tokens are
     query[query_start_loc[b]:query_start_loc[b + 1]], token i at position seq_lens[b] - q_len + i,
     over the keys at positions up to its own (block_tables [B, max_blocks]; all int64). The

@@ -1,4 +1,4 @@
-"""The row-invariant CPU kernels (kernels/cpu_rows.cpp) against torch references, and their
+"""The row-invariant CPU kernels (kernels/csrc/) against torch references, and their
 invariance: a row's result is bit-identical alone or next to others."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def x_ref(x: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def test_the_kernels_exp_is_accurate_and_element_wise():
-    """The vectorized exp of the softmax and SiLU (cpu_rows.cpp exp8): within 2 ulp of exp over
+    """The vectorized exp of the softmax and SiLU (cpu_kernels.h exp8): within 2 ulp of exp over
     the float range it serves, 0 below -87.34 (no denormals), saturated above 88.376, and a value's
     result does not depend on where it sits (8-wide body or zero-padded tail)."""
     m = cpu_kernels._module()
@@ -122,7 +122,7 @@ def test_amx_products_give_a_row_its_bits_at_every_row_count():
 
 
 def int8_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """linear_i8 from its definition (cpu_rows.cpp): each weight row int8 at max|w| / 127, each
+    """linear_i8 from its definition (csrc/products.cpp): each weight row int8 at max|w| / 127, each
     x row int16 at max|x| / A (A = min(32767, floor((2^31 - 1) / (127 K2)))), an exact integer
     sum, times both scales (float32 arithmetic as the kernel's)."""
     k2 = (w.shape[1] + 1) // 2 * 2
@@ -162,7 +162,7 @@ def test_int8_products_follow_their_definition_and_are_row_invariant(wdtype):
 
 
 def int4_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """linear_i4 from its definition (cpu_rows.cpp): per weight row and group of 32 k a scale
+    """linear_i4 from its definition (csrc/products.cpp): per weight row and group of 32 k a scale
     s = bfloat16(max|w| / 7), q = clamp(round(w / s), -7, 7); each x row int16 at max|x| / 32767;
     per group an exact integer sum, times s, added group by group in float32; times x's scale."""
     n, k = w.shape
@@ -356,7 +356,7 @@ def _bf16_attention_against_its_definition(hkv, group, d, threads, bs):
 @pytest.mark.parametrize(("hkv", "group", "d"), [(4, 2, 64), (2, 4, 32), (1, 8, 128), (2, 3, 256)])
 @pytest.mark.parametrize(("threads", "bs"), [(1, 16), (2, 16), (1, 1)])
 def test_dot_product_attention_matches_its_definition_and_is_row_invariant(hkv, group, d, threads, bs):
-    """bfloat16 caches on AVX512-BF16 (cpu_rows.cpp attention_rows_dp; the AMX tiles' kernel off):
+    """bfloat16 caches on AVX512-BF16 (csrc/attention.cpp attention_rows_dp; the AMX tiles' kernel off):
     scores from q rounded to bfloat16, the softmax weights rounded to bfloat16 against the values
     and divided by the unrounded sum, against that definition in float64; a token's result is
     bit-identical alone, in a verification group, or next to other requests, with 1 or 2 threads;
@@ -374,7 +374,7 @@ def test_dot_product_attention_matches_its_definition_and_is_row_invariant(hkv, 
 @pytest.mark.parametrize(("hkv", "group", "d"), [(4, 2, 64), (1, 8, 128), (2, 3, 256), (1, 16, 64), (2, 1, 64)])
 @pytest.mark.parametrize(("threads", "bs"), [(1, 16), (2, 16), (1, 32)])
 def test_amx_attention_matches_its_definition_and_is_row_invariant(hkv, group, d, threads, bs):
-    """bfloat16 caches on AMX tiles (cpu_rows.cpp attention_rows_amx): the same definition as the
+    """bfloat16 caches on AMX tiles (csrc/attention.cpp attention_rows_amx): the same definition as the
     dot-product kernel's, with the scores' float32 sums in the tiles' order. A score a few float32
     ulps away can round a softmax weight to the neighbouring bfloat16 (2^-8 of it), so the bound is
     that of one such weight per output (4e-3 for these unit values), and the error is that small

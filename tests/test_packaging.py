@@ -25,7 +25,7 @@ def test_public_api_imports():
 
 
 def test_the_cpu_row_kernels_build_where_the_cpu_can_run_them():
-    """kernels/cpu_rows.cpp is compiled at first use; if it stopped compiling, the engine would fall
+    """kernels/csrc/ is compiled at first use; if it stopped compiling, the engine would fall
     back to the torch path with a warning and every kernel test would skip: on a CPU with
     AVX2/FMA and a C++ compiler the build must succeed."""
     import os
@@ -37,4 +37,4 @@ def test_the_cpu_row_kernels_build_where_the_cpu_can_run_them():
         pytest.skip(f"{cpu_kernels.ENV_DISABLE}=0 turns them off")
     if not cpu_kernels.cpu_supports_avx2_fma() or shutil.which("c++") is None:
         pytest.skip("no AVX2/FMA or no C++ compiler: the torch path serves")
-    assert cpu_kernels.available(), "kernels/cpu_rows.cpp failed to build (see the warning logged by cpu_kernels)"
+    assert cpu_kernels.available(), "kernels/csrc/ failed to build (see the warning logged by cpu_kernels)"
