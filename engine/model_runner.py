@@ -31,7 +31,7 @@ from engine.spec_decode.tree import (
     tree_attention_mask,
     tree_positions,
 )
-from kernels import cpu_kernels, get_attention_backend
+from kernels import AttentionBackend, cpu_kernels, get_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def last_rows(cu_query_lens: list[int], num_last: int | list[int]) -> list[int]:
     return [i for end, n in zip(cu_query_lens[1:], counts, strict=True) for i in range(end - n, end)]
 
 
-def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device: torch.device,
+def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend: AttentionBackend, device: torch.device,
                         row_exact: str | None = None) -> ForwardBatch:
     """Flatten chunks into one varlen batch. Example: block_size 4, a chunk of 3 tokens from
     position 5 with blocks [7, 2] -> positions [5, 6, 7], slots [2*4+1, 2*4+2, 2*4+3]. The same
@@ -178,11 +178,8 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, backend, device
         block_tables.append(bids[: cdiv(c.start + n, block_size)])
         cu.append(cu[-1] + n)
     trees = {"tree_masks": tree_masks} if any(t is not None for t in tree_masks) else {}
-    if row_exact:
-        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device, row_exact=row_exact,
-                                    **trees)
-    else:
-        md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device, **trees)
+    md = backend.build_metadata(query_lens, seq_lens, block_tables, slots, block_size, device, row_exact=row_exact,
+                                **trees)
     return ForwardBatch(
         torch.tensor(input_ids, dtype=torch.long, device=device),
         torch.tensor(positions, dtype=torch.long, device=device),
@@ -423,7 +420,7 @@ class ModelRunner:
                 self.model.aux_hidden_states = aux
             return batch, hidden
         row_exact = None
-        if tile != 0 and getattr(self.backend, "supports_row_exact", False):
+        if tile != 0 and self.backend.supports_row_exact:
             row_exact = "kernel" if self.row_kernel else "sdpa"
         batch = build_forward_batch(chunks, self.block_size, self.backend, self.device, row_exact=row_exact)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,

@@ -95,6 +95,9 @@ class AttentionBackend(Protocol):
     """What the model runner needs from an attention implementation."""
 
     name: str
+    # Whether `build_metadata(..., row_exact=...)` makes each query token's output independent of
+    # the other tokens of the step, bit for bit (the engine's exact modes ask for it where it is).
+    supports_row_exact: bool = False
 
     def build_metadata(
         self,
@@ -105,6 +108,7 @@ class AttentionBackend(Protocol):
         block_size: int,
         device: torch.device,
         tree_masks: list[torch.Tensor | None] | None = None,
+        row_exact: str | None = None,  # "kernel" or "sdpa" (backends with supports_row_exact)
     ) -> AttentionMetadata: ...
 
     def write_kv(

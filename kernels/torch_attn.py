@@ -165,8 +165,8 @@ class TorchAttentionBackend:
         slot_mapping: list[int],
         block_size: int,
         device: torch.device,
-        row_exact: str | None = None,
         tree_masks: list[torch.Tensor | None] | None = None,
+        row_exact: str | None = None,
     ) -> AttentionMetadata:
         """`row_exact` makes a token's output independent of the other tokens of the step (the
         drafts verified with it, other requests), bit for bit: "sdpa" makes every query token a
