@@ -1,6 +1,6 @@
 """Plain-torch paged attention backend: the CPU path and the oracle for every other backend.
 
-Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
+Contract: see :mod:`kernels.attention_api` (``AttentionBackend``). Summary:
 
 * ``build_metadata`` (once per step) splits the requests into groups (``extras["groups"]``) so
   that padding every request of a group to the group's longest query wastes at most 2x: a
@@ -24,8 +24,9 @@ Contract: see :mod:`kernels` (``AttentionBackend``). Summary:
     all-False and SDPA never produces NaN there.
   - ``pad_idx``     ``[group tokens]`` int64: flat query token -> ``b * max_query_len + i``,
     or None when all q_len are equal (pure decode / uniform verification: padding is a reshape).
-  Tree masks (``build_metadata(..., tree_masks=...)``, see :mod:`kernels`): request b's block
-  ``attn_mask[b, 0, q_b - m_b : q_b, seq_b - m_b : seq_b]`` is its tree mask instead of causal.
+  Tree masks (``build_metadata(..., tree_masks=...)``, see :mod:`kernels.attention_api`): request
+  b's block ``attn_mask[b, 0, q_b - m_b : q_b, seq_b - m_b : seq_b]`` is its tree mask instead of
+  causal.
   With ``row_exact="kernel"`` the row kernel gets the causal tables and each token's tree row
   (``tree_rows``: its root's position and mask row);
   with ``row_exact="sdpa"`` a tree token's group has ``slot_idx`` (its slots, gathered like a
@@ -68,7 +69,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionMetadata, build_common_metadata, cpu_kernels
+import kernels.cpu_kernels as cpu_kernels
+from kernels.attention_api import AttentionMetadata, build_common_metadata
 
 __all__ = ["TorchAttentionBackend", "rows_kernel_inputs", "slot_tables"]
 
@@ -173,8 +175,8 @@ class TorchAttentionBackend:
         group of its own, attending to exactly its own keys with no mask (the very SDPA call a
         one-token decode step of that request makes at that position; one call per token);
         "kernel" runs kernels.cpu_kernels.rows_attention over all tokens at once (CPU only).
-        `tree_masks`: see :mod:`kernels`. With "kernel", a step with a tree gives the kernel the
-        causal block tables and lengths and each tree token's root position and mask row
+        `tree_masks`: see :mod:`kernels.attention_api`. With "kernel", a step with a tree gives the
+        kernel the causal block tables and lengths and each tree token's root position and mask row
         (`tree_rows`): the tile kernel masks the unseen nodes, the others read slot tables the
         kernel makes from them; with "sdpa", a tree token's group gathers the K/V rows of those
         slots (its context and ancestors in position order) into the layout a one-token step's

@@ -1,7 +1,7 @@
 """Triton paged attention backend (GPU): KV-cache write + unified prefill/verify/decode attention.
 
-Contract: see :mod:`kernels` (``AttentionBackend``); results match :mod:`kernels.torch_attn`
-(the oracle) up to floating-point reassociation.
+Contract: see :mod:`kernels.attention_api` (``AttentionBackend``); results match
+:mod:`kernels.torch_attn` (the oracle) up to floating-point reassociation.
 
 Kernels
 -------
@@ -32,8 +32,8 @@ those m only if bit ``p - (seq_len - m)`` of their row ``tree_mask[tree_mask_off
 (int64, m <= 64) is set; each row is loaded once, before the walk over the context. The mask's
 first column is all True (every node sees the root), so position 0 stays visible. Example:
 seq_len 10, m 3, query token at position 9 (tree row 2), key 8 -> bit 1 of tree_mask[off + 2].
-A partial tree (m > q_len: its first nodes are cached, see :mod:`kernels`) needs nothing else:
-query token i is tree row ``i - (q_len - m) >= m - q_len``, the same formula.
+A partial tree (m > q_len: its first nodes are cached, see :mod:`kernels.attention_api`) needs
+nothing else: query token i is tree row ``i - (q_len - m) >= m - q_len``, the same formula.
 
 ``_rows_attn_kernel`` (the exact modes' row-exact attention, ``rows_attention``): grid
 ``(num_tokens, num_kv_heads)``. One program per query token and kv head (its G heads as the rows
@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import AttentionMetadata, build_common_metadata
+from kernels.attention_api import AttentionMetadata, build_common_metadata
 
 __all__ = ["TritonAttentionBackend", "paged_attention", "rows_attention", "rows_attention_inputs", "write_kv_cache"]
 
