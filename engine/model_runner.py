@@ -65,21 +65,18 @@ logger = logging.getLogger(__name__)
 # off the chain positions is equal to its one-token step within rounding, not bit for bit.
 EXACT_ROWS = 16
 # "rows" through the CPU row kernels serves steps of up to this many tokens (its products are
-# row-invariant for any number of rows). Beyond EXACT_ROWS it still beat torch's path: 16
-# requests verifying 1-4 drafts each (32-80 tokens) ran 1.2-1.6x faster, 4 requests with 4 drafts
-# 1.4x, and prefills of up to 128 tokens 1.05-1.4x (equal at 192, slower at 256: its attention
-# walks each token's context alone).
+# row-invariant for any number of rows): beyond EXACT_ROWS it is still faster than torch's path,
+# for verifications of many drafts and prefill chunks alike, up to about this size, past which
+# its attention, walking each token's context alone, falls behind.
 ROW_KERNEL_MAX_TOKENS = 128
-# ... and up to this many for a bfloat16 model where AMX tiles run their products (stop 36, the
-# Sapphire Rapids host: a 128-token prompt next to 15 decoding requests 53 -> 35 ms a step; 16
-# sustained EAGLE-3 requests 0.89x -> 0.96x of no speculation, five interleaved repetitions; a
-# lone prefill equal at 256 tokens, slower at 512: its attention walks each token's context alone).
+# ... and up to this many for a bfloat16 model where AMX tiles run their products, whose extra rows
+# cost so little that such steps stay faster than torch's path (a longer lone prefill does not:
+# its attention walks each token's context alone).
 ROW_KERNEL_MAX_TOKENS_AMX = 256
 # ... and, there, steps of up to this many tokens whose chunks are all at most ROW_KERNEL_SHORT_CHUNK
 # long: prompts admitted next to decoding requests one or two at a time, as speculation's uneven
-# progress admits them (stop 38, 1 thread: two 128-token prompts next to 14 decoding requests 66
-# -> 50 ms a step, four next to 12 94 -> 86 ms, eight 128-token prompts alone equal; a lone
-# 512-token prompt is slower, 107 -> 119 ms, and stays on torch's path).
+# progress admits them, are faster in the row kernels up to this size (a long chunk, e.g. a
+# lone 512-token prompt, stays on torch's path).
 ROW_KERNEL_SHORT_CHUNKS_MAX_TOKENS = 1024
 ROW_KERNEL_SHORT_CHUNK = 128
 PAD_COST_LIMIT = 1.3

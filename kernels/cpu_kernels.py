@@ -57,8 +57,9 @@ def cpu_supports_avx2_fma() -> bool:
 
 
 def emulated_bf16() -> bool:
-    """True on a CPU whose bfloat16 matmuls torch emulates (no AVX512-BF16 or AMX-BF16: ~6x slower
-    than float32 here), where the packed kernels serve bfloat16 weights better, prefill included."""
+    """True on a CPU whose bfloat16 matmuls torch emulates (no AVX512-BF16 or AMX-BF16: several
+    times slower than float32), where the packed kernels serve bfloat16 weights better, prefill
+    included."""
     return available() and not ({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 

@@ -5,7 +5,7 @@ Contract: see :mod:`kernels.attention_api` (``AttentionBackend``). Summary:
 * ``build_metadata`` (once per step) splits the requests into groups (``extras["groups"]``) so
   that padding every request of a group to the group's longest query wastes at most 2x: a
   128-token prefill chunk next to 15 decodes would otherwise pad all 16 requests to 128 query
-  rows (measured: such a step took 300 ms instead of ~40). Requests are sorted by query length
+  rows, most of the step's work spent on padding. Requests are sorted by query length
   and a new group starts when ``(n + 1) * q > 2 * (tokens + q)``; pure decode, uniform
   verification and a lone prefill stay one group. Each group's dict holds, on ``device``:
 
@@ -41,7 +41,7 @@ Contract: see :mod:`kernels.attention_api` (``AttentionBackend``). Summary:
   ``scaled_dot_product_attention`` once; group outputs are scattered back to token order. A
   group with a query of >= ``PREFILL_KERNEL_MIN_QUERY`` tokens and no tree (``"prefill"``: its
   query_start_loc, seq_lens and block tables) goes to ``cpu_kernels.prefill_attention`` instead
-  when query and caches are bfloat16 and the CPU has AVX512-BF16 (1.9-4x faster; bfloat16
+  when query and caches are bfloat16 and the CPU has AVX512-BF16 (faster, with bfloat16
   products as SDPA's flash kernel takes them).
 
 Unused cache slots are read (then masked out), so caches must hold finite values there
@@ -273,7 +273,7 @@ class TorchAttentionBackend:
         has_tree = any(t is not None and t.shape[0] > 1 for t in trees)
         # Prefills from position 0, all of one length (a new prompt's only chunk): plain causal
         # attention, which SDPA's CPU flash kernel computes without the blocks above the diagonal
-        # (a 1.5k-token prompt's attention 1.7x faster than through the mask; the same bits).
+        # (faster than through the mask, with the same bits).
         causal = max_q > 1 and min(qlens_l) == max_q == max_s == min(seqs_l) and not has_tree
         if causal or (max_q == 1 and min(seqs_l) == max_s and not has_tree):
             # each query is the last position and all S gathered keys are real (a one-token query
@@ -392,7 +392,7 @@ def _group_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
     # GQA packing: the G query heads sharing a kv head go on SDPA's length axis, row l * G + g
     # of [B, Hkv, Lq * G, D] is query token l, head kvh * G + g. K/V are never repeated
-    # (measured faster on CPU than enable_gqa=True or repeat_interleave, esp. in bf16).
+    # (faster on CPU than enable_gqa=True or repeat_interleave, esp. in bf16).
     pad_idx = g["pad_idx"]
     if pad_idx is None:
         q = query.reshape(b, lq, hkv, gq, d)  # a view unless query is non-contiguous

@@ -47,7 +47,7 @@ this kernel: the same compiled kernel (no step-dependent constexpr) doing the sa
 operations on the same values. The engine's exact modes run every step of at most EXACT_ROWS
 tokens through it (one-token steps included), so greedy text with and without speculation, chains
 and trees, matches on GPUs as it does on the CPU kernels (checked in the interpreter; compiled for
-sm_80/sm_90 by :mod:`kernels.triton_aot`; bit-identity on a real GPU not yet run here).
+sm_80/sm_90 by :mod:`kernels.triton_aot`; bit identity on a real GPU is untested).
 
 Under the interpreter, 16-bit inputs are upcast to fp32 before ``tl.dot`` (the interpreter's
 16-bit dot is wrong in triton 3.9); compiled GPU runs use native 16-bit dots with fp32 accumulation.
