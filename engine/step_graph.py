@@ -28,7 +28,7 @@ import logging
 import torch
 
 from engine.block_manager import cdiv
-from kernels import AttentionMetadata
+from kernels import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -188,10 +188,10 @@ class StepGraph:
         return batch, tuple(None if o is None else o[:n].clone() for o in outputs)
 
 
-def can_capture(row_kernel: bool, backend, device: torch.device, capture: bool) -> bool:
+def can_capture(row_kernel: bool, backend: AttentionBackend, device: torch.device, capture: bool) -> bool:
     """Whether a forward that would take the Triton backend (not the CPU's fused row path) can
     have a step graph: on CUDA, or (`capture=False`) anywhere."""
-    return not row_kernel and getattr(backend, "name", "") == "triton" and (not capture or device.type == "cuda")
+    return not row_kernel and backend.name == "triton" and (not capture or device.type == "cuda")
 
 
 def make_step_graph(what: str, forward, backend, block_size: int, max_positions: int, device: torch.device,

@@ -384,7 +384,7 @@ def test_mtp_tree_calibration_fits_it(target, heldout_continuations):
     3; the fit used seed 10), the layer's teacher-forced logits over the target's default draft
     vocabulary. Measured: its top token is the target's 77% of the time at a mean top probability
     of 0.73 at T (0.25 at 1, where the value floor pruned its trees to a node or two:
-    bench/results/spec_tree_stop45.json)."""
+    bench/results/amd-zen3/spec_tree.json)."""
 
     from bench.eval_models import load_mtp
     from engine import LLMEngine, SpeculativeConfig

@@ -78,7 +78,7 @@ class DraftModelProposer(Proposer):
         self.head = DraftLMHead(
             self.model.lm_head.weight, resolve_draft_token_ids(draft_vocab_size, model_dir, draft_vocab)
         )
-        # Small draft steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
+        # Small draft steps through the fused CPU row path (kernels/csrc/) where the target's runs.
         self.row_kernel = runner.row_kernel
         if self.row_kernel:
             self.model.prepare_rows()

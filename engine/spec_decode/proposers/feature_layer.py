@@ -87,7 +87,7 @@ class FeatureLayerProposer(Proposer):
         self.steady_rows = self.max_buffered_rows = max(BUFFER_ROWS, num_speculative_tokens + 1)
         self.device, self.dtype = runner.device, runner.dtype
         self.backend = runner.backend
-        # Small steps through the fused CPU row path (kernels/cpu_rows.cpp) where the target's runs.
+        # Small steps through the fused CPU row path (kernels/csrc/) where the target's runs.
         self.row_kernel = runner.row_kernel
         self.block_size = 0
         self.timer = StepTimer(5e-4)  # one autoregressive step of a layer
