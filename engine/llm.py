@@ -16,6 +16,10 @@ from engine.token_healing import apply_token_healing
 def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
+    from engine.models.gguf_checkpoint import is_gguf, read_gguf
+
+    if is_gguf(model_dir):
+        return read_gguf(model_dir).tokenizer()
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError):
@@ -23,7 +27,7 @@ def load_tokenizer(model_dir: str):
 
 
 class LLM:
-    """Generate from a Hugging Face-format checkpoint directory.
+    """Generate from a Hugging Face-format checkpoint directory or a GGUF file.
 
     >>> llm = LLM(model="models/target")
     >>> llm.generate(["def fib(n):"], SamplingParams(max_tokens=64, temperature=0.0))[0].text

@@ -635,6 +635,10 @@ class LLMEngine:
 
 
 def _eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
+    from engine.models.gguf_checkpoint import is_gguf, read_gguf
+
+    if is_gguf(model_dir):
+        return read_gguf(model_dir).stop_token_ids()
     gen_path = os.path.join(model_dir, "generation_config.json")
     eos = None
     if os.path.isfile(gen_path):

@@ -100,6 +100,9 @@ def rope_cos_sin(hf_config, max_positions: int, dtype: torch.dtype, device: torc
     with torch.device("cpu"):
         rotary = LlamaRotaryEmbedding(hf_config)
     inv_freq = rotary.inv_freq.float()  # [head_dim // 2]
+    factors = getattr(hf_config, "rope_freq_factors", None)  # a GGUF's rope_freqs: divisors per frequency
+    if factors is not None:
+        inv_freq = inv_freq / factors
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)

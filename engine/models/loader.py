@@ -1,4 +1,5 @@
-"""Load a Hugging Face-format checkpoint directory: config.json + (sharded) safetensors + tokenizer."""
+"""Load a checkpoint: a Hugging Face-format directory (config.json + (sharded) safetensors +
+tokenizer) or a GGUF file (engine/models/gguf_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import CheckpointError
+from engine.models.gguf_checkpoint import is_gguf, read_gguf
 from engine.models.llama import ArchConfig, CausalLM, rope_cos_sin
 
 # Model types that are one of our families under another name, with extra layers only a drafter
@@ -20,6 +22,8 @@ CONFIG_ALIASES = {"mimo": "qwen2"}
 def load_hf_config(model_dir: str):
     from transformers import CONFIG_MAPPING, AutoConfig
 
+    if is_gguf(model_dir):
+        return read_gguf(model_dir).hf_config
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"model directory {model_dir!r} does not exist")
     path = os.path.join(model_dir, "config.json")
@@ -72,7 +76,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     hf_config = load_hf_config(model_dir)
     arch = ArchConfig.from_hf(hf_config)
     mtp = mtp_weight_prefixes(arch.num_layers, int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
-    weights = load_safetensors(model_dir, select=lambda name: not name.startswith(mtp))  # MTP layers: the drafter's
+    if is_gguf(model_dir):
+        weights = read_gguf(model_dir).hf_weights(dtype)
+    else:
+        weights = load_safetensors(model_dir, select=lambda name: not name.startswith(mtp))  # MTP layers: the drafter's
     with torch.device("meta"):
         model = CausalLM(arch)
     model = model.to_empty(device=device).to(dtype)
