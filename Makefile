@@ -39,11 +39,13 @@ fetch: $(SMOLLM2)
 protos: $(STAMP)
 	$(BIN)/python -m protos.build
 
+# Two pytest processes side by side: the tests on Ray (mostly waiting on replicas and timers) and
+# the rest (tests/run.py). `$(BIN)/python -m pytest` runs the same tests one after another.
 test: $(STAMP) $(SMOLLM2)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python tests/run.py
 
 test-fast: $(STAMP) $(SMOLLM2)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow"
+	$(BIN)/python tests/run.py -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

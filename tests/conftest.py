@@ -41,9 +41,22 @@ def serve_instance():
         ray.shutdown()
 
 
+# The modules whose tests run on Ray: the shared Serve (`serve_instance`) or a cluster of their
+# own. `make test` runs them in one pytest process beside another for the rest (tests/run.py):
+# they mostly wait on replicas, timers and subprocesses, the others mostly compute.
+RAY_MODULES = {
+    "test_disaggregated", "test_drafter_pool",  # a multi-node cluster of their own
+    "test_faults_serve", "test_loadtest", "test_serve_grpc", "test_serve_http", "test_slo_scaling", "test_tracing",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    unlisted = {item.module.__name__ for item in items if "serve_instance" in getattr(item, "fixturenames", ())}
+    unlisted -= RAY_MODULES
+    if unlisted:
+        raise pytest.UsageError(f"tests/conftest.py: add {sorted(unlisted)} to RAY_MODULES (they use serve_instance)")
     # the tests on the shared Serve run last, together: its Ray stays up from the first to the
     # last of them, and would otherwise idle next to the CPU-bound tests in between
     items.sort(key=lambda item: "serve_instance" in getattr(item, "fixturenames", ()))

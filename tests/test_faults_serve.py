@@ -147,12 +147,15 @@ def served(tmp_path_factory, serve_instance) -> Iterator[Served]:
     port = serve_instance.grpc_port
     mark_serve_logs()
     with serve_instance.apps(APP, SLOW_APP):
-        serve.run(build_app(app_args(model, None)), name=APP, route_prefix=f"/{APP}")
         slow = AppConfig.from_dict({**app_args(model, None), "replica_wait_timeout_s": WAIT_S, "num_cpus": 1,
                                     "max_queued_requests": 16})
         slow_engine = {"ray_actor_options": {"num_cpus": 0}, "num_replicas": 2}
-        serve.run(bind_app(slow, slow_engine, engine_cls=slow_server_class(SLOW_STEP_S, SLOW_START_S)),
-                  name=SLOW_APP, route_prefix=f"/{SLOW_APP}")
+        # both applications at once: the slow one's replicas start while the other's do
+        serve.run_many([
+            serve.RunTarget(build_app(app_args(model, None)), name=APP, route_prefix=f"/{APP}"),
+            serve.RunTarget(bind_app(slow, slow_engine, engine_cls=slow_server_class(SLOW_STEP_S, SLOW_START_S)),
+                            name=SLOW_APP, route_prefix=f"/{SLOW_APP}"),
+        ])
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
             client.wait_ready(60)
         with SpecDecodeClient(f"127.0.0.1:{port}", application=SLOW_APP, timeout=60) as client:
