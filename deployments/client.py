@@ -16,7 +16,7 @@ import argparse
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import grpc
 
@@ -29,7 +29,7 @@ SPECULATION_MODES = {"default": pb.SPECULATION_MODE_DEFAULT, "off": pb.SPECULATI
 
 
 def make_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[Mapping[str, str]],
     *,
     max_tokens: int | None = None,
     temperature: float | None = None,
@@ -43,13 +43,16 @@ def make_request(
     max_speculative_tokens: int | None = None,
     request_id: str = "",
 ) -> pb.GenerateRequest:
-    """A GenerateRequest; a str prompt is text, a sequence of ints is token ids. None = server default."""
+    """A GenerateRequest; a str prompt is text, a sequence of ints is token ids, a sequence of
+    {"role", "content"} mappings is a chat. None = server default."""
     req = pb.GenerateRequest(
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, request_id=request_id,
         speculation=SPECULATION_MODES[speculation] if isinstance(speculation, str) else speculation,
     )
     if isinstance(prompt, str):
         req.prompt = prompt
+    elif prompt and all(isinstance(m, Mapping) for m in prompt):
+        req.chat.CopyFrom(pb.Chat(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt]))
     else:
         req.prompt_token_ids.CopyFrom(pb.TokenIds(ids=list(prompt)))
     optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
@@ -91,6 +94,12 @@ class SpecDecodeClient:
         """Stream a completion (keyword arguments as `make_request`). Breaking out of the loop
         or closing the generator cancels the call, which aborts the request on the server."""
         return self.stream(make_request(prompt, **kwargs), timeout=timeout, traceparent=traceparent)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], *, timeout: float | None = None,
+             traceparent: str | None = None, **kwargs) -> Iterator[pb.GenerateResponse]:
+        """Stream the assistant's next turn of a conversation ({"role", "content"} messages,
+        rendered by the model's chat template on the server)."""
+        return self.stream(make_request(list(messages), **kwargs), timeout=timeout, traceparent=traceparent)
 
     def stream(self, request: pb.GenerateRequest, *, timeout: float | None = None,
                traceparent: str | None = None) -> Iterator[pb.GenerateResponse]:
@@ -151,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Stream a completion from the SpecDecode gRPC service.")
     parser.add_argument("prompt", nargs="?", default="def fib(n):", help="prompt text")
     parser.add_argument("--token-ids", help="send comma-separated token ids instead of text")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user's chat message (rendered by the model's chat template)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"host:port (default {DEFAULT_TARGET})")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None)
@@ -174,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.info:
                 print(client.model_info())
                 return 0
-            prompt: str | list[int] = (
-                [int(t) for t in args.token_ids.split(",")] if args.token_ids else args.prompt
+            prompt: str | list = (
+                [int(t) for t in args.token_ids.split(",")] if args.token_ids
+                else [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
             )
             start = time.perf_counter()
             first: float | None = None

@@ -493,8 +493,10 @@ class SpecDecodeServer:
 
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         kind = request.WhichOneof("input")
+        if kind == "chat" and messages is None:
+            messages, kind = [{"role": m.role, "content": m.content} for m in request.chat.messages], None
         if kind is None and messages is None:
-            raise ClientError(invalid, "prompt: set `prompt` (text) or `prompt_token_ids`")
+            raise ClientError(invalid, "prompt: set `prompt` (text), `prompt_token_ids` or `chat`")
         if kind is not None and messages is not None:
             raise ClientError(invalid, "messages: a chat request has no prompt of its own")
         kwargs = self.sampling_kwargs(request)

@@ -42,7 +42,7 @@ def test_request_fields_follow_sampling_params() -> None:
     assert {"prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
             "speculation", "max_speculative_tokens", "request_id"} <= fields
     oneof = pb.GenerateRequest.DESCRIPTOR.oneofs_by_name["input"]
-    assert {f.name for f in oneof.fields} == {"prompt", "prompt_token_ids"}
+    assert {f.name for f in oneof.fields} == {"prompt", "prompt_token_ids", "chat"}
     assert pb.GenerateRequest(seed=0).HasField("seed")  # seed 0 is distinct from no seed
 
 

@@ -294,6 +294,8 @@ BAD_REQUESTS = {
     "empty stop string": pb.GenerateRequest(prompt="a", stop=[""]),
     "unknown speculation mode": pb.GenerateRequest(prompt="a", speculation=7),  # type: ignore[arg-type]
     "stop token outside vocab": pb.GenerateRequest(prompt="a", stop_token_ids=[500]),
+    "chat without messages": pb.GenerateRequest(chat=pb.Chat()),
+    "chat too long": pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="a" * 65)])),
 }
 
 

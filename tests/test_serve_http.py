@@ -149,6 +149,12 @@ def test_chat_renders_the_template_and_streams(served: Served) -> None:
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == "length"
+    # the gRPC API's chat: the same template on the server, the same answer
+    chat_ids, chat_text, chat_last = grpc_greedy(served, messages, speculation="off")
+    assert chat_text == text and chat_last.usage.prompt_tokens == len(rendered)
+    with served.grpc() as client:
+        streamed = "".join(c.text for c in client.chat(messages, max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert streamed == text
 
 
 def test_stop_seed_and_speculation_cap_reach_the_engine(served: Served) -> None:
