@@ -448,11 +448,17 @@ def resolve_path(path: str) -> str:
 
 
 def missing_models(config: AppConfig) -> list[str]:
-    """Model directories the config names that hold no config.json."""
-    dirs = [config.model]
+    """Checkpoints the config names that are not there: a GGUF file that does not exist, a
+    directory without config.json."""
+
+    def present(path: str) -> bool:
+        path = resolve_path(path)
+        return os.path.isfile(path) if path.endswith(".gguf") else os.path.isfile(os.path.join(path, "config.json"))
+
+    paths = [config.model]
     if config.speculative is not None and config.speculative.model:
-        dirs.append(config.speculative.model)
-    return [d for d in dirs if not os.path.isfile(os.path.join(resolve_path(d), "config.json"))]
+        paths.append(config.speculative.model)
+    return [p for p in paths if not present(p)]
 
 
 def load_serve_config(path: str | os.PathLike = DEFAULT_CONFIG_PATH) -> dict:

@@ -38,6 +38,7 @@ from deployments.config import (
 )
 
 TRAIN_HINT = {
+    "models/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": "python -m models fetch smollm2",
     "models/target": "python -m training corpus && python -m training tokenizer && python -m training target",
     "models/drafter": "python -m training drafter",
     "models/eagle3-head": "python -m training eagle3",
@@ -118,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     app_config = app_configs[app_name]
     missing = missing_models(app_config)
     if missing:
-        print(f"error: model directory not found: {', '.join(missing)}", file=sys.stderr)
+        print(f"error: model not found: {', '.join(missing)}", file=sys.stderr)
         for path in missing:
             if path in TRAIN_HINT:
-                print(f"  train it with: {TRAIN_HINT[path]}", file=sys.stderr)
+                print(f"  get it with: {TRAIN_HINT[path]}", file=sys.stderr)
         print("  or pass --model DIR (and --drafter DIR, --method ngram or --no-speculation)", file=sys.stderr)
         return 2
 

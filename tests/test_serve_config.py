@@ -199,7 +199,7 @@ def test_serve_says_how_to_train_missing_models(tmp_path: Path, capsys) -> None:
 
     rc = main(["--model", str(tmp_path / "nope"), "--no-speculation"])
     err = capsys.readouterr().err
-    assert rc == 2 and "model directory not found" in err and "nope" in err
+    assert rc == 2 and "model not found" in err and "nope" in err
     rc = main(["--drafter", str(tmp_path / "nodrafter"), "--model", str(tmp_path / "nope2")])
     assert rc == 2 and "nodrafter" in capsys.readouterr().err
 

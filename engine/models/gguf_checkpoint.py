@@ -206,12 +206,17 @@ class GGUFCheckpoint:
             weights[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
         return weights
 
-    def tokenizer(self):
-        """The file's tokenizer and chat template, as a transformers tokenizer."""
+    @functools.cached_property
+    def _tokenizer(self):
         from transformers import AutoTokenizer
 
         folder, name = os.path.split(os.path.abspath(self.path))
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    def tokenizer(self):
+        """The file's tokenizer and chat template, as a transformers tokenizer (converted once
+        per process: the conversion builds the whole vocabulary and merge list in Python)."""
+        return self._tokenizer
 
 
 @functools.lru_cache(maxsize=4)
