@@ -5,6 +5,8 @@ template come from the file, and broken files fail at start-up with an error nam
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -144,8 +146,6 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def transformers_logits(path: str, tokens: list[int]) -> torch.Tensor:
-    import os
-
     folder, name = os.path.split(path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -259,14 +259,31 @@ def test_tokenizer_chat_template_and_greedy_tokens_match_transformers(tmp_path):
     assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 2  # specials are single tokens
     assert tok.decode(ids) == text
     assert llm.engine.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
-    import os
-
     folder, name = os.path.split(path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     out = llm.generate([text], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     expected = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0, len(ids):].tolist()
     assert list(out.token_ids) == expected
+
+
+def test_converted_tokenizer_is_cached_per_file(tmp_path, monkeypatch):
+    """The tokenizer converted from a GGUF file is kept in the user's cache; a new process (here:
+    a new GGUFCheckpoint) loads it from there and encodes and renders chats alike; a changed
+    file gets a fresh conversion."""
+    from engine.models.gguf_checkpoint import GGUFCheckpoint, tokenizer_cache_dir
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "tok.gguf", "llama", "Q8_0")
+    fresh = GGUFCheckpoint(path).tokenizer()
+    cache = tokenizer_cache_dir(path)
+    assert os.path.isfile(os.path.join(cache, "tokenizer.json"))
+    cached = GGUFCheckpoint(path).tokenizer()
+    text = "<|im_start|>user\nwhat is the capital of france?<|im_end|>\n"
+    assert cached.encode(text) == fresh.encode(text) and cached.chat_template == fresh.chat_template == CHAT_TEMPLATE
+    write_gguf(tmp_path / "tok.gguf", "llama", "Q8_0", seed=1)
+    os.utime(path, ns=(1, 1))
+    assert tokenizer_cache_dir(path) != cache
 
 
 def test_unsupported_architecture_names_it(tmp_path):

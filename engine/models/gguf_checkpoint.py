@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 
 import numpy as np
 import torch
@@ -210,13 +211,37 @@ class GGUFCheckpoint:
     def _tokenizer(self):
         from transformers import AutoTokenizer
 
+        cache = tokenizer_cache_dir(self.path)
+        if os.path.isfile(os.path.join(cache, "tokenizer.json")):
+            return AutoTokenizer.from_pretrained(cache)
         folder, name = os.path.split(os.path.abspath(self.path))
-        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        partial = f"{cache}.{os.getpid()}.partial"
+        try:
+            tokenizer.save_pretrained(partial)
+            os.replace(partial, cache)  # whole or absent, for other processes reading the cache
+        except OSError:
+            pass  # a read-only cache, or another process's copy landed first
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        return tokenizer
 
     def tokenizer(self):
-        """The file's tokenizer and chat template, as a transformers tokenizer (converted once
-        per process: the conversion builds the whole vocabulary and merge list in Python)."""
+        """The file's tokenizer and chat template, as a transformers tokenizer. The conversion
+        builds the whole vocabulary and merge list in Python (seconds), so its result is kept,
+        per file, in the user's cache (tokenizer_cache_dir) and per process."""
         return self._tokenizer
+
+
+def tokenizer_cache_dir(path: str) -> str:
+    """Where the converted tokenizer of the GGUF file at `path` is kept: keyed by the file's
+    path, size and modification time, so a changed file is converted again."""
+    import hashlib
+
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    root = os.environ.get("SPECDECODE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdecode")
+    return os.path.join(root, "gguf-tokenizers", key)
 
 
 @functools.lru_cache(maxsize=4)
