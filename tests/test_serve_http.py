@@ -154,6 +154,7 @@ def test_chat_renders_the_template_and_streams(served: Served) -> None:
     assert chat_text == text and chat_last.usage.prompt_tokens == len(rendered)
     with served.grpc() as client:
         streamed = "".join(c.text for c in client.chat(messages, max_tokens=24, temperature=0.0, ignore_eos=True))
+        assert client.model_info().has_chat_template
     assert streamed == text
 
 

@@ -176,7 +176,7 @@ class EngineUsage(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "drafter_method", "drafter_model", "num_speculative_tokens", "adaptive", "has_tokenizer", "device", "dtype", "limits", "usage", "replica_id")
+    __slots__ = ("model", "drafter_method", "drafter_model", "num_speculative_tokens", "adaptive", "has_tokenizer", "device", "dtype", "limits", "usage", "replica_id", "has_chat_template")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_METHOD_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class ModelInfo(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     drafter_method: str
     drafter_model: str
@@ -199,4 +200,5 @@ class ModelInfo(_message.Message):
     limits: Limits
     usage: EngineUsage
     replica_id: str
-    def __init__(self, model: _Optional[str] = ..., drafter_method: _Optional[str] = ..., drafter_model: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., usage: _Optional[_Union[EngineUsage, _Mapping]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    has_chat_template: bool
+    def __init__(self, model: _Optional[str] = ..., drafter_method: _Optional[str] = ..., drafter_model: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., has_tokenizer: _Optional[bool] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., usage: _Optional[_Union[EngineUsage, _Mapping]] = ..., replica_id: _Optional[str] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
