@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install fetch serve-code test test-fast lint demo serve serve-pd serve-drafter loadtest bench llamacpp protos clean
+.PHONY: install fetch serve-code demo-code test test-fast lint demo serve serve-pd serve-drafter loadtest bench llamacpp protos clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,8 +50,11 @@ test-fast: $(STAMP) $(SMOLLM2)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-demo: $(STAMP)
+demo: $(STAMP) $(SMOLLM2)
 	$(BIN)/python -m engine.demo
+
+demo-code: $(STAMP)
+	$(BIN)/python -m engine.demo --code
 
 serve: $(STAMP) $(SMOLLM2)
 	$(BIN)/python -m deployments.serve
