@@ -280,6 +280,9 @@ class TracingArgs:
 class AppConfig:
     """Everything one replica needs: models, engine sizing, request limits, replica resources.
 
+    model: a checkpoint directory or a GGUF file; served_model_name: its name in the APIs (the
+    OpenAI `model` field, ModelInfo.model; None: `model` as written).
+
     max_prompt_tokens None: the engine's max_model_len - 1. max_tokens caps a request's
     max_tokens; default_max_tokens applies when a request leaves it unset. max_num_seqs is also
     the replica's `max_ongoing_requests` and max_queued_requests the Serve queue in front of it,
@@ -303,6 +306,7 @@ class AppConfig:
     """
 
     model: str = "models/target"
+    served_model_name: str | None = None
     tokenizer: str | None = None
     speculative: DrafterArgs | None = field(default_factory=DrafterArgs)
     device: str = "auto"
@@ -333,6 +337,8 @@ class AppConfig:
         d = cls()
         values: dict[str, Any] = {
             "model": check.string(f"{where}.model", data.get("model", d.model)),
+            "served_model_name": check.string(f"{where}.served_model_name", data.get("served_model_name"),
+                                              optional=True),
             "tokenizer": check.string(f"{where}.tokenizer", data.get("tokenizer"), optional=True),
             "device": check.string(f"{where}.device", data.get("device", d.device), DEVICES),
             "dtype": check.string(f"{where}.dtype", data.get("dtype", d.dtype), DTYPES),
@@ -384,6 +390,12 @@ class AppConfig:
             )
         check.raise_if_failed()
         return cls(**values)
+
+    @property
+    def model_id(self) -> str:
+        """The model's name in the APIs (OpenAI `model`, ModelInfo.model): served_model_name, or
+        the checkpoint's path as configured."""
+        return self.served_model_name or self.model
 
     def to_dict(self) -> dict:
         """The args mapping this config came from (round-trips through from_dict)."""

@@ -353,7 +353,7 @@ def _sse(data: dict | str) -> str:
 # --- the app --------------------------------------------------------------------------------------
 def build_http_app(ingress: Any) -> FastAPI:
     """The FastAPI app of `ingress` (a SpecDecodeIngress: `generate`, `model_info`, `config`)."""
-    served_model = ingress.config.model
+    served_model = ingress.config.model_id
     created = int(time.time())
     app = FastAPI(title="specdecode: OpenAI-compatible API", docs_url="/docs", redoc_url=None)
 

@@ -424,7 +424,7 @@ class SpecDecodeServer:
         stats = await self.llm.call(engine.stats)
         spec = cfg.speculative
         return pb.ModelInfo(
-            model=cfg.model,
+            model=cfg.model_id,
             drafter_method=spec.method if spec else "",
             drafter_model=(spec.model or "") if spec else "",
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
@@ -541,7 +541,7 @@ class SpecDecodeServer:
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         tokenizer = self.llm.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ClientError(invalid, f"messages: the model {self.config.model!r} has no chat template; send a "
+            raise ClientError(invalid, f"messages: the model {self.config.model_id!r} has no chat template; send a "
                                        "prompt to /v1/completions instead")
         if not messages:
             raise ClientError(invalid, "messages: is empty; give at least one message")

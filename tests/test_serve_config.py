@@ -37,7 +37,10 @@ def test_shipped_config_parses_with_ray_schema() -> None:
 def test_shipped_config_passes_our_validator() -> None:
     apps = validate_serve_config(SHIPPED)
     (config,) = apps.values()
-    assert config.model == SMOLLM2
+    assert config.model == SMOLLM2 and config.model_id == "SmolLM2-135M-Instruct"
+    assert AppConfig.from_dict({"model": "models/target"}).model_id == "models/target"
+    with pytest.raises(ConfigError, match="served_model_name"):
+        AppConfig.from_dict({"served_model_name": 7})
     assert config.speculative is not None
     assert (config.speculative.method, config.speculative.model, config.speculative.num_speculative_tokens) == (
         "ngram", None, 4,

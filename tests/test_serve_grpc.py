@@ -133,8 +133,9 @@ def test_serve_entry_point_comes_up_answers_and_stops_on_sigint() -> None:
         assert chunks[-1].speculation.enabled
         assert "--chat" in "".join(lines) and "/specdecode/v1/chat/completions" in "".join(lines)  # the hints
         http = openai.OpenAI(base_url=f"http://localhost:{http_port}/specdecode/v1", api_key="unused")
-        model = http.models.list().data[0].id
-        out = http.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0.0)
+        assert [m.id for m in http.models.list().data] == ["SmolLM2-135M-Instruct"]  # served_model_name
+        out = http.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=24,
+                                           temperature=0.0)
         assert out.choices[0].message.content == answer and out.choices[0].finish_reason == "stop"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, "".join(lines[-40:])
@@ -601,6 +602,10 @@ def test_grpcurl_lists_checks_health_and_streams_generate(served: Served) -> Non
     bad = _grpcurl(served, *app, "-d", json.dumps({**request, "maxTokens": -5}), "specdecode.v1.SpecDecode/Generate",
                    check=False)
     assert bad.returncode != 0 and "InvalidArgument" in bad.stderr and "max_tokens" in bad.stderr, bad.stderr
+    # the README's chat request reaches the replica, which has no chat template here to render it
+    chat = {"chat": {"messages": [{"role": "user", "content": "hi"}]}, "max_tokens": 4, "temperature": 0}
+    refused = _grpcurl(served, *app, "-d", json.dumps(chat), "specdecode.v1.SpecDecode/Generate", check=False)
+    assert "InvalidArgument" in refused.stderr and "has no chat template" in refused.stderr, refused.stderr
 
 
 def test_client_cli_streams_and_prints_stats(served: Served, capsys) -> None:
