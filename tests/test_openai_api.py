@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from deployments.config import AppConfig
 from deployments.errors import ClientError
 from deployments.openai_api import (
     INTERNAL_MESSAGE,
@@ -147,7 +148,7 @@ def test_responses_and_chunks_from_messages() -> None:
 
 def _fake_replica(tokenizer) -> SimpleNamespace:
     llm = SimpleNamespace(tokenizer=tokenizer, max_prompt_chars=lambda n: n * 4)
-    return SimpleNamespace(llm=llm, config=SimpleNamespace(model="models/x"), max_prompt_tokens=64)
+    return SimpleNamespace(llm=llm, config=AppConfig(model="models/x"), max_prompt_tokens=64)
 
 
 def test_replica_renders_chat_or_refuses_clearly(tmp_path) -> None:
