@@ -133,6 +133,7 @@ def small_vocab(tmp_path_factory):
     return target, drafter
 
 
+@pytest.mark.slow  # make test-fast skips it
 def test_sampled_distribution_matches_target(small_vocab):
     """Chi-square test (p < 1e-4 fails: false-failure probability 1e-4, fixed seed) of 3000
     samples of (x1..x4) against the target's exact distribution, drafting over 2 of 3 tokens

@@ -364,6 +364,7 @@ def test_a_draft_that_fails_after_its_waiting_rows_were_projected_leaves_them_bu
     engine.speculator.check_no_leaks(engine.scheduler.running)
 
 
+@pytest.mark.slow  # make test-fast skips it
 def test_a_cached_prefix_is_reused_only_where_the_midlayer_filled_its_kv(setup, monkeypatch):
     """Prefix caching skips the target over cached blocks, so the midlayer (which runs only over
     the target's rows) must find its own KV there. A request that did not run it over them
@@ -727,6 +728,7 @@ def test_mismatched_target_is_refused(setup, tmp_path):
 
 
 @pytest.mark.parametrize("draft_weights", ["model", INT8, INT4])
+@pytest.mark.slow  # make test-fast skips it
 def test_sampled_distribution_matches_target(tmp_path, draft_weights):
     """Chi-square test of 3000 samples of (x1..x4) against the exact target distribution; fails
     when p < 1e-4 (false-failure probability 1e-4 per case; fixed seed, so reproducible). The head

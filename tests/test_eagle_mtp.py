@@ -122,6 +122,7 @@ def small_vocab_heads(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.slow  # make test-fast skips it
 def test_sampled_distribution_matches_target(small_vocab_heads, method):
     """Chi-square test of 3000 samples of (x1..x4) against the exact target distribution; fails
     when p < 1e-4 (false-failure probability 1e-4; fixed seed, so reproducible)."""

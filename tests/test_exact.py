@@ -185,6 +185,7 @@ def test_greedy_speculation_equals_greedy_without(models, drafters, method, dtyp
     assert differ == 0 and drafted > 0
 
 
+@pytest.mark.slow  # make test-fast skips it
 def test_negative_control_bf16_speculation_without_exactness_changes_text(models, drafters):
     """Seen on this host: 2-3 of the 30 prompts change in bf16 with exact="off", per drafter."""
     differ, _ = greedy_mismatches(models, drafters, "eagle", "bfloat16", "off")

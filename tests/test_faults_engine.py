@@ -356,6 +356,7 @@ def test_non_speculative_request_buffers_no_hidden_rows(long_models, long_baseli
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.slow  # make test-fast skips it
 def test_hidden_rows_stay_bounded_while_speculation_is_off(long_models, long_baseline, method, monkeypatch):
     """The adaptive policy keeps speculation off for ~1950 steps (forced): the request's buffered
     rows never exceed the bound (EAGLE runs its layer over them each time they reach the lazy

@@ -492,6 +492,7 @@ def interpreter_results() -> dict:
 
 
 @pytest.mark.parametrize("name,dtype_name", INTERPRET_CASES)
+@pytest.mark.slow  # make test-fast skips it
 def test_triton_interpreter_matches_torch(interpreter_results: dict, name: str, dtype_name: str) -> None:
     r = interpreter_results[f"{name}/{dtype_name}"]
     assert r["write_equal"], "triton write_kv differs from torch write_kv"

@@ -382,6 +382,7 @@ def test_model_must_be_the_target_and_have_mtp_layers(targets, tmp_path):
         LLMEngine(plain, dtype="float32", device="cpu", speculative=SpeculativeConfig(method="mtp"))
 
 
+@pytest.mark.slow  # make test-fast skips it
 def test_sampled_distribution_matches_target(tmp_path):
     """Chi-square test of 3000 samples of (x1..x4) against the exact target distribution; fails
     when p < 1e-4 (false-failure probability 1e-4; fixed seed, so reproducible). Two modules, so

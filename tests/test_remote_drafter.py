@@ -270,6 +270,7 @@ class WrongQ:
 
 
 @pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.slow  # make test-fast skips it
 def test_sampled_distribution_matches_target(small_vocab, broken):  # noqa: F811 - the imported fixture
     """Chi-square goodness of fit of 3000 samples of (x1..x6), drafted remotely (ahead too: some
     rounds' drafts were made ahead) against the target's exact joint distribution (729 cells,

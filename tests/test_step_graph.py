@@ -145,6 +145,7 @@ def _check_graph_engines(r: dict) -> None:
     assert all(r.get(f"{n}_replays", 0) >= MAX_TOKENS - 1 for n in names), r
 
 
+@pytest.mark.slow  # make test-fast skips it
 def test_static_step_buffers_give_the_eager_engines_tokens(interpreted):
     """The graphs' static path (run eagerly, interpreted): the target's, token for token the engine
     without it (no speculation, chains, trees; greedy and seeded sampled); the drafters' too (draft

@@ -350,6 +350,7 @@ def tree_sampler_p_value(scheme: str, seed: int = 0, host_walk: bool | None = No
 
 @pytest.mark.parametrize("host_walk", [False, True])
 @pytest.mark.parametrize("scheme", ["iid", "without", "top-k"])
+@pytest.mark.slow  # make test-fast skips it
 def test_tree_sampler_follows_the_target_distribution(scheme, host_walk):
     """`tree_sampler_p_value` for each drafting scheme and each walk (the batched tensor one, the
     host one). A correct sampler fails when p < 1e-6: false-failure probability 1e-6 per case
@@ -359,6 +360,7 @@ def test_tree_sampler_follows_the_target_distribution(scheme, host_walk):
 
 @pytest.mark.parametrize("host_walk", [False, True])
 @pytest.mark.parametrize("scheme", ["iid", "top-k"])
+@pytest.mark.slow  # make test-fast skips it
 def test_wrong_residual_is_detected(scheme, host_walk, monkeypatch):
     """Negative control: the same statistic catches a sampler that keeps p after rejecting a
     child instead of normalize(max(0, p - q)), in either walk."""
@@ -641,6 +643,7 @@ def interpreter_results() -> dict:
 
 
 @pytest.mark.parametrize("name,dtype_name", INTERPRET_TREE_CASES)
+@pytest.mark.slow  # make test-fast skips it
 def test_triton_tree_attention_in_interpreter(interpreter_results, name, dtype_name):
     r = interpreter_results[f"{name}/{dtype_name}"]
     assert not r["nan"]
@@ -648,6 +651,7 @@ def test_triton_tree_attention_in_interpreter(interpreter_results, name, dtype_n
 
 
 @pytest.mark.parametrize("name,dtype_name", INTERPRET_TREE_CASES)
+@pytest.mark.slow  # make test-fast skips it
 def test_triton_row_exact_attention_in_interpreter(interpreter_results, name, dtype_name):
     """The Triton backend's row-exact mode (`rows_attention`): the dense reference's output, and
     every tree token's output bit for bit the one-token step's at the end of its path (through

@@ -305,6 +305,7 @@ def vocab3(tmp_path_factory):
     return target, eagle
 
 
+@pytest.mark.slow  # make test-fast skips it
 def test_sampled_eagle_tree_distribution_matches_target(vocab3):
     """Chi-square goodness of fit of 3000 samples of (x1..x4) against the target's exact joint
     distribution; tree children drawn from the head's q without replacement, every other request
@@ -324,6 +325,7 @@ def vocab3_eagle3(tmp_path_factory):
     return target, save_eagle3(str(root / "e3"), VOCAB, [0, 2], scale=3.0)  # token 1 is never drafted
 
 
+@pytest.mark.slow  # make test-fast skips it
 def test_sampled_eagle3_kernel_tree_distribution_matches_target(vocab3_eagle3, monkeypatch):
     """The same chi-square test (p < 1e-4 fails: false-failure probability 1e-4, fixed seed) for
     EAGLE-3 trees drafted by the one-call tree kernel (`cpu_kernels.draft_tree` with sampled

@@ -353,6 +353,7 @@ def _sample_counts(target: str, drafter: str, params: SamplingParams, method: st
 @pytest.mark.parametrize("params", [
     TEMPERATURE_1, SamplingParams(max_tokens=NUM_NEW, temperature=0.8, top_k=2, top_p=0.9, ignore_eos=True),
 ])
+@pytest.mark.slow  # make test-fast skips it
 def test_sampled_tree_distribution_matches_target(small_vocab, params):  # noqa: F811
     """Chi-square goodness of fit of 3000 samples of (x1..x4) against the target's exact joint
     distribution (81 cells, small cells pooled); tree children are drawn from the drafter's q

@@ -70,6 +70,7 @@ def _spills_known(c: triton_aot.AotConfig) -> bool:
 
 @pytest.mark.skipif(_missing_ptxas() is not None, reason=_missing_ptxas() or "")
 @pytest.mark.parametrize("config", SUBSET, ids=_id)
+@pytest.mark.slow  # make test-fast skips it
 def test_compiles_within_limits(config: triton_aot.AotConfig) -> None:
     r = triton_aot.compile_config(config)
     assert r.ok, r.error
