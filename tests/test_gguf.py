@@ -335,3 +335,14 @@ def test_missing_metadata_is_named(tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match="lacks metadata llama.embedding_length"):
         read_gguf(str(path))
+    path = tmp_path / "novocab.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_head_count, 4),
+                       (w.add_feed_forward_length, 128), (w.add_context_length, 64), (w.add_layer_norm_rms_eps, 1e-5)):
+        add(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="vocabulary size is unknown"):
+        read_gguf(str(path))

@@ -137,6 +137,9 @@ class GGUFCheckpoint:
         vocab = self._field(f"{self.arch}.vocab_size")
         if vocab is None:
             tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+            if tokens is None and embed is None:
+                raise CheckpointError(f"GGUF file {self.path!r} has neither {self.arch}.vocab_size, a token "
+                                      "list nor token_embd.weight: its vocabulary size is unknown")
             vocab = len(tokens.data) if tokens is not None else int(embed.shape[1])
         rope = {"rope_type": "default", "rope_theta": float(self._field(f"{self.arch}.rope.freq_base", 10000.0))}
         scaling = self._field(f"{self.arch}.rope.scaling.type")
