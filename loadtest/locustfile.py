@@ -68,6 +68,7 @@ class GrpcStreams:
     def __init__(self, host: str, application: str | None, timeout: float) -> None:
         self.client = SpecDecodeClient(host, application=application, timeout=timeout)
         info = self.client.wait_ready(timeout=60)
+        self.model = info.model
         self.has_tokenizer = info.has_tokenizer
         self.vocab_size = info.limits.vocab_size
         self.max_prompt_tokens = info.limits.max_prompt_tokens
@@ -167,8 +168,9 @@ class SpecDecodeUser(User):
     @task
     def generate(self) -> None:
         kind = pick_kind(self.workload, self.rng)
-        prompt = adapt(self.rng.choice(self.prompts[kind]), has_tokenizer=self.client.has_tokenizer,
-                       vocab_size=self.client.vocab_size, max_prompt_tokens=self.client.max_prompt_tokens)
+        prompt = adapt(self.rng.choice(self.prompts[kind]), model=self.client.model,
+                       has_tokenizer=self.client.has_tokenizer, vocab_size=self.client.vocab_size,
+                       max_prompt_tokens=self.client.max_prompt_tokens)
         fire = self.environment.events.request.fire
         start = time.perf_counter()
         first: float | None = None

@@ -1,12 +1,14 @@
 """Load-test workloads: which prompts a simulated user sends, and how it samples.
 
-code: held-out code completion, greedy (speculation-friendly). Prompts are token-id windows of
-  held-out standard-library files (bench.common.code_prompts) when models/target has a tokenizer
-  and a held-out file list, else a few built-in code snippets.
+code: held-out code completion, greedy (speculation-friendly). Prompts are windows of held-out
+  standard-library files (bench.common.code_prompts) when models/target has a tokenizer and a
+  held-out file list, else a few built-in code snippets. A window goes as its token ids to the
+  model whose tokenizer cut it (models/target), as its text to any other model with a tokenizer.
 text: open-ended prose at temperature 1.0 (unpredictable: drafts are rejected more often).
 mix: each request picks code or text with equal odds.
-A prompt is {"text": str} or {"token_ids": [int]}; `adapt` fits one to the served model (no
-tokenizer: bytes mapped onto the vocabulary; ids outside the vocabulary folded into it).
+A prompt is {"text": str}, {"token_ids": [int]}, or both with "ids_for": the model id the ids
+belong to; `adapt` fits one to the served model (no tokenizer: bytes mapped onto the vocabulary;
+ids outside the vocabulary folded into it).
 Imports nothing heavy unless held-out prompts are built (transformers, torch).
 """
 
@@ -22,6 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO_ROOT / "models"
 WORKLOADS = ("code", "text", "mix")
 KINDS = ("code", "text")
+CODE_MODEL_ID = "models/target"  # the code family's model id in the APIs (serve_config_code.yaml)
 NUM_SPECIAL_IDS = 3  # ids 0..2 are <unk>/<s>/</s> in the project's tokenizers: keep byte prompts off them
 
 BUILTIN_CODE = [
@@ -46,9 +49,10 @@ SAMPLING = {
 }
 
 
-def heldout_code_prompts(num: int, prompt_len: int, models_dir: Path = MODELS_DIR, seed: int = 0) -> list[list[int]]:
-    """`num` token-id windows of held-out stdlib files, tokenized with models/target's tokenizer.
-    Raises FileNotFoundError if the tokenizer or the held-out file list is missing."""
+def heldout_code_prompts(num: int, prompt_len: int, models_dir: Path = MODELS_DIR, seed: int = 0) -> list[dict]:
+    """`num` windows of held-out stdlib files, tokenized with models/target's tokenizer: their ids
+    (for that model) and their text (for others). Raises FileNotFoundError if the tokenizer or the
+    held-out file list is missing."""
     target = models_dir / "target"
     for needed in (target / "tokenizer.json", models_dir / "heldout_files.txt"):
         if not needed.is_file():
@@ -58,7 +62,8 @@ def heldout_code_prompts(num: int, prompt_len: int, models_dir: Path = MODELS_DI
     from bench.common import code_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(str(target))
-    return code_prompts(tokenizer, num, prompt_len, seed=seed)
+    return [{"token_ids": ids, "text": tokenizer.decode(ids), "ids_for": CODE_MODEL_ID}
+            for ids in code_prompts(tokenizer, num, prompt_len, seed=seed)]
 
 
 def build_prompts(num: int = 32, prompt_len: int = 128, models_dir: Path = MODELS_DIR, heldout: bool = True) -> dict:
@@ -67,7 +72,7 @@ def build_prompts(num: int = 32, prompt_len: int = 128, models_dir: Path = MODEL
     code: list[dict[str, Any]] = []
     if heldout:
         try:
-            code = [{"token_ids": ids} for ids in heldout_code_prompts(num, prompt_len, models_dir)]
+            code = heldout_code_prompts(num, prompt_len, models_dir)
             sources["code"] = f"{len(code)} held-out stdlib windows of {prompt_len} tokens ({models_dir / 'target'} tokenizer)"
         except (FileNotFoundError, ImportError, ValueError, IndexError) as e:
             sources["code"] = f"built-in code snippets (no held-out prompts: {e})"
@@ -104,10 +109,13 @@ def bytes_to_ids(text: str, vocab_size: int) -> list[int]:
     return [NUM_SPECIAL_IDS + b % span for b in text.encode()]
 
 
-def adapt(prompt: dict, *, has_tokenizer: bool, vocab_size: int, max_prompt_tokens: int) -> str | list[int]:
-    """What to send for `prompt` to a model with this vocabulary: text if the server tokenizes and
-    the prompt is text, else token ids in [0, vocab_size) cut to the last max_prompt_tokens."""
-    if "text" in prompt and has_tokenizer:
+def adapt(prompt: dict, *, has_tokenizer: bool, vocab_size: int, max_prompt_tokens: int,
+          model: str | None = None) -> str | list[int]:
+    """What to send for `prompt` to model `model` with this vocabulary: its token ids if they were
+    cut for that model, else its text if the server tokenizes, else token ids in [0, vocab_size)
+    cut to the last max_prompt_tokens."""
+    own_ids = "token_ids" in prompt and prompt.get("ids_for") == model
+    if "text" in prompt and has_tokenizer and not own_ids:
         return prompt["text"]
     ids: Sequence[int] = prompt["token_ids"] if "token_ids" in prompt else bytes_to_ids(prompt["text"], vocab_size)
     if any(not 0 <= t < vocab_size for t in ids):

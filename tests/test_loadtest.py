@@ -52,6 +52,11 @@ def test_prompts_fit_the_served_model() -> None:
         3 + 96 % 94, 3 + 200 % 94, 3 + 7000 % 94,
     ]
     assert adapt({"token_ids": [5, 6, 7]}, has_tokenizer=False, vocab_size=97, max_prompt_tokens=2) == [6, 7]
+    # A held-out window goes as ids to the model that cut it, as text to another model.
+    window = {"token_ids": [5, 6, 7], "text": "x = 1", "ids_for": "models/target"}
+    assert adapt(window, model="models/target", has_tokenizer=True, vocab_size=97, max_prompt_tokens=64) == [5, 6, 7]
+    assert adapt(window, model="SmolLM2-135M-Instruct", has_tokenizer=True, vocab_size=49152,
+                 max_prompt_tokens=64) == "x = 1"
 
 
 def test_workloads_pick_kinds_and_sampling() -> None:
@@ -115,6 +120,7 @@ def test_heldout_code_prompts_when_the_target_is_trained() -> None:
     prompts = build_prompts(num=4, prompt_len=32)
     assert "held-out" in prompts["sources"]["code"]
     assert [len(p["token_ids"]) for p in prompts["code"]] == [32] * 4
+    assert all(p["text"] and p["ids_for"] == "models/target" for p in prompts["code"])
 
 
 # --- the smoke run ----------------------------------------------------------------------------
