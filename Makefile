@@ -71,8 +71,11 @@ serve-pd: $(STAMP) $(SMOLLM2)
 serve-drafter: $(STAMP)
 	$(BIN)/python -m deployments.serve --config deployments/serve_config_drafter.yaml
 
+# Chat by default: `make serve` serves a chat model, and one-turn chats are the traffic it gets.
+# LOADTEST_WORKLOAD=code, text or mix for a model without a chat template (make serve-code's).
+LOADTEST_WORKLOAD ?= chat
 loadtest: $(STAMP)
-	$(BIN)/python -m loadtest.run
+	$(BIN)/python -m loadtest.run --workload $(LOADTEST_WORKLOAD)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all

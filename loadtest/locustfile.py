@@ -1,5 +1,5 @@
 """Locust load test of the SpecDecode service, over gRPC or the OpenAI-compatible HTTP API: users
-stream completions back to back.
+stream completions (chat turns for the chat workload) back to back.
 
     locust -f loadtest/locustfile.py --headless -u 8 -r 2 -t 60s --host localhost:9000 \\
         --workload mix --slo-ttft-ms 2000 --slo-tpot-ms 200
@@ -10,9 +10,10 @@ Each request is reported as three locust entries (request type "grpc" or "http")
 the first output token), TPOT (time per output token after the first) and E2E (the whole stream;
 failures are reported here, with the gRPC status or the HTTP status and error message). Both
 protocols send the same prompts and sampling and are timed the same way (over HTTP: streamed
-`/v1/completions` with `specdecode.return_token_ids`, so tokens are counted, not guessed). At exit,
-p95s over the SLO flags and any failure set a non-zero exit code (loadtest/slo.py). Load shapes:
-loadtest/shapes/ (a second -f file).
+`/v1/completions`, or `/v1/chat/completions` for chat, with `specdecode.return_token_ids`, so
+tokens are counted, not guessed). At exit, p95s over the SLO flags and any failure set a non-zero
+exit code (loadtest/slo.py); a chat workload against a model that cannot serve chat ends before
+any user starts, with exit code 2. Load shapes: loadtest/shapes/ (a second -f file).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,12 +35,14 @@ from locust.runners import WorkerRunner
 
 from deployments.client import SpecDecodeClient
 from loadtest.slo import E2E, TPOT, TTFT, EntrySummary, slo_problems
-from loadtest.workloads import SAMPLING, WORKLOADS, adapt, load_prompts, pick_kind
+from loadtest.workloads import SAMPLING, WORKLOADS, adapt, chat_messages, load_prompts, pick_kind
 
 grpc_gevent.init_gevent()  # before any channel: gRPC's I/O cooperates with locust's greenlets
 
 logger = logging.getLogger("loadtest")
 PROTOCOLS = ("grpc", "http")
+DEFAULT_HOSTS = {"grpc": "localhost:9000", "http": "http://localhost:8000/specdecode"}
+NO_CHAT_EXIT_CODE = 2  # as `python -m loadtest.run` for a target that cannot run the test at all
 SLO_FLAGS = {TTFT: "slo_ttft_ms", TPOT: "slo_tpot_ms", E2E: "slo_e2e_ms"}
 
 
@@ -47,7 +51,7 @@ def add_arguments(parser: Any) -> None:
     group = parser.add_argument_group("SpecDecode", "workload and SLO gates (loadtest/locustfile.py)")
     group.add_argument("--protocol", choices=PROTOCOLS, default="grpc",
                        help="grpc (--host HOST:9000) or http (--host http://HOST:8000/ROUTE_PREFIX) (default: grpc)")
-    group.add_argument("--workload", choices=WORKLOADS, default="mix", help="code, text or mix (default: mix)")
+    group.add_argument("--workload", choices=WORKLOADS, default="mix", help="code, text, chat or mix (default: mix)")
     group.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request (default: 64)")
     group.add_argument("--prompts-file", default="", help="JSON from loadtest.workloads.build_prompts (default: built-in)")
     group.add_argument("--application", default="", help="Serve application name, gRPC (only when several apps run)")
@@ -63,30 +67,45 @@ class RequestFailed(Exception):
 
 
 class GrpcStreams:
-    """Completions over gRPC (`deployments.client`)."""
+    """Completions and chat turns over gRPC (`deployments.client`)."""
 
     def __init__(self, host: str, application: str | None, timeout: float) -> None:
         self.client = SpecDecodeClient(host, application=application, timeout=timeout)
         info = self.client.wait_ready(timeout=60)
         self.model = info.model
         self.has_tokenizer = info.has_tokenizer
+        self.has_chat_template = info.has_chat_template
         self.vocab_size = info.limits.vocab_size
         self.max_prompt_tokens = info.limits.max_prompt_tokens
 
     def stream(self, prompt: str | list[int], max_tokens: int, sampling: dict) -> Iterator[int]:
         """The number of tokens of each message, in order."""
+        return self._count(self.client.generate(prompt, max_tokens=max_tokens, **sampling))
+
+    def stream_chat(self, messages: list[dict[str, str]], max_tokens: int, sampling: dict) -> Iterator[int]:
+        return self._count(self.client.chat(messages, max_tokens=max_tokens, **sampling))
+
+    @staticmethod
+    def _count(chunks: Iterator[Any]) -> Iterator[int]:
         try:
-            for chunk in self.client.generate(prompt, max_tokens=max_tokens, **sampling):
+            for chunk in chunks:
                 yield len(chunk.token_ids)
         except grpc.RpcError as e:
             raise RequestFailed(f"{e.code().name}: {e.details()}") from None
+
+    def chat_problem(self) -> str | None:
+        """Why the target cannot serve chat requests (None: it can)."""
+        if self.has_chat_template:
+            return None
+        return f"the model {self.model!r} has no chat template (GetModelInfo: has_chat_template false)"
 
     def close(self) -> None:
         self.client.close()
 
 
 class HttpStreams:
-    """Streamed completions over the OpenAI-compatible HTTP API (`deployments/openai_api.py`)."""
+    """Streamed completions and chat turns over the OpenAI-compatible HTTP API
+    (`deployments/openai_api.py`)."""
 
     def __init__(self, base_url: str, timeout: float) -> None:
         self.base_url = base_url.rstrip("/")
@@ -109,10 +128,17 @@ class HttpStreams:
         self.max_prompt_tokens = model["specdecode"]["max_prompt_tokens"]
 
     def stream(self, prompt: str | list[int], max_tokens: int, sampling: dict) -> Iterator[int]:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **sampling,
+        return self._events("/v1/completions", {"prompt": prompt}, max_tokens, sampling)
+
+    def stream_chat(self, messages: list[dict[str, str]], max_tokens: int, sampling: dict) -> Iterator[int]:
+        return self._events("/v1/chat/completions", {"messages": messages}, max_tokens, sampling)
+
+    def _events(self, route: str, inputs: dict, max_tokens: int, sampling: dict) -> Iterator[int]:
+        """The number of tokens of each streamed chunk, in order."""
+        body = {"model": self.model, **inputs, "max_tokens": max_tokens, "stream": True, **sampling,
                 "specdecode": {"return_token_ids": True}}
         try:
-            with self.session.post(f"{self.base_url}/v1/completions", json=body, stream=True,
+            with self.session.post(f"{self.base_url}{route}", json=body, stream=True,
                                    timeout=self.timeout) as response:
                 if response.status_code != 200:
                     raise RequestFailed(f"HTTP {response.status_code}: {_error_message(response.text)}")
@@ -131,6 +157,18 @@ class HttpStreams:
             raise RequestFailed(f"{type(e).__name__}: {e}") from None
         raise RequestFailed("the stream ended without data: [DONE]")
 
+    def chat_problem(self) -> str | None:
+        """Why the target cannot serve chat requests (None: it can). The model card does not say
+        whether the model has a chat template, so one chat request of one token asks."""
+        body = {"model": self.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        try:
+            response = self.session.post(f"{self.base_url}/v1/chat/completions", json=body, timeout=self.timeout)
+        except requests.RequestException as e:
+            return f"{type(e).__name__}: {e}"
+        if response.status_code == 200:
+            return None
+        return f"POST /v1/chat/completions: HTTP {response.status_code}: {_error_message(response.text)}"
+
     def close(self) -> None:
         self.session.close()
 
@@ -142,8 +180,38 @@ def _error_message(text: str) -> str:
         return text[:200]
 
 
+def open_client(opts: Any, host: str | None) -> GrpcStreams | HttpStreams:
+    """The client of the protocol `opts` names, ready (it has the served model's info)."""
+    protocol = getattr(opts, "protocol", "grpc")
+    host = host or DEFAULT_HOSTS[protocol]
+    timeout = getattr(opts, "request_timeout_s", 120.0)
+    if protocol == "http":
+        return HttpStreams(host, timeout)
+    return GrpcStreams(host, getattr(opts, "application", "") or None, timeout)
+
+
+@events.init.add_listener
+def check_chat_workload(environment: Environment, **kwargs: Any) -> None:
+    """A chat workload needs a model with a chat template. Checked once, before any user starts,
+    so that a model without one ends the run with the reason (and NO_CHAT_EXIT_CODE) rather than
+    with one failed request per user. Workers leave it to the master."""
+    opts = environment.parsed_options
+    if opts is None or getattr(opts, "workload", "mix") != "chat" or isinstance(environment.runner, WorkerRunner):
+        return
+    client = open_client(opts, environment.host)
+    try:
+        problem = client.chat_problem()
+    finally:
+        client.close()
+    if problem:
+        logger.error("the chat workload cannot run against %s: %s (the code, text and mix workloads need no chat "
+                     "template)", environment.host or DEFAULT_HOSTS[getattr(opts, "protocol", "grpc")], problem)
+        sys.exit(NO_CHAT_EXIT_CODE)
+
+
 class SpecDecodeUser(User):
-    """One client: a gRPC channel or an HTTP session, streaming one completion after another."""
+    """One client: a gRPC channel or an HTTP session, streaming one completion (or chat turn)
+    after another."""
 
     wait_time = constant(0)
 
@@ -153,14 +221,8 @@ class SpecDecodeUser(User):
         self.workload: str = getattr(opts, "workload", "mix")
         self.max_tokens: int = getattr(opts, "max_tokens", 64)
         self.rng = random.Random()
-        self.prompts = load_prompts(getattr(opts, "prompts_file", ""))
-        timeout = getattr(opts, "request_timeout_s", 120.0)
-        if self.protocol == "http":
-            self.client: GrpcStreams | HttpStreams = HttpStreams(self.host or "http://localhost:8000/specdecode",
-                                                                 timeout)
-        else:
-            self.client = GrpcStreams(self.host or "localhost:9000",
-                                      getattr(opts, "application", "") or None, timeout)
+        self.prompts = load_prompts(getattr(opts, "prompts_file", ""), self.workload)
+        self.client = open_client(opts, self.host)
 
     def on_stop(self) -> None:
         self.client.close()
@@ -168,15 +230,20 @@ class SpecDecodeUser(User):
     @task
     def generate(self) -> None:
         kind = pick_kind(self.workload, self.rng)
-        prompt = adapt(self.rng.choice(self.prompts[kind]), model=self.client.model,
-                       has_tokenizer=self.client.has_tokenizer, vocab_size=self.client.vocab_size,
-                       max_prompt_tokens=self.client.max_prompt_tokens)
+        prompt = self.rng.choice(self.prompts[kind])
+        if kind == "chat":
+            counts = self.client.stream_chat(chat_messages(prompt), self.max_tokens, SAMPLING[kind])
+        else:
+            counts = self.client.stream(adapt(prompt, model=self.client.model, has_tokenizer=self.client.has_tokenizer,
+                                              vocab_size=self.client.vocab_size,
+                                              max_prompt_tokens=self.client.max_prompt_tokens),
+                                        self.max_tokens, SAMPLING[kind])
         fire = self.environment.events.request.fire
-        start = time.perf_counter()
+        start = time.perf_counter()  # the request goes out when `counts` is first iterated
         first: float | None = None
         num_tokens = 0
         try:
-            for n in self.client.stream(prompt, self.max_tokens, SAMPLING[kind]):
+            for n in counts:
                 if n:
                     if first is None:
                         first = time.perf_counter()

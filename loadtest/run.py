@@ -1,18 +1,20 @@
 """`make loadtest`: a headless locust run against the SpecDecode service, then a plot.
 
     python -m loadtest.run [--protocol grpc|http] [--target localhost:9000] [--users 8] [--spawn-rate 2] [--run-time 60s]
-        [--shape constant|step|spike] [--workload code|text|mix] [--max-tokens 64]
+        [--shape constant|step|spike] [--workload code|text|chat|mix] [--max-tokens 64]
         [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--slo-e2e-ms MS] [--out-dir loadtest/results]
 
-Builds the prompts (held-out code windows when models/target is trained, see loadtest.workloads),
-runs loadtest/locustfile.py (plus loadtest/shapes/<shape>.py) with --csv/--csv-full-history, and
+Builds the prompts (held-out code windows when models/target is trained, held-out chat prompts
+when models/chat_heldout_prompts.json exists; see loadtest.workloads), runs
+loadtest/locustfile.py (plus loadtest/shapes/<shape>.py) with --csv/--csv-full-history, and
 writes <out-dir>/<name>_{stats,stats_history,failures,exceptions}.csv and <name>_latency.png
 (p50/p95/p99 of TTFT, TPOT and end-to-end latency, and the user count, over time). The SLO gates
 default to the targets of the SLO autoscaling policy in deployments/serve_config.yaml. Exits with
 locust's code: 0 when every gate passed, 1 when one failed (or a request failed); 2 when the
-target does not answer at all. `--protocol http` drives the OpenAI-compatible HTTP API instead
-(`--target` defaults to http://localhost:8000/specdecode, `make serve`'s HTTP address), with the
-same prompts, sampling, timing and gates.
+target does not answer at all, or cannot serve the workload (chat on a model without a chat
+template, which the locustfile checks before any user starts). `--protocol http` drives the
+OpenAI-compatible HTTP API instead (`--target` defaults to http://localhost:8000/specdecode,
+`make serve`'s HTTP address), with the same prompts, sampling, timing and gates.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+
+from loadtest.workloads import WORKLOADS, build_prompts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
@@ -66,10 +70,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spawn-rate", type=float, default=2.0, help="users started per second (default: %(default)s)")
     p.add_argument("--run-time", default="60s", help="duration, locust syntax: 30s, 2m, 1h30m (default: %(default)s)")
     p.add_argument("--shape", choices=("constant", *SHAPES), default="constant", help="load shape (default: %(default)s)")
-    p.add_argument("--workload", choices=("code", "text", "mix"), default="mix", help="(default: %(default)s)")
+    p.add_argument("--workload", choices=WORKLOADS, default="mix",
+                   help="chat needs a model with a chat template (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per held-out code prompt (default: %(default)s)")
-    p.add_argument("--no-heldout", action="store_true", help="built-in code prompts even if models/target exists")
+    p.add_argument("--no-heldout", action="store_true",
+                   help="built-in code and chat prompts even if held-out ones exist")
     p.add_argument("--slo-ttft-ms", type=float, default=slo.get("ttft_p95_ms", 0.0),
                    help="p95 TTFT gate, 0 for none (default: the Serve config's SLO, %(default)g)")
     p.add_argument("--slo-tpot-ms", type=float, default=slo.get("tpot_p95_ms", 0.0),
@@ -200,8 +206,6 @@ def check_http_target(base_url: str, timeout_s: float) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from loadtest.workloads import build_prompts
-
     problem = check_target(args.target, args.application, protocol=args.protocol)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -223,13 +227,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         prompts_file.unlink(missing_ok=True)
     history = Path(f"{csv_prefix}_stats_history.csv")
-    if history.is_file():
+    if history.is_file() and read_history(history):  # locust writes the file's header before it checks the target
         slo = {"TTFT": args.slo_ttft_ms, "TPOT": args.slo_tpot_ms, "E2E": args.slo_e2e_ms}
         title = f"{args.target} ({args.protocol}): {args.workload}, {args.shape}, {args.users} users, {args.run_time}"
         png = plot_history(history, Path(f"{csv_prefix}_latency.png"), title, slo)
         print(f"wrote {csv_prefix}_stats.csv, {history.name} and {png}", flush=True)
     else:
-        print(f"no stats history at {history}: locust did not get far enough to write one", file=sys.stderr)
+        print(f"no latency in {history}: locust did not get far enough to measure a request", file=sys.stderr)
     print(f"locust exit code {code} ({'SLO gates passed' if code == 0 else 'a gate failed or locust errored'})")
     return code
 
