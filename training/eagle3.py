@@ -244,11 +244,37 @@ def load_eagle3_head(folder: Path) -> tuple[Eagle3Head, torch.Tensor]:
     return head.eval(), token_ids
 
 
+def ttt_loss(head: Eagle3Head, aux: torch.Tensor, embeds: torch.Tensor, t_probs: torch.Tensor,
+             t_argmax: torch.Tensor, token_ids: torch.Tensor, in_draft: torch.Tensor, steps: int,
+             scored: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training-time-test loss of one batch. aux [B, T, 3H] and embeds [B, T, H] are the head's
+    inputs; t_probs [B, T, N] the target's distribution restricted to the draft vocabulary
+    (``token_ids``), t_argmax [B, T] its argmax over the whole vocabulary; a position counts only
+    where that argmax is in the draft vocabulary and, if ``scored`` [B, T] is given, where it is set."""
+    valid = in_draft[t_argmax]
+    if scored is not None:
+        valid = valid & scored
+    n = aux.shape[1] - steps
+    total = torch.zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for s, lg in enumerate(head.unroll(aux, embeds, steps)):
+        # step s index j <-> the target's distribution at position j + s + 1
+        p = t_probs[:, s + 1 : s + 1 + n]
+        m = valid[:, s + 1 : s + 1 + n].float()
+        logq = F.log_softmax(lg.float(), dim=-1)
+        ce = -((p * logq).sum(-1) * m).sum() / m.sum().clamp_min(1.0)
+        total = total + TTT_DECAY**s * ce
+        with torch.no_grad():
+            agree = (token_ids[lg.argmax(-1)] == t_argmax[:, s + 1 : s + 1 + n]).float()
+            metrics[f"acc{s}"] = float((agree * m).sum() / m.sum().clamp_min(1.0))
+        metrics[f"ce{s}"] = float(ce.detach())
+    return total, metrics
+
+
 def eagle3_loss_fn(head: Eagle3Head, target: nn.Module, token_ids: torch.Tensor, steps: int):
     """TTT loss on a [B, T] token batch; the frozen target (HF LlamaForCausalLM) supplies the
     auxiliary features (`target_features`) and the distributions."""
-    vocab = head.config.vocab_size
-    in_draft = torch.zeros(vocab, dtype=torch.bool)
+    in_draft = torch.zeros(head.config.vocab_size, dtype=torch.bool)
     in_draft[token_ids] = True
     embed = target.get_input_embeddings()
     features = target_features(target, head.config.aux_layer_ids)
@@ -257,26 +283,9 @@ def eagle3_loss_fn(head: Eagle3Head, target: nn.Module, token_ids: torch.Tensor,
         dtype = head.fc.weight.dtype
         with torch.no_grad():
             aux, logits = features(batch)
-            aux = aux.to(dtype)
-            t_argmax = logits.argmax(-1)
-            t_probs = logits[..., token_ids].softmax(-1)  # restricted to the draft vocabulary
-            valid = in_draft[t_argmax]
             embeds = embed(batch).to(dtype)
-        n = batch.shape[1] - steps
-        total = torch.zeros((), dtype=torch.float32)
-        metrics: dict[str, float] = {}
-        for s, lg in enumerate(head.unroll(aux, embeds, steps)):
-            # step s index j <-> the target's distribution at position j + s + 1
-            p = t_probs[:, s + 1 : s + 1 + n]
-            m = valid[:, s + 1 : s + 1 + n].float()
-            logq = F.log_softmax(lg.float(), dim=-1)
-            ce = -((p * logq).sum(-1) * m).sum() / m.sum().clamp_min(1.0)
-            total = total + TTT_DECAY**s * ce
-            with torch.no_grad():
-                agree = token_ids[lg.argmax(-1)] == t_argmax[:, s + 1 : s + 1 + n]
-                metrics[f"acc{s}"] = float(agree.float().mean())
-            metrics[f"ce{s}"] = float(ce.detach())
-        return total, metrics
+        return ttt_loss(head, aux.to(dtype), embeds, logits[..., token_ids].softmax(-1), logits.argmax(-1),
+                        token_ids, in_draft, steps)
 
     return fn
 
