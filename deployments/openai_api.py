@@ -404,7 +404,8 @@ def build_http_app(ingress: Any) -> FastAPI:
             "max_model_len": limits.max_model_len,
             "specdecode": {
                 "drafter_method": info.drafter_method or None, "num_speculative_tokens": info.num_speculative_tokens,
-                "has_tokenizer": info.has_tokenizer, "vocab_size": limits.vocab_size,
+                "has_tokenizer": info.has_tokenizer, "has_chat_template": info.has_chat_template,
+                "vocab_size": limits.vocab_size,
                 "max_prompt_tokens": limits.max_prompt_tokens, "max_tokens": limits.max_tokens,
                 "default_max_tokens": limits.default_max_tokens,
             },

@@ -284,6 +284,7 @@ def test_models_and_health(served: Served) -> None:
     models = served.openai().models.list()
     assert [m.id for m in models.data] == [served.model]
     assert models.data[0].model_extra["specdecode"]["drafter_method"] == "ngram"
+    assert models.data[0].model_extra["specdecode"]["has_chat_template"] is True
     # the official client's models.retrieve (GET /v1/models/{id}; the id may hold slashes)
     one = served.openai().models.retrieve(served.model)
     assert one.id == served.model and one.model_extra == models.data[0].model_extra
