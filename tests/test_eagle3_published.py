@@ -74,15 +74,21 @@ def test_batch_scores_only_positions_that_predict_response_tokens(target_dir):
     assert [int(counts[t]) for t in ranked] == sorted(counts.tolist(), reverse=True)
 
 
-def test_store_sampler_visits_every_sequence_each_epoch_and_resumes():
-    s = StoreSampler(10, 3, seed=4)
-    first = [s.next_batch() for _ in range(3)]
-    assert len({i for b in first for i in b}) == 9
+def test_store_sampler_visits_every_sequence_each_epoch_in_length_sorted_batches_and_resumes():
+    lengths = [(i * 37) % 101 for i in range(40)]
+    s = StoreSampler(lengths, 4, seed=4, pool=5)
+    epoch = [s.next_batch() for _ in range(10)]
+    assert sorted(i for b in epoch for i in b) == list(range(40)) and s.epoch == 0
+    # a batch comes from one pool sorted by length: its spread is at most a pool's
+    spreads = [max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in epoch]
+    assert sum(spreads) < sum(max(lengths[i] for i in b) - min(lengths[i] for i in b)
+                              for b in (list(range(k, 40, 10)) for k in range(10)))
     state = s.state_dict()
-    nxt = s.next_batch()
-    t = StoreSampler(10, 3, seed=4)
+    nxt = [s.next_batch() for _ in range(3)]
+    assert s.epoch == 1
+    t = StoreSampler(lengths, 4, seed=4, pool=5)
     t.load_state_dict(state)
-    assert t.next_batch() == nxt and state["epoch"] == 0 and s.epoch == 1
+    assert [t.next_batch() for _ in range(3)] == nxt
 
 
 def test_question_and_paragraph_filters():

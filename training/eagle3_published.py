@@ -91,6 +91,9 @@ class FeatureStore:
     def __len__(self) -> int:
         return self.offsets.numel() - 1
 
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
     def response_tokens(self) -> torch.Tensor:
         """The token ids the target generated (every sequence's part after its prompt)."""
         return torch.cat([self.ids[self.offsets[i] + self.prompt_lens[i]:self.offsets[i + 1]]
@@ -119,30 +122,40 @@ class FeatureStore:
 
 class StoreSampler:
     """Shuffled batches of sequence indices of a `FeatureStore`, by epoch, resumable (the
-    `trainer.train_loop` sampler interface)."""
+    `trainer.train_loop` sampler interface). Each epoch's shuffled order is cut into pools of
+    ``pool`` batches; a pool is sorted by length before it is cut into batches, so that a batch
+    pads little, and the batches are shuffled again."""
 
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
-        self.n, self.batch_size, self.seed = n, batch_size, seed
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, pool: int = 32) -> None:
+        self.lengths, self.batch_size, self.seed, self.pool = lengths, batch_size, seed, pool
         self.epoch = self.pos = 0
-        self._perm = self._make_perm()
+        self._batches = self._make_batches()
 
-    def _make_perm(self) -> torch.Tensor:
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch))
+    def _make_batches(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        usable = len(order) - len(order) % self.batch_size
+        batches = []
+        step = self.pool * self.batch_size
+        for start in range(0, usable, step):
+            pool = sorted(order[start:min(start + step, usable)], key=lambda i: self.lengths[i])
+            batches += [pool[i:i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
+        perm = torch.randperm(len(batches), generator=g).tolist()
+        return [batches[i] for i in perm]
 
     def next_batch(self) -> list[int]:
-        if self.pos + self.batch_size > self.n:
+        if self.pos >= len(self._batches):
             self.epoch, self.pos = self.epoch + 1, 0
-            self._perm = self._make_perm()
-        out = self._perm[self.pos:self.pos + self.batch_size].tolist()
-        self.pos += self.batch_size
-        return out
+            self._batches = self._make_batches()
+        self.pos += 1
+        return self._batches[self.pos - 1]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.pos = state["epoch"], state["pos"]
-        self._perm = self._make_perm()
+        self._batches = self._make_batches()
 
 
 def store_loss_fn(head: Eagle3Head, store: FeatureStore, embed_weight: torch.Tensor, lm_rows: torch.Tensor,
@@ -243,7 +256,7 @@ def train_published(args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in head.parameters())
     log(f"eagle3: {n_params / 1e6:.2f}M params, ttt_steps {args.ttt_steps}, {c}, config {asdict(cfg)}")
     loss_fn = store_loss_fn(head, train, embed_weight, lm_rows, token_ids, args.ttt_steps)
-    sampler = StoreSampler(len(train), cfg.batch_size, cfg.seed + 5)
+    sampler = StoreSampler(train.lengths(), cfg.batch_size, cfg.seed + 5)
     from .trainer import train_loop
 
     if args.measure_steps:
@@ -265,7 +278,8 @@ def train_published(args: argparse.Namespace) -> None:
     out.update(params=n_params, ttt_steps=args.ttt_steps, head=asdict(c), config=asdict(cfg),
                target=Path(args.target).name, draft_vocab_coverage=coverage,
                train_sequences=len(train), train_tokens=int(train.ids.numel()),
-               response_tokens=int(responses.numel()), epochs=sampler.epoch + sampler.pos / len(train),
+               response_tokens=int(responses.numel()),
+               epochs=round(sampler.epoch + sampler.pos / max(len(sampler._batches), 1), 3),
                heldout=agreement)
     write_stats("eagle3-published", out)
 
