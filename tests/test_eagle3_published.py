@@ -108,9 +108,13 @@ def test_heldout_documentation_comes_from_heldout_modules_only():
     assert not set(chat_data.SUBJECTS) & set(chat_data.HELDOUT_SUBJECTS)
 
 
-def test_training_a_head_for_a_published_target_end_to_end(target_dir, tmp_path):
+def test_training_a_head_for_a_published_target_end_to_end(target_dir, tmp_path, monkeypatch):
     """`python -m training eagle3 --target` on a tiny target's chat data: the head loads in the
     engine and speculative greedy decoding stays the target's."""
+    from training import pipeline
+
+    monkeypatch.setattr(pipeline, "CKPTS", tmp_path / "checkpoints")  # not the checkout's own folders
+    monkeypatch.setattr(pipeline, "RUNS", tmp_path / "runs")
     vocab = transformers.AutoConfig.from_pretrained(target_dir).vocab_size
     data = tmp_path / "chat"
     data.mkdir()
@@ -122,6 +126,8 @@ def test_training_a_head_for_a_published_target_end_to_end(target_dir, tmp_path)
                    "--planned-tokens", "1024", "--ttt-steps", "3", "--dtype", "float32", "--threads", "1",
                    "--models-dir", str(tmp_path / "models")])
     assert (data / "features_train_1-2-3_32.pt").exists()
+    assert (tmp_path / "checkpoints" / "eagle3-published.pt").exists()
+    assert (tmp_path / "runs" / "eagle3-published_stats.json").exists()
     from safetensors.torch import load_file
 
     state = load_file(str(out / "model.safetensors"))
@@ -132,3 +138,37 @@ def test_training_a_head_for_a_published_target_end_to_end(target_dir, tmp_path)
     prompts = [s["ids"] for s in _seqs(vocab, 4)]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in base.generate(prompts, sp)]
+
+
+def test_loss_on_scored_rows_equals_the_dense_masked_loss(target_dir):
+    """`ttt_loss` projects only the positions that count; the value is the masked mean over
+    positions of the full [B, n, N] computation."""
+    from training.eagle3 import TTT_DECAY, Eagle3Config, Eagle3Head, scored_rows, ttt_loss
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    c = ref.config
+    store = FeatureStore.build(ref, _seqs(c.vocab_size), AUX, seq_len=64)
+    token_ids = torch.arange(0, c.vocab_size, 2)
+    in_draft = torch.zeros(c.vocab_size, dtype=torch.bool)
+    in_draft[token_ids] = True
+    head = Eagle3Head(Eagle3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                                   num_key_value_heads=c.num_key_value_heads,
+                                   head_dim=c.hidden_size // c.num_attention_heads,
+                                   intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                                   draft_vocab_size=token_ids.numel(), aux_layer_ids=AUX))
+    ids, aux, hnorm, argmax, scored = store.batch([1, 3, 6])
+    embeds = ref.get_input_embeddings().weight[ids].detach()
+    lm_rows = ref.lm_head.weight[token_ids].detach()
+    row_of = scored_rows(argmax, in_draft, scored)
+    assert ((row_of >= 0) == (in_draft[argmax] & scored)).all()
+    t_probs = (hnorm[row_of >= 0].float() @ lm_rows.T).softmax(-1)
+    steps = 3
+    loss, _ = ttt_loss(head, aux.float(), embeds, t_probs, row_of, argmax, token_ids, steps)
+    dense_p = (hnorm.float() @ lm_rows.T).softmax(-1)
+    n = ids.shape[1] - steps
+    expected = torch.zeros(())
+    for s, lg in enumerate(head.unroll(aux.float(), embeds, steps)):
+        m = (row_of[:, s + 1:s + 1 + n] >= 0).float()
+        ce = -((dense_p[:, s + 1:s + 1 + n] * lg.log_softmax(-1)).sum(-1) * m).sum() / m.sum()
+        expected = expected + TTT_DECAY**s * ce
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)

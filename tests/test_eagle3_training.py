@@ -56,14 +56,15 @@ def test_unroll_equals_autoregressive_drafting(tmp_path_factory, aux_layer_ids):
     fn = eagle3_loss_fn(trained_layout["head"], ref, trained_layout["token_ids"], STEPS)  # hooks the last layer
     captured = {}
     head = trained_layout["head"]
-    orig = head.unroll
-    head.unroll = lambda aux, embeds, steps: captured.setdefault("logits", orig(aux, embeds, steps))
+    orig = head.unroll_features
+    head.unroll_features = lambda aux, embeds, steps: captured.setdefault("feats", orig(aux, embeds, steps))
     try:
         with torch.no_grad():
             fn(tokens)
     finally:
-        head.unroll = orig
-    logits = captured["logits"]
+        head.unroll_features = orig
+    with torch.no_grad():
+        logits = [head.lm_head(head.norm(f)) for f in captured["feats"]]
     ids = trained_layout["token_ids"]
     for j in (0, 4, 9):  # element j: feature of position j, token j + 1
         seq = tokens[0].tolist()

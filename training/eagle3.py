@@ -171,6 +171,11 @@ class Eagle3Head(nn.Module):
         embeds [B, T, H] (embeddings of tokens 0..T-1). Uses indices j < n = T - steps; returns
         the draft-vocabulary logits [B, n, N] of steps 0..steps-1 (step s index j predicts token
         j + s + 2)."""
+        return [self.lm_head(self.norm(f)) for f in self.unroll_features(aux, embeds, steps)]
+
+    def unroll_features(self, aux: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """`unroll`'s output features [B, n, H] per step, before the final norm and LM head (the
+        loss projects only the positions it scores)."""
         c = self.config
         n = aux.shape[1] - steps
         scale = c.head_dim**-0.5
@@ -194,7 +199,7 @@ class Eagle3Head(nn.Module):
                 for r, (_, vr) in enumerate(keys):
                     attn = attn + w[..., n + r, None] * vr
             feats = self._finish(feats, attn)
-            out.append(self.lm_head(self.norm(feats)))
+            out.append(feats)
         return out
 
 
@@ -244,29 +249,39 @@ def load_eagle3_head(folder: Path) -> tuple[Eagle3Head, torch.Tensor]:
     return head.eval(), token_ids
 
 
-def ttt_loss(head: Eagle3Head, aux: torch.Tensor, embeds: torch.Tensor, t_probs: torch.Tensor,
-             t_argmax: torch.Tensor, token_ids: torch.Tensor, in_draft: torch.Tensor, steps: int,
-             scored: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The training-time-test loss of one batch. aux [B, T, 3H] and embeds [B, T, H] are the head's
-    inputs; t_probs [B, T, N] the target's distribution restricted to the draft vocabulary
-    (``token_ids``), t_argmax [B, T] its argmax over the whole vocabulary; a position counts only
-    where that argmax is in the draft vocabulary and, if ``scored`` [B, T] is given, where it is set."""
+def scored_rows(t_argmax: torch.Tensor, in_draft: torch.Tensor, scored: torch.Tensor | None) -> torch.Tensor:
+    """row_of [B, T]: for each position the loss counts (its target argmax in the draft vocabulary
+    and, if given, ``scored`` set), its row in the flattened list of such positions; -1 elsewhere."""
     valid = in_draft[t_argmax]
     if scored is not None:
         valid = valid & scored
+    row_of = valid.flatten().long().cumsum(0).view_as(valid) - 1
+    return row_of.masked_fill(~valid, -1)
+
+
+def ttt_loss(head: Eagle3Head, aux: torch.Tensor, embeds: torch.Tensor, t_probs: torch.Tensor,
+             row_of: torch.Tensor, t_argmax: torch.Tensor, token_ids: torch.Tensor,
+             steps: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training-time-test loss of one batch. aux [B, T, 3H] and embeds [B, T, H] are the head's
+    inputs; t_argmax [B, T] the target's argmax over the whole vocabulary; row_of [B, T]
+    (`scored_rows`) the positions that count, as rows of t_probs [M, N]: the target's distribution
+    there restricted to the draft vocabulary (``token_ids``). The head's LM head runs only on the
+    rows that count."""
     n = aux.shape[1] - steps
     total = torch.zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
-    for s, lg in enumerate(head.unroll(aux, embeds, steps)):
+    for s, feats in enumerate(head.unroll_features(aux, embeds, steps)):
         # step s index j <-> the target's distribution at position j + s + 1
-        p = t_probs[:, s + 1 : s + 1 + n]
-        m = valid[:, s + 1 : s + 1 + n].float()
+        rows = row_of[:, s + 1 : s + 1 + n]
+        m = rows >= 0
+        lg = head.lm_head(head.norm(feats[m]))
+        p = t_probs[rows[m]]
         logq = F.log_softmax(lg.float(), dim=-1)
-        ce = -((p * logq).sum(-1) * m).sum() / m.sum().clamp_min(1.0)
+        ce = -(p * logq).sum(-1).mean() if p.shape[0] else logq.sum() * 0.0
         total = total + TTT_DECAY**s * ce
         with torch.no_grad():
-            agree = (token_ids[lg.argmax(-1)] == t_argmax[:, s + 1 : s + 1 + n]).float()
-            metrics[f"acc{s}"] = float((agree * m).sum() / m.sum().clamp_min(1.0))
+            agree = token_ids[lg.argmax(-1)] == t_argmax[:, s + 1 : s + 1 + n][m]
+            metrics[f"acc{s}"] = float(agree.float().mean()) if agree.numel() else 0.0
         metrics[f"ce{s}"] = float(ce.detach())
     return total, metrics
 
@@ -284,8 +299,10 @@ def eagle3_loss_fn(head: Eagle3Head, target: nn.Module, token_ids: torch.Tensor,
         with torch.no_grad():
             aux, logits = features(batch)
             embeds = embed(batch).to(dtype)
-        return ttt_loss(head, aux.to(dtype), embeds, logits[..., token_ids].softmax(-1), logits.argmax(-1),
-                        token_ids, in_draft, steps)
+        t_argmax = logits.argmax(-1)
+        row_of = scored_rows(t_argmax, in_draft, None)
+        t_probs = logits[row_of >= 0][:, token_ids].softmax(-1)
+        return ttt_loss(head, aux.to(dtype), embeds, t_probs, row_of, t_argmax, token_ids, steps)
 
     return fn
 

@@ -23,7 +23,7 @@ import torch
 
 from . import pipeline
 from .chat_data import OUT as CHAT_DIR
-from .eagle3 import Eagle3Config, Eagle3Head, save_eagle3, target_features, ttt_loss
+from .eagle3 import Eagle3Config, Eagle3Head, save_eagle3, scored_rows, target_features, ttt_loss
 from .pipeline import log, train_config, write_stats
 
 
@@ -169,9 +169,10 @@ def store_loss_fn(head: Eagle3Head, store: FeatureStore, embed_weight: torch.Ten
         dtype = head.fc.weight.dtype
         ids, aux, hnorm, argmax, scored = store.batch(index)
         with torch.no_grad():
-            t_probs = (hnorm.to(lm_rows.dtype) @ lm_rows.T).float().softmax(-1)
+            row_of = scored_rows(argmax, in_draft, scored)
+            t_probs = (hnorm[row_of >= 0].to(lm_rows.dtype) @ lm_rows.T).float().softmax(-1)
             embeds = embed_weight[ids].to(dtype)
-        return ttt_loss(head, aux.to(dtype), embeds, t_probs, argmax, token_ids, in_draft, steps, scored)
+        return ttt_loss(head, aux.to(dtype), embeds, t_probs, row_of, argmax, token_ids, steps)
 
     return fn
 
