@@ -1,7 +1,7 @@
 """`make demo`: ask SmolLM2-135M-Instruct a question (rendered by its chat template), with and
 without speculation; `make demo-code`: the project's code model completes a Python prompt.
 
-    python -m engine.demo ["Why is the sky blue?"] [--model PATH] [--method ngram] [-k 4] [--max-tokens 96]
+    python -m engine.demo ["Why is the sky blue?"] [--model PATH] [--method ngram|eagle3] [-k 4] [--max-tokens 96]
     python -m engine.demo --code ["def fib(n):"] [--method eagle3] [--no-token-healing]
 
 Code completion heals the prompt's last token: a prompt ending in a newline would otherwise end
@@ -22,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # method -> shipped checkpoint for the code model (None: no model, or, for mtp, the MTP layers in
 # the target's own checkpoint)
 CODE_DRAFTERS = {"draft": "models/drafter", "eagle3": "models/eagle3-head", "mtp": None, "ngram": None}
+# method -> shipped drafter for SmolLM2-135M-Instruct (no smaller SmolLM2 to draft with, no MTP layers)
+CHAT_DRAFTERS = {"eagle3": "models/eagle3-smollm2", "ngram": None}
 QUESTION = "Explain in three sentences why the sky is blue."
 CODE_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code", action="store_true", help="the code model (models/target) completes a prompt")
     ap.add_argument("--model", default=None, help="a checkpoint directory or GGUF file")
     ap.add_argument("--method", default=None, choices=sorted(CODE_DRAFTERS),
-                    help="the drafter (default: ngram for chat, eagle3 for code)")
+                    help="the drafter (default: ngram for chat, which also has eagle3; eagle3 for code)")
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--no-token-healing", dest="token_healing", action="store_false",
@@ -47,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
             from models.fetch import fetch
 
             args.model = str(fetch("smollm2"))
-        model, drafter = args.model, None
-        if method != "ngram":
-            print(f"--method {method}: no {method} drafter ships for {model}; use ngram", file=sys.stderr)
+        if method not in CHAT_DRAFTERS:
+            print(f"--method {method}: no {method} drafter ships for the chat model; use "
+                  f"{' or '.join(sorted(CHAT_DRAFTERS))}", file=sys.stderr)
             return 2
+        model, drafter = args.model, CHAT_DRAFTERS[method] and os.path.join(ROOT, CHAT_DRAFTERS[method])
     if not os.path.exists(model):
         print(f"no model at {model}; the shipped models are in git (models/), SmolLM2 comes with "
               "`python -m models fetch smollm2`", file=sys.stderr)

