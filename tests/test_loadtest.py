@@ -44,6 +44,14 @@ CHAT_TEMPLATE = (
 
 
 # --- pieces -----------------------------------------------------------------------------------
+
+def app_args(model: str, max_prompt_tokens: int) -> dict:
+    """A small engine replica on one CPU, no speculation: the app the load tests run against."""
+    return {"model": model, "speculative": None, "device": "cpu", "dtype": "float32", "max_num_seqs": 8,
+            "max_queued_requests": 32, "max_prompt_tokens": max_prompt_tokens, "max_tokens": 64,
+            "default_max_tokens": 16, "num_cpus": 1}
+
+
 def test_shapes_follow_their_schedules() -> None:
     assert [step_users(t, 8, 60) for t in (0, 14.9, 15, 30, 45, 59.9, 60)] == [2, 2, 4, 6, 8, 8, 8]
     assert step_users(0, 1, 60) == 1
@@ -183,9 +191,7 @@ def served_ports(tiny_llama: str, serve_instance) -> Iterator[tuple[int, int]]:
     from deployments.client import SpecDecodeClient
 
     port, http_port = serve_instance.grpc_port, serve_instance.http_port
-    args = {"model": tiny_llama, "speculative": None, "device": "cpu", "dtype": "float32", "max_num_seqs": 8,
-            "max_queued_requests": 32, "max_prompt_tokens": 64, "max_tokens": 64, "default_max_tokens": 16,
-            "num_cpus": 1}
+    args = app_args(tiny_llama, max_prompt_tokens=64)
     with serve_instance.apps(APP):
         serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
         with SpecDecodeClient(f"127.0.0.1:{port}", application=APP) as client:
@@ -274,9 +280,7 @@ def chat_ports(tmp_path_factory, serve_instance) -> Iterator[tuple[int, int]]:
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(model)
     port, http_port = serve_instance.grpc_port, serve_instance.http_port
-    args = {"model": model, "speculative": None, "device": "cpu", "dtype": "float32", "max_num_seqs": 8,
-            "max_queued_requests": 32, "max_prompt_tokens": 256, "max_tokens": 64, "default_max_tokens": 16,
-            "num_cpus": 1}
+    args = app_args(model, max_prompt_tokens=256)
     with serve_instance.apps(CHAT_APP):
         serve.run(build_app(args), name=CHAT_APP, route_prefix=f"/{CHAT_APP}")
         with SpecDecodeClient(f"127.0.0.1:{port}", application=CHAT_APP) as client:
