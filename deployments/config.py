@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import DRAFT_WEIGHTS, EXACT_MODES, SPECULATIVE_METHODS
+from engine.config import DRAFT_WEIGHTS, EXACT_MODES, QUANTIZATIONS, SPECULATIVE_METHODS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG_PATH = REPO_ROOT / "deployments" / "serve_config.yaml"
@@ -292,7 +292,8 @@ class AppConfig:
     replica would otherwise take every core the process may use (then the Serve proxy and the
     gRPC stream preempt a matmul thread each step: measured +61% time per output token on a
     2-core host with 2 threads, +12% with 1). exact: the engine's `exact` mode (speculation that
-    never changes greedy output; engine/model_runner.py). cuda_graphs: the engine's (on a GPU, its
+    never changes greedy output; engine/model_runner.py). quantization: the engine's ("auto": a
+    GGUF file's Q4_0/Q4_1/Q8_0 matrices served as stored on CPU in bfloat16; "none": dequantized). cuda_graphs: the engine's (on a GPU, its
     small steps replay captured CUDA graphs; false runs them eagerly).
     metrics_window_s is the window of the p95 TTFT/TPOT each replica reports to the SLO
     autoscaling policy (deployments/autoscaling.py; the SLO targets are its policy_kwargs).
@@ -321,6 +322,7 @@ class AppConfig:
     num_cpus: int = 2
     torch_threads: int | None = None
     exact: str = "auto"
+    quantization: str = "auto"
     cuda_graphs: bool = True
     metrics_window_s: float = 30.0
     replica_wait_timeout_s: float = 30.0
@@ -358,6 +360,9 @@ class AppConfig:
             "num_cpus": check.integer(f"{where}.num_cpus", data.get("num_cpus", d.num_cpus), 1, 1024),
             "torch_threads": check.integer(f"{where}.torch_threads", data.get("torch_threads"), 1, 1024, optional=True),
             "exact": check.string(f"{where}.exact", data.get("exact", d.exact), EXACT_MODES),
+            "quantization": check.string(
+                f"{where}.quantization", data.get("quantization", d.quantization), QUANTIZATIONS
+            ),
             "cuda_graphs": check.boolean(f"{where}.cuda_graphs", data.get("cuda_graphs", d.cuda_graphs)),
             "metrics_window_s": check.number(
                 f"{where}.metrics_window_s", data.get("metrics_window_s", d.metrics_window_s), 0.0, 3600.0
@@ -424,6 +429,7 @@ class AppConfig:
             "max_waiting_requests": self.max_num_seqs + self.max_queued_requests,
             "num_threads": self.torch_threads or default_torch_threads(self.num_cpus),
             "exact": self.exact,
+            "quantization": self.quantization,
             "cuda_graphs": self.cuda_graphs,
         }
 

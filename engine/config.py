@@ -14,6 +14,8 @@ MAX_TREE_NODES = 63  # draft nodes of one tree: with its root, kernels.MAX_TREE_
 # How a step keeps each token's logits independent of how many tokens it computes
 # (engine/model_runner.py explains each).
 EXACT_MODES = ("auto", "rows", "pad", "batch_invariant", "off")
+# How a quantized checkpoint's matrices reach the CPU row kernels (model_runner.resolve_quantization).
+QUANTIZATIONS = ("auto", "none", "gguf")
 
 
 @dataclass(frozen=True)

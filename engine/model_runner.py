@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.block_manager import cdiv
-from engine.config import EXACT_MODES
+from engine.config import EXACT_MODES, QUANTIZATIONS
+from engine.models.gguf_checkpoint import is_gguf
 from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
 from engine.request import Request
@@ -133,6 +134,28 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: object
     cu_query_lens: list[int]  # [B+1] offsets of each chunk's tokens in the flat batch
+
+
+def resolve_quantization(quantization: str, model_dir: str, dtype: torch.dtype, row_kernel: bool, exact: str) -> str:
+    """The engine's `quantization` (QUANTIZATIONS) -> "gguf" or "none". "gguf" serves a GGUF
+    file's Q4_0/Q4_1/Q8_0 matrices as stored in the CPU row kernels (the steps of the "rows"
+    mode: decode and verification); prefill and the torch path keep the dequantized weights.
+    "auto" takes it for a GGUF file in bfloat16 where it runs (float32 asks for the reference's
+    precision: every product on dequantized weights); "gguf" refuses to start where it cannot."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "none":
+        return "none"
+    missing = None
+    if not is_gguf(model_dir):
+        missing = f"a GGUF checkpoint (got {model_dir!r})"
+    elif not (row_kernel and cpu_kernels.gguf_available()):
+        missing = "the CPU row kernels with F16C (a CPU device, float32 or bfloat16, AVX2/FMA/F16C)"
+    elif exact not in ("auto", "rows"):
+        missing = f"exact 'rows' or 'auto' (got {exact!r}: its steps do not run the row kernels)"
+    if quantization == "gguf" and missing:
+        raise ValueError(f"quantization='gguf' needs {missing}; use quantization='none' to dequantize every weight")
+    return "gguf" if missing is None and (quantization == "gguf" or dtype == torch.bfloat16) else "none"
 
 
 def last_rows(cu_query_lens: list[int], num_last: int | list[int]) -> list[int]:
@@ -259,17 +282,19 @@ class ModelRunner:
         max_model_len: int,
         attention_backend: str = "auto",
         exact: str = "auto",
+        quantization: str = "auto",
     ) -> None:
         self.model_dir = model_dir
         self.device = device
         self.dtype = dtype
-        self.model, self.hf_config = load_model(model_dir, dtype, device, max_model_len)
-        self.arch = self.model.cfg
-        self.backend = get_attention_backend(device, attention_backend)
         if exact not in EXACT_MODES:
             raise ValueError(f"exact must be one of {EXACT_MODES}, got {exact!r}")
         # The row-invariant CPU kernels serve the "rows" mode's steps when they can.
         self.row_kernel = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
+        self.quantization = resolve_quantization(quantization, model_dir, dtype, self.row_kernel, exact)
+        self.model, self.hf_config = load_model(model_dir, dtype, device, max_model_len, self.quantization)
+        self.arch = self.model.cfg
+        self.backend = get_attention_backend(device, attention_backend)
         self.row_kernel_max_tokens = (ROW_KERNEL_MAX_TOKENS_AMX if self.row_kernel and dtype == torch.bfloat16
                                       and cpu_kernels.amx_available() else ROW_KERNEL_MAX_TOKENS)
         if exact == "auto":

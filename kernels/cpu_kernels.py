@@ -185,6 +185,33 @@ def pack_rows_int4(weight: torch.Tensor) -> torch.Tensor:
     return _module().pack_rows_int4(weight.detach())
 
 
+# GGML tensor types (a GGUF file's `tensor_type`) whose blocks the GGUF products read as stored.
+GGUF_PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def gguf_available() -> bool:
+    """True where a GGUF file's Q4_0/Q4_1/Q8_0 matrices can be served as stored (`pack_rows_gguf`):
+    the row kernels run and the CPU has F16C (every AVX2 CPU this project has met)."""
+    return available() and "f16c" in cpu_flags()
+
+
+def pack_rows_gguf(raw: torch.Tensor, tensor_type: str, k: int) -> torch.Tensor:
+    """A GGUF tensor's raw blocks, raw [N, K / 32 * block bytes] uint8 (Q4_0: 18 bytes a block,
+    Q4_1: 20, Q8_0: 34), -> packed for the GGUF products (csrc/gguf_products.cpp: the weights
+    dequantized in registers, 16-bit activations per group of 32, exact int32 sums; within float
+    rounding of the dequantized matrix's products). 5 bits a weight for Q4_0/Q4_1, 8.5 for Q8_0.
+    Every function that takes packed weights takes these (uint8)."""
+    if tensor_type not in GGUF_PACKED_TYPES:
+        raise ValueError(f"pack_rows_gguf takes {', '.join(GGUF_PACKED_TYPES)} blocks, got {tensor_type!r}")
+    return _module().pack_rows_gguf(raw.contiguous(), GGUF_PACKED_TYPES[tensor_type], k)
+
+
+def gguf_wide(on: bool) -> bool:
+    """Run the GGUF products' 512-bit kernel where the CPU has AVX512-VNNI (default) or always the
+    256-bit one (the same bits; for tests); returns the previous setting."""
+    return bool(_module().set_gguf_avx512(on))
+
+
 def has_avx512() -> bool:
     return available() and _module().has_avx512()
 

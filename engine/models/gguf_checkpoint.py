@@ -210,6 +210,29 @@ class GGUFCheckpoint:
             weights[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
         return weights
 
+    def stored_blocks(self, hf_names: list[str], types) -> tuple[str, torch.Tensor] | None:
+        """The GGUF blocks of the matrices `hf_names` (Hugging Face names, stacked row-wise in
+        that order, as the decoder fuses q/k/v and gate/up) as stored, if every one is a tensor
+        of one type in `types`: (type name, raw uint8 [rows, K / 32 * block bytes]) with llama.cpp's
+        rotary permutation of q/k rows undone; else None."""
+        gguf_names = {hf_tensor_name(g): g for g in self.tensors}
+        parts, kind = [], None
+        heads, kv_heads = self.hf_config.num_attention_heads, self.hf_config.num_key_value_heads
+        for name in hf_names:
+            t = self.tensors.get(gguf_names.get(name, ""))
+            if t is None or t.tensor_type.name not in types or kind not in (None, t.tensor_type.name):
+                return None
+            kind = t.tensor_type.name
+            raw = np.asarray(t.data)
+            if self.arch == "llama" and ".self_attn.q_proj." in name:
+                raw = unpermute_rotary(raw, heads)
+            elif self.arch == "llama" and ".self_attn.k_proj." in name:
+                raw = unpermute_rotary(raw, kv_heads)
+            parts.append(raw)
+        if len({p.shape[1] for p in parts}) != 1:
+            return None
+        return kind, torch.from_numpy(np.ascontiguousarray(np.concatenate(parts)))
+
     @functools.cached_property
     def _tokenizer(self):
         from transformers import AutoTokenizer

@@ -167,6 +167,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self._row_weights: dict | None = None
+        # Matrices the checkpoint stores quantized, packed as stored for the row kernels
+        # (`use_stored_matrices`); `row_weights` packs the others from the module's weights
+        self.stored_matrices: dict[str, torch.Tensor] = {}
         # Every matmul of `forward` through the packed weights (`use_packed_matmuls`)
         self.packed_matmuls = False
 
@@ -178,28 +181,34 @@ class DecoderLayer(nn.Module):
 
     def row_weights(self) -> dict:
         """The layer's tensors as `cpu_kernels.rows_layer` takes them: matrices packed
-        (`cpu_kernels.pack_rows`), norms and biases in float32 (copies made once, on first use
-        after loading; `forget_row_weights` drops them when the weights change). The packed
-        matrices are a second copy of the layer's weights in memory."""
+        (`cpu_kernels.pack_rows`, or the checkpoint's quantized blocks in `stored_matrices`),
+        norms and biases in float32 (copies made once, on first use after loading;
+        `forget_row_weights` drops them when the weights change). The packed matrices are a
+        second copy of the layer's weights in memory."""
         if self._row_weights is None:
             def f32(t):
                 return None if t is None else t.detach().float().contiguous()
 
+            def packed(key: str, mod: nn.Linear) -> torch.Tensor:
+                stored = self.stored_matrices.get(key)
+                return stored if stored is not None else cpu_kernels.pack_rows(mod.weight)
+
             self._row_weights = {
                 "in_norm": f32(self.input_layernorm) if self.input_norm else None,
                 "post_norm": f32(self.post_attention_layernorm),
-                "w_qkv": cpu_kernels.pack_rows(self.qkv_proj.weight), "b_qkv": f32(self.qkv_proj.bias),
-                "w_o": cpu_kernels.pack_rows(self.o_proj.weight), "b_o": f32(self.o_proj.bias),
+                "w_qkv": packed("w_qkv", self.qkv_proj), "b_qkv": f32(self.qkv_proj.bias),
+                "w_o": packed("w_o", self.o_proj), "b_o": f32(self.o_proj.bias),
                 "q_norm": f32(self.q_norm) if self.cfg.qk_norm else None,
                 "k_norm": f32(self.k_norm) if self.cfg.qk_norm else None,
-                "w_gate_up": cpu_kernels.pack_rows(self.gate_up_proj.weight),
+                "w_gate_up": packed("w_gate_up", self.gate_up_proj),
                 "b_gate_up": f32(self.gate_up_proj.bias),
-                "w_down": cpu_kernels.pack_rows(self.down_proj.weight), "b_down": f32(self.down_proj.bias),
+                "w_down": packed("w_down", self.down_proj), "b_down": f32(self.down_proj.bias),
             }
         return self._row_weights
 
     def forget_row_weights(self) -> None:
         self._row_weights = None
+        self.stored_matrices = {}
         self.packed_matmuls = False
 
     def forward_rows(self, x, residual, cos, sin, k_cache, v_cache, attn_metadata):
@@ -360,6 +369,18 @@ class CausalLM(nn.Module):
             layer._row_weights.update((k, next(moved)) for k in keys)
         self._packed_lm_head = next(moved)
         self._rows_stack = None  # (it holds the layers' tensors)
+
+    def use_stored_matrices(self, layers: list[dict[str, torch.Tensor]], lm_head: torch.Tensor | None) -> None:
+        """Give the row kernels the checkpoint's quantized matrices as stored (per layer, packed
+        by `cpu_kernels.pack_rows_gguf`, keyed as `DecoderLayer.row_weights`; the LM head or None)
+        in place of packing the dequantized weights: fewer bytes a step streams. The modules keep
+        the dequantized weights for the torch path."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"stored matrices for {len(layers)} layers, the model has {len(self.layers)}")
+        self.forget_row_weights()
+        for layer, stored in zip(self.layers, layers, strict=True):
+            layer.stored_matrices = dict(stored)
+        self._packed_lm_head = lm_head
 
     def packed_lm_head(self) -> torch.Tensor:
         """The LM head packed for `cpu_kernels.packed_linear` (made once)."""

@@ -71,8 +71,11 @@ def load_safetensors(model_dir: str, select: Callable[[str], bool] | None = None
     return weights
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_positions: int):
-    """Build our decoder for the checkpoint and load its weights. Returns (model, hf_config)."""
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_positions: int,
+               quantization: str = "none"):
+    """Build our decoder for the checkpoint and load its weights. Returns (model, hf_config).
+    `quantization` "gguf" (a GGUF file, the CPU row kernels): the row kernels also get the file's
+    Q4_0/Q4_1/Q8_0 matrices as stored (`gguf_stored_matrices`); "none": every weight dequantized."""
     hf_config = load_hf_config(model_dir)
     arch = ArchConfig.from_hf(hf_config)
     mtp = mtp_weight_prefixes(arch.num_layers, int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
@@ -89,4 +92,35 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     model.set_rope(*rope_cos_sin(hf_config, max_positions, dtype, device),
                    *rope_cos_sin(hf_config, max_positions, torch.float32, device))
     model.eval().requires_grad_(False)
+    if quantization == "gguf":
+        model.use_stored_matrices(*gguf_stored_matrices(model_dir, arch))
     return model, hf_config
+
+
+def gguf_stored_matrices(path: str, arch: ArchConfig) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+    """The GGUF file's matrices that it stores as Q4_0, Q4_1 or Q8_0, packed for the row kernels'
+    GGUF products (`cpu_kernels.pack_rows_gguf`): per decoder layer {"w_qkv", "w_o", "w_gate_up",
+    "w_down"} (each present where all of its parts are stored in one such type), and the LM head
+    (the token embedding where tied) or None."""
+    from kernels import cpu_kernels
+
+    ckpt = read_gguf(path)
+    types = tuple(cpu_kernels.GGUF_PACKED_TYPES)
+
+    def packed(names: list[str], k: int) -> torch.Tensor | None:
+        found = ckpt.stored_blocks(names, types)
+        return None if found is None else cpu_kernels.pack_rows_gguf(found[1], found[0], k)
+
+    hidden, q_size = arch.hidden_size, arch.num_heads * arch.head_dim
+    layers = []
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        matrices = {
+            "w_qkv": packed([p + f"self_attn.{x}_proj.weight" for x in "qkv"], hidden),
+            "w_o": packed([p + "self_attn.o_proj.weight"], q_size),
+            "w_gate_up": packed([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], hidden),
+            "w_down": packed([p + "mlp.down_proj.weight"], arch.intermediate_size),
+        }
+        layers.append({k: v for k, v in matrices.items() if v is not None})
+    head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    return layers, packed([head], hidden)

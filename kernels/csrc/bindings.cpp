@@ -19,6 +19,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_rows_int4", &pack_rows_int4,
         "weights [N, K] (K % 32 == 0) -> int4 with a bfloat16 scale per row and group of 32 k (a drafter's products)",
         nogil());
+  m.def("pack_rows_gguf", &pack_rows_gguf,
+        "a GGUF tensor's raw Q4_0/Q4_1/Q8_0 blocks [N, K / 32 * block bytes] -> the GGUF products' layout",
+        py::arg("raw"), py::arg("ggml_type"), py::arg("k"), nogil());
+  m.def("set_gguf_avx512", &set_gguf_avx512,
+        "run the GGUF products' 512-bit kernel where the CPU has AVX512-VNNI (default on; the same bits as the "
+        "256-bit one); returns the previous setting");
   m.def("has_vnni", &cpu_has_vnni, "whether this CPU runs the int8 products (AVX512-VNNI)");
   m.def("exp_f32", &exp_f32, "the kernels' vectorized exp (softmax, SiLU), element-wise", nogil());
   m.def("set_amx_attention", &set_amx_attention,

@@ -3,6 +3,7 @@
 // and drafters' chains and trees built from them.
 //
 //   products.cpp       weight packing and y = x @ w.T (+ b) in every packed layout
+//   gguf_products.cpp  the same over a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored
 //   attention.cpp      paged attention of a few query tokens (rows_attention) and of prefill chunks
 //   decoder_layer.cpp  rows_layer (one decoder layer in one call) and RowsStack (all of a model's)
 //   drafting.cpp       EAGLE-3, draft-model and feature drafters: chains, tree growth, sampling
@@ -28,7 +29,9 @@
 //    activations rounded to bfloat16, as torch's bfloat16 products take them), bfloat16 caches'
 //    attention_rows_dp, and prefill_attention. Other bits than the float32 paths.
 //  - AVX512-VNNI (cpu_has_vnni): int8 and int4 weights (linear_i8, linear_i4), for drafters only:
-//    lossy, never the target's products.
+//    lossy, never the target's products; and a GGUF file's Q4_0/Q4_1/Q8_0 weights as stored
+//    (linear_gguf, gguf_products.cpp: the target's), whose 256-bit kernel (AVX2 + F16C) gives the
+//    same bits where the CPU lacks VNNI.
 //  - AMX-BF16 tiles (cpu_has_amx_bf16: the CPU has them and Linux grants the tile state): the
 //    dp-packed products whose K is a multiple of 32 (linear_amx) and bfloat16 caches' attention
 //    (attention_rows_amx). Other bits than `vdpbf16ps`.
@@ -45,6 +48,7 @@
 #include <immintrin.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -186,6 +190,11 @@ inline bool cpu_has_dot_bf16() {
   return yes;
 }
 
+inline bool cpu_supports_f16c() {
+  static const bool yes = __builtin_cpu_supports("f16c");
+  return yes;
+}
+
 inline bool cpu_has_vnni() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -203,6 +212,28 @@ inline bool cpu_has_amx_bf16() {
   return yes;
 }
 
+// ---- the products' blocking, shared by every layout ------------------------------------------
+
+// Outputs per block of the 512-bit layouts (dp, int8, int4, GGUF blocks) and their registers of 16.
+constexpr int64_t VN = 64, VZ = VN / 16;
+
+// Rows of x per tile: the weights stream once per tile while the tile's rows stay in L2 (for
+// K = 1408, 48 float32 rows are 270 KB); without tiles a long prefill re-read all of x from
+// L3 for every block of weight rows. Decode and verification steps (<= 16 rows) are one tile.
+constexpr int64_t M_TILE = 48;
+
+// The tiles of M_TILE rows of x, and in each the blocks of BW weight rows split among threads:
+// f(m0, m1, blk, n0, nb) per block (rows n0 .. n0 + nb of y).
+template <int64_t BW, typename F>
+void over_tiles_and_blocks(int64_t M, int64_t N, int threads, F&& f) {
+  const int64_t blocks = (N + BW - 1) / BW;
+  for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
+    const int64_t m1 = std::min(M, m0 + M_TILE);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t blk = 0; blk < blocks; ++blk) f(m0, m1, blk, blk * BW, std::min<int64_t>(BW, N - blk * BW));
+  }
+}
+
 // ---- shared types ----------------------------------------------------------------------------
 
 // An AMX tile configuration (ldtilecfg's 64-byte operand): per tile register, its rows and bytes
@@ -213,8 +244,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Which packed layout a weight tensor is in (pack_rows, pack_rows_int8, pack_rows_int4).
-enum class Packed { plain, dot_bf16, int8, int4 };
+// Which packed layout a weight tensor is in (pack_rows, pack_rows_int8, pack_rows_int4, pack_rows_gguf).
+enum class Packed { plain, dot_bf16, int8, int4, gguf_q4, gguf_q8 };
 
 // ---- products.cpp ----------------------------------------------------------------------------
 
@@ -231,6 +262,20 @@ torch::Tensor packed_linear_rows(torch::Tensor x, std::vector<int64_t> rows, tor
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w, torch::Tensor b);
 bool amx_products();  // the dp-packed products run on AMX tiles now (cpu_has_amx_bf16 and set_amx)
 bool set_amx(bool on);
+
+// ---- gguf_products.cpp -------------------------------------------------------------------------
+
+// GGML tensor types (the GGUF file's tensor_type) that pack_rows_gguf takes.
+constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8;
+// raw [N, K / 32 * block bytes] uint8 blocks of a GGUF tensor of `ggml_type` -> the layout of the
+// GGUF products: Packed::gguf_q4 (Q4_0, Q4_1) or Packed::gguf_q8 (Q8_0).
+torch::Tensor pack_rows_gguf(torch::Tensor raw, int64_t ggml_type, int64_t K);
+// The layout of a uint8 tensor of N x K weights in one of the GGUF layouts, or Packed::plain if
+// its shape fits neither.
+Packed gguf_layout(const torch::Tensor& wp, int64_t N, int64_t K);
+void linear_gguf(const float* x, int64_t M, int64_t K, const uint8_t* wp, Packed layout, int64_t N, const float* bias,
+                 float* y, int threads);
+bool set_gguf_avx512(bool on);  // the 512-bit GGUF products where the CPU has AVX512-VNNI (default on)
 
 // ---- attention.cpp ---------------------------------------------------------------------------
 

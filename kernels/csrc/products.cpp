@@ -1,5 +1,5 @@
 // Weight packing (pack_rows, pack_rows_int8, pack_rows_int4) and the products y = x @ w.T (+ b)
-// over packed weights, one kernel per layout: linear_packed (AVX2 + FMA, float32 or bfloat16
+// over packed weights, one kernel per layout (the GGUF block layouts' in gguf_products.cpp): linear_packed (AVX2 + FMA, float32 or bfloat16
 // widened), linear_dp (AVX512-BF16) and linear_amx (AMX tiles) over the same dp layout, linear_i8
 // and linear_i4 (AVX512-VNNI, drafters). Each keeps cpu_kernels.h's row exactness.
 #include "cpu_kernels.h"
@@ -101,23 +101,6 @@ inline void dots_packed(const float* const* x, const W* p, int64_t K, float (*ou
 }
 
 // y[m, :N] = x[m] @ w.T (+ b), w packed, for M rows of x.
-// Rows of x per tile: the weights stream once per tile while the tile's rows stay in L2 (for
-// K = 1408, 48 float32 rows are 270 KB); without tiles a long prefill re-read all of x from
-// L3 for every block of 4 weight rows. Decode and verification steps (<= 16 rows) are one tile.
-constexpr int64_t M_TILE = 48;
-
-// The tiles of M_TILE rows of x, and in each the blocks of 4 weight rows split among threads:
-// f(m0, m1, blk, n0, nb) per block (rows n0 .. n0 + nb of y).
-template <int64_t BW = PACK, typename F>
-void over_tiles_and_blocks(int64_t M, int64_t N, int threads, F&& f) {
-  const int64_t blocks = (N + BW - 1) / BW;
-  for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
-    const int64_t m1 = std::min(M, m0 + M_TILE);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t blk = 0; blk < blocks; ++blk) f(m0, m1, blk, blk * BW, std::min<int64_t>(BW, N - blk * BW));
-  }
-}
-
 // y[m + i, n0 + j] = out[i][j] (+ b) for `rows` rows and nb columns.
 template <int64_t BW = PACK>
 inline void store_block(float* y, int64_t N, int64_t m, int rows, int64_t n0, int64_t nb, const float (*out)[BW],
@@ -129,7 +112,7 @@ inline void store_block(float* y, int64_t N, int64_t m, int rows, int64_t n0, in
 template <typename W>
 void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N, const float* bias, float* y,
                    int threads) {
-  over_tiles_and_blocks(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
+  over_tiles_and_blocks<PACK>(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
     const W* p = wp + blk * PACK * K;
     float out[3][PACK];
     // the first tile prefetches (bfloat16 always, float32 from 4 rows)
@@ -175,7 +158,6 @@ void linear_packed(const float* x, int64_t M, int64_t K, const W* wp, int64_t N,
 constexpr int64_t KB = 32;  // bfloat16 values per 512-bit register
 inline int64_t k32(int64_t K) { return (K + KB - 1) / KB * KB; }
 inline int64_t k2(int64_t K) { return (K + 1) / 2 * 2; }
-constexpr int64_t VN = 64, VZ = VN / 16;  // outputs per block, registers of 16 outputs per block
 
 // Rows nb (<= 64) of w [nb, K] -> for each pair (2s, 2s + 1) of K, that pair of rows 0 .. 63 in
 // row order (zeros past K and for rows past N): one 256-byte stretch of the stream per pair.
@@ -743,6 +725,12 @@ Packed check_packed(const torch::Tensor& wp, int64_t N, int64_t K, const char* w
     return Packed::int8;
   }
   if (wp.scalar_type() == torch::kUInt8) {
+    if (wp.dim() == 3) {
+      const Packed gguf = gguf_layout(wp, N, K);
+      TORCH_CHECK(gguf != Packed::plain && wp.is_contiguous(), what, ": GGUF-packed weights (pack_rows_gguf) of ", N,
+                  " x ", K, " expected, got ", wp.sizes());
+      return gguf;
+    }
     TORCH_CHECK(K % I4_GROUP == 0 && wp.dim() == 2 && wp.is_contiguous() && wp.size(0) == (N + VN - 1) / VN &&
                     wp.size(1) == i4_row_bytes(K),
                 what, ": int4-packed weights of ", N, " x ", K, " expected (pack_rows_int4)");
@@ -771,6 +759,8 @@ void packed_product(const float* x, int64_t M, int64_t K, const torch::Tensor& w
     linear_i8(x, M, K, wp.data_ptr<int8_t>(), N, bias, y, threads);
   } else if (layout == Packed::int4) {
     linear_i4(x, M, K, wp.data_ptr<uint8_t>(), N, bias, y, threads);
+  } else if (layout == Packed::gguf_q4 || layout == Packed::gguf_q8) {
+    linear_gguf(x, M, K, wp.data_ptr<uint8_t>(), layout, N, bias, y, threads);
   } else if (wp.scalar_type() == torch::kBFloat16) {
     linear_packed(x, M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), N, bias, y, threads);
   } else {
