@@ -2,7 +2,8 @@
 speculation, n-gram and the EAGLE-3 head, batch 1 and concurrent, against transformers `generate`.
 
     python -m bench.bench_chat [--model GGUF] [--eagle3 models/eagle3-smollm2] [--prompts 12]
-        [--max-tokens 128] [--concurrency 16] [--reps 3] [--dtype bfloat16] [--sweep-k 1,2,3,4,5,6,7,8] [--no-hf]
+        [--max-tokens 128] [--concurrency 16] [--reps 3] [--dtype bfloat16] [--quantization gguf,none]
+        [--sweep-k 1,2,3,4,5,6,7,8] [--no-hf]
 
 Prompts: the first ``--prompts`` of ``models/chat_heldout_prompts.json`` (never trained on; made by
 `python -m training chat-data`), rendered by the model's chat template. Greedy; a response ends at
@@ -17,6 +18,11 @@ tokens (checked: ``exact`` per row) and does the same work.
 - transformers: `generate` on the model transformers loads from the same GGUF (dequantized, in
   ``--dtype``), batch 1, greedy, at most the engine's token count per prompt (max_new_tokens; it
   stops at the end-of-turn token too); tokens / wall time (its prefill included, as ``e2e_tok_s``).
+
+``--quantization gguf,none``: every configuration twice, on the GGUF's Q4_1/Q8_0 blocks as stored
+and on every weight dequantized to ``--dtype``; ``batch1_vs_none_none`` is each row's batch-1
+decode rate over the dequantized model's without speculation. ``exact`` compares a row with the
+first configuration of its own quantization (the two weight sets may part at a near tie).
 
 ``--sweep-k``: the EAGLE-3 head alone at each fixed k, batch 1, once (acceptance is a count, not
 a timing; its tokens/s are one pass, not medians).
@@ -42,6 +48,11 @@ CONFIGS = {
     "eagle3 k=5": {"method": "eagle3", "num_speculative_tokens": 5, "adaptive": False},
     "eagle3 k<=5 adaptive": {"method": "eagle3", "num_speculative_tokens": 5},
 }
+
+
+def label(config: str, quantization: str, quantizations: list[str]) -> str:
+    """A row's name: the configuration, and its quantization where several are compared."""
+    return config if len(quantizations) == 1 else f"{config} [{quantization}]"
 
 
 def chat_prompts(llm: LLM, num: int) -> list[list[int]]:
@@ -133,6 +144,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     ap.add_argument("--sweep-k", default="", help="comma-separated k: the EAGLE-3 head's acceptance per k (batch 1)")
+    ap.add_argument("--quantization", default="auto",
+                    help="comma-separated engine `quantization` values, each crossed with --configs (e.g. gguf,none: "
+                         "the GGUF's blocks as stored, and every weight dequantized to --dtype)")
     ap.add_argument("--no-hf", dest="hf", action="store_false", help="leave transformers out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -140,14 +154,17 @@ def main(argv=None) -> dict:
         from models.fetch import fetch
 
         args.model = str(fetch("smollm2"))
-    names = args.configs.split(",")
+    quantizations = args.quantization.split(",")
+    names = [label(c, q, quantizations) for q in quantizations for c in args.configs.split(",")]
     llms = {}
-    for name in names:
-        spec = CONFIGS[name] and SpeculativeConfig(
-            model=args.eagle3 if CONFIGS[name]["method"] == "eagle3" else None, **CONFIGS[name])
-        # no prefix cache: every repetition prefills its prompts again, as the first did
-        llms[name] = LLM(args.model, dtype=args.dtype, speculative=spec, max_num_seqs=args.concurrency,
-                         enable_prefix_caching=False, max_model_len=2048)
+    for q in quantizations:
+        for config in args.configs.split(","):
+            spec = CONFIGS[config] and SpeculativeConfig(
+                model=args.eagle3 if CONFIGS[config]["method"] == "eagle3" else None, **CONFIGS[config])
+            # no prefix cache: every repetition prefills its prompts again, as the first did
+            llms[label(config, q, quantizations)] = LLM(
+                args.model, dtype=args.dtype, speculative=spec, max_num_seqs=args.concurrency,
+                enable_prefix_caching=False, max_model_len=2048, quantization=q)
     prompts = chat_prompts(llms[names[0]], args.prompts)
     many = [prompts[i % len(prompts)] for i in range(args.concurrency)]
     for llm in llms.values():  # warm-up: kernels, graphs and the adaptive policy's first estimates
@@ -162,15 +179,18 @@ def main(argv=None) -> dict:
             print(f"rep {rep} {name}: b1 {runs[name]['b1'][-1]['decode_tok_s']:.1f} tok/s, "
                   f"{args.concurrency} concurrent {runs[name]['conc'][-1]['tok_s']:.1f} tok/s", flush=True)
         if args.hf:
-            lengths = [len(o) for o in runs["none" if "none" in names else names[0]]["b1"][-1]["outputs"]]
+            lengths = [len(o) for o in runs[names[0]]["b1"][-1]["outputs"]]
             hf_runs.append(run_hf(args.model, prompts, lengths, args.dtype))
             print(f"rep {rep} transformers: {hf_runs[-1]['e2e_tok_s']:.1f} tok/s", flush=True)
-    ref_b1 = runs[names[0]]["b1"][0]["outputs"]
-    ref_conc = runs[names[0]]["conc"][0]["outputs"]
     med = statistics.median
-    base = runs.get("none")
     rows = []
     for name in names:
+        # exact: the same tokens as this quantization's first configuration (the weights differ
+        # between quantizations: their greedy outputs may part at a near tie)
+        q = next(q for q in quantizations if name.endswith(label("", q, quantizations)))
+        first = next(n for n in names if n.endswith(label("", q, quantizations)))
+        ref_b1, ref_conc = runs[first]["b1"][0]["outputs"], runs[first]["conc"][0]["outputs"]
+        base = runs.get(label("none", q, quantizations))
         b1, conc = runs[name]["b1"], runs[name]["conc"]
         row = {
             "config": name,
@@ -186,16 +206,23 @@ def main(argv=None) -> dict:
             row["batch1_speedup"] = round(row["batch1_decode_tok_s"] / med(r["decode_tok_s"] for r in base["b1"]), 3)
             row[f"conc{args.concurrency}_speedup"] = round(
                 row[f"conc{args.concurrency}_tok_s"] / med(r["tok_s"] for r in base["conc"]), 3)
+        plain = runs.get(label("none", quantizations[-1], quantizations))
+        if len(quantizations) > 1 and plain is not None:
+            row[f"batch1_vs_none_{quantizations[-1]}"] = round(
+                row["batch1_decode_tok_s"] / med(r["decode_tok_s"] for r in plain["b1"]), 3)
         rows.append(row)
+    ref_b1 = runs[names[0]]["b1"][0]["outputs"]
     if hf_runs:
         rows.append({"config": f"transformers generate ({args.dtype})",
                      "batch1_e2e_tok_s": round(med(r["e2e_tok_s"] for r in hf_runs), 2),
                      "exact": all(r["outputs"] == ref_b1 for r in hf_runs)})
     cols = ["config", "batch1_decode_tok_s", "batch1_e2e_tok_s", "batch1_speedup", f"conc{args.concurrency}_tok_s",
             f"conc{args.concurrency}_speedup", "mean_accepted_length", "exact"]
+    if len(quantizations) > 1:
+        cols.insert(4, f"batch1_vs_none_{quantizations[-1]}")
     print(table(rows, cols))
     results = {"machine": machine_info(), "model": os.path.basename(args.model), "eagle3": args.eagle3,
-               "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
+               "dtype": args.dtype, "quantization": quantizations, "prompts": len(prompts), "max_tokens": args.max_tokens,
                "concurrency": args.concurrency, "reps": args.reps, "rows": rows}
     if args.sweep_k:
         results["eagle3_per_k"] = sweep_k(args.model, args.eagle3, args.dtype, prompts, args.max_tokens,

@@ -31,6 +31,16 @@ with `--baseline`, also `attention_rows_dp` of the other source, interleaved, bi
 
     python -m bench.bench_kernels --attention --baseline /tmp/before/kernels/csrc
 
+`--real-shapes` sweeps the matrices of checkpoints people run (SmolLM2-135M, Qwen2.5-0.5B,
+Llama-3.2-1B: q/k/v fused, o, gate+up fused, down, the LM head) in every layout this CPU runs
+(`widen` and `dp` bfloat16, the GGUF blocks Q4_1 and Q8_0 of `pack_rows_gguf`), at 1 row (a
+decode step) and 6 (a verification of 5 drafts), with the weights cold (distinct copies cycled,
+more bytes than the L3 cache, as a step streams them): the time per product and the weights'
+GB/s, against the host's copy bandwidth measured in the same run (`torch` copy of 512 MiB, read
+bytes per second, at the same thread count):
+
+    python -m bench.bench_kernels --real-shapes --threads 2
+
 `--prefill-attention` times the torch backend's attention of prompt chunks (q_len query tokens
 after `context` cached ones, the shipped target's heads, bfloat16) through
 `cpu_kernels.prefill_attention` and through torch's SDPA, interleaved; then the
@@ -89,9 +99,13 @@ def main(argv=None) -> dict:
                     help="prefill_attention vs SDPA on prompt chunks, and a 1.5k-token prefill with each")
     ap.add_argument("--attention", action="store_true",
                     help="the rows path's attention of a step: dot products (bfloat16) vs the float32 kernel")
+    ap.add_argument("--real-shapes", action="store_true",
+                    help="products of published checkpoints' matrices in every layout, GB/s against the copy bandwidth")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.real_shapes:
+        return real_shapes_bench(args.reps, args.threads, args.out)
     if args.attention:
         return rows_attention_bench(args.reps, args.out,
                                     build("baseline", sources(args.baseline)) if args.baseline else None)
@@ -151,6 +165,87 @@ def main(argv=None) -> dict:
     print(table(rows, cols))
     results = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     print(f"wrote {write_results('kernels_step' if args.step else 'kernels', results, args.out)}")
+    return results
+
+
+# (hidden, heads, kv heads, head dim, intermediate, vocabulary) of published checkpoints
+REAL_MODELS = {
+    "SmolLM2-135M": (576, 9, 3, 64, 1536, 49152),
+    "Qwen2.5-0.5B": (896, 14, 2, 64, 4864, 151936),
+    "Llama-3.2-1B": (2048, 32, 8, 64, 8192, 128256),
+}
+COLD_BYTES = 96 << 20  # copies of a matrix cycled per timing: 3x this host class's L3 at least
+
+
+def model_matrices(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int) -> dict:
+    """name -> (N, K) of y = x @ w.T: the decoder layer's four products and the LM head."""
+    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter), "lm_head": (vocab, hidden)}
+
+
+def copy_bandwidth(reps: int) -> float:
+    """Read bytes per second of a 512 MiB torch copy at the current thread count (median)."""
+    src = torch.ones(128 << 20)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def packed_copies(layout: str, n: int, k: int, copies: int, g: torch.Generator) -> list[torch.Tensor]:
+    """`copies` distinct packings of one random n x k matrix in `layout` (widen, dp, Q4_1, Q8_0)."""
+    w = torch.randn(n, k, generator=g) * 0.05
+    if layout in cpu_kernels.GGUF_PACKED_TYPES:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[layout]))
+        one = cpu_kernels.pack_rows_gguf(raw, layout, k)
+    else:
+        one = cpu_kernels.pack_rows(w.bfloat16(), layout == "dp")
+    # copies of one packing: the bytes differ in place only, the time depends on where they live
+    return cpu_kernels.on_huge_pages([one] * copies)
+
+
+def real_shapes_bench(reps: int, threads: int, out: str | None = None) -> dict:
+    """See the module docstring (`--real-shapes`)."""
+    g = torch.Generator().manual_seed(0)
+    layouts = ["widen"] + (["dp"] if cpu_kernels.dot_bf16_available() else [])
+    layouts += list(("Q4_1", "Q8_0") if cpu_kernels.gguf_available() else ())
+    copy_gb_s = copy_bandwidth(2 * reps + 1)
+    print(f"copy bandwidth ({threads} threads): {copy_gb_s:.1f} GB/s read", flush=True)
+    rows = []
+    for model, dims in REAL_MODELS.items():
+        for name, (n, k) in model_matrices(*dims).items():
+            for layout in layouts:
+                nbytes = None
+                for m_rows in (1, 6):
+                    if nbytes is None:
+                        probe = packed_copies(layout, n, k, 1, g)[0]
+                        nbytes = probe.numel() * probe.element_size()
+                        ws = packed_copies(layout, n, k, max(2, -(-COLD_BYTES // nbytes)), g)
+                    x = torch.randn(m_rows, k, generator=g)
+                    for w in ws:  # once over every copy: page faults and first-touch out of the timing
+                        cpu_kernels.packed_linear(x, w, n, None)
+                    times = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        for w in ws:
+                            cpu_kernels.packed_linear(x, w, n, None)
+                        times.append((time.perf_counter() - t0) / len(ws))
+                    t = statistics.median(times)
+                    row = {"model": model, "matrix": name, "shape": f"{n}x{k}", "layout": layout, "rows": m_rows,
+                           "bytes": nbytes, "us": 1e6 * t, "gb_s": nbytes / t / 1e9,
+                           "of_copy_bw": nbytes / t / 1e9 / copy_gb_s, "gmac_s": n * k * m_rows / t / 1e9}
+                    rows.append(row)
+                    print(row, flush=True)
+                del ws
+    print(table(rows, ["model", "matrix", "shape", "layout", "rows", "us", "gb_s", "of_copy_bw", "gmac_s"]))
+    results = {"machine": machine_info(), "threads": threads, "copy_gb_s": copy_gb_s, "rows": rows}
+    print(f"wrote {write_results('kernels_real_shapes', results, out)}")
     return results
 
 

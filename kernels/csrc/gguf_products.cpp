@@ -84,30 +84,53 @@ void pack_block_q8(const uint8_t* raw, int64_t raw_row, int64_t nb, int64_t K, u
 }
 
 // x [M, K] float32 -> int16 per group of 32 (xq [M, K]), the groups' scales (xs [M, K / 32]) and
-// their sums of xq (xsum, as float: exact, |sum| < 2^21).
+// their sums of xq (xsum, as float: exact, |sum| < 2^21). q = round-to-nearest-even(x / s) in
+// IEEE float32, as np.rint(x / s) gives it (tests/test_gguf_products.py).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
 void quantize_groups(const float* x, int64_t M, int64_t K, std::vector<int16_t>& xq, std::vector<float>& xs,
                      std::vector<float>& xsum) {
   const int64_t KG = K / GROUP;
-  xq.assign(M * K, 0);
-  xs.assign(M * KG, 0.0f);
-  xsum.assign(M * KG, 0.0f);
+  xq.resize(M * K);
+  xs.resize(M * KG);
+  xsum.resize(M * KG);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < KG; ++g) {
       const float* xg = x + m * K + g * GROUP;
-      float mx = 0.0f;
-      for (int64_t k = 0; k < GROUP; ++k) mx = std::max(mx, std::fabs(xg[k]));
-      if (mx == 0.0f) continue;
-      const float s = mx / 32767.0f;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < GROUP; ++k) {
-        const int16_t q = static_cast<int16_t>(std::max(-32767.0f, std::min(32767.0f, std::nearbyint(xg[k] / s))));
-        xq[m * K + g * GROUP + k] = q;
-        sum += q;
+      __m256 v[4], mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i), mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+      const float amax = _mm_cvtss_f32(h);
+      int16_t* q = xq.data() + m * K + g * GROUP;
+      if (amax == 0.0f) {
+        std::memset(q, 0, sizeof(int16_t) * GROUP);
+        xs[m * KG + g] = xsum[m * KG + g] = 0.0f;
+        continue;
       }
+      const float s = amax / 32767.0f;
+      const __m256 sv = _mm256_set1_ps(s), lim = _mm256_set1_ps(32767.0f);
+      __m256i acc = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i qi = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(r, lim)));
+        acc = _mm256_add_epi32(acc, qi);
+        // 8 int32 -> 8 int16 (in range: no saturation), in order
+        const __m128i lo = _mm256_castsi256_si128(qi), hi = _mm256_extracti128_si256(qi, 1);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8 * i), _mm_packs_epi32(lo, hi));
+      }
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
       xs[m * KG + g] = s;
-      xsum[m * KG + g] = static_cast<float>(sum);
+      xsum[m * KG + g] = static_cast<float>(_mm_cvtsi128_si32(t));
     }
 }
+
+#pragma GCC pop_options
 
 // ---- 512-bit kernels (AVX512-VNNI) --------------------------------------------------------------
 #pragma GCC push_options
@@ -277,9 +300,13 @@ void linear_gguf(const float* x, int64_t M, int64_t K, const uint8_t* wp, Packed
                  float* y, int threads) {
   const bool q4 = layout == Packed::gguf_q4;
   const int64_t KG = K / GROUP, row_bytes = q4 ? q4_row_bytes(K) : q8_row_bytes(K);
-  std::vector<int16_t> xq;
-  std::vector<float> xs, xsum;
-  quantize_groups(x, M, K, xq, xs, xsum);
+  // the calling thread's buffers, kept between calls (a decode step makes 4 calls a layer)
+  static thread_local std::vector<int16_t> xq_buf;
+  static thread_local std::vector<float> xs_buf, xsum_buf;
+  quantize_groups(x, M, K, xq_buf, xs_buf, xsum_buf);
+  // (pointers: inside the parallel region the names above would be each worker's own buffers)
+  const int16_t* xq = xq_buf.data();
+  const float *xs = xs_buf.data(), *xsum = xsum_buf.data();
   const bool wide = g_avx512 && cpu_has_vnni();
   over_tiles_and_blocks<VN>(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
     const uint8_t* p = wp + blk * row_bytes;
@@ -291,13 +318,13 @@ void linear_gguf(const float* x, int64_t M, int64_t K, const uint8_t* wp, Packed
         const float* sr[ROWS_512];
         const float* tr[ROWS_512];
         for (int64_t i = 0; i < n; ++i)
-          xr[i] = xq.data() + (r0 + i) * K, sr[i] = xs.data() + (r0 + i) * KG, tr[i] = xsum.data() + (r0 + i) * KG;
+          xr[i] = xq + (r0 + i) * K, sr[i] = xs + (r0 + i) * KG, tr[i] = xsum + (r0 + i) * KG;
         if (q4) dots_512_rows<true>(static_cast<int>(n), xr, sr, tr, p, KG, out);
         else dots_512_rows<false>(static_cast<int>(n), xr, sr, tr, p, KG, out);
       } else if (q4) {
-        dots_256<true>(xq.data() + r0 * K, xs.data() + r0 * KG, xsum.data() + r0 * KG, p, KG, out[0]);
+        dots_256<true>(xq + r0 * K, xs + r0 * KG, xsum + r0 * KG, p, KG, out[0]);
       } else {
-        dots_256<false>(xq.data() + r0 * K, xs.data() + r0 * KG, xsum.data() + r0 * KG, p, KG, out[0]);
+        dots_256<false>(xq + r0 * K, xs + r0 * KG, xsum + r0 * KG, p, KG, out[0]);
       }
       for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j < nb; ++j) y[(r0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
