@@ -81,10 +81,12 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
 
 # The llama.cpp peer (bench/bench_llamacpp.py): llama.cpp as vendored in llama-cpp-python, built for
-# this CPU under build/llama.cpp, and the shipped target and drafter as GGUF under build/gguf. Then
-# `$(BIN)/python -m bench.bench_llamacpp run`.
+# this CPU under build/llama.cpp, the shipped target and drafter as GGUF under build/gguf, and the
+# served SmolLM2 GGUF as BF16 and Q8_0 beside them. Then `$(BIN)/python -m bench.bench_llamacpp run`
+# (the code model) and `run-smollm2` (the chat model).
 llamacpp: $(STAMP)
-	$(BIN)/python -m bench.bench_llamacpp build && $(BIN)/python -m bench.bench_llamacpp convert
+	$(BIN)/python -m bench.bench_llamacpp build && $(BIN)/python -m bench.bench_llamacpp convert \
+		&& $(BIN)/python -m bench.bench_llamacpp convert-smollm2
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
