@@ -17,7 +17,7 @@ import torch
 
 from engine.block_manager import cdiv
 from engine.config import EXACT_MODES, QUANTIZATIONS
-from engine.models.gguf_checkpoint import is_gguf
+from engine.models.gguf_checkpoint import is_gguf, read_gguf
 from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
 from engine.request import Request
@@ -153,6 +153,8 @@ def resolve_quantization(quantization: str, model_dir: str, dtype: torch.dtype, 
         missing = "the CPU row kernels with F16C (a CPU device, float32 or bfloat16, AVX2/FMA/F16C)"
     elif exact not in ("auto", "rows"):
         missing = f"exact 'rows' or 'auto' (got {exact!r}: its steps do not run the row kernels)"
+    elif not read_gguf(model_dir).stores_any(tuple(cpu_kernels.GGUF_PACKED_TYPES)):
+        missing = f"a GGUF file that stores matrices as {', '.join(cpu_kernels.GGUF_PACKED_TYPES)} ({model_dir!r} stores none)"
     if quantization == "gguf" and missing:
         raise ValueError(f"quantization='gguf' needs {missing}; use quantization='none' to dequantize every weight")
     return "gguf" if missing is None and (quantization == "gguf" or dtype == torch.bfloat16) else "none"

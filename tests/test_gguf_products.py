@@ -152,3 +152,9 @@ def test_quantization_gguf_where_it_cannot_run_says_why(tmp_path):
         LLM(model=save_tiny_model(str(tmp_path / "m"), "llama"), quantization="int3")
     with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
         LLM(model=str(tmp_path / "m"), quantization="gguf")
+    from test_gguf import write_gguf
+
+    f16 = write_gguf(tmp_path / "f16.gguf", "llama", "F16", hidden_size=64, intermediate_size=128)
+    with pytest.raises(ValueError, match="stores none"):
+        LLM(model=f16, quantization="gguf")
+    assert LLM(model=f16, dtype="bfloat16").engine.runner.quantization == "none"

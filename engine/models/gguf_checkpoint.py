@@ -210,6 +210,10 @@ class GGUFCheckpoint:
             weights[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
         return weights
 
+    def stores_any(self, types) -> bool:
+        """Whether any 2-D tensor of the file is stored in one of `types` (GGML type names)."""
+        return any(t.tensor_type.name in types and len(t.shape) == 2 for t in self.tensors.values())
+
     def stored_blocks(self, hf_names: list[str], types) -> tuple[str, torch.Tensor] | None:
         """The GGUF blocks of the matrices `hf_names` (Hugging Face names, stacked row-wise in
         that order, as the decoder fuses q/k/v and gate/up) as stored, if every one is a tensor
