@@ -36,8 +36,9 @@ Llama-3.2-1B: q/k/v fused, o, gate+up fused, down, the LM head) in every layout 
 (`widen` and `dp` bfloat16, the GGUF blocks Q4_1 and Q8_0 of `pack_rows_gguf`), at 1 row (a
 decode step) and 6 (a verification of 5 drafts), with the weights cold (distinct copies cycled,
 more bytes than the L3 cache, as a step streams them): the time per product and the weights'
-GB/s, against the host's copy bandwidth measured in the same run (`torch` copy of 512 MiB, read
-bytes per second, at the same thread count):
+GB/s, against the host's memory bandwidth measured in the same run at the same thread count (a
+512 MiB torch copy, bytes read plus written a second; and a sum over 512 MiB, the read stream a
+product's weights are: `of_read_bw`):
 
     python -m bench.bench_kernels --real-shapes --threads 2
 
@@ -183,16 +184,21 @@ def model_matrices(hidden: int, heads: int, kv_heads: int, head_dim: int, inter:
             "gate_up": (2 * inter, hidden), "down": (hidden, inter), "lm_head": (vocab, hidden)}
 
 
-def copy_bandwidth(reps: int) -> float:
-    """Read bytes per second of a 512 MiB torch copy at the current thread count (median)."""
+def memory_bandwidth(reps: int) -> tuple[float, float]:
+    """(copy, read) in GB/s at the current thread count, medians: a 512 MiB torch copy (bytes read
+    plus bytes written a second) and a sum over 512 MiB (a read stream, as a product's weights are)."""
     src = torch.ones(128 << 20)
     dst = torch.empty_like(src)
-    times = []
+    copy, read = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return src.numel() * 4 / statistics.median(times) / 1e9
+        t1 = time.perf_counter()
+        src.sum()
+        copy.append(t1 - t0)
+        read.append(time.perf_counter() - t1)
+    nbytes = src.numel() * 4
+    return 2 * nbytes / statistics.median(copy) / 1e9, nbytes / statistics.median(read) / 1e9
 
 
 def packed_copies(layout: str, n: int, k: int, copies: int, g: torch.Generator) -> list[torch.Tensor]:
@@ -215,8 +221,9 @@ def real_shapes_bench(reps: int, threads: int, out: str | None = None) -> dict:
     g = torch.Generator().manual_seed(0)
     layouts = ["widen"] + (["dp"] if cpu_kernels.dot_bf16_available() else [])
     layouts += list(("Q4_1", "Q8_0") if cpu_kernels.gguf_available() else ())
-    copy_gb_s = copy_bandwidth(2 * reps + 1)
-    print(f"copy bandwidth ({threads} threads): {copy_gb_s:.1f} GB/s read", flush=True)
+    copy_gb_s, read_gb_s = memory_bandwidth(2 * reps + 1)
+    print(f"memory bandwidth ({threads} threads): copy {copy_gb_s:.1f} GB/s (read + written), read {read_gb_s:.1f} GB/s",
+          flush=True)
     rows = []
     for model, dims in REAL_MODELS.items():
         for name, (n, k) in model_matrices(*dims).items():
@@ -239,12 +246,12 @@ def real_shapes_bench(reps: int, threads: int, out: str | None = None) -> dict:
                     t = statistics.median(times)
                     row = {"model": model, "matrix": name, "shape": f"{n}x{k}", "layout": layout, "rows": m_rows,
                            "bytes": nbytes, "us": 1e6 * t, "gb_s": nbytes / t / 1e9,
-                           "of_copy_bw": nbytes / t / 1e9 / copy_gb_s, "gmac_s": n * k * m_rows / t / 1e9}
+                           "of_read_bw": nbytes / t / 1e9 / read_gb_s, "gmac_s": n * k * m_rows / t / 1e9}
                     rows.append(row)
                     print(row, flush=True)
                 del ws
-    print(table(rows, ["model", "matrix", "shape", "layout", "rows", "us", "gb_s", "of_copy_bw", "gmac_s"]))
-    results = {"machine": machine_info(), "threads": threads, "copy_gb_s": copy_gb_s, "rows": rows}
+    print(table(rows, ["model", "matrix", "shape", "layout", "rows", "us", "gb_s", "of_read_bw", "gmac_s"]))
+    results = {"machine": machine_info(), "threads": threads, "copy_gb_s": copy_gb_s, "read_gb_s": read_gb_s, "rows": rows}
     print(f"wrote {write_results('kernels_real_shapes', results, out)}")
     return results
 

@@ -158,3 +158,78 @@ def test_quantization_gguf_where_it_cannot_run_says_why(tmp_path):
     with pytest.raises(ValueError, match="stores none"):
         LLM(model=f16, quantization="gguf")
     assert LLM(model=f16, dtype="bfloat16").engine.runner.quantization == "none"
+
+
+# ---- a whole decoder layer at the shapes of published checkpoints ------------------------------
+# (hidden, heads, kv heads, head dim, intermediate)
+REAL_LAYERS = {"SmolLM2-135M": (576, 9, 3, 64, 1536), "Qwen2.5-0.5B": (896, 14, 2, 64, 4864),
+               "Llama-3.2-1B": (2048, 32, 8, 64, 8192)}
+
+
+@pytest.mark.parametrize("model", list(REAL_LAYERS))
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.float32])
+def test_a_decoder_layer_of_published_shapes_runs_on_gguf_blocks(model, cdtype):
+    """rows_layer over Q4_1 blocks (Q8_0 down projection, as mixed files have) at a published
+    checkpoint's shapes: against the layer's definition on the dequantized weights in float64 (the
+    activations' rounding apart), every row's bits the same alone as in a step of 5 tokens (a
+    verification of 4 drafts after a decode token of another request), with the caches' attention
+    path this CPU picks for that head layout."""
+    from test_cpu_kernels import reference_attention
+
+    e, h, hkv, d, inter = REAL_LAYERS[model]
+    g = torch.Generator().manual_seed(0)
+    f64 = torch.float64
+    dense, w = {}, {}
+    for key, (n, k, qtype) in {"qkv": ((h + 2 * hkv) * d, e, "Q4_1"), "o": (e, h * d, "Q4_1"),
+                               "gate_up": (2 * inter, e, "Q4_1"), "down": (e, inter, "Q8_0")}.items():
+        raw, dense[key] = blocks(n, k, qtype, seed=len(dense))
+        w["w_" + key] = cpu_kernels.pack_rows_gguf(torch.from_numpy(raw), qtype, k)
+    w.update(in_norm=1 + 0.1 * torch.randn(e, generator=g), post_norm=1 + 0.1 * torch.randn(e, generator=g))
+    bs, blocks_n, t_ = 16, 8, 5
+    k_cache = (torch.randn(blocks_n, bs, hkv, d, generator=g) * 0.5).to(cdtype)
+    v_cache = (torch.randn(blocks_n, bs, hkv, d, generator=g) * 0.5).to(cdtype)
+    tables = torch.tensor([[3, 1, 0, 0]] * 4 + [[6, 2, 0, 0]], dtype=torch.int64)
+    positions = torch.tensor([20, 21, 22, 23, 9])
+    slots = torch.tensor([int(tables[t, p // bs]) * bs + int(p) % bs for t, p in enumerate(positions)])
+    lens = positions + 1
+    angles = positions[:, None].float() * torch.linspace(0.05, 1.0, d)[None]
+    cos, sin = angles.cos(), angles.sin()
+    x, residual = torch.randn(t_, e, generator=g), torch.randn(t_, e, generator=g)
+    eps, scale = 1e-5, d**-0.5
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, res = cpu_kernels.rows_layer(x, residual, cos, sin, w, kc, vc, slots, tables, lens, h, hkv, inter, eps, scale)
+
+    def rms(v, weight):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+    def rope(v):
+        rot = torch.cat([-v[..., d // 2 :], v[..., : d // 2]], dim=-1)
+        return v * cos.double()[:, None] + rot * sin.double()[:, None]
+
+    def lin(v, key):
+        return v @ torch.from_numpy(dense[key]).T
+
+    ref_res = residual.double() + x.double()
+    qkv = lin(rms(ref_res, w["in_norm"]), "qkv")
+    q = rope(qkv[:, : h * d].view(t_, h, d))
+    k = rope(qkv[:, h * d : (h + hkv) * d].view(t_, hkv, d))
+    v = qkv[:, (h + hkv) * d :].view(t_, hkv, d)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    for t in range(t_):
+        ref_k.view(-1, hkv, d)[slots[t]] = k[t].to(cdtype)
+        ref_v.view(-1, hkv, d)[slots[t]] = v[t].to(cdtype)
+    a = reference_attention(q.float(), ref_k, ref_v, tables, lens, scale).to(f64)
+    ref_res = ref_res + lin(a.reshape(t_, h * d), "o")
+    gate, up = lin(rms(ref_res, w["post_norm"]), "gate_up").chunk(2, dim=-1)
+    ref_out = lin(torch.nn.functional.silu(gate) * up, "down")
+    # bfloat16 caches (and the dot-product attention they take) round q, k, v to bfloat16
+    tol = 2e-2 if cdtype == torch.bfloat16 else 2e-3
+    assert (res.double() - ref_res).abs().max() <= tol * ref_res.abs().max()
+    assert (out.double() - ref_out).abs().max() <= tol * ref_out.abs().max()
+    kc1, vc1 = k_cache.clone(), v_cache.clone()
+    for t in (4, 0, 1, 2, 3):  # the other request's token first, then the drafts in order
+        o1, r1 = cpu_kernels.rows_layer(x[t : t + 1].clone(), residual[t : t + 1].clone(), cos[t : t + 1].clone(),
+                                        sin[t : t + 1].clone(), w, kc1, vc1, slots[t : t + 1].clone(),
+                                        tables[t : t + 1].clone(), lens[t : t + 1].clone(), h, hkv, inter, eps, scale)
+        assert torch.equal(o1, out[t : t + 1]) and torch.equal(r1, res[t : t + 1]), t
+    assert torch.equal(kc1, kc) and torch.equal(vc1, vc)
