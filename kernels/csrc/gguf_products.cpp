@@ -37,11 +37,14 @@ namespace {
 
 constexpr int64_t GROUP = 32, PAIRS = GROUP / 2;
 constexpr int64_t Q4_RECORD = PAIRS * 64 + VN * 4, Q8_RECORD = PAIRS * 128 + VN * 2;
-// Rows of x per pass over a block: their int32 accumulators (4 a row), the weights' 4 registers,
-// x's and the unpacking's must fit the 32 registers, or the compiler spills accumulators to the
-// stack every pair (measured: 3x slower at 6 rows).
+// Rows of x per pass over a block (ROWS_512 at most: 24 int32 accumulators, the weights' and x's
+// registers). For Q4, GCC spills accumulators to the stack every pair at 4 and 5 rows (objdump:
+// 127 and 496 stack references in the unrolled body, none at 1-3 and 6): those take 3 + 1 and 3 + 2.
 constexpr int ROWS_512 = 6;
-constexpr int rows_512(bool q4) { return q4 ? 5 : 6; }
+inline int64_t rows_512(bool q4, int64_t left) {
+  if (!q4 || left <= 3 || left >= 6) return std::min<int64_t>(ROWS_512, left);
+  return 3;
+}
 
 inline int64_t q4_row_bytes(int64_t K) { return K / GROUP * Q4_RECORD; }
 inline int64_t q8_row_bytes(int64_t K) { return K / GROUP * Q8_RECORD; }
@@ -154,24 +157,30 @@ __attribute__((noinline)) void dots_512(const int16_t* const* x, const float* co
     // unrolled: a rolled loop keeps the accumulators in rotating registers and spills them
 #pragma GCC unroll 16
     for (int64_t s = 0; s < PAIRS; ++s) {
-      __m512i w[VZ];
-      if constexpr (Q4) {
-        const __m512i u0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-        const __m512i u1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-        w[0] = _mm512_and_si512(u0, low), w[1] = _mm512_srli_epi16(u0, 4);
-        w[2] = _mm512_and_si512(u1, low), w[3] = _mm512_srli_epi16(u1, 4);
-        p += 64;
-      } else {
-        for (int j = 0; j < VZ; ++j)
-          w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
-        p += 128;
-      }
       const int64_t k = g * GROUP + 2 * s;
+      __m512i xv[MB];
       for (int m = 0; m < MB; ++m) {
         int32_t pair;
         std::memcpy(&pair, x[m] + k, sizeof(pair));
-        const __m512i xv = _mm512_set1_epi32(pair);
-        for (int j = 0; j < VZ; ++j) a[m][j] = _mm512_dpwssd_epi32(a[m][j], xv, w[j]);
+        xv[m] = _mm512_set1_epi32(pair);
+      }
+      if constexpr (Q4) {
+        // half a pair's weights at a time (rows 0-31, then 32-63): two weight registers live
+        for (int h = 0; h < 2; ++h) {
+          const __m512i u = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h)));
+          const __m512i lo = _mm512_and_si512(u, low), hi = _mm512_srli_epi16(u, 4);
+          for (int m = 0; m < MB; ++m) {
+            a[m][2 * h] = _mm512_dpwssd_epi32(a[m][2 * h], xv[m], lo);
+            a[m][2 * h + 1] = _mm512_dpwssd_epi32(a[m][2 * h + 1], xv[m], hi);
+          }
+        }
+        p += 64;
+      } else {
+        for (int j = 0; j < VZ; ++j) {
+          const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * j)));
+          for (int m = 0; m < MB; ++m) a[m][j] = _mm512_dpwssd_epi32(a[m][j], xv[m], w);
+        }
+        p += 128;
       }
     }
     __m512 d[VZ], mn[VZ];
@@ -199,7 +208,7 @@ template <bool Q4>
 void dots_512_rows(int rows, const int16_t* const* x, const float* const* xs, const float* const* xsum, const uint8_t* p,
                    int64_t KG, float (*out)[VN]) {
   switch (rows) {
-    case 6: if constexpr (!Q4) { dots_512<6, Q4>(x, xs, xsum, p, KG, out); break; } [[fallthrough]];
+    case 6: dots_512<6, Q4>(x, xs, xsum, p, KG, out); break;
     case 5: dots_512<5, Q4>(x, xs, xsum, p, KG, out); break;
     case 4: dots_512<4, Q4>(x, xs, xsum, p, KG, out); break;
     case 3: dots_512<3, Q4>(x, xs, xsum, p, KG, out); break;
@@ -317,9 +326,8 @@ void linear_gguf(const float* x, int64_t M, int64_t K, const uint8_t* wp, Packed
   over_tiles_and_blocks<VN>(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
     const uint8_t* p = wp + blk * row_bytes;
     alignas(64) float out[ROWS_512][VN];
-    const int64_t step = wide ? rows_512(q4) : 1;
-    for (int64_t r0 = m0; r0 < m1; r0 += step) {
-      const int64_t n = std::min<int64_t>(step, m1 - r0);
+    for (int64_t r0 = m0, n = 0; r0 < m1; r0 += n) {
+      n = wide ? rows_512(q4, m1 - r0) : 1;
       if (wide) {
         const int16_t* xr[ROWS_512];
         const float* sr[ROWS_512];
