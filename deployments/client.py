@@ -42,9 +42,11 @@ def make_request(
     speculation: str | int = "default",
     max_speculative_tokens: int | None = None,
     request_id: str = "",
+    logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; a str prompt is text, a sequence of ints is token ids, a sequence of
-    {"role", "content"} mappings is a chat. None = server default."""
+    {"role", "content"} mappings is a chat. None = server default. `logprobs`: each token's
+    log-probability and that many alternatives in the responses (None: none)."""
     req = pb.GenerateRequest(
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, request_id=request_id,
         speculation=SPECULATION_MODES[speculation] if isinstance(speculation, str) else speculation,
@@ -56,7 +58,7 @@ def make_request(
     else:
         req.prompt_token_ids.CopyFrom(pb.TokenIds(ids=list(prompt)))
     optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                "seed": seed, "max_speculative_tokens": max_speculative_tokens}
+                "seed": seed, "max_speculative_tokens": max_speculative_tokens, "logprobs": logprobs}
     for name, value in optional.items():
         if value is not None:
             setattr(req, name, value)

@@ -169,11 +169,9 @@ def check_supported(req: _GenerationRequest) -> None:
             raise _invalid("echo", "is not supported; the prompt is not repeated in the output")
         if req.suffix:
             raise _invalid("suffix", "is not supported (no fill-in-the-middle)")
-        if req.logprobs is not None:
-            raise _invalid("logprobs", "is not supported: the engine does not return log probabilities")
     else:
-        if req.logprobs or req.top_logprobs is not None:
-            raise _invalid("logprobs", "is not supported: the engine does not return log probabilities")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise _invalid("top_logprobs", "needs logprobs: true")
         if req.tools or req.tool_choice not in (None, "none"):
             raise _invalid("tools", "tool calls are not supported")
         if req.response_format is not None and req.response_format.get("type") != "text":
@@ -212,11 +210,25 @@ def generate_request(req: _GenerationRequest, prompt: str | list[int] | None) ->
             _in_range("prompt", t, 0, INT32_MAX)
         out.prompt_token_ids.CopyFrom(pb.TokenIds(ids=prompt))
     optional = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                "top_k": ext.top_k, "seed": req.seed, "max_speculative_tokens": ext.max_speculative_tokens}
+                "top_k": ext.top_k, "seed": req.seed, "max_speculative_tokens": ext.max_speculative_tokens,
+                "logprobs": requested_logprobs(req)}
     for name, value in optional.items():
         if value is not None:
             setattr(out, name, value)
     return out
+
+
+def requested_logprobs(req: _GenerationRequest) -> int | None:
+    """The alternatives per token a request asks for (GenerateRequest.logprobs), None for none:
+    completions' `logprobs` (0-5, the legacy API's limit), chat's `top_logprobs` (0-20) with
+    `logprobs: true`."""
+    if isinstance(req, CompletionRequest):
+        _in_range("logprobs", req.logprobs, 0, 5)
+        return req.logprobs
+    if not req.logprobs:
+        return None
+    _in_range("top_logprobs", req.top_logprobs, 0, 20)
+    return req.top_logprobs or 0
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -293,12 +305,32 @@ class ResponseBuilder:
     """OpenAI objects from a stream of GenerateResponse messages: chunks one message at a time,
     or one whole response. The last message (it carries usage) finishes the choice."""
 
-    def __init__(self, chat: bool, model: str, label: str, return_token_ids: bool) -> None:
-        self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+    def __init__(self, chat: bool, model: str, label: str, return_token_ids: bool, logprobs: bool = False) -> None:
+        self.chat, self.model, self.return_token_ids, self.logprobs = chat, model, return_token_ids, logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{label}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.sent_role = False
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts
+
+    def _logprobs(self, logprobs: list[pb.TokenLogprob]) -> dict | None:
+        """A choice's `logprobs` for these tokens: chat's `content` list, or the completions API's
+        parallel lists (`text_offset`: each token's start in the choice's text so far)."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            def entry(lp: pb.TokenLogprob) -> dict:
+                return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token_bytes)}
+
+            return {"content": [{**entry(lp), "top_logprobs": [entry(t) for t in lp.top_logprobs]} for lp in logprobs],
+                    "refusal": None}
+        offsets = []
+        for lp in logprobs:
+            offsets.append(self.text_offset)
+            self.text_offset += len(lp.token)
+        return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+                "text_offset": offsets}
 
     @staticmethod
     def is_last(message: pb.GenerateResponse) -> bool:
@@ -321,7 +353,7 @@ class ResponseBuilder:
             choice["text"] = message.text
         if self.return_token_ids:
             choice["token_ids"] = list(message.token_ids)
-        choice["logprobs"] = None
+        choice["logprobs"] = self._logprobs(list(message.logprobs))
         choice["finish_reason"] = FINISH_REASONS.get(message.finish_reason, "stop") if last else None
         out = {**self._head(True), "choices": [choice]}
         if last:
@@ -341,7 +373,7 @@ class ResponseBuilder:
             choice["text"] = text
         if self.return_token_ids:
             choice["token_ids"] = [t for m in messages for t in m.token_ids]
-        choice["logprobs"] = None
+        choice["logprobs"] = self._logprobs([lp for m in messages for lp in m.logprobs])
         choice["finish_reason"] = FINISH_REASONS.get(last.finish_reason, "stop")
         return {**self._head(False), "choices": [choice], "usage": _usage(last), "specdecode": _stats(last)}
 
@@ -438,7 +470,8 @@ async def _respond(ingress: Any, request: Request, body: _GenerationRequest, gen
     starts once the first message arrived (so a refusal is still an HTTP status)."""
     label = body.specdecode.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
     trace = [(k, request.headers[k]) for k in TRACE_HEADERS if k in request.headers]
-    builder = ResponseBuilder(messages is not None, body.model, label, body.specdecode.return_token_ids)
+    builder = ResponseBuilder(messages is not None, body.model, label, body.specdecode.return_token_ids,
+                              generate.HasField("logprobs"))
     stream = ingress.generate(generate, label, trace, messages, route)
     if not body.stream:
         async with aclosing(stream):

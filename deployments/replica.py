@@ -317,7 +317,7 @@ class SpecDecodeServer:
                     return
                 if out.finished:
                     self.metrics.on_request_finished(out, speculating)
-                message = self.to_response(out, label, speculating)
+                message = self.to_response(out, label, speculating, self.llm.tokenizer)
                 if already_sent and out.finished:  # a fallback prefill took the sent tokens as prompt
                     message.usage.prompt_tokens -= len(already_sent)
                     message.usage.completion_tokens += len(already_sent)
@@ -619,12 +619,20 @@ class SpecDecodeServer:
                 kwargs[name] = getattr(request, name)
         if request.HasField("max_speculative_tokens"):
             kwargs["num_speculative_tokens"] = request.max_speculative_tokens
+        if request.HasField("logprobs"):
+            from engine.sampling_params import MAX_LOGPROBS
+
+            if request.logprobs > MAX_LOGPROBS:
+                raise ClientError(invalid, f"logprobs: must be in [0, {MAX_LOGPROBS}], got {request.logprobs}")
+            kwargs["logprobs"] = request.logprobs
         return kwargs
 
     @staticmethod
-    def to_response(out: Any, label: str, speculating: bool) -> pb.GenerateResponse:
+    def to_response(out: Any, label: str, speculating: bool, tokenizer=None) -> pb.GenerateResponse:
         """One engine RequestOutput as a stream message (the last one carries the totals)."""
         msg = pb.GenerateResponse(request_id=label, token_ids=out.delta_token_ids, text=out.delta_text)
+        if out.delta_logprobs:
+            msg.logprobs.extend(token_logprob_messages(out.delta_logprobs, tokenizer))
         if out.finished:
             m = out.metrics
             msg.finish_reason = _FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
@@ -638,6 +646,22 @@ class SpecDecodeServer:
             msg.speculation.CopyFrom(_spec_stats(m.get("spec", {}), enabled=speculating))
             msg.timing.CopyFrom(pb.Timing(ttft_s=m.get("ttft_s") or 0.0, e2e_s=m.get("e2e_s") or 0.0))
         return msg
+
+
+def token_logprob_messages(logprobs: list, tokenizer) -> list[pb.TokenLogprob]:
+    """engine TokenLogprobs as TokenLogprob messages, with each token's text and bytes."""
+    from engine.outputs import token_piece
+
+    def message(token_id: int, logprob: float) -> pb.TokenLogprob:
+        text, raw = token_piece(tokenizer, token_id) if tokenizer is not None else ("", b"")
+        return pb.TokenLogprob(token_id=token_id, token=text, token_bytes=raw, logprob=logprob)
+
+    out = []
+    for lp in logprobs:
+        m = message(lp.token_id, lp.logprob)
+        m.top_logprobs.extend(message(t, v) for t, v in lp.top)
+        out.append(m)
+    return out
 
 
 def prefill_locally_when_busy(inflight: int, busy: int, max_inflight: int | None) -> bool:

@@ -24,6 +24,7 @@ from engine.errors import EngineOverloadedError, InvalidRequestError
 from engine.handoff import Handoff, HandoffCompat, HandoffStats
 from engine.model_runner import ModelRunner, gather_kv_blocks, kv_bytes_per_token, scatter_kv_blocks
 from engine.request import Request, RequestStatus, SpecStats
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode.proposers.base import ProposeContext, model_name, weights_digest
@@ -62,6 +63,8 @@ class EngineOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     spec_stats: SpecStats | None = None
+    # one per new token where the request asks for them (SamplingParams.logprobs), else None
+    new_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -362,6 +365,8 @@ class LLMEngine:
         if record.num_spec_requests:
             self.spec_stats.verify_time_s += verify_s
         self._pending_step = (sched, runner_out, results, record, t0, time.perf_counter() - t0)
+        logprobs = {s.request.request_id: lp for s, lp in zip(sched.scheduled, runner_out.logprobs, strict=True)
+                    if lp is not None}
         return [
             EngineOutput(
                 request_id=res.request.request_id,
@@ -371,6 +376,9 @@ class LLMEngine:
                 num_output_tokens=res.request.num_output_tokens,
                 num_cached_tokens=res.request.num_cached_tokens,
                 spec_stats=res.request.spec_stats,
+                # (the tokens a stop condition cut off have none)
+                new_logprobs=logprobs[res.request.request_id][: len(res.new_token_ids)]
+                if res.request.request_id in logprobs else None,
             )
             for res in results
         ]

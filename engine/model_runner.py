@@ -9,6 +9,7 @@ the draft distributions of the drafts it will verify next.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from engine.models.gguf_checkpoint import is_gguf, read_gguf
 from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
 from engine.request import Request
-from engine.sampler import probs_from_logits
+from engine.sampler import TokenLogprobs, probs_from_logits, token_logprobs
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode.rejection_sampler import rejection_sample, tree_rejection_sample
 from engine.spec_decode.tree import (
@@ -271,6 +272,9 @@ class ModelRunnerOutput:
     # [num_tokens, num_aux * hidden]; None unless the model keeps them (`aux_layer_ids`).
     aux_hidden_states: torch.Tensor | None = None
     cu_query_lens: list[int] = field(default_factory=list)
+    # per scheduled request: its sampled tokens' log-probabilities where its params ask for them
+    # (`SamplingParams.logprobs`), else None
+    logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
 
@@ -399,10 +403,11 @@ class ModelRunner:
         if self.device.type == "cuda":  # the forward's kernels are queued: time them, not their launch
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
-        sampled = self._sample(sampling, hidden, rows, tile) if sampling else []  # lists: synchronized
+        sampled, logprobs = self._sample(sampling, hidden, rows, tile) if sampling else ([], [])  # synchronized
         t2 = time.perf_counter()
-        it = iter(sampled)
+        it, lp = iter(sampled), iter(logprobs)
         out = [next(it) if s.needs_sample else [] for s in sched.scheduled]
+        out_logprobs = [next(lp) if s.needs_sample else None for s in sched.scheduled]
         for s in sched.scheduled:  # verified now, or dropped by the scheduler
             self.draft_probs.pop(s.request.request_id, None)
         return ModelRunnerOutput(
@@ -410,6 +415,7 @@ class ModelRunner:
             hidden_states=hidden if self.keep_hidden_states else None,
             aux_hidden_states=self.model.aux_hidden_states if self.model.aux_layer_ids else None,
             cu_query_lens=batch.cu_query_lens,
+            logprobs=out_logprobs,
             forward_time_s=t1 - t0,
             sample_time_s=t2 - t1,
         )
@@ -478,13 +484,29 @@ class ModelRunner:
         """Float32 logits [n, vocab] of hidden rows [n, hidden], with the step's matmul tile."""
         return self.model.compute_logits(hidden, tile_rows=tile_rows)
 
-    def _sample(self, sampling, hidden: torch.Tensor, rows: list[int], tile: int) -> list[list[int]]:
+    def _sample(self, sampling, hidden: torch.Tensor, rows: list[int], tile: int
+                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """Sample, or verify the drafts of, each request of `sampling`: rows are, per request,
-        its last regular token's and then one per draft (a tree's node order)."""
+        its last regular token's and then one per draft (a tree's node order). Returns each
+        request's tokens and, where it asks for them, their log-probabilities."""
         logits = self.model.compute_logits_rows(hidden, rows, tile)  # [R, vocab] float32
         constrain_first_tokens(sampling, logits)
         if any(s.spec_tree is not None for s in sampling):
-            return self._verify_trees(sampling, logits, hidden, rows)
+            sampled, source_rows = self._verify_trees(sampling, logits, hidden, rows)
+        else:
+            sampled = self._verify_chains(sampling, logits)
+            # token j of a chain is drawn from its request's j-th row
+            starts = itertools.accumulate((len(s.spec_token_ids) + 1 for s in sampling), initial=0)
+            source_rows = [list(range(start, start + len(t))) for start, t in zip(starts, sampled, strict=False)]
+        logprobs = [
+            None if s.request.sampling_params.logprobs is None
+            else token_logprobs(logits[r], t, s.request.sampling_params.logprobs)
+            for s, t, r in zip(sampling, sampled, source_rows, strict=True)
+        ]
+        return sampled, logprobs
+
+    def _verify_chains(self, sampling, logits: torch.Tensor) -> list[list[int]]:
+        """`_sample` for a step without token trees: each request's drafts (if any) as a chain."""
         num_draft = [len(s.spec_token_ids) for s in sampling]
         is_greedy = [s.request.sampling_params.is_greedy for s in sampling]
         draft_ids = [t for s in sampling for t in s.spec_token_ids]
@@ -515,7 +537,8 @@ class ModelRunner:
             logits, temp.repeat_interleave(rep), top_k.repeat_interleave(rep), top_p.repeat_interleave(rep)
         )
 
-    def _verify_trees(self, sampling, logits: torch.Tensor, hidden: torch.Tensor, rows: list[int]) -> list[list[int]]:
+    def _verify_trees(self, sampling, logits: torch.Tensor, hidden: torch.Tensor, rows: list[int]
+                      ) -> tuple[list[list[int]], list[list[int]]]:
         """`_sample` for a step with a token tree: every request's drafts as a tree (a chain as
         `chain_tree`, a request without drafts as a lone root), verified by
         `tree_rejection_sample`; then the KV of each accepted path moves into place, and so do
@@ -525,7 +548,9 @@ class ModelRunner:
         Request r's root is its last regular token, at sequence index p0 (its node i sits at
         p0 + i); the accepted nodes a_1..a_L move to p0 + 1..p0 + L (`accepted_kv_moves`).
         Example: a tree with parents (-1, 0, 0, 2) at p0 = 9 accepting nodes [2, 3] -> KV of
-        sequence indices 11, 12 moves to 10, 11.
+        sequence indices 11, 12 moves to 10, 11. Returns each request's tokens and the rows of
+        `logits` they were drawn from (the root's, then each accepted node's: [0, 2, 3] + offset
+        in the example).
         """
         trees = [s.spec_tree if s.spec_tree is not None else chain_tree(s.request.last_token_id, s.spec_token_ids)
                  for s in sampling]
@@ -573,7 +598,9 @@ class ModelRunner:
             for states in (hidden, self.model.aux_hidden_states if self.model.aux_layer_ids else None):
                 if states is not None:
                     states.index_copy_(0, index_dst, states.index_select(0, index_src))
-        return [acc.token_ids for acc in accepted]
+        bases = itertools.accumulate(num_nodes, initial=0)
+        source_rows = [[b] + [b + n for n in acc.node_ids] for b, acc in zip(bases, accepted, strict=False)]
+        return [acc.token_ids for acc in accepted], source_rows
 
 
 def constrain_first_tokens(sampling, logits: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ strings (which need text) and builds `RequestOutput`s for `LLM` and `AsyncLLM`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import tokenizers.decoders
 
 from engine.llm_engine import EngineOutput
 from engine.request import SpecStats
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("engine")
@@ -36,6 +38,10 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # Where the params ask for them (SamplingParams.logprobs): one per token of `token_ids` that
+    # this engine made (cumulative) and of `delta_token_ids`; else None.
+    logprobs: list[TokenLogprobs] | None = None
+    delta_logprobs: list[TokenLogprobs] | None = None
     # Set on the last output of a request added with `export_after_prefill` that was handed off
     # (finish_reason "handoff"): everything another engine needs to continue it (engine/handoff.py).
     handoff: Any = None
@@ -43,6 +49,29 @@ class RequestOutput:
     @property
     def spec_stats(self) -> dict:
         return self.metrics.get("spec", {})
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: byte-level BPE tokens spell their bytes
+    with it (printable bytes as themselves, the others as characters from U+0100 up)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def token_piece(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """One token as (text, bytes): its bytes as the tokenizer's vocabulary spells them (a
+    byte-level BPE token's from its alphabet; otherwise the UTF-8 of its decoding), and their
+    text with U+FFFD where the token holds part of a character. Special tokens: their name."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    alphabet = _byte_level_alphabet()
+    if type(decoder).__name__ == "ByteLevel" and piece and all(c in alphabet for c in piece):
+        raw = bytes(alphabet[c] for c in piece)
+    else:
+        raw = tokenizer.decode([token_id]).encode() or (piece or "").encode()
+    return raw.decode("utf-8", errors="replace"), raw
 
 
 class IncrementalDetokenizer:
@@ -112,6 +141,7 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.unstripped_prefix = params.healed_prefix  # what of it the output text has not passed yet
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.full_text = ""
         self.num_emitted = 0
         self.arrival_time = time.monotonic()
@@ -158,6 +188,8 @@ class RequestState:
         if self.first_token_time is None and out.new_token_ids:
             self.first_token_time = now
         self.token_ids.extend(out.new_token_ids)
+        if self.logprobs is not None and out.new_logprobs is not None:
+            self.logprobs.extend(out.new_logprobs)
         before = len(self.full_text)
         self.full_text += self._new_text(out.new_token_ids)
         finish_reason = out.finish_reason
@@ -206,6 +238,8 @@ class RequestState:
                 finish_reason=finish_reason,
                 num_cached_tokens=out.num_cached_tokens,
                 metrics=metrics,
+                logprobs=None if self.logprobs is None else list(self.logprobs),
+                delta_logprobs=None if self.logprobs is None else list(out.new_logprobs or []),
             ),
             stop_hit,
         )

@@ -1,12 +1,37 @@
 """Token sampling over flat logits: temperature, top-k, top-p, and per-request seeded generators.
 
 `probs_from_logits` is shared by the sampler and the rejection sampler, so target and draft
-distributions are filtered identically.
+distributions are filtered identically. `token_logprobs` reads the log-probabilities a request
+asked for (`SamplingParams.logprobs`) off the same logits.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's log-probability under the target and its most likely alternatives
+    ((token id, log-probability) pairs, most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """logits [n, vocab] (row j: the distribution token_ids[j] was drawn from) -> the tokens'
+    log-softmax values and the num_top largest of each row, in float32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device).unsqueeze(1))[:, 0].tolist()
+    if num_top == 0:
+        return [TokenLogprobs(t, v) for t, v in zip(token_ids, chosen, strict=True)]
+    values, ids = logp.topk(num_top, dim=-1)
+    return [TokenLogprobs(t, v, tuple(zip(i, w, strict=True)))
+            for t, v, i, w in zip(token_ids, chosen, ids.tolist(), values.tolist(), strict=True)]
 
 
 def probs_from_logits(

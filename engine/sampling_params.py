@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # alternatives per token (the OpenAI API's top_logprobs limit)
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +37,13 @@ class SamplingParams:
     of the params: `first_token_ids`, the tokens a request's first output token may be (the
     model runner masks the others out, greedy or sampled), and `healed_prefix`, the text the
     edge strips from the start of the output.
+
+    `logprobs` (None: none; 0..MAX_LOGPROBS): each output token comes with its log-probability
+    and that many most likely alternatives (`RequestOutput.logprobs`), read from the target's
+    logits in the step that verified the token: the model's log-softmax ("raw": before
+    temperature, top-k and top-p; token healing's first-token constraint applied). A draft and
+    the token a one-token step would compute at its position get the same logits bits (the
+    engine's `exact` modes), so the values are the same with and without speculation.
     """
 
     max_tokens: int = 16
@@ -48,11 +57,19 @@ class SamplingParams:
     speculative: bool = True
     num_speculative_tokens: int | None = None
     token_healing: bool = False
+    logprobs: int | None = None
     first_token_ids: list[int] | None = field(default=None, repr=False)
     healed_prefix: str = ""
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (self.temperature >= 0.0):

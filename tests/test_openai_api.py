@@ -58,7 +58,7 @@ def test_fields_map_onto_the_grpc_request() -> None:
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-    ({"logprobs": 1}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_unsupported_completion_fields_are_refused_by_name(fields: dict, param: str) -> None:
@@ -68,7 +68,7 @@ def test_unsupported_completion_fields_are_refused_by_name(fields: dict, param: 
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
 ])
@@ -169,3 +169,15 @@ def test_replica_renders_chat_or_refuses_clearly(tmp_path) -> None:
         asyncio.run(SpecDecodeServer.encode_chat(_fake_replica(tokenizer), messages))
     with pytest.raises(ClientError, match="characters"):
         asyncio.run(SpecDecodeServer.encode_chat(_fake_replica(tokenizer), [{"role": "user", "content": "a" * 300}]))
+
+
+def test_logprobs_map_onto_the_request() -> None:
+    assert generate_request(completion(logprobs=3), "x").logprobs == 3
+    assert not generate_request(completion(), "x").HasField("logprobs")
+    assert generate_request(chat(logprobs=True, top_logprobs=5), None).logprobs == 5
+    assert generate_request(chat(logprobs=True), None).logprobs == 0
+    assert not generate_request(chat(logprobs=False), None).HasField("logprobs")
+    for request, param in [(completion(logprobs=6), "logprobs"), (chat(logprobs=True, top_logprobs=21), "top_logprobs")]:
+        with pytest.raises(ApiError) as info:
+            generate_request(request, "x" if param == "logprobs" else None)
+        assert (info.value.status, info.value.param) == (400, param)

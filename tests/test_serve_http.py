@@ -158,6 +158,49 @@ def test_chat_renders_the_template_and_streams(served: Served) -> None:
     assert streamed == text
 
 
+def test_logprobs_are_the_same_with_and_without_speculation(served: Served) -> None:
+    """completions' `logprobs` and chat's `logprobs`/`top_logprobs`, streamed and not, as the
+    openai client parses them; greedy, so each token is its position's most likely one; the
+    values equal with speculation and with it off (the verification's logits are the decode
+    step's bits)."""
+    client = served.openai()
+    prompt = "abcabcabcabcabcabc"  # n-gram lookup drafts from the repetition
+    runs = {}
+    for mode in ("on", "off"):
+        out = client.completions.create(model=served.model, prompt=prompt, logprobs=2, **GREEDY,
+                                        extra_body={"specdecode": {"ignore_eos": True, "speculation": mode}})
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 24
+        assert "".join(lp.tokens) == out.choices[0].text  # a character tokenizer: every token is whole
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(24)]
+        for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert len(top) == 2 and value == max(top.values()) and value <= 0.0
+        runs[mode] = (out.choices[0].text, lp.token_logprobs,
+                      out.model_extra["specdecode"]["speculation"]["num_accepted_tokens"])
+    assert runs["on"][2] > 0 and runs["off"][2] == 0
+    assert runs["on"][:2] == runs["off"][:2]
+    with served.grpc() as grpc_client:  # the gRPC API's field
+        chunks = list(grpc_client.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2))
+    got = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.logprob for lp in got] == runs["on"][1] and all(len(lp.top_logprobs) == 2 for lp in got)
+    assert [lp.token_id for lp in got] == [t for c in chunks for t in c.token_ids]
+
+    messages = [{"role": "user", "content": "abcabcabc"}]
+    whole = client.chat.completions.create(model=served.model, messages=messages, logprobs=True, top_logprobs=3,
+                                           extra_body=IGNORE_EOS, **GREEDY)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 24 and "".join(c.token for c in content) == whole.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob for c in content)
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
+    chunks = list(client.chat.completions.create(model=served.model, messages=messages, logprobs=True,
+                                                 top_logprobs=3, stream=True, extra_body=IGNORE_EOS, **GREEDY))
+    streamed = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model=served.model, messages=messages, extra_body=IGNORE_EOS, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
 def test_stop_seed_and_speculation_cap_reach_the_engine(served: Served) -> None:
     client = served.openai()
     _, text, _ = grpc_greedy(served, "x = ", max_tokens=40)
@@ -183,7 +226,7 @@ def test_errors_are_openai_errors(served: Served) -> None:
         (openai.BadRequestError, "n", dict(n=2)),
         (openai.BadRequestError, "max_tokens", dict(max_tokens=LONG + 1)),
         (openai.BadRequestError, "temperature", dict(temperature=-0.5)),
-        (openai.BadRequestError, "logprobs", dict(logprobs=2)),
+        (openai.BadRequestError, "logprobs", dict(logprobs=6)),
         (openai.BadRequestError, "specdecode.speculatoin", dict(extra_body={"specdecode": {"speculatoin": "on"}})),
         (openai.BadRequestError, "prompt", dict(prompt="a" * 65)),
         (openai.BadRequestError, "prompt", dict(prompt=[1, 97])),
@@ -245,6 +288,15 @@ def test_disaggregated_mode_serves_http_the_same(served: Served) -> None:
                                                 extra_body=IGNORE_EOS, **GREEDY))
         assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ids
         assert "".join(c.choices[0].text for c in chunks) == text
+        # log-probabilities: the prefill pool's first token's, then the decode replica's (a prompt
+        # the decode replica has not cached, so the prefill pool prefills it)
+        lp_prompt = "def lucas(k): return 2 - k if k < 2 else"
+        pd_lp = client.completions.create(model=served.model, prompt=lp_prompt, logprobs=1, extra_body=IGNORE_EOS,
+                                          **GREEDY).choices[0].logprobs
+        local_lp = served.openai().completions.create(model=served.model, prompt=lp_prompt, logprobs=1,
+                                                      extra_body=IGNORE_EOS, **GREEDY).choices[0].logprobs
+        assert len(pd_lp.token_logprobs) == 24 and pd_lp.tokens == local_lp.tokens
+        assert pd_lp.token_logprobs == pytest.approx(local_lp.token_logprobs, abs=1e-5)
         messages = [{"role": "user", "content": "write a function that adds two numbers"}]
         rendered = f"user: {messages[0]['content']}\nassistant: "
         _, chat_text, _ = grpc_greedy(served, rendered)
@@ -252,7 +304,7 @@ def test_disaggregated_mode_serves_http_the_same(served: Served) -> None:
         assert out.choices[0].message.content == chat_text
         counts = serve.get_deployment_handle("SpecDecode", app_name=pd_app).prefill_counts.remote().result(
             timeout_s=30)
-        assert counts.get("remote", 0) == 2 and counts.get("fallback", 0) == 0, counts
+        assert counts.get("remote", 0) == 3 and counts.get("fallback", 0) == 0, counts
     finally:
         serve.delete(pd_app)
 
