@@ -293,8 +293,9 @@ class AppConfig:
     gRPC stream preempt a matmul thread each step: measured +61% time per output token on a
     2-core host with 2 threads, +12% with 1). exact: the engine's `exact` mode (speculation that
     never changes greedy output; engine/model_runner.py). quantization: the engine's ("auto": a
-    GGUF file's Q4_0/Q4_1/Q8_0 matrices served as stored on CPU in bfloat16; "none": dequantized). cuda_graphs: the engine's (on a GPU, its
-    small steps replay captured CUDA graphs; false runs them eagerly).
+    GGUF file's Q4_0/Q4_1/Q8_0 matrices served as stored on a CPU unless dtype is float32; "none":
+    dequantized). cuda_graphs: the engine's (on a GPU, its small steps replay captured CUDA
+    graphs; false runs them eagerly).
     metrics_window_s is the window of the p95 TTFT/TPOT each replica reports to the SLO
     autoscaling policy (deployments/autoscaling.py; the SLO targets are its policy_kwargs).
     drafter_pool: the drafter pool's settings where `speculative.placement` is "remote"

@@ -126,8 +126,9 @@ class LLMEngine:
         depends on the rest of the batch; costly) or "off".
         `quantization` (engine.config.QUANTIZATIONS): "auto" (default) serves a GGUF file's
         Q4_0/Q4_1/Q8_0 matrices as stored, in the CPU row kernels' decode and verification steps,
-        where it runs and the dtype is bfloat16 (`model_runner.resolve_quantization`); "gguf" the
-        same, and an error where it cannot run; "none" dequantizes every weight to the dtype.
+        where it runs (`model_runner.resolve_quantization`), unless `dtype` asks for float32 (the
+        reference's precision: every weight dequantized); "gguf" the same in any dtype, and an
+        error where it cannot run; "none" dequantizes every weight to the dtype.
         `cuda_graphs`: on a CUDA device with the Triton backend and `exact` "pad" (what "auto"
         picks there) or "batch_invariant", run the target's steps of up to 16 tokens (decode,
         verification) and the model drafters' small forwards as captured CUDA graphs
@@ -159,6 +160,8 @@ class LLMEngine:
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit of {limit} positions")
         max_model_len = max_model_len or limit
+        if quantization == "auto" and dtype in ("float32", torch.float32):
+            quantization = "none"
         self.runner = ModelRunner(model, self.device, self.dtype, max_model_len, attention_backend, exact, quantization)
         self.vocab_size = self.runner.arch.vocab_size
         self.eos_token_ids = _eos_token_ids(model, hf_config)

@@ -137,12 +137,12 @@ class ForwardBatch:
     cu_query_lens: list[int]  # [B+1] offsets of each chunk's tokens in the flat batch
 
 
-def resolve_quantization(quantization: str, model_dir: str, dtype: torch.dtype, row_kernel: bool, exact: str) -> str:
+def resolve_quantization(quantization: str, model_dir: str, row_kernel: bool, exact: str) -> str:
     """The engine's `quantization` (QUANTIZATIONS) -> "gguf" or "none". "gguf" serves a GGUF
     file's Q4_0/Q4_1/Q8_0 matrices as stored in the CPU row kernels (the steps of the "rows"
     mode: decode and verification); prefill and the torch path keep the dequantized weights.
-    "auto" takes it for a GGUF file in bfloat16 where it runs (float32 asks for the reference's
-    precision: every product on dequantized weights); "gguf" refuses to start where it cannot."""
+    "auto" takes it wherever it runs (LLMEngine passes "none" for a float32 the caller asked for:
+    the reference's precision); "gguf" refuses to start where it cannot."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "none":
@@ -158,7 +158,7 @@ def resolve_quantization(quantization: str, model_dir: str, dtype: torch.dtype, 
         missing = f"a GGUF file that stores matrices as {', '.join(cpu_kernels.GGUF_PACKED_TYPES)} ({model_dir!r} stores none)"
     if quantization == "gguf" and missing:
         raise ValueError(f"quantization='gguf' needs {missing}; use quantization='none' to dequantize every weight")
-    return "gguf" if missing is None and (quantization == "gguf" or dtype == torch.bfloat16) else "none"
+    return "gguf" if missing is None else "none"
 
 
 def last_rows(cu_query_lens: list[int], num_last: int | list[int]) -> list[int]:
@@ -297,7 +297,7 @@ class ModelRunner:
             raise ValueError(f"exact must be one of {EXACT_MODES}, got {exact!r}")
         # The row-invariant CPU kernels serve the "rows" mode's steps when they can.
         self.row_kernel = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available()
-        self.quantization = resolve_quantization(quantization, model_dir, dtype, self.row_kernel, exact)
+        self.quantization = resolve_quantization(quantization, model_dir, self.row_kernel, exact)
         self.model, self.hf_config = load_model(model_dir, dtype, device, max_model_len, self.quantization)
         self.arch = self.model.cfg
         self.backend = get_attention_backend(device, attention_backend)

@@ -125,7 +125,7 @@ def test_a_model_served_from_its_blocks_matches_transformers(tmp_path, family, q
     assert not torch.equal(rows_path_logits(dequantized, TOKENS), got)  # a different path did run
 
 
-def test_speculation_leaves_greedy_output_unchanged_and_auto_picks_by_dtype(tmp_path):
+def test_speculation_leaves_greedy_output_unchanged_and_auto_defers_to_an_asked_float32(tmp_path):
     from test_gguf import write_gguf
 
     from engine import LLM, SamplingParams
@@ -140,7 +140,11 @@ def test_speculation_leaves_greedy_output_unchanged_and_auto_picks_by_dtype(tmp_
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     assert [o.token_ids for o in spec.generate(prompts, params)] == expected
     assert spec.engine.spec_stats.num_accepted_tokens > 0
-    assert LLM(model=path, dtype="float32").engine.runner.quantization == "none"
+    assert LLM(model=path, dtype="float32").engine.runner.quantization == "none"  # asked for float32
+    assert LLM(model=path, dtype="float32", quantization="gguf").engine.runner.quantization == "gguf"
+    from engine.model_runner import resolve_quantization
+
+    assert resolve_quantization("auto", path, True, "auto") == "gguf"  # (whatever dtype "auto" resolves to)
 
 
 def test_quantization_gguf_where_it_cannot_run_says_why(tmp_path):
