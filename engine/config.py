@@ -40,11 +40,18 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: sequences per step and tokens per step (chunked prefill).
     Draft tokens only use the budget left after one token for each running request, so with
-    speculation every running request still makes progress each step (its drafts are cut)."""
+    speculation every running request still makes progress each step (its drafts are cut).
+
+    decode_step_budget_s: the step time decoding streams tolerate while prompts are prefilled
+    beside them. While any running request decodes, a step's prefill tokens are cut to what the
+    measured step cost (engine/step_cost.py) fits in this time next to the decoding requests'
+    tokens, so a long prompt is prefilled over several steps instead of stalling every stream.
+    None: prefill takes all of `max_num_batched_tokens`."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting_requests: int | None = None
+    decode_step_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -53,6 +60,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}"
             )
+        b = self.decode_step_budget_s
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < float("inf")):
+            raise ValueError(f"decode_step_budget_s must be a number of seconds > 0, or None (no cap), got {b!r}")
 
 
 @dataclass(frozen=True)

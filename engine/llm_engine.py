@@ -29,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode.proposers.base import ProposeContext, model_name, weights_digest
 from engine.spec_decode.tree import DraftTree
+from engine.step_cost import StepCostModel
 
 logger = logging.getLogger("engine")
 
@@ -118,6 +119,7 @@ class LLMEngine:
         quantization: str = "auto",
         cuda_graphs: bool = True,
         remote_drafter=None,
+        decode_step_budget_s: float | None = None,
     ) -> None:
         """`exact` (engine.model_runner.EXACT_MODES): how a step keeps each token's logits
         independent of how many tokens it computes, so that speculation never changes greedy
@@ -135,11 +137,17 @@ class LLMEngine:
         (engine/step_graph.py; the target's tokens the same bits as without); False runs
         everything eagerly.
         `remote_drafter`: a drafter pool's client (engine/spec_decode/remote.py: `draft(DraftBatch)`); with
-        `speculative` method "draft" its draft model drafts there, not on this device."""
+        `speculative` method "draft" its draft model drafts there, not on this device.
+        `decode_step_budget_s` (SchedulerConfig): the step time decoding streams tolerate while
+        a prompt is prefilled beside them; prefill chunks are sized to it from the measured step
+        cost (`step_cost`, fed every step either way: `stats()["prefill_tokens_per_s"]`). None:
+        prefill takes all of `max_num_batched_tokens`."""
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         self.cache_config = CacheConfig(block_size, kv_cache_memory_bytes, gpu_memory_utilization, enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_waiting_requests)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, max_waiting_requests, decode_step_budget_s
+        )
         self.speculative_config = speculative
         self.model_dir = model
         self.device = resolve_device(device)
@@ -203,8 +211,12 @@ class LLMEngine:
         if self.speculator is not None and self.speculator.proposer.kv_coverage is not None:
             self.block_manager.allocation_listeners.append(self.speculator.proposer.kv_coverage.on_allocate)
             self.speculator.proposer.kv_coverage.block_manager = self.block_manager
+        # a step's wall time (drafting included) against its target tokens: sizes prefill chunks
+        # beside decoding streams and tells the serving layer how fast this host prefills
+        self.step_cost = StepCostModel()
         self.scheduler = Scheduler(
-            self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len, num_lookahead
+            self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len, num_lookahead,
+            decode_step_budget_s=decode_step_budget_s, step_cost=self.step_cost,
         )
         if self.speculator is not None and self.speculator.proposer.kv_coverage is not None:
             self.scheduler.prefix_filter = self.speculator.usable_prefix
@@ -422,6 +434,7 @@ class LLMEngine:
                 self._export(request)
         self.step_index += 1
         record.duration_s = time.perf_counter() - t0
+        self.step_cost.observe(record.num_batched_tokens, record.duration_s)
         for listener in self.step_listeners:
             listener(record)
 
@@ -632,6 +645,9 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "queued_tokens": sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
+            # measured step cost (engine/step_cost.py): None until steps of clearly different sizes ran
+            "prefill_tokens_per_s": self.step_cost.prefill_tokens_per_s(),
+            "step_fixed_s": self.step_cost.fixed_s,
             "spec": self.spec_stats.as_dict(),
             "handoff": self.handoff_stats.as_dict(),
             # drafting in a drafter pool (engine/spec_decode/remote.py): rounds, failures, skipped, unknown, ahead, drafts

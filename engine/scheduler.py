@@ -9,6 +9,10 @@ left after one token for each running request behind it, so drafts never crowd a
 out of a step (its drafts are cut to fit instead). When blocks run out, the newest running
 request is preempted by recompute and resumes later with identical output; the engine frees
 what other components keep for it (`SchedulerOutput.preempted_request_ids`).
+With `decode_step_budget_s`, while any running request decodes, the prefill tokens of a step
+(chunks of running prompts and newly admitted ones) are capped so that the step, decoding
+requests' tokens and drafts included, fits that time by the engine's measured step cost: long
+prompts are prefilled over several steps and the decoding streams keep their pace.
 """
 
 from __future__ import annotations
@@ -23,6 +27,18 @@ from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine.spec_decode.tree import DraftTree
+    from engine.step_cost import StepCostModel
+
+# Prefill tokens per step beside decoding streams until the step cost is fitted (it needs steps
+# of clearly different sizes): a chunk this size takes a few decode steps' time on a CPU and far
+# less on a GPU, so streams slow down but do not stall while the first measurements come in.
+UNFITTED_PREFILL_CHUNK = 256
+
+
+def is_decoding_stream(request: Request) -> bool:
+    """Past its prompt with every token but the last computed (an imported handoff too): this
+    step makes its next token, and its stream waits on the step."""
+    return request.num_output_tokens > 0 and request.is_decoding
 
 
 @dataclass
@@ -77,12 +93,20 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        decode_step_budget_s: float | None = None,
+        step_cost: StepCostModel | None = None,
     ) -> None:
+        """`decode_step_budget_s` (SchedulerConfig) needs `step_cost`, the engine's measured step
+        cost (its `tokens_within(seconds)` is all the scheduler reads)."""
+        if decode_step_budget_s is not None and step_cost is None:
+            raise ValueError("decode_step_budget_s needs a step_cost model (engine.step_cost.StepCostModel)")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.decode_step_budget_s = decode_step_budget_s
+        self.step_cost = step_cost
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -165,19 +189,45 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def prefill_token_cap(self) -> int | None:
+        """The most prefill tokens the next step may hold beside the decoding requests, or None
+        for no cap (no `decode_step_budget_s`, or nothing decodes). The decoding requests' tokens
+        (one each plus its drafts) are counted first: the cap is what the step cost fits in the
+        budget after them, also within `max_num_batched_tokens`, and at least one KV block, so
+        prefill always progresses."""
+        if self.decode_step_budget_s is None:
+            return None
+        decoding = [r for r in self.running if is_decoding_stream(r)]
+        if not decoding:
+            return None
+        num_decode_tokens = sum(1 + len(r.spec_token_ids) for r in decoding)
+        within = self.step_cost.tokens_within(self.decode_step_budget_s)
+        cap = UNFITTED_PREFILL_CHUNK if within is None else within - num_decode_tokens
+        cap = min(cap, self.max_num_batched_tokens - num_decode_tokens)
+        return max(self.block_manager.block_size, cap)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        prefill_left = self.prefill_token_cap()  # None: prefill is limited by `budget` only
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         bm = self.block_manager
 
         # 1) Running requests, oldest first. On a block shortage preempt the newest. Drafts come
         #    after one token for each running request behind this one (the drafts are cut to fit).
+        #    Prompts still prefilling take their chunks from `prefill_left` too; one left without
+        #    any this step waits, and the requests behind it go on.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = min(remaining, budget)
+            is_prefill = prefill_left is not None and not is_decoding_stream(request)
+            if is_prefill:
+                num_new = min(num_new, prefill_left)
+                if num_new == 0:
+                    i += 1
+                    continue
             spec: list[int] = []
             if num_new == remaining:
                 num_behind = len(self.running) - i - 1
@@ -196,16 +246,21 @@ class Scheduler:
                 break
             scheduled.append(ScheduledRequest(request, num_new, list(spec), tree))
             budget -= num_new + len(spec)
+            if is_prefill:
+                prefill_left -= num_new
             i += 1
 
-        # 2) Waiting requests, FCFS, while budget, sequence slots and blocks allow.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        # 2) Waiting requests, FCFS, while budget, prefill cap, sequence slots and blocks allow.
+        while (self.waiting and budget > 0 and (prefill_left is None or prefill_left > 0)
+               and len(self.running) < self.max_num_seqs and not preempted):
             request = self.waiting[0]
             cached = bm.find_cached_prefix(request)
             if self.prefix_filter is not None:
                 cached = self.prefix_filter(request, cached)
             num_computed = len(cached) * bm.block_size
             num_new = min(request.num_tokens - num_computed, budget)
+            if prefill_left is not None:
+                num_new = min(num_new, prefill_left)
             if not bm.allocate_slots(request, num_new, self.num_lookahead_tokens, cached_blocks=cached):
                 break
             self.waiting.popleft()
@@ -215,6 +270,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new, []))
             budget -= num_new
+            if prefill_left is not None:
+                prefill_left -= num_new
         return SchedulerOutput(scheduled, preempted)
 
     # --- commit -----------------------------------------------------------------------------
