@@ -1,7 +1,7 @@
 """The Serve application: the ingress (`deployments/ingress.py`) bound over the engine replicas
-(`deployments/replica.py`), over the prefill pool in disaggregated mode and the drafter pool
-(`deployments/drafter.py`) with `speculative.placement: remote`; each deployment's options sized
-from the `AppConfig`, then a config file's `deployments:` overrides on top.
+(`deployments/replica.py`) and, in disaggregated mode, the prefill pool; the engine pools bound
+over the drafter pool (`deployments/drafter.py`) with `speculative.placement: remote`; each
+deployment's options sized from the `AppConfig`, then a config file's `deployments:` overrides on top.
 `deployments.app:build_app` is the import path Serve config files and the k8s manifests name.
 """
 
@@ -66,8 +66,8 @@ def bind_app(
     prefill_cls: type = None,  # type: ignore[assignment] - the prefill pool's class when it differs (tests)
     drafter_overrides: dict | None = None,
 ) -> Application:
-    """The gRPC ingress bound over the engine deployment (in disaggregated mode, the decode pool
-    bound over the prefill pool; with `speculative.placement: remote`, the engine pools bound over
+    """The gRPC ingress bound over the engine deployment (in disaggregated mode, over the decode
+    pool and the prefill pool; with `speculative.placement: remote`, the engine pools bound over
     the drafter pool), each sized from `config`, with `overrides` / `ingress_overrides` /
     `prefill_overrides` / `drafter_overrides` (deployment options as in a config file's
     `deployments:` entries: num_replicas, autoscaling_config, ...) applied on top."""
@@ -81,7 +81,6 @@ def bind_app(
         prefill = serve.deployment(prefill_cls or cls, name=PREFILL_DEPLOYMENT_NAME)
         prefill_app = prefill.options(**deployment_options(config, prefill_overrides)).bind(config, **pool)
     engine = serve.deployment(cls, name=DEPLOYMENT_NAME)
-    args = (config,) if prefill_app is None else (config, prefill_app)
-    engine_app = engine.options(**deployment_options(config, overrides)).bind(*args, **pool)
+    engine_app = engine.options(**deployment_options(config, overrides)).bind(config, **pool)
     ingress = serve.deployment(SpecDecodeIngress, name=INGRESS_DEPLOYMENT_NAME)
-    return ingress.options(**ingress_options(config, ingress_overrides)).bind(engine_app, config)
+    return ingress.options(**ingress_options(config, ingress_overrides)).bind(engine_app, config, prefill_app)

@@ -1,5 +1,5 @@
 """What the ingress, the engine replicas, the OpenAI API and the drafter pool share, below all of
-them: the first item of an accepted stream, the limits both protocols apply to a request, what a
+them: the items of an engine replica's stream besides its messages, the limits both protocols apply to a request, what a
 lost replica looks like to a handle call, and the Serve options every deployment starts from.
 It imports nothing else from `deployments` but its config.
 """
@@ -7,6 +7,7 @@ It imports nothing else from `deployments` but its config.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.exceptions import NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
@@ -30,6 +31,52 @@ class Accepted:
     (the ingress's bounded wait for a replica ends here)."""
 
     replica_id: str
+
+
+@dataclass(frozen=True)
+class PrefillElsewhere:
+    """A decode replica's answer to `generate` in disaggregated mode when the prompt is to be
+    prefilled by the prefill pool: the translated request and why it goes there (its slot is
+    free once this is sent). The ingress sends it to the pool, then to a decode replica's
+    `resume` with the handoff."""
+
+    prompt: list[int]
+    params: Any  # engine.SamplingParams
+    placement: Any  # deployments.placement.Placement
+    uncached_tokens: int
+    speculating: bool
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill replica's last item: where the handoff is and what the client already got.
+    The ObjectRef sits in a list, so that Ray passes it on as a reference (not its value)."""
+
+    handoff: list  # [ObjectRef[engine.handoff.Handoff]]
+    transport: str  # how it was put (deployments/handoff_transport.py)
+    num_bytes: int
+    num_emitted_chars: int  # characters of text the first message(s) carried
+    sent_at: float  # time.time() when the handoff was put into the object store
+    replica_id: str = ""  # the prefill replica, and its engine's measured prefill rate
+    prefill_tokens_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class HandoffRead:
+    """A decode replica's `resume` has read the handoff (or found it lost): the prefill call that
+    holds it can be closed."""
+
+    found: bool
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """Where a resumed request's prompt ended up prefilled, sent before its first message:
+    "remote" (the handoff was imported) or "fallback" (prefilled by the decode replica after the
+    tokens already sent), with the reason for a fallback (no_handoff, lost, refused)."""
+
+    where: str
+    reason: str = ""
 
 
 def replica_resources(config: AppConfig) -> dict:

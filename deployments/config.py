@@ -69,8 +69,10 @@ class _Checker:
             return None
         return value
 
-    def number(self, path: str, value: Any, lo: float, hi: float | None = None) -> Any:
-        """A finite int or float in (lo, hi]."""
+    def number(self, path: str, value: Any, lo: float, hi: float | None = None, optional: bool = False) -> Any:
+        """A finite int or float in (lo, hi] (or None, when optional)."""
+        if optional and value is None:
+            return None
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             self.fail(path, f"must be a number, got {_show(value)}")
             return None
@@ -172,21 +174,19 @@ HANDOFF_TRANSPORTS = ("auto", "object_store", "nixl")  # deployments/handoff_tra
 
 @dataclass(frozen=True)
 class DisaggregationArgs:
-    """Prefill/decode disaggregation (`mode: disaggregated`). A prompt with at least
-    `min_prompt_tokens` tokens not already in the decode replica's prefix cache is prefilled by
-    the prefill pool and handed over (KV + drafter state); shorter prompts and cache hits are
-    prefilled by the decode replica itself. `with_drafter_state: false` hands over the target's
-    KV only (the decode side rebuilds the drafter's state; an ablation for the benchmark).
-    `transport` moves the handoff (deployments/handoff_transport.py): auto, object_store or nixl.
-    `max_inflight_prefills` (null: no limit) makes the choice load-aware, as Dynamo's conditional
-    disaggregation checks the prefill queue: while this decode replica already waits on that many
-    remote prefills, a new long prompt is prefilled here instead of queueing behind them (its TTFT
-    bounded, at the cost of a stall of this replica's streams), one such prompt at a time."""
+    """Prefill/decode disaggregation (`mode: disaggregated`). The ingress asks a decode replica
+    where each prompt is prefilled (deployments/placement.py): prompts with fewer than
+    `min_prompt_tokens` tokens outside the decode replica's prefix cache are prefilled there;
+    longer ones go to the prefill pool unless the predicted time to first token says the decode
+    replica is faster (the pool is saturated), and are then handed over (KV + drafter state) to
+    the decode replica the router picks when the handoff is ready. A request waiting for the pool
+    holds no decode replica's slot. `with_drafter_state: false` hands over the target's KV only
+    (the decode side rebuilds the drafter's state; an ablation for the benchmark). `transport`
+    moves the handoff (deployments/handoff_transport.py): auto, object_store or nixl."""
 
     min_prompt_tokens: int = 256
     with_drafter_state: bool = True
     transport: str = "auto"
-    max_inflight_prefills: int | None = None
 
     @classmethod
     def from_dict(cls, data: Any, where: str, check: _Checker) -> DisaggregationArgs | None:
@@ -195,11 +195,34 @@ class DisaggregationArgs:
         threshold = check.integer(f"{where}.min_prompt_tokens", data.get("min_prompt_tokens", cls.min_prompt_tokens), 1)
         with_state = check.boolean(f"{where}.with_drafter_state", data.get("with_drafter_state", cls.with_drafter_state))
         transport = check.string(f"{where}.transport", data.get("transport", cls.transport), HANDOFF_TRANSPORTS)
-        inflight = check.integer(f"{where}.max_inflight_prefills", data.get("max_inflight_prefills"), 1, optional=True)
         if len(check.errors) > n:
             return None
-        return cls(min_prompt_tokens=threshold, with_drafter_state=with_state, transport=transport,
-                   max_inflight_prefills=inflight)
+        return cls(min_prompt_tokens=threshold, with_drafter_state=with_state, transport=transport)
+
+
+@dataclass(frozen=True)
+class SLOArgs:
+    """The latency budgets the engine and the placement work to (null: none).
+    tpot_ms: while streams decode, a prompt is prefilled beside them in chunks sized (from the
+    engine's measured step cost) so that a step takes at most this long: no stream stalls for a
+    whole prefill (Sarathi's stall-free batching), in every placement.
+    ttft_ms: in disaggregated mode, long prompts go to the prefill pool while its predicted time
+    to first token and the decode replica's are both within this; beyond it, to the faster one.
+    The autoscaling policy's targets (its policy_kwargs) are set apart: they say when to add
+    replicas, these how each replica schedules."""
+
+    ttft_ms: float | None = 4000.0
+    tpot_ms: float | None = 100.0
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str, check: _Checker) -> SLOArgs | None:
+        data = check.mapping(where, data, [f.name for f in fields(cls)])
+        n = len(check.errors)
+        ttft = check.number(f"{where}.ttft_ms", data.get("ttft_ms", cls.ttft_ms), 0.0, 3.6e6, optional=True)
+        tpot = check.number(f"{where}.tpot_ms", data.get("tpot_ms", cls.tpot_ms), 0.0, 6e4, optional=True)
+        if len(check.errors) > n:
+            return None
+        return cls(ttft_ms=ttft, tpot_ms=tpot)
 
 
 @dataclass(frozen=True)
@@ -305,6 +328,7 @@ class AppConfig:
     mode: "colocated" (each engine replica prefills and decodes its requests) or "disaggregated"
     (a prefill pool, `SpecDecodePrefill`, prefills long prompts and hands them to the decode
     replicas, `SpecDecode`; see DisaggregationArgs). Both pools use this config's engine settings.
+    slo: the TTFT and TPOT budgets each replica schedules to (SLOArgs).
     """
 
     model: str = "models/target"
@@ -329,6 +353,7 @@ class AppConfig:
     replica_wait_timeout_s: float = 30.0
     mode: str = "colocated"
     disaggregation: DisaggregationArgs = field(default_factory=DisaggregationArgs)
+    slo: SLOArgs = field(default_factory=SLOArgs)
     drafter_pool: DrafterPoolArgs = field(default_factory=DrafterPoolArgs)
     tracing: TracingArgs | None = None
 
@@ -382,6 +407,7 @@ class AppConfig:
         values["tracing"] = None if tracing is None else TracingArgs.from_dict(tracing, f"{where}.tracing", check)
         values["disaggregation"] = DisaggregationArgs.from_dict(
             data.get("disaggregation") or {}, f"{where}.disaggregation", check)
+        values["slo"] = SLOArgs.from_dict(data.get("slo") or {}, f"{where}.slo", check)
         values["drafter_pool"] = DrafterPoolArgs.from_dict(data.get("drafter_pool") or {}, f"{where}.drafter_pool", check)
         v = values
         if v["max_model_len"] and v["max_prompt_tokens"] and v["max_prompt_tokens"] >= v["max_model_len"]:
@@ -411,6 +437,7 @@ class AppConfig:
         if self.tracing is not None:
             out["tracing"] = {f.name: getattr(self.tracing, f.name) for f in fields(self.tracing)}
         out["disaggregation"] = {f.name: getattr(self.disaggregation, f.name) for f in fields(self.disaggregation)}
+        out["slo"] = {f.name: getattr(self.slo, f.name) for f in fields(self.slo)}
         out["drafter_pool"] = {f.name: getattr(self.drafter_pool, f.name) for f in fields(self.drafter_pool)}
         return out
 
@@ -432,6 +459,7 @@ class AppConfig:
             "exact": self.exact,
             "quantization": self.quantization,
             "cuda_graphs": self.cuda_graphs,
+            "decode_step_budget_s": self.slo.tpot_ms / 1e3 if self.slo.tpot_ms else None,
         }
 
 

@@ -14,6 +14,15 @@ changed from a replica. The ingress owns the client's stream, so it can:
 - map refusals the engine replica yields (`ClientError`) and Serve's backpressure to their status.
 It holds no model and reserves no CPU: it relays messages (`bench/bench_serve.py` measures the
 hop's cost). Cancelling the client's stream cancels the engine request through the handle.
+
+In disaggregated mode it also orchestrates, as Ray Serve LLM's prefill/decode proxy does: a decode
+replica translates the request and places its prefill (deployments/placement.py, fed with what
+the ingress knows of the prefill pool); a prompt placed in the pool is sent there, its first
+message relayed, and its handoff given to the decode replica the router picks at that moment
+(`resume`). A request waiting for the pool holds no decode replica's slot, so short prompts never
+queue behind long ones there. A pool that fails a call is left alone for a while (backoff: long
+prompts are prefilled by the decode replicas), and the request is prefilled by a decode replica
+after the tokens already sent.
 """
 
 from __future__ import annotations
@@ -29,9 +38,20 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 
-from deployments.common import HEALTH_TIMEOUT_S, MAX_REQUEST_ID_CHARS, REPLICA_LOST, Accepted
+from deployments import tracing as t
+from deployments.common import (
+    HEALTH_TIMEOUT_S,
+    MAX_REQUEST_ID_CHARS,
+    REPLICA_LOST,
+    Accepted,
+    HandoffRead,
+    Prefilled,
+    PrefillElsewhere,
+    PrefillResult,
+)
 from deployments.config import AppConfig
 from deployments.errors import ClientError, install_log_filter
+from deployments.placement import PoolEstimate, PrefillPoolTracker
 from deployments.servicer import MalformedRequest
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
@@ -43,16 +63,30 @@ TRACE_KEYS = ("traceparent", "tracestate")
 HEALTH_WATCH_INTERVAL_S = 5.0
 HEALTH_MAX_AGE_S = 1.0  # a health answer this recent is shared, not asked again
 HEALTH_SERVICES = ("", "specdecode.v1.SpecDecode")  # "": the server as a whole
+# After the prefill pool fails a call, long prompts are prefilled by the decode replicas for this
+# long, doubled while calls keep failing (engine.backoff.Backoff): a stuck prefill replica would
+# otherwise cost each long prompt replica_wait_timeout_s before its local prefill.
+PREFILL_BACKOFF_FIRST_S = 5.0
+PREFILL_BACKOFF_MAX_S = 60.0
 
 
 @serve.ingress()  # the HTTP app comes from __serve_build_asgi_app__, built after __init__
 class SpecDecodeIngress:
-    def __init__(self, engine, config: AppConfig) -> None:
+    def __init__(self, engine, config: AppConfig, prefill_pool=None) -> None:
+        from deployments.tracing import setup_tracing
+        from engine.backoff import Backoff
+
         install_log_filter()
         self.engine = engine
         self.stream = engine.options(stream=True)
         self.wait_s = config.replica_wait_timeout_s
         self.config = config
+        # mode: disaggregated: the prefill pool, what this ingress sent there, and its backoff
+        self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
+        self.pool = PrefillPoolTracker()
+        self.pool_backoff = Backoff(PREFILL_BACKOFF_FIRST_S, PREFILL_BACKOFF_MAX_S)
+        self.pool_failures = 0
+        self.tracing = setup_tracing(config.tracing, None) if prefill_pool is not None else None
         self._health_task: asyncio.Future | None = None  # the health check every caller shares (`_health`)
         self._health_at = 0.0  # when the last health answer was had
         self.health_probes = 0
@@ -160,19 +194,131 @@ class SpecDecodeIngress:
                 f"request_id: {len(label)} characters{control}; give at most {MAX_REQUEST_ID_CHARS} printable "
                 "characters (a label for logs and traces)"))
         num_sent = 0
+        elsewhere = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            response = self.stream.generate.remote(request, label, trace, messages, route)
+            response = self.stream.generate.remote(request, label, trace, messages, route, self.pool_estimate())
             try:
                 async for message in self._relay(response):
+                    if isinstance(message, PrefillElsewhere):
+                        elsewhere = message
+                        break
                     num_sent += 1
                     yield message
-                return
+                break
             except REPLICA_LOST as e:
                 if num_sent or attempt == MAX_ATTEMPTS:
                     raise _replica_lost(label, num_sent, attempt, e) from None
                 logger.warning("request %r: replica lost before its first message (%s); retrying "
                                "on another replica (attempt %d of %d)", label, type(e).__name__,
                                attempt + 1, MAX_ATTEMPTS)
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+        if elsewhere is not None:
+            async for message in self._prefill_elsewhere(elsewhere, label, trace, route):
+                yield message
+
+    # --- disaggregated mode -------------------------------------------------------------------
+    def pool_estimate(self) -> PoolEstimate | None:
+        """What a decode replica is told of the prefill pool (None: there is none)."""
+        if self.prefill_pool is None:
+            return None
+        return self.pool.estimate(backing_off=self.pool_backoff.active())
+
+    async def pool_stats(self) -> dict:
+        """The prefill pool as this ingress sees it: prompts (and their tokens) sent there without
+        a first token yet, its measured rate, calls that failed, whether it is backed off."""
+        estimate = self.pool.estimate(backing_off=self.pool_backoff.active())
+        return {"inflight_prefills": self.pool.num_pending, "queued_tokens": estimate.queued_tokens,
+                "tokens_per_s": estimate.tokens_per_s, "num_replicas": estimate.num_replicas,
+                "failures": self.pool_failures, "backing_off": estimate.backing_off}
+
+    async def _prefill_elsewhere(
+        self, elsewhere: PrefillElsewhere, label: str, trace: list[tuple[str, str]], route: str,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """A request a decode replica placed in the prefill pool: the pool's first message(s),
+        then the rest from a decode replica's `resume` with the handoff; a pool that fails (lost,
+        refused, stuck) leaves it to a decode replica's local prefill after what was sent."""
+        span = None
+        if self.tracing is not None:  # one span over prefill pool, handoff and decode
+            parent = self.tracing.parent_context(_Metadata(trace))
+            attributes = t.grpc_span_attributes(route, "", elsewhere.params, elsewhere.speculating, label)
+            attributes.update(t.placement_attributes(elsewhere.placement))
+            attributes[t.ATTR_NUM_PROMPT_TOKENS] = len(elsewhere.prompt)
+            span = self.tracing.start_disaggregated(parent, attributes)
+            trace = self.tracing.metadata(span)
+        prefill_call = self.prefill_pool.prefill.remote(elsewhere.prompt, elsewhere.params, label, trace)
+        ticket = self.pool.sent(elsewhere.uncached_tokens)
+        sent: list[int] = []
+        result: PrefillResult | None = None
+        try:
+            try:
+                async for item in self._pool_messages(prefill_call, label):
+                    if isinstance(item, PrefillResult):
+                        result = item
+                        self.pool.report(item.replica_id, item.prefill_tokens_per_s)
+                        break
+                    yield item
+                    sent.extend(item.token_ids)
+                    if item.finish_reason:  # it finished on its first token
+                        return
+            finally:
+                self.pool.done(ticket)
+            async for item in self._resume(elsewhere, label, trace, result, sent, prefill_call, span):
+                yield item
+        finally:
+            prefill_call.cancel()  # its replica drops its reference to the handoff
+            if span is not None:
+                span.end()
+
+    async def _pool_messages(self, call, label: str) -> AsyncIterator[pb.GenerateResponse | PrefillResult]:
+        """The prefill pool's messages; nothing more when its replica is lost, stuck or refuses
+        (the pool is then backed off); a refusal of the request itself is raised."""
+        try:
+            first = await asyncio.wait_for(call.__anext__(), self.wait_s)
+            self.pool_backoff.succeeded()  # the pool answered (a refusal of the request included)
+            if isinstance(first, ClientError):
+                if first.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise first
+                return
+            async for item in call:
+                if isinstance(item, ClientError):
+                    if item.code == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise item
+                    return
+                yield item
+        except (TimeoutError, StopAsyncIteration, *REPLICA_LOST) as e:
+            self.pool_failures += 1
+            wait = self.pool_backoff.failed()
+            logger.warning("request %r: prefill pool failed (%s); long prompts are prefilled by the decode "
+                           "replicas for %.0f s", label, type(e).__name__, wait)
+
+    async def _resume(
+        self, elsewhere: PrefillElsewhere, label: str, trace: list[tuple[str, str]], result: PrefillResult | None,
+        sent: list[int], prefill_call, span,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's messages after `sent` from a decode replica (picked now, by load and KV
+        room), retried on another while that replica sent nothing (the handoff stays readable
+        until the prefill call closes)."""
+        num_sent = 0
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            response = self.stream.resume.remote(elsewhere.prompt, elsewhere.params, label, trace, result, sent,
+                                                 elsewhere.speculating)
+            try:
+                async for item in self._relay(response):
+                    if isinstance(item, HandoffRead):
+                        prefill_call.cancel()  # the decode replica has it (or it is lost)
+                        continue
+                    if isinstance(item, Prefilled):
+                        if span is not None:
+                            span.set_attribute(t.ATTR_PREFILLED, item.where)
+                        continue
+                    num_sent += 1
+                    yield item
+                return
+            except REPLICA_LOST as e:
+                if num_sent or attempt == MAX_ATTEMPTS:
+                    raise _replica_lost(label, len(sent) + num_sent, attempt, e) from None
+                logger.warning("request %r: decode replica lost before resuming (%s); retrying (attempt %d of %d)",
+                               label, type(e).__name__, attempt + 1, MAX_ATTEMPTS)
                 await asyncio.sleep(RETRY_BACKOFF_S * attempt)
 
     async def model_info(self, wait_s: float | None = None) -> pb.ModelInfo:
@@ -219,6 +365,16 @@ class SpecDecodeIngress:
         finally:
             if not finished:
                 response.cancel()
+
+
+class _Metadata:
+    """Trace headers shaped like the gRPC context `RequestTracer.parent_context` reads."""
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        self.pairs = pairs
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.pairs
 
 
 def _unknown_service(name: str) -> str:

@@ -34,6 +34,7 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.7
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                   0.2, 0.3, 0.5, 1.0, 2.5)
 HANDOFF_BYTES_BUCKETS = tuple(float(1 << n) for n in range(12, 34, 2))  # 4 KiB .. 8 GiB
+PREDICTED_TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 HANDOFF_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 ROUND_BUCKETS_S = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -114,9 +115,14 @@ METRICS: tuple[MetricDef, ...] = (
     _h("specdecode_handoff_seconds", "Time from the prefill replica's last message to the decode replica "
        "holding the handoff (transfer through Ray's object store).", HANDOFF_SECONDS_BUCKETS),
     _c("specdecode_prefills_total", "Prefills of decode replicas' requests by where they ran: remote (prefill "
-       "pool), local (short prompt or prefix-cache hit), local_backoff (a long prompt shortly after the prefill pool "
-       "failed a call), local_busy (a long prompt while the replica waited on "
-       "max_inflight_prefills remote prefills), fallback (the handoff was lost or could not be imported: prefilled locally).",
+       "pool), local (short prompt or prefix-cache hit), local_faster (a long prompt predicted to reach its first token "
+       "sooner here than in the prefill pool), local_backoff (a long prompt shortly after the prefill pool failed a "
+       "call), fallback (the handoff was lost or could not be imported: prefilled locally).", "where"),
+    _c("specdecode_placements_total", "Placement decisions of a decode replica (deployments/placement.py) by where "
+       "the prompt went (remote, local) and why (short, backoff, unmeasured, within_budget, local_faster, "
+       "remote_faster).", "where", "reason"),
+    _h("specdecode_predicted_ttft_seconds", "Predicted time to first token of each long prompt placed, in the "
+       "prefill pool (remote) and on the decode replica (local), whichever it went to.", PREDICTED_TTFT_BUCKETS_S,
        "where"),
     # The drafter pool (speculative.placement: remote): this engine replica's calls to it.
     _c("specdecode_remote_drafter_rounds_total", "Steps' calls to the drafter pool by result: ok; failed "
@@ -180,6 +186,8 @@ class _Totals:
     finished: list[tuple[str, float | None, float | None, float | None, str, int, int]] = field(default_factory=list)
     handoffs: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
     prefills: dict[str, int] = field(default_factory=dict)  # where -> count
+    placements: dict[tuple[str, str], int] = field(default_factory=dict)  # (where, reason) -> count
+    predicted_ttft: list[tuple[str, float]] = field(default_factory=list)  # (remote | local, seconds)
 
 
 class _Flushing:
@@ -289,11 +297,20 @@ class ReplicaMetrics(_Flushing):
         with self._lock:
             self._totals.finished.append(row)
 
+    def on_placement(self, placement: Any) -> None:
+        """A decode replica placed a request's prefill (a `deployments.placement.Placement`)."""
+        with self._lock:
+            key = (placement.where, placement.reason)
+            self._totals.placements[key] = self._totals.placements.get(key, 0) + 1
+            for where, seconds in (("remote", placement.remote_ttft_s), ("local", placement.local_ttft_s)):
+                if seconds is not None:
+                    self._totals.predicted_ttft.append((where, seconds))
+
     def on_prefill(self, where: str, num_bytes: int = 0, seconds: float | None = None) -> None:
         """A decode replica's request was prefilled `where` (remote; local: a short prompt or a
-        cache hit; local_busy: a long one while the replica waited on max_inflight_prefills remote
-        prefills; local_backoff: a long one shortly after the pool failed a call; fallback: the
-        remote prefill or its handoff failed); a remote
+        cache hit; local_faster: a long one predicted faster here than in the pool; local_backoff:
+        a long one shortly after the pool failed a call; fallback: the remote prefill or its
+        handoff failed); a remote
         one's handoff had `num_bytes` and took `seconds` to arrive (event loop)."""
         with self._lock:
             self._totals.prefills[where] = self._totals.prefills.get(where, 0) + 1
@@ -322,6 +339,10 @@ class ReplicaMetrics(_Flushing):
             m["specdecode_handoff_seconds"].observe(seconds)
         for where, n in t.prefills.items():
             m["specdecode_prefills_total"].inc(n, {"where": where})
+        for (where, reason), n in t.placements.items():
+            m["specdecode_placements_total"].inc(n, {"where": where, "reason": reason})
+        for where, seconds in t.predicted_ttft:
+            m["specdecode_predicted_ttft_seconds"].observe(seconds, {"where": where})
         _inc(m["specdecode_engine_steps_total"], t.num_steps)
         for phase, seconds in t.phase_s.items():
             _inc(m["specdecode_engine_step_seconds_total"], seconds, {"phase": phase})

@@ -1,6 +1,8 @@
 """The engine replica: one `engine.AsyncLLM` (target + drafter on one device) as a Ray Serve
 deployment, called by the ingress (`deployments/ingress.py`: gRPC and OpenAI-style HTTP) through a
-deployment handle; in disaggregated mode the same class is the prefill pool's and the decode pool's.
+deployment handle; in disaggregated mode the same class is the prefill pool's (`prefill`) and the
+decode pool's (`generate`, which may answer that the prompt is to be prefilled elsewhere, and
+`resume`, which continues a request from its handoff).
 
 It translates a `GenerateRequest` (from gRPC, or built from an HTTP request by
 `deployments/openai_api.py`; chat messages rendered by the tokenizer's chat template) into token
@@ -24,7 +26,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -33,12 +34,13 @@ from ray import serve
 
 from deployments import tracing as t
 from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
-from deployments.common import REPLICA_LOST, Accepted
+from deployments.common import Accepted, HandoffRead, Prefilled, PrefillElsewhere, PrefillResult
 from deployments.config import AppConfig, resolve_path
 from deployments.drafter import ServeDrafterClient
 from deployments.errors import ClientError
 from deployments.handoff_transport import get_handoff, put_handoff, resolve_transport
 from deployments.metrics import start_replica_metrics
+from deployments.placement import LocalEstimate, Placement, PoolEstimate, place
 from deployments.router import routing_stats
 from deployments.tracing import grpc_span_attributes, setup_tracing
 from protos.specdecode.v1 import specdecode_pb2 as pb
@@ -46,11 +48,6 @@ from protos.specdecode.v1 import specdecode_pb2 as pb
 logger = logging.getLogger("ray.serve")
 
 HEALTH_CHECK_TIMEOUT_S = 30.0
-# After the prefill pool fails a call, long prompts are prefilled locally for this long, doubled
-# while calls keep failing (engine.backoff.Backoff): a stuck prefill replica would otherwise cost
-# each long prompt replica_wait_timeout_s before its local prefill.
-PREFILL_BACKOFF_FIRST_S = 5.0
-PREFILL_BACKOFF_MAX_S = 60.0
 # Limits on fields the proto leaves unbounded (each is named in the error a client gets).
 MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform noise to float32
 MAX_SPECULATIVE_TOKENS = 64
@@ -61,22 +58,21 @@ MAX_TEMPLATE_ERROR_CHARS = 200
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    """A prefill replica's last item: where the handoff is and what the client already got.
-    The ObjectRef sits in a list, so that Ray passes it on as a reference (not its value)."""
-
-    handoff: list  # [ObjectRef[engine.handoff.Handoff]]
-    transport: str  # how it was put (deployments/handoff_transport.py)
-    num_bytes: int
-    num_emitted_chars: int  # characters of text the first message(s) carried
-    sent_at: float  # time.time() when the handoff was put into the object store
-
-
-def _num_cached_tokens(engine: Any, prompt: list[int], params: Any) -> int:
-    """Prompt tokens the engine's prefix cache would give this request (run on the engine thread;
-    not counted as a prefix-cache query)."""
-    return engine.num_cached_prompt_tokens(prompt, params)
+def local_estimate(engine: Any, prompt: list[int], params: Any, step_budget_s: float | None) -> LocalEstimate:
+    """This engine's prefill capacity for `prompt` now (run on the engine thread, between steps):
+    its tokens outside the prefix cache as this request would use it (a drafting request
+    recomputes blocks whose drafter KV was never filled; not counted as a prefix-cache query),
+    the prompt tokens already waiting, and its prefill rate: the measured one, cut while streams
+    decode to the chunk a step within `step_budget_s` leaves beside their tokens."""
+    uncached = len(prompt) - engine.num_cached_prompt_tokens(prompt, params)
+    stats = engine.stats()
+    rate = stats.get("prefill_tokens_per_s")
+    if rate and step_budget_s and stats["num_running"]:
+        within = engine.step_cost.tokens_within(step_budget_s)
+        if within is not None:
+            decode_tokens = sum(1 + len(r.spec_token_ids) for r in engine.scheduler.running)
+            rate = min(rate, max(1, within - decode_tokens) / step_budget_s)
+    return LocalEstimate(uncached, stats["queued_tokens"], rate)
 
 
 def _fewer_tokens(params: Any, n: int) -> Any:
@@ -92,12 +88,13 @@ def _fewer_tokens(params: Any, n: int) -> Any:
 
 
 class TraceMetadata:
-    """The caller's W3C trace headers, shaped like the gRPC context `parent_context` reads, and
-    the method or HTTP route the request came in by (a span attribute)."""
+    """The caller's W3C trace headers, shaped like the gRPC context `parent_context` reads, the
+    method or HTTP route the request came in by, and where its prompt was placed (span attributes)."""
 
-    def __init__(self, pairs: list[tuple[str, str]], route: str = "Generate") -> None:
+    def __init__(self, pairs: list[tuple[str, str]], route: str = "Generate", placement: Placement | None = None) -> None:
         self.pairs = pairs
         self.route = route
+        self.placement = placement
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return self.pairs
@@ -106,24 +103,19 @@ class TraceMetadata:
 class SpecDecodeServer:
     """One engine replica: an AsyncLLM (target + drafter on one device) behind `generate`."""
 
-    def __init__(self, config: AppConfig, prefill_pool: Any = None, drafter_pool: Any = None) -> None:
+    def __init__(self, config: AppConfig, drafter_pool: Any = None) -> None:
         from engine import AsyncLLM
-        from engine.backoff import Backoff
 
         self.config = config
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a replica (direct construction in tests)
             self.replica_id = ""
-        # mode: disaggregated: the decode replicas get a handle to the prefill pool.
-        self.prefill_pool = prefill_pool.options(stream=True) if prefill_pool is not None else None
-        self.prefills: dict[str, int] = {}  # where this replica's requests were prefilled
-        self.inflight_prefills = 0  # remote prefills this replica waits on (max_inflight_prefills)
-        self.busy_prefills = 0  # long prompts it prefills itself because the pool was busy, until their first token
-        self.fallbacks: dict[str, int] = {}  # why remote prefills fell back: no_handoff, lost, refused
-        # after the prefill pool failed a call (lost, stuck past replica_wait_timeout_s), long
-        # prompts are prefilled here for a while (local_backoff) instead of each paying the failure
-        self.prefill_backoff = Backoff(PREFILL_BACKOFF_FIRST_S, PREFILL_BACKOFF_MAX_S)
+        # mode: disaggregated: where this decode replica's requests were prefilled (remote, local,
+        # local_faster, local_backoff, fallback) and why remote prefills fell back (no_handoff,
+        # lost, refused)
+        self.prefills: dict[str, int] = {}
+        self.fallbacks: dict[str, int] = {}
         self.transports: dict[str, int] = {}  # handoffs received, by transport
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
         engine_kwargs = config.engine_kwargs()
@@ -156,15 +148,16 @@ class SpecDecodeServer:
     # --- called by the ingress ----------------------------------------------------------------
     async def generate(
         self, request: pb.GenerateRequest, label: str, trace_metadata: list[tuple[str, str]] | None = None,
-        messages: list[dict[str, str]] | None = None, route: str = "Generate",
-    ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse]:
+        messages: list[dict[str, str]] | None = None, route: str = "Generate", pool: PoolEstimate | None = None,
+    ) -> AsyncIterator[Accepted | ClientError | PrefillElsewhere | pb.GenerateResponse]:
         """`Accepted`, then the response messages; or one `ClientError` (and nothing else) when the
         request is refused or the engine fails it. `label` is the client's id for the request.
         `messages` (chat, HTTP only) replaces the request's prompt: the tokenizer's chat template
         renders them. `route` is the gRPC method or HTTP route it came by (for its trace).
-        In disaggregated mode (a decode replica: `self.prefill_pool` set) a long prompt is
-        prefilled by the prefill pool, whose first message is relayed, and continued here from
-        its handoff."""
+        In disaggregated mode the ingress passes what it knows of the prefill pool (`pool`); a
+        prompt that is to be prefilled there (deployments/placement.py) gets `Accepted` and a
+        `PrefillElsewhere`, and nothing more: the ingress brings it back to `resume` with its
+        handoff, so it holds no slot here while it waits for the pool."""
         try:
             prompt, params = await self.translate(request, messages)
         except ClientError as e:  # logged once, by the ingress
@@ -173,61 +166,37 @@ class SpecDecodeServer:
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
         trace = TraceMetadata(trace_metadata or [], route)
         yield Accepted(self.replica_id)
-        remote = self.prefill_pool is not None and await self.should_prefill_remotely(prompt, params)
-        backing_off = remote and self.prefill_backoff.active()
-        busy = remote and not backing_off and prefill_locally_when_busy(
-            self.inflight_prefills, self.busy_prefills, self.config.disaggregation.max_inflight_prefills)
-        if busy or backing_off or not remote:
-            if self.prefill_pool is not None:
-                self._count_prefill("local_busy" if busy else "local_backoff" if backing_off else "local")
-            self.busy_prefills += busy
-            try:
-                async for item in self._run(prompt, params, label, trace, speculating):
-                    if busy and isinstance(item, pb.GenerateResponse):  # its prefill is done
-                        self.busy_prefills -= 1
-                        busy = False
-                    yield item
-            finally:
-                self.busy_prefills -= busy
-            return
-        span = None
-        if self.tracing is not None:  # one span over prefill pool, handoff and decode
-            attributes = grpc_span_attributes(trace.route, self.replica_id, params, speculating, label)
-            span = self.tracing.start_disaggregated(self.tracing.parent_context(trace), attributes)
-            trace = TraceMetadata(self.tracing.metadata(span), trace.route)
-        try:
-            async for item in self._disaggregated(prompt, params, label, trace, speculating, span):
-                yield item
-        finally:
-            if span is not None:
-                span.end()
+        if pool is not None and self.config.mode == "disaggregated":
+            step_budget_s = self.config.slo.tpot_ms / 1e3 if self.config.slo.tpot_ms else None
+            local = await self.llm.call(local_estimate, self.llm.engine, prompt, params, step_budget_s)
+            ttft_budget_s = self.config.slo.ttft_ms / 1e3 if self.config.slo.ttft_ms else None
+            placement = place(local, pool, self.config.disaggregation.min_prompt_tokens, ttft_budget_s)
+            self.metrics.on_placement(placement)
+            if placement.where == "remote":
+                yield PrefillElsewhere(prompt, params, placement, local.uncached_tokens, speculating)
+                return
+            self._count_prefill({"local_faster": "local_faster", "backoff": "local_backoff"}.get(placement.reason, "local"))
+            trace.placement = placement
+        async for item in self._run(prompt, params, label, trace, speculating):
+            yield item
 
-    async def _disaggregated(
-        self, prompt: list[int], params: Any, label: str, trace: TraceMetadata, speculating: bool, span: Any,
-    ) -> AsyncIterator[ClientError | pb.GenerateResponse]:
-        """A request the prefill pool prefills: relay its first message(s), fetch the handoff,
-        continue here; a lost prefill replica or handoff, or a refused import, is prefilled here
-        after the tokens already sent (`fallback`)."""
-        result, sent = None, []
-        prefill_stream = self._remote_prefill(prompt, params, label, trace.pairs)
-        self.inflight_prefills += 1
-        try:
-            async for item in prefill_stream:
-                if isinstance(item, PrefillResult):
-                    result = item
-                    break  # the prefill replica holds the handoff until this stream is closed
-                yield item  # the first message(s), or the last one if it finished in the prefill
-                if isinstance(item, ClientError) or item.finish_reason:
-                    return
-                sent.extend(item.token_ids)
-            fetched = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
-        finally:
-            self.inflight_prefills -= 1
-            await prefill_stream.aclose()  # cancels the prefill call: its replica drops its reference
+    async def resume(
+        self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None,
+        result: PrefillResult | None, sent: list[int], speculating: bool,
+    ) -> AsyncIterator[Accepted | ClientError | HandoffRead | Prefilled | pb.GenerateResponse]:
+        """Continue a request the prefill pool prefilled (called by the ingress once its handoff
+        is ready; the client already has `sent`): `Accepted`, `HandoffRead` once the handoff is
+        here (its prefill call can close), `Prefilled`, then the messages after `sent`. A lost
+        handoff, a refused import or none at all (`result` None: the pool failed) is prefilled
+        here after the tokens already sent (`fallback`): the client never sees it."""
+        yield Accepted(self.replica_id)
+        trace = TraceMetadata(trace_metadata or [])
+        fetched = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
         if result is not None:
-            result.handoff.clear()  # drop the ObjectRef: the owner frees the handoff now
-            if span is not None:
-                self.tracing.handoff(span, int(result.sent_at * 1e9), time.time_ns(), {
+            result.handoff.clear()  # drop the ObjectRef: the owner frees the handoff when its call closes
+            yield HandoffRead(fetched is not None)
+            if self.tracing is not None:
+                self.tracing.handoff(self.tracing.parent_context(trace), int(result.sent_at * 1e9), time.time_ns(), {
                     t.ATTR_HANDOFF_BYTES: result.num_bytes, t.ATTR_HANDOFF_TRANSPORT: result.transport,
                 }, error=None if fetched is not None else "handoff lost")
         if fetched is not None:
@@ -248,8 +217,7 @@ class SpecDecodeServer:
                 if first:
                     self._count_prefill("remote", result.num_bytes, seconds)
                     self.transports[result.transport] = self.transports.get(result.transport, 0) + 1
-                    if span is not None:
-                        span.set_attribute(t.ATTR_PREFILLED, "remote")
+                    yield Prefilled("remote")
                     first = False
                 yield item
             else:
@@ -260,8 +228,7 @@ class SpecDecodeServer:
                            "handoff lost" if result is not None else "no handoff from the prefill pool")
         self._count_prefill("fallback")
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        if span is not None:
-            span.set_attribute(t.ATTR_PREFILLED, "fallback")
+        yield Prefilled("fallback", reason)
         async for item in self._run(prompt + sent, _fewer_tokens(params, len(sent)), label, trace, speculating,
                                     already_sent=sent):
             yield item
@@ -300,13 +267,17 @@ class SpecDecodeServer:
                 attributes = grpc_span_attributes(trace.route, self.replica_id, params, speculating, label)
                 if role is not None:
                     attributes[t.ATTR_ROLE] = role
+                if trace.placement is not None:
+                    attributes.update(t.placement_attributes(trace.placement))
                 parent = self.tracing.parent_context(trace)
                 stream = self.tracing.trace(stream, request_id, parent=parent, server=True, attributes=attributes)
             async for out in stream:
                 self.latency.on_tokens(request_id, len(out.delta_token_ids))
                 if out.handoff is not None:  # owned by this replica; freed when the decode side drops it
                     ref = put_handoff(out.handoff, self.transport)
-                    yield PrefillResult([ref], self.transport, out.handoff.num_bytes, len(out.text), time.time())
+                    rate = self.llm.stats().get("prefill_tokens_per_s")
+                    yield PrefillResult([ref], self.transport, out.handoff.num_bytes, len(out.text), time.time(),
+                                        self.replica_id, rate)
                     # Keep this replica's own reference until the decode replica has read the
                     # handoff and closed the call (which cancels it here), at most twice its fetch
                     # timeout: Ray can free an object whose reference a generator yielded inside
@@ -337,44 +308,7 @@ class SpecDecodeServer:
         finally:
             self.latency.finish(request_id)
 
-    # --- disaggregation (decode replicas) -------------------------------------------------------
-    async def should_prefill_remotely(self, prompt: list[int], params: Any) -> bool:
-        """Prefill in the prefill pool when at least `min_prompt_tokens` of the prompt are not in
-        this replica's prefix cache as this request would use it (a drafting request recomputes
-        blocks whose drafter KV was never filled; the lookup runs on the engine thread, between
-        steps)."""
-        threshold = self.config.disaggregation.min_prompt_tokens
-        if len(prompt) < threshold:
-            return False
-        cached = await self.llm.call(_num_cached_tokens, self.llm.engine, prompt, params)
-        return len(prompt) - cached >= threshold
-
-    async def _remote_prefill(
-        self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None
-    ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult]:
-        """Relay the prefill pool's messages; nothing more when its replica is lost or refuses
-        (then this replica prefills itself). A refusal of the request itself is passed on."""
-        response = self.prefill_pool.prefill.remote(prompt, params, label, trace_metadata)
-        finished = False
-        try:
-            first = await asyncio.wait_for(response.__anext__(), self.config.replica_wait_timeout_s)
-            self.prefill_backoff.succeeded()  # the pool answered (a refusal of the request included)
-            if isinstance(first, ClientError):
-                finished = True
-                if first.code == grpc.StatusCode.INVALID_ARGUMENT:
-                    yield first
-                return
-            async for item in response:
-                yield item
-            finished = True
-        except (TimeoutError, StopAsyncIteration, *REPLICA_LOST) as e:
-            wait = self.prefill_backoff.failed()
-            logger.warning("request %r: prefill pool failed (%s); long prompts are prefilled here for %.0f s",
-                           label, type(e).__name__, wait)
-        finally:
-            if not finished:
-                response.cancel()
-
+    # --- disaggregation ----------------------------------------------------------------------
     def _count_prefill(self, where: str, num_bytes: int = 0, seconds: float | None = None) -> None:
         self.prefills[where] = self.prefills.get(where, 0) + 1
         if seconds is not None:
@@ -402,13 +336,13 @@ class SpecDecodeServer:
         return {"replica": self.replica_id, "disabled": spec.proposer.disabled, **spec.proposer.counts}
 
     async def prefill_counts(self) -> dict[str, float]:
-        """How this decode replica's requests were prefilled (remote, local, fallback), by which
-        transport its handoffs came (`via_nixl`, `via_object_store`), why fallbacks happened
-        (`fallback_no_handoff`, `fallback_lost`, `fallback_refused`), the remote prefills it waits on
-        now (`inflight_prefills`) and the handoffs' median size
-        and transfer time (tests and bench/bench_pd.py)."""
+        """How this decode replica's requests were prefilled (remote; local: short or cached;
+        local_faster: long, but predicted faster here than in the pool; local_backoff: long, while
+        the pool backs off after a failure; fallback), by which transport its handoffs came
+        (`via_nixl`, `via_object_store`), why fallbacks happened (`fallback_no_handoff`,
+        `fallback_lost`, `fallback_refused`) and the handoffs' median size and transfer time
+        (tests and bench/bench_pd.py)."""
         out: dict[str, float] = dict(self.prefills)
-        out["inflight_prefills"] = self.inflight_prefills  # remote prefills it waits on now
         out.update({f"via_{name}": n for name, n in self.transports.items()})
         out.update({f"fallback_{why}": n for why, n in self.fallbacks.items()})
         if self.handoffs:
@@ -662,16 +596,6 @@ def token_logprob_messages(logprobs: list, tokenizer) -> list[pb.TokenLogprob]:
         m.top_logprobs.extend(message(t, v) for t, v in lp.top)
         out.append(m)
     return out
-
-
-def prefill_locally_when_busy(inflight: int, busy: int, max_inflight: int | None) -> bool:
-    """Whether a decode replica prefills a long prompt itself (`local_busy`) instead of sending it
-    to the prefill pool: it waits on `max_inflight` remote prefills already
-    (`disaggregation.max_inflight_prefills`; None: never) and is not already prefilling such a
-    prompt itself (`busy` of them until their first token). One at a time: each stalls this
-    replica's streams for a whole prefill, and a second would queue here behind the first (and
-    delay the short prompts this replica prefills) instead of at the pool."""
-    return max_inflight is not None and inflight >= max_inflight and busy == 0
 
 
 def _noop() -> None:

@@ -96,6 +96,11 @@ ATTR_ROLE = "specdecode.role"  # request spans in disaggregated mode: prefill | 
 ATTR_HANDOFF_BYTES = "specdecode.handoff.bytes"
 ATTR_HANDOFF_TRANSPORT = "specdecode.handoff.transport"  # object_store | nixl
 ATTR_PREFILLED = "specdecode.prefilled"  # on a disaggregated span: remote | fallback
+# where a disaggregated request's prompt was placed, why, and the predicted times to first token
+ATTR_PLACEMENT = "specdecode.placement"  # remote | local
+ATTR_PLACEMENT_REASON = "specdecode.placement.reason"
+ATTR_PREDICTED_REMOTE_TTFT_S = "specdecode.placement.predicted_remote_ttft_s"
+ATTR_PREDICTED_LOCAL_TTFT_S = "specdecode.placement.predicted_local_ttft_s"
 # Step attributes: on `engine.step` and copied onto each request's prefill/decode span.
 ATTR_STEP_INDEX = "engine.step.index"
 ATTR_STEP_NUM_REQUESTS = "engine.step.num_requests"
@@ -393,11 +398,12 @@ class RequestTracer:
         propagate.inject(carrier, context=set_span_in_context(span))
         return list(carrier.items())
 
-    def handoff(self, parent: Span, start_ns: int, end_ns: int, attributes: Mapping[str, Any],
+    def handoff(self, parent: Context | None, start_ns: int, end_ns: int, attributes: Mapping[str, Any],
                 error: str | None = None) -> None:
-        """The handoff's transfer as a child of `parent`: from the prefill replica's put to the
-        decode replica's read (the import into the decode engine's blocks is its queue time)."""
-        span = self.tracer.start_span(HANDOFF_SPAN, context=set_span_in_context(parent), start_time=start_ns,
+        """The handoff's transfer as a child of `parent` (the disaggregated request's span): from
+        the prefill replica's put to the decode replica's read (the import into the decode
+        engine's blocks is its queue time)."""
+        span = self.tracer.start_span(HANDOFF_SPAN, context=parent, start_time=start_ns,
                                       attributes=attributes)
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
@@ -569,13 +575,25 @@ def grpc_span_attributes(method: str, replica_id: str, params: Any, speculating:
     return attrs
 
 
-def setup_tracing(args: TracingArgs | None, llm: AsyncLLM, environ: Mapping[str, str] = os.environ) -> RequestTracer | None:
-    """The replica's tracer, attached to `llm`'s engine; None (and nothing registered) when off."""
+def placement_attributes(placement: Any) -> dict[str, Any]:
+    """Span attributes of a `deployments.placement.Placement`: where, why, predicted TTFTs."""
+    attributes = {ATTR_PLACEMENT: placement.where, ATTR_PLACEMENT_REASON: placement.reason}
+    if placement.remote_ttft_s is not None:
+        attributes[ATTR_PREDICTED_REMOTE_TTFT_S] = placement.remote_ttft_s
+    if placement.local_ttft_s is not None:
+        attributes[ATTR_PREDICTED_LOCAL_TTFT_S] = placement.local_ttft_s
+    return attributes
+
+
+def setup_tracing(args: TracingArgs | None, llm: AsyncLLM | None, environ: Mapping[str, str] = os.environ) -> RequestTracer | None:
+    """The replica's tracer, attached to `llm`'s engine (the ingress's: to none); None (and
+    nothing registered) when off."""
     settings = resolve_settings(args, environ)
     if settings is None:
         return None
     tracer = RequestTracer(make_tracer_provider(settings, environ))
-    tracer.attach(llm.engine)
+    if llm is not None:
+        tracer.attach(llm.engine)
     logger.info("tracing on: exporters %s%s", ",".join(settings.exporters),
                 f", file {settings.file}" if "file" in settings.exporters else "")
     return tracer

@@ -72,7 +72,7 @@ def served(tmp_path_factory) -> Iterator[Served]:
     target = save_tiny_model(str(root / "target"), "llama", max_position_embeddings=1024)
     save_char_tokenizer(target)
     drafter = save_perturbed_copy(target, str(root / "drafter"), noise=0.02)
-    spans = {pool: str(root / f"{pool}_spans.jsonl") for pool in ("prefill", "decode")}
+    spans = {pool: str(root / f"{pool}_spans.jsonl") for pool in ("prefill", "decode", "ingress")}
     mp = pytest.MonkeyPatch()
     mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # spans exported within 0.1 s (the raylets' workers inherit it)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
@@ -91,9 +91,11 @@ def served(tmp_path_factory) -> Iterator[Served]:
             return {"ray_actor_options": {"num_cpus": 0.5, "resources": {name: 1}, "runtime_env": {"env_vars": env}}}
 
         decode, prefill = pool("decode"), pool("prefill")
+        ingress = {"ray_actor_options": {"num_cpus": 0, "runtime_env": {
+            "env_vars": {"SPECDECODE_TRACES_FILE": spans["ingress"]}}}}
         # Both applications at once (their replicas start side by side), and before any handoff
         # has gone by nixl: its agents' polling threads slow everything started after it here.
-        serve.run_many([serve.RunTarget(bind_app(config, decode, prefill_overrides=prefill), name=APP,
+        serve.run_many([serve.RunTarget(bind_app(config, decode, ingress, prefill_overrides=prefill), name=APP,
                                         route_prefix=f"/{APP}"),
                         variant_target(target, drafter)])
         for app in (APP, VARIANT):
@@ -130,6 +132,12 @@ def handle(name: str):
 
 def prefill_counts() -> dict[str, int]:
     return handle("SpecDecode").prefill_counts.remote().result(timeout_s=30)
+
+
+def pool_stats(app: str = APP) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("SpecDecodeIngress", app_name=app).pool_stats.remote().result(timeout_s=30)
 
 
 def both_pools_idle(timeout: float = 20.0) -> bool:
@@ -223,7 +231,7 @@ def test_prefill_replica_holds_its_handoff_until_the_call_is_closed(served: Serv
     from ray.serve.exceptions import RequestCancelledError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from deployments.replica import PrefillResult
+    from deployments.common import PrefillResult
     from engine import SamplingParams
 
     rng = random.Random(8)
@@ -259,10 +267,11 @@ def test_prefill_replica_holds_its_handoff_until_the_call_is_closed(served: Serv
 
 
 def test_one_trace_spans_prefill_handoff_and_decode(served: Served) -> None:
-    """A remotely prefilled request is one trace under the client's traceparent: the decode
-    replica's `specdecode.disaggregated` span holds the prefill replica's request span (exported on
-    the prefill node), the handoff (bytes, transport) and the decode replica's request span; and
-    where_time_goes shows the handoff as a phase of that one request."""
+    """A remotely prefilled request is one trace under the client's traceparent: the ingress's
+    `specdecode.disaggregated` span (with the placement: where, why, predicted TTFTs) holds the
+    prefill replica's request span (exported on the prefill node), the handoff (bytes, transport)
+    and the decode replica's request span; and where_time_goes shows the handoff as a phase of
+    that one request."""
     import json
 
     from deployments import tracing as tr
@@ -292,6 +301,8 @@ def test_one_trace_spans_prefill_handoff_and_decode(served: Served) -> None:
     spans = mine()
     (top,) = [s for s in spans if s["name"] == tr.DISAGG_SPAN]
     assert top["parent_span_id"] == parent_id and top["attributes"][tr.ATTR_PREFILLED] == "remote"
+    assert top["attributes"][tr.ATTR_PLACEMENT] == "remote"
+    assert top["attributes"][tr.ATTR_PLACEMENT_REASON] in ("unmeasured", "within_budget", "remote_faster")
     children = [s for s in spans if s["parent_span_id"] == top["span_id"]]
     roles = sorted(s["attributes"].get(tr.ATTR_ROLE, "") for s in children if s["name"] == tr.REQUEST_SPAN)
     assert roles == ["decode", "prefill"]
@@ -359,9 +370,11 @@ def test_cancel_storm_leaves_no_blocks_on_either_pool(served: Served) -> None:
         while direct_transport_objects_held() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert direct_transport_objects_held() == 0
-    counts = prefill_counts()
-    assert counts.get("remote", 0) > 0
-    assert counts["inflight_prefills"] == 0  # every cancelled remote prefill let go of its slot
+    assert prefill_counts().get("remote", 0) > 0
+    deadline = time.monotonic() + 10
+    while pool_stats()["inflight_prefills"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pool_stats()["inflight_prefills"] == 0  # every cancelled remote prefill left the ingress's count
 
 
 def variant_target(target: str, drafter: str):
@@ -377,7 +390,8 @@ def variant_target(target: str, drafter: str):
     from ray import serve
 
     from deployments.app import bind_app
-    from deployments.replica import PrefillResult, SpecDecodeServer
+    from deployments.common import PrefillResult
+    from deployments.replica import SpecDecodeServer
 
     die, mismatch, slow, slow_s = DIE, MISMATCH, SLOW, SLOW_S  # travel with the class (pickled by value)
 
@@ -396,7 +410,7 @@ def variant_target(target: str, drafter: str):
                     item = dataclasses.replace(item, handoff=[ray.put(dataclasses.replace(handoff, compat=compat))])
                 yield item
 
-    config = app_config(target, drafter, transport="object_store", max_inflight_prefills=1)
+    config = app_config(target, drafter, transport="object_store")
     decode = {"ray_actor_options": {"num_cpus": 0, "resources": {"decode": 1}}}
     prefill = {"ray_actor_options": {"num_cpus": 0, "resources": {"prefill": 1}}}
     return serve.RunTarget(bind_app(config, decode, prefill_overrides=prefill, prefill_cls=FaultyPrefill),
@@ -430,17 +444,18 @@ def test_object_store_transport_gives_the_same_tokens(served: Served, colocated)
     assert counts == {"remote": 1, "via_object_store": 1}, counts
 
 
-def test_a_busy_prefill_pool_sends_long_prompts_to_a_local_prefill(served: Served, colocated) -> None:
-    """max_inflight_prefills 1 (the variant): while the decode replica waits on one remote prefill
-    (slowed by SLOW_S s), the next long prompt is prefilled by the decode replica (`local_busy`)
-    instead of queueing behind it, so it streams before the slow one has its first token; both get
-    the co-located tokens, and once the remote prefill is done long prompts go remote again."""
+def test_requests_waiting_for_the_prefill_pool_hold_no_decode_slot(served: Served, colocated) -> None:
+    """As many long prompts as the decode replica has slots (max_num_seqs 4) wait on a prefill
+    pool slowed by SLOW_S s; a short prompt sent meanwhile is prefilled and finished by the decode
+    replica at once (it would queue behind them if they held its slots), and every request gets
+    the co-located tokens."""
     from ray import serve
 
     decode = serve.get_deployment_handle("SpecDecode", app_name=VARIANT)
     params = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
     rng = random.Random(31)
-    slow_prompt, busy_prompt = ([rng.randrange(3, 97) for _ in range(THRESHOLD + 15)] for _ in range(2))
+    slow_prompts = [[rng.randrange(3, 97) for _ in range(THRESHOLD + 15)] for _ in range(4)]
+    short_prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD // 2)]
     got: dict[str, tuple[list[int], float]] = {}
 
     def send(name: str, prompt: list[int], request_id: str = "") -> None:
@@ -451,19 +466,24 @@ def test_a_busy_prefill_pool_sends_long_prompts_to_a_local_prefill(served: Serve
     with SpecDecodeClient(f"127.0.0.1:{served.port}", application=VARIANT, timeout=120) as client:
         client.wait_ready(120)
     before = decode.prefill_counts.remote().result(timeout_s=30)
-    slow = threading.Thread(target=send, args=("slow", slow_prompt, SLOW))
-    slow.start()
-    time.sleep(1.0)  # the slow request is waiting on the prefill pool
-    send("busy", busy_prompt)
-    slow.join(120)
-    assert got["busy"][1] < got["slow"][1]
-    assert got["slow"][0] == reference(colocated, slow_prompt, **params)
-    assert got["busy"][0] == reference(colocated, busy_prompt, **params)
+    slow = [threading.Thread(target=send, args=(f"slow{i}", p, SLOW)) for i, p in enumerate(slow_prompts)]
+    for thread in slow:
+        thread.start()
+    time.sleep(1.0)  # the slow requests are waiting on the prefill pool
+    assert pool_stats(VARIANT)["inflight_prefills"] == 4
+    sent_at = time.monotonic()
+    send("short", short_prompt)
+    short_s = got["short"][1] - sent_at
+    for thread in slow:
+        thread.join(120)
+    assert short_s < SLOW_S - 1.0, short_s
+    assert all(got["short"][1] < got[f"slow{i}"][1] for i in range(4))
+    assert got["short"][0] == reference(colocated, short_prompt, **params)
+    for i, prompt in enumerate(slow_prompts):
+        assert got[f"slow{i}"][0] == reference(colocated, prompt, **params)
     after = decode.prefill_counts.remote().result(timeout_s=30)
     changed = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int) and after[k] != before.get(k, 0)}
-    assert changed == {"remote": 1, "via_object_store": 1, "local_busy": 1}, changed
-    _, _, counts = run_variant(served, colocated, 32)  # nothing in flight: remote again
-    assert counts == {"remote": 1, "via_object_store": 1}, counts
+    assert changed == {"remote": 4, "via_object_store": 4, "local": 1}, changed
 
 
 def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated) -> None:
@@ -476,9 +496,9 @@ def test_refused_import_falls_back_to_a_local_prefill(served: Served, colocated)
 
 def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colocated) -> None:
     """The prefill replica dies after the client got the first token and before the decode side
-    has the handoff: the decode replica prefills locally (after the tokens already sent), the
-    client sees the co-located tokens and no error, and the fallback is counted. The decode
-    replica then backs off the pool: the next long prompt is prefilled locally at once
+    has the handoff: a decode replica prefills locally (after the tokens already sent), the
+    client sees the co-located tokens and no error, and the fallback is counted. The ingress then
+    backs off the pool: the next long prompt is prefilled by the decode replica at once
     (`local_backoff`) instead of trying the pool again. (Last: the prefill replica is gone
     afterwards.)"""
     _, _, counts = run_variant(served, colocated, 11, DIE)

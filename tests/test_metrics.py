@@ -140,6 +140,8 @@ def test_labels_by_metric() -> None:
         "specdecode_spec_accepted_by_position_total": ("position",),
         "specdecode_engine_step_seconds_total": ("phase",),
         "specdecode_prefills_total": ("where",),
+        "specdecode_placements_total": ("where", "reason"),
+        "specdecode_predicted_ttft_seconds": ("where",),
         "specdecode_remote_drafter_rounds_total": ("result",),
     }
 

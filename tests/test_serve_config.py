@@ -258,8 +258,8 @@ def test_disaggregated_config_validates_and_builds_both_pools() -> None:
     app = pd["applications"][0]
     assert {d["name"] for d in app["deployments"]} == {"SpecDecode", "SpecDecodePrefill", "SpecDecodeIngress"}
     built = call_user_app_builder_with_args_if_necessary(import_attr(app["import_path"]), app["args"])
-    decode = built._bound_deployment.init_args[0]._bound_deployment
-    prefill = decode.init_args[1]._bound_deployment
+    ingress = built._bound_deployment
+    decode, prefill = ingress.init_args[0]._bound_deployment, ingress.init_args[2]._bound_deployment
     assert (decode.name, prefill.name) == ("SpecDecode", "SpecDecodePrefill")
     assert decode.ray_actor_options["num_cpus"] == prefill.ray_actor_options["num_cpus"] == 1
     # Apart from the mode and sizing, it is the shipped config.
@@ -274,27 +274,27 @@ def test_disaggregation_args_are_validated() -> None:
         AppConfig.from_dict({"mode": "split"})
     with pytest.raises(ConfigError, match="min_prompt_tokens"):
         AppConfig.from_dict({"disaggregation": {"min_prompt_tokens": 0}})
-    assert AppConfig.from_dict({}).disaggregation.max_inflight_prefills is None
-    assert AppConfig.from_dict({"disaggregation": {"max_inflight_prefills": 2}}).disaggregation.max_inflight_prefills == 2
-    with pytest.raises(ConfigError, match=r"disaggregation.max_inflight_prefills: must be >= 1, got 0"):
-        AppConfig.from_dict({"disaggregation": {"max_inflight_prefills": 0}})
     with pytest.raises(ConfigError, match="disaggregation.bogus"):
         AppConfig.from_dict({"disaggregation": {"bogus": 1}})
+    with pytest.raises(ConfigError, match="disaggregation.max_inflight_prefills"):  # replaced by slo.ttft_ms
+        AppConfig.from_dict({"disaggregation": {"max_inflight_prefills": 1}})
 
 
-def test_a_busy_prefill_pool_sends_one_long_prompt_at_a_time_to_the_decode_replica() -> None:
-    """disaggregation.max_inflight_prefills N: a long prompt is prefilled by the decode replica
-    (`local_busy`) once it waits on N remote prefills, unless it is already prefilling one such
-    prompt itself (a second would queue behind the first there instead of at the pool); without N,
-    never. (The end-to-end case: tests/test_disaggregated.py, a slowed prefill pool.)"""
-    from deployments.replica import prefill_locally_when_busy
-
-    assert not prefill_locally_when_busy(inflight=5, busy=0, max_inflight=None)
-    assert not prefill_locally_when_busy(inflight=1, busy=0, max_inflight=2)
-    assert prefill_locally_when_busy(inflight=2, busy=0, max_inflight=2)
-    assert prefill_locally_when_busy(inflight=3, busy=0, max_inflight=2)
-    assert not prefill_locally_when_busy(inflight=3, busy=1, max_inflight=2)
-    assert prefill_locally_when_busy(inflight=1, busy=0, max_inflight=1)
+def test_slo_budgets_are_validated_and_reach_the_engine() -> None:
+    """slo.tpot_ms becomes the engine's step budget for stall-free chunked prefill (null: none);
+    slo.ttft_ms is the placement's budget; both positive numbers or null."""
+    default = AppConfig.from_dict({})
+    assert (default.slo.ttft_ms, default.slo.tpot_ms) == (4000.0, 100.0)
+    assert default.engine_kwargs()["decode_step_budget_s"] == pytest.approx(0.1)
+    off = AppConfig.from_dict({"slo": {"tpot_ms": None, "ttft_ms": None}})
+    assert off.engine_kwargs()["decode_step_budget_s"] is None and off.slo.ttft_ms is None
+    assert AppConfig.from_dict(off.to_dict()) == off
+    with pytest.raises(ConfigError, match=r"slo.tpot_ms: must be in \(0.0, 60000.0\], got -5"):
+        AppConfig.from_dict({"slo": {"tpot_ms": -5}})
+    with pytest.raises(ConfigError, match=r"slo.ttft_ms: must be a number, got 'fast'"):
+        AppConfig.from_dict({"slo": {"ttft_ms": "fast"}})
+    with pytest.raises(ConfigError, match="slo.p99"):
+        AppConfig.from_dict({"slo": {"p99": 1}})
 
 
 def test_drafter_pool_config_validates_and_builds_the_pool() -> None:

@@ -1,0 +1,91 @@
+"""The placement of a disaggregated request's prefill (deployments/placement.py): the decision
+follows the predicted times to first token fed to it, and the ingress's view of the prefill pool
+follows what was sent there and what its replicas report."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.placement import LocalEstimate, PoolEstimate, PrefillPoolTracker, place
+
+MIN = 256  # disaggregation.min_prompt_tokens
+BUDGET = 4.0  # slo.ttft_ms / 1000
+
+
+def pool(queued: int = 0, rate: float | None = 1000.0, replicas: int = 1, backing_off: bool = False) -> PoolEstimate:
+    return PoolEstimate(queued, rate, replicas, backing_off)
+
+
+def test_short_prompts_and_cache_hits_stay_local() -> None:
+    p = place(LocalEstimate(MIN - 1, 0, 1000.0), pool(), MIN, BUDGET)
+    assert (p.where, p.reason) == ("local", "short")
+    assert place(LocalEstimate(5000, 0, 1000.0), None, MIN, BUDGET).reason == "no_pool"
+
+
+def test_within_budget_on_both_sides_goes_to_the_pool() -> None:
+    """Even when the idle decode replica would be a little faster: it keeps its time for decoding."""
+    p = place(LocalEstimate(1500, 0, 1000.0), pool(queued=500), MIN, BUDGET)
+    assert (p.where, p.reason) == ("remote", "within_budget")
+    assert p.remote_ttft_s == pytest.approx(2.0) and p.local_ttft_s == pytest.approx(1.5)
+
+
+def test_a_saturated_pool_sends_long_prompts_to_the_faster_decode_replica() -> None:
+    """The pool's queue (10k tokens at 1000 tok/s: 11.5 s) is past the budget; the decode replica,
+    prefilling in chunks beside its streams at 400 tok/s, would have the first token in 3.75 s."""
+    p = place(LocalEstimate(1500, 0, 400.0), pool(queued=10_000), MIN, BUDGET)
+    assert (p.where, p.reason) == ("local", "local_faster")
+    assert p.remote_ttft_s == pytest.approx(11.5) and p.local_ttft_s == pytest.approx(3.75)
+
+
+def test_past_the_budget_everywhere_the_faster_side_wins() -> None:
+    busy_local = LocalEstimate(1500, 20_000, 400.0)  # 53.75 s here
+    p = place(busy_local, pool(queued=10_000), MIN, BUDGET)  # 11.5 s there
+    assert (p.where, p.reason) == ("remote", "remote_faster")
+    p = place(LocalEstimate(1500, 0, 1000.0), pool(queued=10_000), MIN, BUDGET)
+    assert (p.where, p.reason) == ("local", "local_faster")
+
+
+def test_more_pool_replicas_mean_a_higher_rate() -> None:
+    one = place(LocalEstimate(1500, 0, 400.0), pool(queued=6000, rate=1000.0), MIN, BUDGET)
+    two = place(LocalEstimate(1500, 0, 400.0), pool(queued=6000, rate=2000.0, replicas=2), MIN, BUDGET)
+    assert (one.where, two.where) == ("local", "remote")
+
+
+def test_backoff_and_unmeasured_rates() -> None:
+    assert place(LocalEstimate(1500, 0, 1000.0), pool(backing_off=True), MIN, BUDGET).reason == "backoff"
+    # nothing measured anywhere yet: the pool (that is how its rate gets measured)
+    p = place(LocalEstimate(1500, 0, None), pool(rate=None), MIN, BUDGET)
+    assert (p.where, p.reason) == ("remote", "unmeasured")
+    # the pool unmeasured: taken to prefill as fast as this replica does
+    p = place(LocalEstimate(1500, 0, 500.0), pool(queued=3000, rate=None), MIN, BUDGET)
+    assert p.remote_ttft_s == pytest.approx(9.0) and p.where == "local"
+
+
+def test_without_a_budget_the_faster_side_wins() -> None:
+    assert place(LocalEstimate(1500, 0, 1000.0), pool(queued=500), MIN, None).where == "local"
+    assert place(LocalEstimate(1500, 0, 1000.0), pool(queued=0, rate=2000.0), MIN, None).where == "remote"
+
+
+def test_tracker_counts_what_the_pool_still_has_to_prefill() -> None:
+    tracker = PrefillPoolTracker()
+    a, b = tracker.sent(1500), tracker.sent(700)
+    assert (tracker.queued_tokens, tracker.num_pending) == (2200, 2)
+    tracker.done(a)
+    tracker.done(a)  # twice: no effect
+    assert tracker.estimate().queued_tokens == 700
+    tracker.done(b)
+    assert tracker.estimate() == PoolEstimate(0, None, 0, False)
+
+
+def test_tracker_sums_live_replicas_rates_and_forgets_silent_ones() -> None:
+    tracker = PrefillPoolTracker(ttl_s=60.0)
+    tracker.report("r1", 1000.0, now=0.0)
+    tracker.report("r2", 800.0, now=10.0)
+    tracker.report("r3", None, now=10.0)  # no measurement yet: ignored
+    est = tracker.estimate(now=20.0)
+    assert (est.tokens_per_s, est.num_replicas) == (1800.0, 2)
+    est = tracker.estimate(now=65.0)  # r1 silent for 65 s: gone (downscaled or dead)
+    assert (est.tokens_per_s, est.num_replicas) == (800.0, 1)
+    tracker.report("r2", 400.0, now=66.0)  # a slower host: the rate moves toward it
+    assert 400.0 < tracker.estimate(now=66.0).tokens_per_s < 800.0
+    assert tracker.estimate(backing_off=True, now=66.0).backing_off
