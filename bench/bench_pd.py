@@ -113,7 +113,7 @@ def start(config_name: str, port: int, method: str = "eagle3", min_prompt_tokens
     from deployments.app import bind_app
     from deployments.config import AppConfig
 
-    args = {"max_num_seqs": 8, "max_queued_requests": 256, "max_prompt_tokens": 1940, "max_tokens": 512,
+    args = {"max_num_seqs": 16, "max_queued_requests": 256, "max_prompt_tokens": 1940, "max_tokens": 512,
             "num_cpus": 1, "replica_wait_timeout_s": 600, "speculative": {"method": method}}
     if config_name == "colocated_unchunked":
         args["slo"] = {"tpot_ms": None}
