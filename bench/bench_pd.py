@@ -1,7 +1,7 @@
 """Co-located vs prefill/decode-disaggregated serving on the same CPUs, open-loop load, over
 prompt mixes and arrival rates.
 
-    python -m bench.bench_pd [--mixes 0.1,0.3,0.5] [--rates 0.5,1,1.5,2,2.5] [--duration 60]
+    python -m bench.bench_pd [--mixes 0.1,0.3,0.5] [--rates 1,2,3,4,5] [--duration 60]
         [--seeds 0] [--max-tokens 96] [--slo-ttft-ms 4000 --slo-tpot-ms 50] [--method eagle3]
         [--configs colocated,disaggregated] [--out PATH]
 
@@ -44,7 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROMPTS_PER_RATE = 150  # more than any rate's arrivals in --duration: no prompt is sent twice in a run
+
+
+def num_prompts(rate: float, duration: float) -> int:
+    """Prompts for one cell: more than its Poisson arrivals will be (no prompt is sent twice)."""
+    return int(rate * duration * 1.5) + 30
 CONFIGS = ("colocated", "colocated_unchunked", "disaggregated", "disaggregated_always_remote",
            "disaggregated_nixl", "disaggregated_no_drafter_state")
 LONG_TOKENS = (1000, 1900)  # a long prompt's length, uniform (the model's limit is 2048 with the output)
@@ -332,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", nargs="+", metavar="FILE[:CONFIGS]",
                    help="combine earlier runs' results into --out (no load is sent)")
     p.add_argument("--mixes", default="0.1,0.3,0.5", help="shares of long prompts, one load per share")
-    p.add_argument("--rates", default="0.5,1,1.5,2,2.5", help="arrival rates, requests/s")
+    p.add_argument("--rates", default="1,2,3,4,5", help="arrival rates, requests/s")
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--slo-ttft-ms", type=float, default=4000.0)
@@ -360,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(x) for x in args.seeds.split(",")]
     # Each (seed, mix, rate) its own prompts, the same whatever else a run has (so runs of one
     # configuration at a time compare), none shared between cells (no cache hits).
-    prompts = {(seed, mix, rate): build_prompts(PROMPTS_PER_RATE, mix, prompt_seed(seed, mix, rate))
+    prompts = {(seed, mix, rate): build_prompts(num_prompts(rate, args.duration), mix, prompt_seed(seed, mix, rate))
                for seed in seeds for mix in mixes for rate in rates}
     report = {"benchmark": "pd_vs_colocated", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
               "args": vars(args), "results": {}}
