@@ -13,10 +13,12 @@ W3C `traceparent` metadata, so the replica's spans join the caller's trace.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -43,10 +45,13 @@ def make_request(
     max_speculative_tokens: int | None = None,
     request_id: str = "",
     logprobs: int | None = None,
+    structured_output: Mapping[str, Any] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; a str prompt is text, a sequence of ints is token ids, a sequence of
     {"role", "content"} mappings is a chat. None = server default. `logprobs`: each token's
-    log-probability and that many alternatives in the responses (None: none)."""
+    log-probability and that many alternatives in the responses (None: none).
+    `structured_output`: one of {"json_schema": schema (a dict, or its JSON text)},
+    {"json_object": True}, {"regex": "..."}, {"grammar": "..."} (None: free text)."""
     req = pb.GenerateRequest(
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, request_id=request_id,
         speculation=SPECULATION_MODES[speculation] if isinstance(speculation, str) else speculation,
@@ -62,6 +67,11 @@ def make_request(
     for name, value in optional.items():
         if value is not None:
             setattr(req, name, value)
+    if structured_output is not None:
+        ((kind, value),) = structured_output.items()
+        if kind == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value)
+        req.structured_output.CopyFrom(pb.StructuredOutput(**{kind: value}))
     return req
 
 

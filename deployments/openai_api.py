@@ -12,9 +12,10 @@ same. Out come JSON or server-sent events (`data: {...}` chunks, then `data: [DO
 What we accept beyond the OpenAI fields sits under one field, `specdecode` (`SpecDecodeOptions`:
 speculation on/off/default, a k cap, top_k, ignore_eos, stop_token_ids, request_id,
 return_token_ids, token_healing); what we return beyond them sits under `specdecode` in the
-response or in the stream's finishing chunk (speculation stats and server-side timing). Fields
-that change what is generated and that we do not implement (n > 1, logprobs, penalties,
-logit_bias, tools, echo, suffix, JSON response formats) are refused with a 400 naming them;
+response or in the stream's finishing chunk (speculation stats and server-side timing). Structured output comes from `response_format` (`json_object`, `json_schema`) or our
+`specdecode.regex` / `specdecode.grammar` (Lark or GBNF). Fields that change what is generated
+and that we do not implement (n > 1, penalties, logit_bias, tools, echo, suffix) are refused
+with a 400 naming them;
 unknown fields are ignored, as OpenAI's newer fields are by other servers.
 """
 
@@ -72,6 +73,8 @@ class SpecDecodeOptions(BaseModel):
     request_id: str = ""  # a label for logs and traces (default: the X-Request-Id header, else random)
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
     token_healing: bool = False  # heal a text prompt's last token (GenerateRequest.token_healing)
+    regex: str | None = None  # structured output: the whole output matches this regular expression
+    grammar: str | None = None  # structured output: ... this Lark grammar (or GBNF)
 
 
 class StreamOptions(BaseModel):
@@ -93,6 +96,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
     specdecode: SpecDecodeOptions = Field(default_factory=SpecDecodeOptions)
 
 
@@ -130,7 +134,6 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class ApiError(Exception):
@@ -174,8 +177,6 @@ def check_supported(req: _GenerationRequest) -> None:
             raise _invalid("top_logprobs", "needs logprobs: true")
         if req.tools or req.tool_choice not in (None, "none"):
             raise _invalid("tools", "tool calls are not supported")
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise _invalid("response_format", f"only {{\"type\": \"text\"}} is supported, got {req.response_format}")
         if (req.max_tokens is not None and req.max_completion_tokens is not None
                 and req.max_tokens != req.max_completion_tokens):
             raise _invalid("max_completion_tokens", f"{req.max_completion_tokens} differs from max_tokens "
@@ -215,7 +216,36 @@ def generate_request(req: _GenerationRequest, prompt: str | list[int] | None) ->
     for name, value in optional.items():
         if value is not None:
             setattr(out, name, value)
+    structured = requested_structure(req)
+    if structured is not None:
+        out.structured_output.CopyFrom(structured)
     return out
+
+
+def requested_structure(req: _GenerationRequest) -> pb.StructuredOutput | None:
+    """What the output must match: `response_format` (json_object; json_schema with its
+    `json_schema.schema`; text: nothing) or our `specdecode.regex` / `specdecode.grammar`; at most one."""
+    asked = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(pb.StructuredOutput(json_object=True))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+                raise _invalid("response_format", "json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                                  "{...}}}")
+            asked.append(pb.StructuredOutput(json_schema=json.dumps(spec["schema"])))
+        elif kind != "text":
+            raise _invalid("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+    if req.specdecode.regex is not None:
+        asked.append(pb.StructuredOutput(regex=req.specdecode.regex))
+    if req.specdecode.grammar is not None:
+        asked.append(pb.StructuredOutput(grammar=req.specdecode.grammar))
+    if len(asked) > 1:
+        raise _invalid("response_format", "give one of response_format, specdecode.regex and specdecode.grammar")
+    return asked[0] if asked else None
 
 
 def requested_logprobs(req: _GenerationRequest) -> int | None:

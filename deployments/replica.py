@@ -559,6 +559,8 @@ class SpecDecodeServer:
             if request.logprobs > MAX_LOGPROBS:
                 raise ClientError(invalid, f"logprobs: must be in [0, {MAX_LOGPROBS}], got {request.logprobs}")
             kwargs["logprobs"] = request.logprobs
+        if request.HasField("structured_output"):
+            kwargs["structured_output"] = structured_output(request.structured_output)
         return kwargs
 
     @staticmethod
@@ -582,9 +584,26 @@ class SpecDecodeServer:
         return msg
 
 
+def structured_output(message: pb.StructuredOutput) -> Any:
+    """A request's StructuredOutput message as the engine's (ClientError when it is empty or bad:
+    a schema that is not JSON; a grammar that does not compile is refused by the engine)."""
+    from engine import InvalidRequestError, StructuredOutput
+
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, "structured_output: set one of json_schema, json_object, "
+                                                            "regex, grammar")
+    if kind == "json_object" and not message.json_object:
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, "structured_output.json_object: set it to true")
+    try:
+        return StructuredOutput(kind, "" if kind == "json_object" else getattr(message, kind))
+    except InvalidRequestError as e:
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
 def token_logprob_messages(logprobs: list, tokenizer) -> list[pb.TokenLogprob]:
     """engine TokenLogprobs as TokenLogprob messages, with each token's text and bytes."""
-    from engine.outputs import token_piece
+    from engine.token_bytes import token_piece
 
     def message(token_id: int, logprob: float) -> pb.TokenLogprob:
         text, raw = token_piece(tokenizer, token_id) if tokenizer is not None else ("", b"")

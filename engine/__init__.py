@@ -20,13 +20,14 @@ from engine.handoff import Handoff, HandoffCompat
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 
 __all__ = [
     "LLM",
     "AsyncLLM",
     "LLMEngine",
     "SamplingParams",
+    "StructuredOutput",
     "SpeculativeConfig",
     "RequestOutput",
     "EngineError",

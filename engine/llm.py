@@ -58,6 +58,7 @@ class LLM:
             **engine_kwargs,
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
+        self.engine.grammars.tokenizer = self.tokenizer  # structured output compiles against it
         self._ids = itertools.count()
 
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -26,10 +26,11 @@ from engine.model_runner import ModelRunner, gather_kv_blocks, kv_bytes_per_toke
 from engine.request import Request, RequestStatus, SpecStats
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, StepResult
 from engine.spec_decode.proposers.base import ProposeContext, model_name, weights_digest
 from engine.spec_decode.tree import DraftTree
 from engine.step_cost import StepCostModel
+from engine.structured_output import GrammarStates
 
 logger = logging.getLogger("engine")
 
@@ -213,6 +214,7 @@ class LLMEngine:
             self.speculator.proposer.kv_coverage.block_manager = self.block_manager
         # a step's wall time (drafting included) against its target tokens: sizes prefill chunks
         # beside decoding streams and tells the serving layer how fast this host prefills
+        self.grammars = GrammarStates(self.vocab_size)  # structured output (engine/structured_output.py)
         self.step_cost = StepCostModel()
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len, num_lookahead,
@@ -312,7 +314,12 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         request.export_after_prefill = export_after_prefill
         request.export_drafter_state = export_drafter_state
-        self.scheduler.add_request(request)
+        self.grammars.add(request)  # compiles its grammar: InvalidRequestError before it is queued
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self.grammars.free(request_id)
+            raise
         return request
 
     def abort_request(self, request_id: str) -> bool:
@@ -324,6 +331,7 @@ class LLMEngine:
     def _free_request(self, request_id: str) -> None:
         """Free what the runner and the proposer keep for a finished or aborted request."""
         self.runner.free_request(request_id)
+        self.grammars.free(request_id)
         if self.speculator is not None:
             self.speculator.free_request(request_id)
 
@@ -348,8 +356,11 @@ class LLMEngine:
                 self.speculator.free_request(request_id)
         if sched.is_empty:
             return []
+        self.grammars.prepare(sched, self.runner.draft_probs)
         runner_out = self.runner.execute(sched)
         results = self.scheduler.update_from_output(sched, runner_out.sampled_token_ids)
+        for res in results:
+            self._end_at_grammar(res)
         for res in results:
             if res.request.is_finished:
                 self._free_request(res.request.request_id)
@@ -397,6 +408,19 @@ class LLMEngine:
             )
             for res in results
         ]
+
+    def _end_at_grammar(self, res: StepResult) -> None:
+        """A request whose grammar completed with this step's tokens stops there (engine/
+        structured_output.py): tokens after the completion are taken back, and it finishes."""
+        taken = self.grammars.commit(res.request, res.new_token_ids)
+        if taken is None:
+            return
+        extra = len(res.new_token_ids) - taken
+        if extra:
+            del res.request.output_token_ids[-extra:]
+            res.new_token_ids = res.new_token_ids[:taken]
+        if not res.request.is_finished:
+            self.scheduler.finish_request(res.request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def finish_step(self) -> None:
         """Draft for the next step (when speculating), export the `export_after_prefill` requests
@@ -537,6 +561,7 @@ class LLMEngine:
         request = Request(request_id, list(handoff.prompt_token_ids), copy.deepcopy(handoff.sampling_params),
                           self.eos_token_ids)
         request.output_token_ids = list(handoff.output_token_ids)
+        grammar = self.grammars.build(request)  # its structured output's state after those tokens
         if not self.scheduler.can_run_another():
             raise EngineOverloadedError(
                 f"{len(self.scheduler.running)} requests already running (max_num_seqs {self.scheduler.max_num_seqs})"
@@ -575,6 +600,7 @@ class LLMEngine:
                 scatter_kv_blocks(self.speculator.kv_caches, request.block_ids[len(cached) :], None)
         self.runner.import_request(request_id, handoff.draft_probs if spec else None, handoff.generator_state)
         self.scheduler.add_running(request)
+        self.grammars.register(request_id, grammar)
         self.block_manager.commit_full_blocks(request)
         st = self.handoff_stats
         st.num_imported += 1
@@ -662,6 +688,7 @@ class LLMEngine:
         that is not live, or a drafter's buffer exceeds its bound (tests call this every step)."""
         live = self.live_requests()
         self.runner.check_no_leaks(live)
+        self.grammars.check_no_leaks(live)
         if self.speculator is not None:
             self.speculator.check_no_leaks(live)
 

@@ -491,6 +491,7 @@ class ModelRunner:
         request's tokens and, where it asks for them, their log-probabilities."""
         logits = self.model.compute_logits_rows(hidden, rows, tile)  # [R, vocab] float32
         constrain_first_tokens(sampling, logits)
+        constrain_to_grammars(sampling, logits)
         if any(s.spec_tree is not None for s in sampling):
             sampled, source_rows = self._verify_trees(sampling, logits, hidden, rows)
         else:
@@ -628,6 +629,22 @@ def constrain_first_tokens(sampling, logits: torch.Tensor) -> None:
     keep[which.to(device), torch.tensor([t for a in allowed for t in a], device=device)] = True
     index = torch.tensor(rows, device=device)
     logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+
+
+def constrain_to_grammars(sampling, logits: torch.Tensor) -> None:
+    """Mask, in place, the logits rows of each request with structured output to the tokens its
+    grammar allows there (`ScheduledRequest.allowed`, one row per sampled row: engine/
+    structured_output.py): -inf elsewhere, before the argmax, the filtered distributions and the
+    log-probabilities, so greedy and sampled requests, drafts verified included, take only
+    tokens the grammar allows. Nothing is built when no request of the step has a grammar."""
+    row = 0
+    for s in sampling:
+        n = len(s.spec_token_ids) + 1
+        if s.allowed is not None:
+            allowed = s.allowed.to(logits.device)
+            logits[row : row + n, : allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
+            logits[row : row + n, allowed.shape[1] :] = float("-inf")
+        row += n
 
 
 def _draft_probs(s, probs: torch.Tensor | None, vocab: int, device) -> torch.Tensor:

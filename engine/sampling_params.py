@@ -7,6 +7,41 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per token (the OpenAI API's top_logprobs limit)
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar")
+MAX_STRUCTURED_SPEC_CHARS = 65_536
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match (engine/structured_output.py): `kind` json_object (any
+    JSON object; `spec` empty), json_schema (`spec`: the schema as JSON text), regex (`spec`: a
+    regular expression, Rust regex syntax) or grammar (`spec`: a Lark grammar, or llama.cpp's
+    GBNF). The output is the target's distribution restricted to what matches, speculation or not."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output: kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                      f"got {self.kind!r}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise InvalidRequestError(f"structured output: spec must be a string of at most "
+                                      f"{MAX_STRUCTURED_SPEC_CHARS} characters")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(f"structured output: {self.kind} needs its {_SPEC_NAMES[self.kind]}")
+        if self.kind == "json_schema":
+            import json
+
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as e:
+                raise InvalidRequestError(f"structured output: the JSON schema is not JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequestError("structured output: a JSON schema is an object (or true/false)")
+
+
+_SPEC_NAMES = {"json_schema": "schema", "regex": "regular expression", "grammar": "grammar"}
 
 
 @dataclass
@@ -43,7 +78,12 @@ class SamplingParams:
     logits in the step that verified the token: the model's log-softmax ("raw": before
     temperature, top-k and top-p; token healing's first-token constraint applied). A draft and
     the token a one-token step would compute at its position get the same logits bits (the
-    engine's `exact` modes), so the values are the same with and without speculation.
+    engine's `exact` modes), so the values are the same with and without speculation. With
+    `structured_output` they are those of the grammar-masked logits (tokens the grammar forbids
+    have -inf).
+
+    `structured_output` (a StructuredOutput): every output token is one the grammar allows
+    there (engine/structured_output.py); the request stops when the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -58,6 +98,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
     token_healing: bool = False
     logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
     first_token_ids: list[int] | None = field(default=None, repr=False)
     healed_prefix: str = ""
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
@@ -86,6 +127,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"num_speculative_tokens must be an integer >= 0 or None, got {self.num_speculative_tokens!r}"
             )
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError(f"structured_output must be a StructuredOutput or None, got {self.structured_output!r}")
         if not isinstance(self.token_healing, bool):
             raise InvalidRequestError(f"token_healing must be true or false, got {self.token_healing!r}")
         if self.first_token_ids is not None:

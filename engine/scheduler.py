@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.block_manager import KVBlockManager
 from engine.request import Request, RequestStatus
@@ -51,6 +51,9 @@ class ScheduledRequest:
     num_new_tokens: int  # regular (not draft) tokens to compute this step
     spec_token_ids: list[int]  # draft tokens to verify this step (empty when not speculating)
     spec_tree: DraftTree | None = None  # the tree they form, or None for a chain
+    # structured output: the tokens each sampled row may take [drafts + 1, vocab] (bool), set by
+    # the engine before the step runs (engine/structured_output.py); None: unconstrained
+    allowed: Any = None
 
     @property
     def num_scheduled_tokens(self) -> int:

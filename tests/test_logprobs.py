@@ -81,7 +81,7 @@ def test_a_tokens_text_and_bytes_are_its_own_even_inside_a_character():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from engine.outputs import token_piece
+    from engine.token_bytes import token_piece
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

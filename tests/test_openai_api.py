@@ -7,6 +7,7 @@ GenerateResponse messages, and the replica's chat-template rendering. The whole 
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -69,7 +70,6 @@ def test_unsupported_completion_fields_are_refused_by_name(fields: dict, param: 
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
 ])
 def test_unsupported_chat_fields_are_refused_by_name(fields: dict, param: str) -> None:
@@ -78,6 +78,25 @@ def test_unsupported_chat_fields_are_refused_by_name(fields: dict, param: str) -
     assert info.value.param == param
     check_supported(chat(n=1, presence_penalty=0, frequency_penalty=0.0, response_format={"type": "text"},
                          max_tokens=4, max_completion_tokens=4, tool_choice="none"))
+
+
+def test_response_formats_and_grammars_become_the_structured_output_field() -> None:
+    from deployments.openai_api import generate_request as gr
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    made = gr(chat(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                           "strict": True}}), None)
+    assert json.loads(made.structured_output.json_schema) == schema
+    assert gr(chat(response_format={"type": "json_object"}), None).structured_output.json_object
+    assert not gr(chat(response_format={"type": "text"}), None).HasField("structured_output")
+    assert gr(completion(specdecode={"regex": "a+"}), "x").structured_output.regex == "a+"
+    assert gr(completion(specdecode={"grammar": 'start: "x"'}), "x").structured_output.grammar == 'start: "x"'
+    for fields, match in [({"response_format": {"type": "xml"}}, "type must be text, json_object or json_schema"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "needs"),
+                          ({"response_format": {"type": "json_object"}, "specdecode": {"regex": "a"}}, "one of")]:
+        with pytest.raises(ApiError, match=match) as info:
+            gr(chat(**fields), None)
+        assert info.value.param == "response_format"
 
 
 def test_ranges_of_the_proto_types_and_batches_and_models() -> None:

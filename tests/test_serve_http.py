@@ -158,6 +158,47 @@ def test_chat_renders_the_template_and_streams(served: Served) -> None:
     assert streamed == text
 
 
+def test_structured_output_with_the_openai_client(served: Served) -> None:
+    """response_format json_schema (strict) and json_object, streamed and not, our regex
+    extension, and the gRPC field: every output matches, and greedy output with speculation
+    equals it without; a bad format or schema is a 400 naming it."""
+    import jsonschema
+    import openai
+
+    client = served.openai()
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tag": {"enum": ["abc", "cab"]}},
+              "required": ["id", "tag"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "abcabcabc"}]
+    texts = {}
+    for mode in ("on", "off"):
+        out = client.chat.completions.create(model=served.model, messages=messages, max_tokens=80, temperature=0.0,
+                                             response_format=fmt, extra_body={"specdecode": {"speculation": mode}})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+        texts[mode] = out.choices[0].message.content
+    assert texts["on"] == texts["off"]
+    chunks = client.chat.completions.create(model=served.model, messages=messages, max_tokens=80, temperature=0.0,
+                                            response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == texts["on"]
+    anything = client.completions.create(model=served.model, prompt="abc", max_tokens=200, temperature=0.0,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].text), dict)
+    regex = client.completions.create(model=served.model, prompt="abc", max_tokens=20, temperature=0.8, seed=3,
+                                      extra_body={"specdecode": {"regex": "[ab]{3}-[0-9]{2}"}})
+    assert __import__("re").fullmatch("[ab]{3}-[0-9]{2}", regex.choices[0].text)
+    with served.grpc() as grpc_client:
+        chunks = list(grpc_client.generate("abc", max_tokens=80, temperature=0.0, structured_output={"json_schema": schema}))
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), schema)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.completions.create(model=served.model, prompt="abc", extra_body={"response_format": {"type": "xml"}})
+    with pytest.raises(openai.BadRequestError, match="json_schema"):
+        client.chat.completions.create(model=served.model, messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 3}}})
+
+
 def test_logprobs_are_the_same_with_and_without_speculation(served: Served) -> None:
     """completions' `logprobs` and chat's `logprobs`/`top_logprobs`, streamed and not, as the
     openai client parses them; greedy, so each token is its position's most likely one; the
