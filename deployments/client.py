@@ -46,12 +46,18 @@ def make_request(
     request_id: str = "",
     logprobs: int | None = None,
     structured_output: Mapping[str, Any] | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; a str prompt is text, a sequence of ints is token ids, a sequence of
     {"role", "content"} mappings is a chat. None = server default. `logprobs`: each token's
     log-probability and that many alternatives in the responses (None: none).
     `structured_output`: one of {"json_schema": schema (a dict, or its JSON text)},
-    {"json_object": True}, {"regex": "..."}, {"grammar": "..."} (None: free text)."""
+    {"json_object": True}, {"regex": "..."}, {"grammar": "..."} (None: free text). Penalties,
+    `logit_bias` ({token id: bias}) and `min_tokens` as GenerateRequest documents them."""
     req = pb.GenerateRequest(
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, request_id=request_id,
         speculation=SPECULATION_MODES[speculation] if isinstance(speculation, str) else speculation,
@@ -63,10 +69,14 @@ def make_request(
     else:
         req.prompt_token_ids.CopyFrom(pb.TokenIds(ids=list(prompt)))
     optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                "seed": seed, "max_speculative_tokens": max_speculative_tokens, "logprobs": logprobs}
+                "seed": seed, "max_speculative_tokens": max_speculative_tokens, "logprobs": logprobs,
+                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                "repetition_penalty": repetition_penalty, "min_tokens": min_tokens}
     for name, value in optional.items():
         if value is not None:
             setattr(req, name, value)
+    for token, bias in (logit_bias or {}).items():
+        req.logit_bias[int(token)] = float(bias)
     if structured_output is not None:
         ((kind, value),) = structured_output.items()
         if kind == "json_schema" and not isinstance(value, str):

@@ -14,8 +14,7 @@ speculation on/off/default, a k cap, top_k, ignore_eos, stop_token_ids, request_
 return_token_ids, token_healing); what we return beyond them sits under `specdecode` in the
 response or in the stream's finishing chunk (speculation stats and server-side timing). Structured output comes from `response_format` (`json_object`, `json_schema`) or our
 `specdecode.regex` / `specdecode.grammar` (Lark or GBNF). Fields that change what is generated
-and that we do not implement (n > 1, penalties, logit_bias, tools, echo, suffix) are refused
-with a 400 naming them;
+and that we do not implement (n > 1, tools, echo, suffix) are refused with a 400 naming them;
 unknown fields are ignored, as OpenAI's newer fields are by other servers.
 """
 
@@ -73,6 +72,8 @@ class SpecDecodeOptions(BaseModel):
     request_id: str = ""  # a label for logs and traces (default: the X-Request-Id header, else random)
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
     token_healing: bool = False  # heal a text prompt's last token (GenerateRequest.token_healing)
+    repetition_penalty: float | None = None  # > 0, 1 = off (vLLM's)
+    min_tokens: int | None = None  # no end of sequence or stop token before this many tokens
     regex: str | None = None  # structured output: the whole output matches this regular expression
     grammar: str | None = None  # structured output: ... this Lark grammar (or GBNF)
 
@@ -158,11 +159,6 @@ def check_supported(req: _GenerationRequest) -> None:
     """Refuse, naming the field, what would change the output and that we do not implement."""
     if req.n != 1:
         raise _invalid("n", f"only n=1 is supported, got {req.n}; send {req.n} requests instead")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise _invalid(name, f"penalties are not supported (got {getattr(req, name)}); leave it unset or 0")
-    if req.logit_bias:
-        raise _invalid("logit_bias", "is not supported; leave it unset")
     if req.stream_options is not None and not req.stream:
         raise _invalid("stream_options", "only with stream: true")
     if isinstance(req, CompletionRequest):
@@ -216,6 +212,19 @@ def generate_request(req: _GenerationRequest, prompt: str | list[int] | None) ->
     for name, value in optional.items():
         if value is not None:
             setattr(out, name, value)
+    for name, value in (("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty),
+                        ("repetition_penalty", ext.repetition_penalty), ("min_tokens", ext.min_tokens)):
+        if value is not None:
+            if name == "min_tokens":
+                _in_range("specdecode.min_tokens", value, 0, 2**32 - 1)
+            setattr(out, name, value)
+    for token, bias in (req.logit_bias or {}).items():
+        try:
+            token_id = int(token)
+        except ValueError:
+            raise _invalid("logit_bias", f"keys are token ids, got {token!r}") from None
+        _in_range("logit_bias", token_id, 0, INT32_MAX)
+        out.logit_bias[token_id] = float(bias)
     structured = requested_structure(req)
     if structured is not None:
         out.structured_output.CopyFrom(structured)

@@ -559,6 +559,15 @@ class SpecDecodeServer:
             if request.logprobs > MAX_LOGPROBS:
                 raise ClientError(invalid, f"logprobs: must be in [0, {MAX_LOGPROBS}], got {request.logprobs}")
             kwargs["logprobs"] = request.logprobs
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if request.HasField(name):
+                if not math.isfinite(getattr(request, name)):
+                    raise ClientError(invalid, f"{name}: must be a finite number, got {getattr(request, name)!r}")
+                kwargs[name] = getattr(request, name)
+        if request.logit_bias:
+            kwargs["logit_bias"] = dict(request.logit_bias)
+        if request.HasField("min_tokens"):
+            kwargs["min_tokens"] = request.min_tokens
         if request.HasField("structured_output"):
             kwargs["structured_output"] = structured_output(request.structured_output)
         return kwargs

@@ -295,6 +295,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"first_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size - 1}]"
             )
+        bad = [t for t in (*(params.logit_bias or ()), *params.stop_token_ids) if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids {bad[:5]} (logit_bias, stop_token_ids) are outside the vocabulary [0, {self.vocab_size - 1}]"
+            )
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,

@@ -21,6 +21,7 @@ from engine.config import EXACT_MODES, QUANTIZATIONS
 from engine.models.gguf_checkpoint import is_gguf, read_gguf
 from engine.models.llama import ROW_KERNEL
 from engine.models.loader import load_model
+from engine.penalties import Penalties
 from engine.request import Request
 from engine.sampler import TokenLogprobs, probs_from_logits, token_logprobs
 from engine.scheduler import SchedulerOutput
@@ -315,6 +316,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, made at first sampling
         # q [k, vocab] of a request's pending drafts; none for deterministic drafts (one-hot q)
         self.draft_probs: dict[str, torch.Tensor] = {}
+        self.penalties = Penalties(self.arch.vocab_size, device)  # penalties, logit_bias, min_tokens
 
     @property
     def num_parameters(self) -> int:
@@ -368,6 +370,7 @@ class ModelRunner:
         """Forget a finished or aborted request."""
         self.generators.pop(request_id, None)
         self.draft_probs.pop(request_id, None)
+        self.penalties.free(request_id)
 
     def check_no_leaks(self, live: list[Request]) -> None:
         """Raise AssertionError if a generator outlives its request, or draft distributions are
@@ -380,6 +383,7 @@ class ModelRunner:
         stray = sorted(set(self.draft_probs) - with_drafts)
         if stray:
             raise AssertionError(f"model runner keeps draft probabilities of requests without drafts: {stray[:5]}")
+        self.penalties.check_no_leaks(live)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -492,6 +496,7 @@ class ModelRunner:
         logits = self.model.compute_logits_rows(hidden, rows, tile)  # [R, vocab] float32
         constrain_first_tokens(sampling, logits)
         constrain_to_grammars(sampling, logits)
+        self.penalties.apply(sampling, logits)
         if any(s.spec_tree is not None for s in sampling):
             sampled, source_rows = self._verify_trees(sampling, logits, hidden, rows)
         else:

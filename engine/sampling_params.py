@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per token (the OpenAI API's top_logprobs limit)
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 300  # tokens a request may bias (the OpenAI API's limit)
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar")
 MAX_STRUCTURED_SPEC_CHARS = 65_536
 
@@ -82,6 +84,12 @@ class SamplingParams:
     `structured_output` they are those of the grammar-masked logits (tokens the grammar forbids
     have -inf).
 
+    `presence_penalty`, `frequency_penalty` (OpenAI: [-2, 2]), `repetition_penalty` (vLLM and
+    transformers: > 0, 1 = off), `logit_bias` ({token id: bias in [-100, 100]}) and `min_tokens`
+    (no end of sequence or stop token before that many tokens) change the target's logits
+    (engine/penalties.py), with speculation as without; log-probabilities are read after them
+    ("processed" logits, before temperature, top-k and top-p).
+
     `structured_output` (a StructuredOutput): every output token is one the grammar allows
     there (engine/structured_output.py); the request stops when the grammar is complete.
     """
@@ -99,6 +107,11 @@ class SamplingParams:
     token_healing: bool = False
     logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     first_token_ids: list[int] | None = field(default=None, repr=False)
     healed_prefix: str = ""
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
@@ -127,6 +140,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"num_speculative_tokens must be an integer >= 0 or None, got {self.num_speculative_tokens!r}"
             )
+        self._check_processors()
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise InvalidRequestError(f"structured_output must be a StructuredOutput or None, got {self.structured_output!r}")
         if not isinstance(self.token_healing, bool):
@@ -146,6 +160,33 @@ class SamplingParams:
             raise InvalidRequestError(f"stop must be non-empty strings, got {self.stop!r}")
         self._stop = stop
         self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0.0 < r <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 = off), got {r!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            bad = [(t, v) for t, v in self.logit_bias.items()
+                   if isinstance(t, bool) or not isinstance(t, int) or t < 0
+                   or isinstance(v, bool) or not isinstance(v, int | float) or not -100.0 <= v <= 100.0]
+            if bad:
+                raise InvalidRequestError(f"logit_bias: token ids must be >= 0 and biases in [-100, 100], got {bad[:3]}")
+
+    @property
+    def has_logit_processors(self) -> bool:
+        """Penalties, biases or min_tokens apply to this request's logits (engine/penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -59,8 +59,7 @@ def test_fields_map_onto_the_grpc_request() -> None:
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_unsupported_completion_fields_are_refused_by_name(fields: dict, param: str) -> None:
     with pytest.raises(ApiError) as info:
@@ -97,6 +96,20 @@ def test_response_formats_and_grammars_become_the_structured_output_field() -> N
         with pytest.raises(ApiError, match=match) as info:
             gr(chat(**fields), None)
         assert info.value.param == "response_format"
+
+
+def test_penalties_and_biases_reach_the_request() -> None:
+    from deployments.openai_api import generate_request as gr
+
+    made = gr(chat(presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={"5": 3.0, "17": -100},
+                   specdecode={"repetition_penalty": 1.2, "min_tokens": 4}), None)
+    assert (made.presence_penalty, made.frequency_penalty, made.repetition_penalty, made.min_tokens) == (0.5, -0.25, 1.2, 4)
+    assert dict(made.logit_bias) == {5: 3.0, 17: -100.0}
+    assert not gr(chat(), None).HasField("presence_penalty")
+    with pytest.raises(ApiError, match="logit_bias: keys are token ids"):
+        gr(chat(logit_bias={"the": 1.0}), None)
+    with pytest.raises(ApiError, match="logit_bias: must be in"):
+        gr(chat(logit_bias={"-3": 1.0}), None)
 
 
 def test_ranges_of_the_proto_types_and_batches_and_models() -> None:

@@ -199,6 +199,29 @@ def test_structured_output_with_the_openai_client(served: Served) -> None:
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 3}}})
 
 
+def test_penalties_and_logit_bias_with_the_openai_client(served: Served) -> None:
+    """presence/frequency penalties, logit_bias and our repetition_penalty/min_tokens change the
+    output, equally with speculation on and off; the gRPC fields give the same tokens."""
+    client = served.openai()
+    prompt = "abcabcabcabcabcabc"
+    fields = dict(presence_penalty=0.6, frequency_penalty=0.3, logit_bias={"5": 2.0})
+    ext = {"repetition_penalty": 1.2, "min_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+    texts = {}
+    for mode in ("on", "off"):
+        out = client.completions.create(model=served.model, prompt=prompt, **GREEDY, **fields,
+                                        extra_body={"specdecode": {**ext, "speculation": mode}})
+        texts[mode] = out.choices[0].text
+    plain = client.completions.create(model=served.model, prompt=prompt, **GREEDY, extra_body=IGNORE_EOS)
+    assert texts["on"] == texts["off"] != plain.choices[0].text
+    with served.grpc() as grpc_client:
+        chunks = list(grpc_client.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=0.6,
+                                           frequency_penalty=0.3, logit_bias={5: 2.0}, repetition_penalty=1.2,
+                                           min_tokens=8))
+    assert "".join(c.text for c in chunks) == texts["on"]
+    with pytest.raises(openai.BadRequestError, match="presence_penalty must be a number in"):
+        client.completions.create(model=served.model, prompt=prompt, presence_penalty=3.0)
+
+
 def test_logprobs_are_the_same_with_and_without_speculation(served: Served) -> None:
     """completions' `logprobs` and chat's `logprobs`/`top_logprobs`, streamed and not, as the
     openai client parses them; greedy, so each token is its position's most likely one; the

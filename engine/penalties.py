@@ -1,0 +1,138 @@
+"""Penalties and biases on the target's logits, per request and batched (OpenAI and vLLM
+semantics), applied in this order before temperature, top-k and top-p:
+
+- min_tokens: the end-of-sequence tokens and the request's stop_token_ids are -inf while fewer
+  than min_tokens tokens have been generated;
+- logit_bias: added to the named tokens' logits;
+- repetition_penalty r (transformers, vLLM): every token seen in the prompt or the output has its
+  logit divided by r where positive, multiplied by r where negative;
+- frequency_penalty f and presence_penalty p (OpenAI): minus f x the token's count in the output,
+  minus p if it occurs there at all.
+
+Exactness under speculation: a request's rows in a step are its last regular token's, then one per
+draft. Row j is where the (j+1)-th new token is chosen, after drafts 1..j would have been accepted,
+so it counts the committed output plus drafts 1..j: the logits a one-token step would have at that
+position. Greedy takes the penalized argmax, rejection sampling runs on the penalized target, so
+the output is the penalized target's with any drafter. (Drafts are proposed from the drafter's own
+distribution; rejection sampling is exact for any proposal it was drawn from.)
+
+Each request's output counts are kept per request and extended by the tokens committed since its
+last step, so a step costs its new tokens and its drafts, not the whole output.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+
+@dataclass
+class _Counts:
+    output: torch.Tensor  # [vocab] float32: each token's count in the committed output
+    prompt: torch.Tensor  # [vocab] bool: tokens of the prompt (repetition penalty)
+    num_counted: int  # output tokens counted so far
+
+
+class Penalties:
+    """The output counts of each live request that has logit processors (by request id)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.counts: dict[str, _Counts] = {}
+
+    def _counts(self, request: Request) -> _Counts:
+        c = self.counts.get(request.request_id)
+        if c is None:
+            prompt = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            prompt[torch.tensor(request.prompt_token_ids, device=self.device)] = True
+            c = self.counts[request.request_id] = _Counts(
+                torch.zeros(self.vocab_size, device=self.device), prompt, 0)
+        new = request.output_token_ids[c.num_counted:]
+        if new:
+            c.output.index_add_(0, torch.tensor(new, device=self.device), torch.ones(len(new), device=self.device))
+            c.num_counted += len(new)
+        return c
+
+    def apply(self, sampling, logits: torch.Tensor) -> None:
+        """Penalize and bias, in place, the logits rows [R, vocab] of the requests of `sampling`
+        (ScheduledRequests; each has len(spec_token_ids) + 1 rows, in order) that ask for it."""
+        starts = list(itertools.accumulate((len(s.spec_token_ids) + 1 for s in sampling), initial=0))
+        chosen = [(i, s) for i, s in enumerate(sampling) if s.request.sampling_params.has_logit_processors]
+        if not chosen:
+            return
+        device = logits.device
+        counted = [self._counts(s.request) for _, s in chosen]
+        num_rows = [len(s.spec_token_ids) + 1 for _, s in chosen]
+        rows = torch.tensor([starts[i] + j for (i, _), n in zip(chosen, num_rows, strict=True) for j in range(n)],
+                            device=device)
+        reps = torch.tensor(num_rows, device=device)
+        out = torch.stack([c.output for c in counted]).repeat_interleave(reps, dim=0)  # [P, vocab]
+        prompt = torch.stack([c.prompt for c in counted]).repeat_interleave(reps, dim=0)
+        # row j of a request also counts its drafts 1..j
+        base = list(itertools.accumulate(num_rows, initial=0))
+        draft_rows, draft_tokens = [], []
+        for b, (_, s) in zip(base, chosen, strict=False):
+            for j in range(1, len(s.spec_token_ids) + 1):
+                draft_rows.extend([b + j] * j)
+                draft_tokens.extend(s.spec_token_ids[:j])
+        if draft_rows:
+            out.index_put_((torch.tensor(draft_rows, device=device), torch.tensor(draft_tokens, device=device)),
+                           torch.ones(len(draft_rows), device=device), accumulate=True)
+        params = [s.request.sampling_params for _, s in chosen]
+        view = logits[rows]
+        self._min_tokens(view, chosen, num_rows)
+        self._bias(view, params, num_rows)
+
+        def per_row(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, device=device).repeat_interleave(reps).unsqueeze(1)
+
+        repetition = per_row([p.repetition_penalty for p in params])
+        seen = (out > 0) | prompt
+        view = torch.where(seen, torch.where(view > 0, view / repetition, view * repetition), view)
+        view -= per_row([p.frequency_penalty for p in params]) * out
+        view -= per_row([p.presence_penalty for p in params]) * (out > 0)
+        logits[rows] = view
+
+    @staticmethod
+    def _min_tokens(view: torch.Tensor, chosen, num_rows: list[int]) -> None:
+        """-inf for the end of sequence and stop tokens on rows before min_tokens outputs."""
+        rows, tokens = [], []
+        base = 0
+        for (_, s), n in zip(chosen, num_rows, strict=True):
+            r, p = s.request, s.request.sampling_params
+            stops = [*(() if p.ignore_eos else r.eos_token_ids), *p.stop_token_ids]
+            for j in range(min(n, max(0, p.min_tokens - r.num_output_tokens))):
+                rows.extend([base + j] * len(stops))
+                tokens.extend(stops)
+            base += n
+        if rows:
+            view[torch.tensor(rows, device=view.device), torch.tensor(tokens, device=view.device)] = float("-inf")
+
+    @staticmethod
+    def _bias(view: torch.Tensor, params, num_rows: list[int]) -> None:
+        rows, tokens, values = [], [], []
+        base = 0
+        for p, n in zip(params, num_rows, strict=True):
+            for token, value in (p.logit_bias or {}).items():
+                rows.extend(range(base, base + n))
+                tokens.extend([token] * n)
+                values.extend([value] * n)
+            base += n
+        if rows:
+            device = view.device
+            view.index_put_((torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
+                            torch.tensor(values, device=device, dtype=view.dtype), accumulate=True)
+
+    def free(self, request_id: str) -> None:
+        self.counts.pop(request_id, None)
+
+    def check_no_leaks(self, live: list[Request]) -> None:
+        stray = sorted(set(self.counts) - {r.request_id for r in live})
+        assert not stray, f"penalty counts of requests that are not live: {stray[:5]}"
