@@ -51,13 +51,16 @@ def make_request(
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int | None = None,
+    n: int | None = None,
+    best_of: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; a str prompt is text, a sequence of ints is token ids, a sequence of
     {"role", "content"} mappings is a chat. None = server default. `logprobs`: each token's
     log-probability and that many alternatives in the responses (None: none).
     `structured_output`: one of {"json_schema": schema (a dict, or its JSON text)},
     {"json_object": True}, {"regex": "..."}, {"grammar": "..."} (None: free text). Penalties,
-    `logit_bias` ({token id: bias}) and `min_tokens` as GenerateRequest documents them."""
+    `logit_bias` ({token id: bias}) and `min_tokens` as GenerateRequest documents them. `n`
+    completions (each message's `index` says whose), the best `n` of `best_of`."""
     req = pb.GenerateRequest(
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, request_id=request_id,
         speculation=SPECULATION_MODES[speculation] if isinstance(speculation, str) else speculation,
@@ -71,7 +74,7 @@ def make_request(
     optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                 "seed": seed, "max_speculative_tokens": max_speculative_tokens, "logprobs": logprobs,
                 "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-                "repetition_penalty": repetition_penalty, "min_tokens": min_tokens}
+                "repetition_penalty": repetition_penalty, "min_tokens": min_tokens, "n": n, "best_of": best_of}
     for name, value in optional.items():
         if value is not None:
             setattr(req, name, value)

@@ -157,13 +157,11 @@ def check_model(model: str, served: str) -> None:
 
 def check_supported(req: _GenerationRequest) -> None:
     """Refuse, naming the field, what would change the output and that we do not implement."""
-    if req.n != 1:
-        raise _invalid("n", f"only n=1 is supported, got {req.n}; send {req.n} requests instead")
     if req.stream_options is not None and not req.stream:
         raise _invalid("stream_options", "only with stream: true")
     if isinstance(req, CompletionRequest):
-        if req.best_of not in (None, 1):
-            raise _invalid("best_of", f"only 1 is supported, got {req.best_of}")
+        if req.best_of is not None and req.best_of > (req.n or 1) and req.stream:
+            raise _invalid("best_of", "cannot be used with stream: the best completions are known once all have finished")
         if req.echo:
             raise _invalid("echo", "is not supported; the prompt is not repeated in the output")
         if req.suffix:
@@ -192,6 +190,9 @@ def generate_request(req: _GenerationRequest, prompt: str | list[int] | None) ->
     max_tokens = max_tokens if max_tokens is not None else req.max_tokens
     _in_range("max_tokens", max_tokens, 1, INT32_MAX)
     _in_range("seed", req.seed, 0, 2**63 - 1)
+    _in_range("n", req.n, 1, 2**32 - 1)
+    if isinstance(req, CompletionRequest):
+        _in_range("best_of", req.best_of, 1, 2**32 - 1)
     _in_range("specdecode.top_k", ext.top_k, 0, INT32_MAX)
     _in_range("specdecode.max_speculative_tokens", ext.max_speculative_tokens, 0, 2**32 - 1)
     for t in ext.stop_token_ids:
@@ -208,7 +209,8 @@ def generate_request(req: _GenerationRequest, prompt: str | list[int] | None) ->
         out.prompt_token_ids.CopyFrom(pb.TokenIds(ids=prompt))
     optional = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                 "top_k": ext.top_k, "seed": req.seed, "max_speculative_tokens": ext.max_speculative_tokens,
-                "logprobs": requested_logprobs(req)}
+                "logprobs": requested_logprobs(req), "n": req.n if req.n != 1 else None,
+                "best_of": req.best_of if isinstance(req, CompletionRequest) else None}
     for name, value in optional.items():
         if value is not None:
             setattr(out, name, value)
@@ -320,39 +322,50 @@ def api_error(e: ClientError, label: str) -> ApiError:
     return ApiError(status, e.details, param, e.code_name)
 
 
-def _usage(last: pb.GenerateResponse) -> dict:
-    u = last.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
+def _usage(lasts: list[pb.GenerateResponse]) -> dict:
+    """Usage of a request from its completions' last messages: the prompt once, every
+    completion's tokens."""
+    u = lasts[0].usage
+    completion = sum(m.usage.completion_tokens for m in lasts)
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": u.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-def _stats(last: pb.GenerateResponse) -> dict:
-    s = last.speculation
+def _stats(lasts: list[pb.GenerateResponse]) -> dict:
+    """Speculation stats and server-side timing over a request's completions (their last messages)."""
+    drafted = sum(m.speculation.num_draft_tokens for m in lasts)
+    accepted = sum(m.speculation.num_accepted_tokens for m in lasts)
+    steps = sum(m.speculation.num_verify_steps for m in lasts)
     return {
         "speculation": {
-            "enabled": s.enabled, "num_draft_tokens": s.num_draft_tokens,
-            "num_accepted_tokens": s.num_accepted_tokens, "num_verify_steps": s.num_verify_steps,
-            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-            "draft_time_s": s.draft_time_s, "verify_time_s": s.verify_time_s,
+            "enabled": lasts[0].speculation.enabled, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+            "num_verify_steps": steps, "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": (accepted + steps) / steps if steps else 0.0,
+            "draft_time_s": sum(m.speculation.draft_time_s for m in lasts),
+            "verify_time_s": sum(m.speculation.verify_time_s for m in lasts),
         },
-        "timing": {"ttft_s": last.timing.ttft_s, "e2e_s": last.timing.e2e_s},
+        "timing": {"ttft_s": min(m.timing.ttft_s for m in lasts), "e2e_s": max(m.timing.e2e_s for m in lasts)},
     }
 
 
 class ResponseBuilder:
-    """OpenAI objects from a stream of GenerateResponse messages: chunks one message at a time,
-    or one whole response. The last message (it carries usage) finishes the choice."""
+    """OpenAI objects from a stream of GenerateResponse messages of `n` completions (each message
+    names its completion: `index`): chunks one message at a time, or one whole response. A
+    completion's last message carries its usage and finishes its choice."""
 
-    def __init__(self, chat: bool, model: str, label: str, return_token_ids: bool, logprobs: bool = False) -> None:
+    def __init__(self, chat: bool, model: str, label: str, return_token_ids: bool, logprobs: bool = False,
+                 n: int = 1) -> None:
         self.chat, self.model, self.return_token_ids, self.logprobs = chat, model, return_token_ids, logprobs
+        self.n = n
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{label}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.sent_role = False
-        self.text_offset = 0  # completions' logprobs: where the next token's text starts
+        self.sent_role: set[int] = set()  # choices whose first chunk went out
+        self.text_offset: dict[int, int] = {}  # completions' logprobs: where each choice's next token's text starts
+        self.lasts: dict[int, pb.GenerateResponse] = {}  # each finished choice's last message
 
-    def _logprobs(self, logprobs: list[pb.TokenLogprob]) -> dict | None:
+    def _logprobs(self, index: int, logprobs: list[pb.TokenLogprob]) -> dict | None:
         """A choice's `logprobs` for these tokens: chat's `content` list, or the completions API's
         parallel lists (`text_offset`: each token's start in the choice's text so far)."""
         if not self.logprobs:
@@ -365,8 +378,8 @@ class ResponseBuilder:
                     "refusal": None}
         offsets = []
         for lp in logprobs:
-            offsets.append(self.text_offset)
-            self.text_offset += len(lp.token)
+            offsets.append(self.text_offset.get(index, 0))
+            self.text_offset[index] = offsets[-1] + len(lp.token)
         return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
                 "text_offset": offsets}
@@ -375,46 +388,62 @@ class ResponseBuilder:
     def is_last(message: pb.GenerateResponse) -> bool:
         return message.HasField("usage")
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has had its last message."""
+        return len(self.lasts) == self.n
+
     def _head(self, chunk: bool) -> dict:
         kind = f"{self.object}.chunk" if chunk and self.chat else self.object
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def chunk(self, message: pb.GenerateResponse) -> dict:
         last = self.is_last(message)
-        choice: dict[str, Any] = {"index": 0}
+        index = message.index
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {"content": message.text}
-            if not self.sent_role:
+            if index not in self.sent_role:
                 delta = {"role": "assistant", **delta}
-                self.sent_role = True
+                self.sent_role.add(index)
             choice["delta"] = delta
         else:
             choice["text"] = message.text
         if self.return_token_ids:
             choice["token_ids"] = list(message.token_ids)
-        choice["logprobs"] = self._logprobs(list(message.logprobs))
+        choice["logprobs"] = self._logprobs(index, list(message.logprobs))
         choice["finish_reason"] = FINISH_REASONS.get(message.finish_reason, "stop") if last else None
         out = {**self._head(True), "choices": [choice]}
         if last:
-            out["specdecode"] = _stats(message)
+            self.lasts[index] = message
+            out["specdecode"] = _stats([message])
         return out
 
-    def usage_chunk(self, last: pb.GenerateResponse) -> dict:
-        return {**self._head(True), "choices": [], "usage": _usage(last), "specdecode": _stats(last)}
+    def usage_chunk(self) -> dict:
+        lasts = [self.lasts[i] for i in sorted(self.lasts)]
+        return {**self._head(True), "choices": [], "usage": _usage(lasts), "specdecode": _stats(lasts)}
 
     def whole(self, messages: list[pb.GenerateResponse]) -> dict:
-        last = messages[-1]
-        text = "".join(m.text for m in messages)
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if self.return_token_ids:
-            choice["token_ids"] = [t for m in messages for t in m.token_ids]
-        choice["logprobs"] = self._logprobs([lp for m in messages for lp in m.logprobs])
-        choice["finish_reason"] = FINISH_REASONS.get(last.finish_reason, "stop")
-        return {**self._head(False), "choices": [choice], "usage": _usage(last), "specdecode": _stats(last)}
+        by_index: dict[int, list[pb.GenerateResponse]] = {}
+        for m in messages:
+            by_index.setdefault(m.index, []).append(m)
+        choices, lasts = [], []
+        for index in sorted(by_index):
+            mine = by_index[index]
+            last = mine[-1]
+            lasts.append(last)
+            text = "".join(m.text for m in mine)
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if self.return_token_ids:
+                choice["token_ids"] = [t for m in mine for t in m.token_ids]
+            choice["logprobs"] = self._logprobs(index, [lp for m in mine for lp in m.logprobs])
+            choice["finish_reason"] = FINISH_REASONS.get(last.finish_reason, "stop")
+            choices.append(choice)
+        return {**self._head(False), "choices": choices, "usage": _usage(lasts), "specdecode": _stats(lasts)}
 
 
 def _sse(data: dict | str) -> str:
@@ -510,7 +539,7 @@ async def _respond(ingress: Any, request: Request, body: _GenerationRequest, gen
     label = body.specdecode.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
     trace = [(k, request.headers[k]) for k in TRACE_HEADERS if k in request.headers]
     builder = ResponseBuilder(messages is not None, body.model, label, body.specdecode.return_token_ids,
-                              generate.HasField("logprobs"))
+                              generate.HasField("logprobs"), generate.n if generate.HasField("n") else 1)
     stream = ingress.generate(generate, label, trace, messages, route)
     if not body.stream:
         async with aclosing(stream):
@@ -518,7 +547,7 @@ async def _respond(ingress: Any, request: Request, body: _GenerationRequest, gen
                 collected = [m async for m in stream]
             except ClientError as e:
                 raise api_error(e, label) from None
-        if not collected or not builder.is_last(collected[-1]):
+        if len({m.index for m in collected if builder.is_last(m)}) != builder.n:
             logger.error("request %r: the stream ended without its last message", label)
             raise ApiError(500, INTERNAL_MESSAGE)
         return builder.whole(collected)
@@ -544,7 +573,7 @@ async def _events(stream: AsyncIterator[pb.GenerateResponse], first: pb.Generate
         try:
             while True:
                 yield _sse(builder.chunk(message))
-                if builder.is_last(message):
+                if builder.finished:
                     break
                 message = await anext(stream)
         except ClientError as e:
@@ -558,5 +587,5 @@ async def _events(stream: AsyncIterator[pb.GenerateResponse], first: pb.Generate
                                   "code": None}})
             return
         if include_usage:
-            yield _sse(builder.usage_chunk(message))
+            yield _sse(builder.usage_chunk())
         yield _sse("[DONE]")

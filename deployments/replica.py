@@ -159,6 +159,7 @@ class SpecDecodeServer:
         `PrefillElsewhere`, and nothing more: the ingress brings it back to `resume` with its
         handoff, so it holds no slot here while it waits for the pool."""
         try:
+            n, best_of = num_completions(request)
             prompt, params = await self.translate(request, messages)
         except ClientError as e:  # logged once, by the ingress
             yield e
@@ -166,6 +167,10 @@ class SpecDecodeServer:
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
         trace = TraceMetadata(trace_metadata or [], route)
         yield Accepted(self.replica_id)
+        if best_of > 1:  # several completions: prefilled here, the prompt's blocks shared between them
+            async for item in self._run_completions(prompt, params, n, best_of, label, trace, speculating):
+                yield item
+            return
         if pool is not None and self.config.mode == "disaggregated":
             step_budget_s = self.config.slo.tpot_ms / 1e3 if self.config.slo.tpot_ms else None
             local = await self.llm.call(local_estimate, self.llm.engine, prompt, params, step_budget_s)
@@ -179,6 +184,76 @@ class SpecDecodeServer:
             trace.placement = placement
         async for item in self._run(prompt, params, label, trace, speculating):
             yield item
+
+    async def _run_completions(
+        self, prompt: list[int], params: Any, n: int, best_of: int, label: str, trace: TraceMetadata,
+        speculating: bool,
+    ) -> AsyncIterator[ClientError | pb.GenerateResponse]:
+        """`best_of` completions of one prompt, each an engine request of its own (seed + i when
+        seeded): the first is prefilled alone, the others start once it has its first token, so
+        their prompt's full blocks come from the prefix cache. With best_of == n their messages
+        go out as they come, each with its `index`; otherwise all are kept, and the n with the
+        highest cumulative log-probability go out at the end, re-indexed in that order."""
+        import dataclasses
+
+        ranking = best_of > n
+
+        def completion(i: int) -> AsyncIterator[ClientError | pb.GenerateResponse]:
+            p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i,
+                                    logprobs=0 if ranking and params.logprobs is None else params.logprobs)
+            return self._run(prompt, p, label, trace, speculating)
+
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator, first: Any = None) -> None:
+            try:
+                if first is not None:
+                    queue.put_nowait((i, first))
+                async for item in stream:
+                    queue.put_nowait((i, item))
+            finally:
+                await stream.aclose()  # aborts its engine request when it has not finished
+                queue.put_nowait((i, None))
+
+        first_stream = completion(0)
+        tasks: list[asyncio.Task] = []
+        try:
+            first = await anext(first_stream, None)
+            if isinstance(first, ClientError):
+                yield first
+                return
+            tasks.append(asyncio.ensure_future(pump(0, first_stream, first)))
+            tasks += [asyncio.ensure_future(pump(i, completion(i))) for i in range(1, best_of)]
+            kept: dict[int, list[pb.GenerateResponse]] = {i: [] for i in range(best_of)}
+            running = best_of
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, ClientError):
+                    yield item
+                    return
+                item.index = i
+                if ranking:
+                    kept[i].append(item)
+                else:
+                    yield item
+            if ranking:
+                def cumulative(i: int) -> float:
+                    return sum(lp.logprob for m in kept[i] for lp in m.logprobs)
+
+                for index, i in enumerate(sorted(kept, key=cumulative, reverse=True)[:n]):
+                    for m in kept[i]:
+                        m.index = index
+                        if params.logprobs is None:
+                            del m.logprobs[:]
+                        yield m
+        finally:
+            for task in tasks:
+                task.cancel()
+            if not tasks:
+                await first_stream.aclose()
 
     async def resume(
         self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None,
@@ -591,6 +666,21 @@ class SpecDecodeServer:
             msg.speculation.CopyFrom(_spec_stats(m.get("spec", {}), enabled=speculating))
             msg.timing.CopyFrom(pb.Timing(ttft_s=m.get("ttft_s") or 0.0, e2e_s=m.get("e2e_s") or 0.0))
         return msg
+
+
+MAX_COMPLETIONS = 16  # n and best_of
+
+
+def num_completions(request: pb.GenerateRequest) -> tuple[int, int]:
+    """(n, best_of) of a request (1, 1 when unset); ClientError outside 1 <= n <= best_of <= 16."""
+    n = request.n if request.HasField("n") else 1
+    best_of = request.best_of if request.HasField("best_of") else n
+    if not 1 <= n <= MAX_COMPLETIONS:
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, f"n: must be in [1, {MAX_COMPLETIONS}], got {n}")
+    if not n <= best_of <= MAX_COMPLETIONS:
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"best_of: must be in [n ({n}), {MAX_COMPLETIONS}], got {best_of}")
+    return n, best_of
 
 
 def structured_output(message: pb.StructuredOutput) -> Any:

@@ -58,7 +58,7 @@ def test_fields_map_onto_the_grpc_request() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+    ({"best_of": 3, "stream": True}, "best_of"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_unsupported_completion_fields_are_refused_by_name(fields: dict, param: str) -> None:
@@ -150,8 +150,8 @@ def test_statuses_map_to_http_without_internal_text() -> None:
     assert internal.status == 500 and internal.message == INTERNAL_MESSAGE and "llama" not in internal.message
 
 
-def _message(text: str, ids: list[int], last: bool = False) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id="r", token_ids=ids, text=text)
+def _message(text: str, ids: list[int], last: bool = False, index: int = 0) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id="r", token_ids=ids, text=text, index=index)
     if last:
         msg.finish_reason = pb.FINISH_REASON_LENGTH
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=3, completion_tokens=3, cached_prompt_tokens=1))
@@ -174,8 +174,27 @@ def test_responses_and_chunks_from_messages() -> None:
     assert first["choices"][0]["finish_reason"] is None and "specdecode" not in first
     assert last["choices"][0]["delta"] == {"content": "c"} and last["choices"][0]["finish_reason"] == "length"
     assert last["specdecode"]["speculation"]["enabled"] is True
-    usage = builder.usage_chunk(messages[1])
+    usage = builder.usage_chunk()
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 6
+
+
+def test_several_completions_make_one_choice_each() -> None:
+    """n = 2: messages of both completions interleaved; each choice its own text and finish, the
+    prompt counted once in the usage and the completions' tokens summed."""
+    messages = [_message("ab", [5, 6], index=1), _message("x", [9]), _message("c", [7], last=True, index=1),
+                _message("yz", [10, 11], last=True)]
+    whole = ResponseBuilder(chat=True, model="m", label="x", return_token_ids=True, n=2).whole(messages)
+    assert [(c["index"], c["message"]["content"], c["token_ids"]) for c in whole["choices"]] == [
+        (0, "xyz", [9, 10, 11]), (1, "abc", [5, 6, 7])]
+    assert whole["usage"]["prompt_tokens"] == 3 and whole["usage"]["completion_tokens"] == 6
+    assert whole["specdecode"]["speculation"]["num_draft_tokens"] == 8
+    builder = ResponseBuilder(chat=True, model="m", label="x", return_token_ids=False, n=2)
+    chunks = [builder.chunk(m) for m in messages[:3]]
+    assert [c["choices"][0]["index"] for c in chunks] == [1, 0, 1]
+    assert "role" in chunks[0]["choices"][0]["delta"] and "role" in chunks[1]["choices"][0]["delta"]
+    assert "role" not in chunks[2]["choices"][0]["delta"] and not builder.finished
+    builder.chunk(messages[3])
+    assert builder.finished and builder.usage_chunk()["usage"]["completion_tokens"] == 6
 
 
 def _fake_replica(tokenizer) -> SimpleNamespace:

@@ -222,6 +222,42 @@ def test_penalties_and_logit_bias_with_the_openai_client(served: Served) -> None
         client.completions.create(model=served.model, prompt=prompt, presence_penalty=3.0)
 
 
+def test_several_completions_and_best_of(served: Served) -> None:
+    """n = 3 (chat, seeded): three choices, choice i the tokens of a lone request seeded seed + i;
+    the others' prompt blocks come from the prefix cache. best_of = 4, n = 2 (completions): the
+    two of the four candidates with the highest cumulative log-probability, in that order."""
+    client = served.openai()
+    prompt = "abcabcabcabcabcabcabcabcabcabcabc"  # two full KV blocks and more
+    off = {"speculation": "off", "ignore_eos": True, "return_token_ids": True}
+    out = client.completions.create(model=served.model, prompt=prompt, n=3, max_tokens=12, temperature=1.0, seed=11,
+                                    extra_body={"specdecode": off})
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 36
+    for c in out.choices:
+        alone = client.completions.create(model=served.model, prompt=prompt, max_tokens=12, temperature=1.0,
+                                          seed=11 + c.index, extra_body={"specdecode": off})
+        assert c.model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"]
+    with served.grpc() as grpc_client:
+        chunks = list(grpc_client.generate(prompt, max_tokens=12, temperature=1.0, seed=11, n=3, ignore_eos=True))
+    lasts = {c.index: c for c in chunks if c.HasField("usage")}
+    assert sorted(lasts) == [0, 1, 2]
+    assert all(lasts[i].usage.cached_prompt_tokens >= 16 for i in (1, 2))  # shared, not prefilled again
+    chunks = list(client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "abc"}],
+                                                 n=2, max_tokens=8, temperature=1.0, stream=True))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+
+    best = client.completions.create(model=served.model, prompt=prompt, n=2, best_of=4, max_tokens=10, temperature=1.0,
+                                     seed=5, logprobs=0, extra_body={"specdecode": off})
+    scores = []
+    for i in range(4):
+        alone = client.completions.create(model=served.model, prompt=prompt, max_tokens=10, temperature=1.0,
+                                          seed=5 + i, logprobs=0, extra_body={"specdecode": off})
+        scores.append((sum(alone.choices[0].logprobs.token_logprobs), alone.choices[0].text))
+    expected = [text for _, text in sorted(scores, reverse=True)[:2]]
+    assert [c.text for c in best.choices] == expected
+    with pytest.raises(openai.BadRequestError, match="n: must be in"):
+        client.completions.create(model=served.model, prompt=prompt, n=17)
+
+
 def test_logprobs_are_the_same_with_and_without_speculation(served: Served) -> None:
     """completions' `logprobs` and chat's `logprobs`/`top_logprobs`, streamed and not, as the
     openai client parses them; greedy, so each token is its position's most likely one; the

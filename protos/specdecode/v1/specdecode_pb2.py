@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/specdecode/v1/specdecode.proto\x12\rspecdecode.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.specdecode.v1.ChatMessage\"\xa9\x07\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x17.specdecode.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x0f \x01(\x0b\x32\x13.specdecode.v1.ChatH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x33\n\x0bspeculation\x18\x0b \x01(\x0e\x32\x1e.specdecode.v1.SpeculationMode\x12#\n\x16max_speculative_tokens\x18\x0c \x01(\rH\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x15\n\rtoken_healing\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12:\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1f.specdecode.v1.StructuredOutput\x12\x1d\n\x10presence_penalty\x18\x12 \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x13 \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x14 \x01(\x01H\n\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x15 \x03(\x0b\x32-.specdecode.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x16 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x19\n\x17_max_speculative_tokensB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd8\x01\n\x10SpeculationStats\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x18\n\x10num_verify_steps\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x14\n\x0c\x64raft_time_s\x18\x07 \x01(\x01\x12\x15\n\rverify_time_s\x18\x08 \x01(\x01\"\'\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\"\x88\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\x12\x31\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1b.specdecode.v1.TokenLogprob\"\xac\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.specdecode.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.specdecode.v1.Usage\x12\x34\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1f.specdecode.v1.SpeculationStats\x12%\n\x06timing\x18\x07 \x01(\x0b\x32\x15.specdecode.v1.Timing\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.specdecode.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\xb1\x01\n\x06Limits\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\"\xcc\x01\n\x0b\x45ngineUsage\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x34\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1f.specdecode.v1.SpeculationStats\"\xb2\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x64rafter_method\x18\x02 \x01(\t\x12\x15\n\rdrafter_model\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12%\n\x06limits\x18\t \x01(\x0b\x32\x15.specdecode.v1.Limits\x12)\n\x05usage\x18\n \x01(\x0b\x32\x1a.specdecode.v1.EngineUsage\x12\x12\n\nreplica_id\x18\x0b \x01(\t\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08*b\n\x0fSpeculationMode\x12\x1c\n\x18SPECULATION_MODE_DEFAULT\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x17\n\x13SPECULATION_MODE_ON\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa9\x01\n\nSpecDecode\x12M\n\x08Generate\x12\x1e.specdecode.v1.GenerateRequest\x1a\x1f.specdecode.v1.GenerateResponse0\x01\x12L\n\x0cGetModelInfo\x12\".specdecode.v1.GetModelInfoRequest\x1a\x18.specdecode.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/specdecode/v1/specdecode.proto\x12\rspecdecode.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.specdecode.v1.ChatMessage\"\xe1\x07\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x17.specdecode.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x0f \x01(\x0b\x32\x13.specdecode.v1.ChatH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x33\n\x0bspeculation\x18\x0b \x01(\x0e\x32\x1e.specdecode.v1.SpeculationMode\x12#\n\x16max_speculative_tokens\x18\x0c \x01(\rH\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x15\n\rtoken_healing\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x07\x88\x01\x01\x12:\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1f.specdecode.v1.StructuredOutput\x12\x1d\n\x10presence_penalty\x18\x12 \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x13 \x01(\x01H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x14 \x01(\x01H\n\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x15 \x03(\x0b\x32-.specdecode.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x16 \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x17 \x01(\rH\x0c\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x18 \x01(\rH\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x19\n\x17_max_speculative_tokensB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x04\n\x02_nB\n\n\x08_best_of\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd8\x01\n\x10SpeculationStats\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x18\n\x10num_verify_steps\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x14\n\x0c\x64raft_time_s\x18\x07 \x01(\x01\x12\x15\n\rverify_time_s\x18\x08 \x01(\x01\"\'\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\"\x88\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\x12\x31\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1b.specdecode.v1.TokenLogprob\"\xbb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.specdecode.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.specdecode.v1.Usage\x12\x34\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1f.specdecode.v1.SpeculationStats\x12%\n\x06timing\x18\x07 \x01(\x0b\x32\x15.specdecode.v1.Timing\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.specdecode.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xb1\x01\n\x06Limits\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x02 \x01(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\"\xcc\x01\n\x0b\x45ngineUsage\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x34\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1f.specdecode.v1.SpeculationStats\"\xb2\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0e\x64rafter_method\x18\x02 \x01(\t\x12\x15\n\rdrafter_model\x18\x03 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\x10\n\x08\x61\x64\x61ptive\x18\x05 \x01(\x08\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12%\n\x06limits\x18\t \x01(\x0b\x32\x15.specdecode.v1.Limits\x12)\n\x05usage\x18\n \x01(\x0b\x32\x1a.specdecode.v1.EngineUsage\x12\x12\n\nreplica_id\x18\x0b \x01(\t\x12\x19\n\x11has_chat_template\x18\x0c \x01(\x08*b\n\x0fSpeculationMode\x12\x1c\n\x18SPECULATION_MODE_DEFAULT\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x17\n\x13SPECULATION_MODE_ON\x10\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa9\x01\n\nSpecDecode\x12M\n\x08Generate\x12\x1e.specdecode.v1.GenerateRequest\x1a\x1f.specdecode.v1.GenerateResponse0\x01\x12L\n\x0cGetModelInfo\x12\".specdecode.v1.GetModelInfoRequest\x1a\x18.specdecode.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATIONMODE']._serialized_start=2741
-  _globals['_SPECULATIONMODE']._serialized_end=2839
-  _globals['_FINISHREASON']._serialized_start=2841
-  _globals['_FINISHREASON']._serialized_end=2936
+  _globals['_SPECULATIONMODE']._serialized_start=2812
+  _globals['_SPECULATIONMODE']._serialized_end=2910
+  _globals['_FINISHREASON']._serialized_start=2912
+  _globals['_FINISHREASON']._serialized_end=3007
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
   _globals['_CHATMESSAGE']._serialized_start=81
@@ -44,29 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=127
   _globals['_CHAT']._serialized_end=179
   _globals['_GENERATEREQUEST']._serialized_start=182
-  _globals['_GENERATEREQUEST']._serialized_end=1119
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=881
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=929
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1121
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1229
-  _globals['_USAGE']._serialized_start=1231
-  _globals['_USAGE']._serialized_end=1318
-  _globals['_SPECULATIONSTATS']._serialized_start=1321
-  _globals['_SPECULATIONSTATS']._serialized_end=1537
-  _globals['_TIMING']._serialized_start=1539
-  _globals['_TIMING']._serialized_end=1578
-  _globals['_TOKENLOGPROB']._serialized_start=1581
-  _globals['_TOKENLOGPROB']._serialized_end=1717
-  _globals['_GENERATERESPONSE']._serialized_start=1720
-  _globals['_GENERATERESPONSE']._serialized_end=2020
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2022
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2043
-  _globals['_LIMITS']._serialized_start=2046
-  _globals['_LIMITS']._serialized_end=2223
-  _globals['_ENGINEUSAGE']._serialized_start=2226
-  _globals['_ENGINEUSAGE']._serialized_end=2430
-  _globals['_MODELINFO']._serialized_start=2433
-  _globals['_MODELINFO']._serialized_end=2739
-  _globals['_SPECDECODE']._serialized_start=2939
-  _globals['_SPECDECODE']._serialized_end=3108
+  _globals['_GENERATEREQUEST']._serialized_end=1175
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=919
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=967
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1177
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1285
+  _globals['_USAGE']._serialized_start=1287
+  _globals['_USAGE']._serialized_end=1374
+  _globals['_SPECULATIONSTATS']._serialized_start=1377
+  _globals['_SPECULATIONSTATS']._serialized_end=1593
+  _globals['_TIMING']._serialized_start=1595
+  _globals['_TIMING']._serialized_end=1634
+  _globals['_TOKENLOGPROB']._serialized_start=1637
+  _globals['_TOKENLOGPROB']._serialized_end=1773
+  _globals['_GENERATERESPONSE']._serialized_start=1776
+  _globals['_GENERATERESPONSE']._serialized_end=2091
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2093
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2114
+  _globals['_LIMITS']._serialized_start=2117
+  _globals['_LIMITS']._serialized_end=2294
+  _globals['_ENGINEUSAGE']._serialized_start=2297
+  _globals['_ENGINEUSAGE']._serialized_end=2501
+  _globals['_MODELINFO']._serialized_start=2504
+  _globals['_MODELINFO']._serialized_end=2810
+  _globals['_SPECDECODE']._serialized_start=3010
+  _globals['_SPECDECODE']._serialized_end=3179
 # @@protoc_insertion_point(module_scope)
