@@ -13,8 +13,9 @@ What we accept beyond the OpenAI fields sits under one field, `specdecode` (`Spe
 speculation on/off/default, a k cap, top_k, ignore_eos, stop_token_ids, request_id,
 return_token_ids, token_healing); what we return beyond them sits under `specdecode` in the
 response or in the stream's finishing chunk (speculation stats and server-side timing). Structured output comes from `response_format` (`json_object`, `json_schema`) or our
-`specdecode.regex` / `specdecode.grammar` (Lark or GBNF). Fields that change what is generated
-and that we do not implement (n > 1, tools, echo, suffix) are refused with a 400 naming them;
+`specdecode.regex` / `specdecode.grammar` (Lark or GBNF); tool calls from `tools` and
+`tool_choice` (deployments/tools.py). Fields that change what is generated and that we do not
+implement (echo, suffix) are refused with a 400 naming them;
 unknown fields are ignored, as OpenAI's newer fields are by other servers.
 """
 
@@ -36,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.common import HEALTH_TIMEOUT_S, MAX_REQUEST_ID_CHARS
 from deployments.errors import ClientError
+from deployments.tools import CALL_RE, openai_message_calls
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 logger = logging.getLogger("ray.serve")
@@ -54,7 +56,8 @@ ERROR_TYPES = {
     500: "internal_error", 503: "service_unavailable", 504: "timeout",
 }
 INTERNAL_MESSAGE = "the server failed this request; retry it"  # the details stay in the ingress's log
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                  pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 SPECULATION = {"default": pb.SPECULATION_MODE_DEFAULT, "on": pb.SPECULATION_MODE_ON, "off": pb.SPECULATION_MODE_OFF}
 
 
@@ -126,6 +129,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # a tool turn's answer to this call
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -169,8 +174,8 @@ def check_supported(req: _GenerationRequest) -> None:
     else:
         if req.top_logprobs is not None and not req.logprobs:
             raise _invalid("top_logprobs", "needs logprobs: true")
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise _invalid("tools", "tool calls are not supported")
+        if req.tool_choice not in (None, "none") and not req.tools:
+            raise _invalid("tool_choice", "needs tools")
         if (req.max_tokens is not None and req.max_completion_tokens is not None
                 and req.max_tokens != req.max_completion_tokens):
             raise _invalid("max_completion_tokens", f"{req.max_completion_tokens} differs from max_tokens "
@@ -230,6 +235,8 @@ def generate_request(req: _GenerationRequest, prompt: str | list[int] | None) ->
     structured = requested_structure(req)
     if structured is not None:
         out.structured_output.CopyFrom(structured)
+    if isinstance(req, ChatCompletionRequest):
+        request_tools(req, out)
     return out
 
 
@@ -293,8 +300,33 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             if kinds:
                 raise _invalid(f"messages[{i}].content", f"only text parts are supported, got {', '.join(kinds)}")
             content = "".join(part.text or "" for part in content)
-        out.append({"role": message.role, "content": content or ""})
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            entry["tool_calls"] = openai_message_calls(message.tool_calls)
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
     return out
+
+
+def request_tools(req: ChatCompletionRequest, out: pb.GenerateRequest) -> None:
+    """`tools` and `tool_choice` (OpenAI's shapes) into the GenerateRequest."""
+    for i, tool in enumerate(req.tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise _invalid(f"tools[{i}]", "must be {\"type\": \"function\", \"function\": {\"name\", ...}}")
+        out.tools.add(name=str(function.get("name", "")), description=str(function.get("description") or ""),
+                      parameters=json.dumps(function.get("parameters") or {"type": "object", "properties": {}}))
+    choice = req.tool_choice
+    if choice is None:
+        return
+    if choice in ("none", "auto", "required"):
+        setattr(out.tool_choice, choice, True)
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict) and choice["function"].get("name"):
+        out.tool_choice.function = str(choice["function"]["name"])
+    else:
+        raise _invalid("tool_choice", f"none, auto, required or {{\"type\": \"function\", \"function\": "
+                                      f"{{\"name\": ...}}}}, got {choice!r}")
 
 
 # --- responses ------------------------------------------------------------------------------------
@@ -355,9 +387,12 @@ class ResponseBuilder:
     completion's last message carries its usage and finishes its choice."""
 
     def __init__(self, chat: bool, model: str, label: str, return_token_ids: bool, logprobs: bool = False,
-                 n: int = 1) -> None:
+                 n: int = 1, calling: bool = False) -> None:
         self.chat, self.model, self.return_token_ids, self.logprobs = chat, model, return_token_ids, logprobs
         self.n = n
+        # tools offered: a choice's text is held until its end, then sent as text or as tool calls
+        self.calling = calling and chat
+        self.held: dict[int, str] = {}
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{label}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -397,12 +432,19 @@ class ResponseBuilder:
         kind = f"{self.object}.chunk" if chunk and self.chat else self.object
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, message: pb.GenerateResponse) -> dict:
+    def chunk(self, message: pb.GenerateResponse) -> dict | None:
+        """The chunk of one message (None: held, a choice that may turn out to be tool calls)."""
         last = self.is_last(message)
         index = message.index
         choice: dict[str, Any] = {"index": index}
+        if self.calling:
+            self.held[index] = self.held.get(index, "") + message.text
+            if not last:
+                return None
         if self.chat:
             delta: dict[str, Any] = {"content": message.text}
+            if self.calling:
+                delta = _call_fields(self.held.pop(index), message.tool_calls, streamed=True)
             if index not in self.sent_role:
                 delta = {"role": "assistant", **delta}
                 self.sent_role.add(index)
@@ -436,6 +478,8 @@ class ResponseBuilder:
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if self.calling:
+                    choice["message"] = {"role": "assistant", **_call_fields(text, last.tool_calls, streamed=False)}
             else:
                 choice["text"] = text
             if self.return_token_ids:
@@ -444,6 +488,17 @@ class ResponseBuilder:
             choice["finish_reason"] = FINISH_REASONS.get(last.finish_reason, "stop")
             choices.append(choice)
         return {**self._head(False), "choices": choices, "usage": _usage(lasts), "specdecode": _stats(lasts)}
+
+
+def _call_fields(text: str, calls, streamed: bool) -> dict:
+    """A choice's content and tool_calls (OpenAI's shapes: a stream's delta entries carry their
+    position as `index`): the text outside the call blocks, or None when empty."""
+    if not calls:
+        return {"content": text}
+    content = CALL_RE.sub("", text).strip() or None
+    entries = [{**({"index": i} if streamed else {}), "id": c.id, "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+    return {"content": content, "tool_calls": entries}
 
 
 def _sse(data: dict | str) -> str:
@@ -539,7 +594,8 @@ async def _respond(ingress: Any, request: Request, body: _GenerationRequest, gen
     label = body.specdecode.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
     trace = [(k, request.headers[k]) for k in TRACE_HEADERS if k in request.headers]
     builder = ResponseBuilder(messages is not None, body.model, label, body.specdecode.return_token_ids,
-                              generate.HasField("logprobs"), generate.n if generate.HasField("n") else 1)
+                              generate.HasField("logprobs"), generate.n if generate.HasField("n") else 1,
+                              bool(generate.tools) and generate.tool_choice.WhichOneof("choice") != "none")
     stream = ingress.generate(generate, label, trace, messages, route)
     if not body.stream:
         async with aclosing(stream):
@@ -572,7 +628,9 @@ async def _events(stream: AsyncIterator[pb.GenerateResponse], first: pb.Generate
         message = first
         try:
             while True:
-                yield _sse(builder.chunk(message))
+                chunk = builder.chunk(message)
+                if chunk is not None:
+                    yield _sse(chunk)
                 if builder.finished:
                     break
                 message = await anext(stream)

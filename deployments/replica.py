@@ -42,6 +42,16 @@ from deployments.handoff_transport import get_handoff, put_handoff, resolve_tran
 from deployments.metrics import start_replica_metrics
 from deployments.placement import LocalEstimate, Placement, PoolEstimate, place
 from deployments.router import routing_stats
+from deployments.tools import (
+    Tool,
+    ToolError,
+    call_grammar,
+    parse_calls,
+    parse_tools,
+    template_takes_tools,
+    template_tools,
+    with_tools,
+)
 from deployments.tracing import grpc_span_attributes, setup_tracing
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
@@ -166,12 +176,14 @@ class SpecDecodeServer:
             return
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
         trace = TraceMetadata(trace_metadata or [], route)
+        tools, choice = request_tools(request)
+        calling = tools if choice != "none" else None  # calls are parsed from the output
         yield Accepted(self.replica_id)
         if best_of > 1:  # several completions: prefilled here, the prompt's blocks shared between them
-            async for item in self._run_completions(prompt, params, n, best_of, label, trace, speculating):
+            async for item in self._run_completions(prompt, params, n, best_of, label, trace, speculating, calling):
                 yield item
             return
-        if pool is not None and self.config.mode == "disaggregated":
+        if pool is not None and self.config.mode == "disaggregated" and calling is None:
             step_budget_s = self.config.slo.tpot_ms / 1e3 if self.config.slo.tpot_ms else None
             local = await self.llm.call(local_estimate, self.llm.engine, prompt, params, step_budget_s)
             ttft_budget_s = self.config.slo.ttft_ms / 1e3 if self.config.slo.ttft_ms else None
@@ -182,12 +194,12 @@ class SpecDecodeServer:
                 return
             self._count_prefill({"local_faster": "local_faster", "backoff": "local_backoff"}.get(placement.reason, "local"))
             trace.placement = placement
-        async for item in self._run(prompt, params, label, trace, speculating):
+        async for item in self._run(prompt, params, label, trace, speculating, tools=calling):
             yield item
 
     async def _run_completions(
         self, prompt: list[int], params: Any, n: int, best_of: int, label: str, trace: TraceMetadata,
-        speculating: bool,
+        speculating: bool, tools: list[Tool] | None = None,
     ) -> AsyncIterator[ClientError | pb.GenerateResponse]:
         """`best_of` completions of one prompt, each an engine request of its own (seed + i when
         seeded): the first is prefilled alone, the others start once it has its first token, so
@@ -201,7 +213,7 @@ class SpecDecodeServer:
         def completion(i: int) -> AsyncIterator[ClientError | pb.GenerateResponse]:
             p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i,
                                     logprobs=0 if ranking and params.logprobs is None else params.logprobs)
-            return self._run(prompt, p, label, trace, speculating)
+            return self._run(prompt, p, label, trace, speculating, tools=tools)
 
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -325,8 +337,10 @@ class SpecDecodeServer:
     async def _run(
         self, prompt: list[int], params: Any, label: str, trace: TraceMetadata, speculating: bool, *,
         export: bool = False, handoff: Any = None, num_emitted_chars: int = 0, already_sent: list[int] | None = None,
+        tools: list[Tool] | None = None,
     ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult]:
-        """Run one engine request and yield its messages; engine errors become a `ClientError`."""
+        """Run one engine request and yield its messages; engine errors become a `ClientError`.
+        With `tools`, the last message carries the calls parsed from the output."""
         from engine import EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError
         from engine.errors import HandoffMismatchError
 
@@ -364,6 +378,11 @@ class SpecDecodeServer:
                 if out.finished:
                     self.metrics.on_request_finished(out, speculating)
                 message = self.to_response(out, label, speculating, self.llm.tokenizer)
+                if tools and out.finished:
+                    _, calls = parse_calls(out.text, tools)
+                    if calls:
+                        message.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+                        message.finish_reason = pb.FINISH_REASON_TOOL_CALLS
                 if already_sent and out.finished:  # a fallback prefill took the sent tokens as prompt
                     message.usage.prompt_tokens -= len(already_sent)
                     message.usage.completion_tokens += len(already_sent)
@@ -504,18 +523,28 @@ class SpecDecodeServer:
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         kind = request.WhichOneof("input")
         if kind == "chat" and messages is None:
-            messages, kind = [{"role": m.role, "content": m.content} for m in request.chat.messages], None
+            messages, kind = [chat_message(m) for m in request.chat.messages], None
         if kind is None and messages is None:
             raise ClientError(invalid, "prompt: set `prompt` (text), `prompt_token_ids` or `chat`")
         if kind is not None and messages is not None:
             raise ClientError(invalid, "messages: a chat request has no prompt of its own")
+        tools, choice = request_tools(request)
+        if tools and messages is None:
+            raise ClientError(invalid, "tools: only with chat messages")
         kwargs = self.sampling_kwargs(request)
+        grammar = call_grammar(tools, choice)
+        if grammar is not None:
+            if "structured_output" in kwargs:
+                raise ClientError(invalid, f"tool_choice: {choice} constrains the output; leave structured_output unset")
+            from engine import StructuredOutput
+
+            kwargs["structured_output"] = StructuredOutput("grammar", grammar)
         try:
             params = SamplingParams(**kwargs)
         except InvalidRequestError as e:
             raise ClientError(invalid, str(e)) from None
         if messages is not None:
-            ids = await self.encode_chat(messages)
+            ids = await self.encode_chat(messages, tools)
         elif kind == "prompt":
             if not request.prompt:
                 raise ClientError(invalid, "prompt: is empty; give at least one character")
@@ -543,7 +572,7 @@ class SpecDecodeServer:
             )
         return ids, params
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
         """Token ids of chat `messages` ({"role", "content"} each) rendered by the tokenizer's chat
         template with the assistant's turn opened, in a worker thread; ClientError when the model
         has no chat template, the text cannot fit, or the template refuses the messages."""
@@ -561,7 +590,10 @@ class SpecDecodeServer:
                                        f"tokens are accepted, which no text over {limit} characters fits in")
 
         def render() -> list[int]:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            takes_tools = template_takes_tools(tokenizer.chat_template)
+            shown = with_tools(messages, tools or [], takes_tools)
+            extra = {"tools": template_tools(tools)} if tools and takes_tools else {}
+            text = tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False, **extra)
             return list(tokenizer.encode(text, add_special_tokens=False))  # the template has the specials
 
         from jinja2.exceptions import TemplateError
@@ -669,6 +701,31 @@ class SpecDecodeServer:
 
 
 MAX_COMPLETIONS = 16  # n and best_of
+
+
+def chat_message(m: pb.ChatMessage) -> dict:
+    """A ChatMessage as the chat template takes it (tool calls: {"name", "arguments"} each)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def request_tools(request: pb.GenerateRequest) -> tuple[list[Tool], str]:
+    """The request's tools and tool_choice (none, auto, required, or a tool's name); ClientError
+    when they are bad."""
+    try:
+        tools = parse_tools([(t.name, t.description, t.parameters) for t in request.tools])
+        kind = request.tool_choice.WhichOneof("choice")
+        choice = request.tool_choice.function if kind == "function" else kind or ("auto" if tools else "none")
+        from deployments.tools import check_choice
+
+        check_choice(choice, tools)
+    except ToolError as e:
+        raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    return tools, choice
 
 
 def num_completions(request: pb.GenerateRequest) -> tuple[int, int]:
