@@ -62,6 +62,16 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """The rest of a stream whose replica was lost: the tokens the client already has and the
+    characters of their text it was sent (the new replica prefills them with the prompt and
+    streams what follows)."""
+
+    token_ids: list[int]
+    num_chars: int
+
+
+@dataclass(frozen=True)
 class HandoffRead:
     """A decode replica's `resume` has read the handoff (or found it lost): the prefill call that
     holds it can be closed."""

@@ -8,9 +8,12 @@ Ray's internals in the details, and waits without bound while no replica exists;
 changed from a replica. The ingress owns the client's stream, so it can:
 - retry a request whose replica was lost before any message reached the client, on another
   replica (up to MAX_ATTEMPTS), transparently;
-- answer UNAVAILABLE with a plain message when the replica is lost after messages went out (the
-  client has part of the output and must retry), or when no engine replica accepted the request
-  within `replica_wait_timeout_s` (none running, or all full and Serve queued it);
+- resume a stream whose replica was lost after messages went out, on another replica (up to
+  MAX_RESUMPTIONS): it prefills the prompt and the tokens the client already has, and the
+  stream goes on with no token repeated or missing (greedy output as if nothing happened);
+- answer UNAVAILABLE with a plain message when that fails too (the client has part of the
+  output and must retry), or when no engine replica accepted the request within
+  `replica_wait_timeout_s` (none running, or all full and Serve queued it);
 - map refusals the engine replica yields (`ClientError`) and Serve's backpressure to their status.
 It holds no model and reserves no CPU: it relays messages (`bench/bench_serve.py` measures the
 hop's cost). Cancelling the client's stream cancels the engine request through the handle.
@@ -48,6 +51,7 @@ from deployments.common import (
     Prefilled,
     PrefillElsewhere,
     PrefillResult,
+    Resume,
 )
 from deployments.config import AppConfig
 from deployments.errors import ClientError, install_log_filter
@@ -58,6 +62,7 @@ from protos.specdecode.v1 import specdecode_pb2 as pb
 logger = logging.getLogger("ray.serve")
 
 MAX_ATTEMPTS = 3  # a request that streamed nothing is tried on this many replicas at most
+MAX_RESUMPTIONS = 2  # a stream whose replica is lost mid-stream goes on elsewhere at most this often
 RETRY_BACKOFF_S = 0.2  # before a retry, so Serve's router can learn that the replica is gone
 TRACE_KEYS = ("traceparent", "tracestate")
 HEALTH_WATCH_INTERVAL_S = 5.0
@@ -87,6 +92,13 @@ class SpecDecodeIngress:
         self.pool_backoff = Backoff(PREFILL_BACKOFF_FIRST_S, PREFILL_BACKOFF_MAX_S)
         self.pool_failures = 0
         self.tracing = setup_tracing(config.tracing, None) if prefill_pool is not None else None
+        self.resumptions = 0  # streams resumed on another replica after theirs was lost
+        try:
+            from deployments.metrics import IngressMetrics
+
+            self.metrics: IngressMetrics | None = IngressMetrics()
+        except Exception:  # noqa: BLE001 - outside a Serve replica (direct construction in tests)
+            self.metrics = None
         self._health_task: asyncio.Future | None = None  # the health check every caller shares (`_health`)
         self._health_at = 0.0  # when the last health answer was had
         self.health_probes = 0
@@ -193,10 +205,45 @@ class SpecDecodeIngress:
             raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, (
                 f"request_id: {len(label)} characters{control}; give at most {MAX_REQUEST_ID_CHARS} printable "
                 "characters (a label for logs and traces)"))
+        sent = _Sent()
+        resume: Resume | None = None
+        resumable = not (request.HasField("n") and request.n > 1) and not (request.HasField("best_of")
+                                                                          and request.best_of > 1)
+        for resumption in range(MAX_RESUMPTIONS + 1):
+            try:
+                async for message in self._attempt(request, label, trace, messages, route, resume, sent):
+                    sent.add(message)
+                    yield message
+                return
+            except ClientError as e:
+                if resume is None or e.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                raise ClientError(grpc.StatusCode.UNAVAILABLE, (
+                    f"the replica serving this request stopped after {sent.num_messages} messages and no other "
+                    f"took it over ({e.details}); the output is incomplete: retry the whole request")) from None
+            except _LostMidStream as lost:
+                if not resumable or resumption == MAX_RESUMPTIONS:
+                    raise _replica_lost(label, sent.num_messages, lost.attempts, lost.error) from None
+                self.resumptions += 1
+                if self.metrics is not None:
+                    self.metrics.resumed(lost.where)
+                logger.warning("request %r: %s replica lost after %d tokens (%s); resuming on another replica "
+                               "(resumption %d of %d)", label, lost.where, len(sent.token_ids),
+                               type(lost.error).__name__, resumption + 1, MAX_RESUMPTIONS)
+                resume = Resume(list(sent.token_ids), sent.num_chars)
+                await asyncio.sleep(RETRY_BACKOFF_S)
+
+    async def _attempt(
+        self, request: pb.GenerateRequest, label: str, trace: list[tuple[str, str]],
+        messages: list[dict[str, str]] | None, route: str, resume: Resume | None, sent: _Sent,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One go at the request (or at its rest, after `resume`): a replica lost before this go
+        sent anything is retried on another; one lost after raises _LostMidStream."""
         num_sent = 0
         elsewhere = None
+        pool = self.pool_estimate() if resume is None else None  # a resumption is prefilled where it lands
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            response = self.stream.generate.remote(request, label, trace, messages, route, self.pool_estimate())
+            response = self.stream.generate.remote(request, label, trace, messages, route, pool, resume)
             try:
                 async for message in self._relay(response):
                     if isinstance(message, PrefillElsewhere):
@@ -206,8 +253,10 @@ class SpecDecodeIngress:
                     yield message
                 break
             except REPLICA_LOST as e:
-                if num_sent or attempt == MAX_ATTEMPTS:
-                    raise _replica_lost(label, num_sent, attempt, e) from None
+                if num_sent:
+                    raise _LostMidStream(e, attempt, "engine") from None
+                if attempt == MAX_ATTEMPTS:
+                    raise _replica_lost(label, sent.num_messages, attempt, e) from None
                 logger.warning("request %r: replica lost before its first message (%s); retrying "
                                "on another replica (attempt %d of %d)", label, type(e).__name__,
                                attempt + 1, MAX_ATTEMPTS)
@@ -316,7 +365,7 @@ class SpecDecodeIngress:
                 return
             except REPLICA_LOST as e:
                 if num_sent or attempt == MAX_ATTEMPTS:
-                    raise _replica_lost(label, len(sent) + num_sent, attempt, e) from None
+                    raise _LostMidStream(e, attempt, "engine") from None
                 logger.warning("request %r: decode replica lost before resuming (%s); retrying (attempt %d of %d)",
                                label, type(e).__name__, attempt + 1, MAX_ATTEMPTS)
                 await asyncio.sleep(RETRY_BACKOFF_S * attempt)
@@ -365,6 +414,28 @@ class SpecDecodeIngress:
         finally:
             if not finished:
                 response.cancel()
+
+
+class _Sent:
+    """What a client's stream has been sent so far (for a resumption)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.num_chars = 0
+        self.num_messages = 0
+
+    def add(self, message: pb.GenerateResponse) -> None:
+        self.token_ids.extend(message.token_ids)
+        self.num_chars += len(message.text)
+        self.num_messages += 1
+
+
+class _LostMidStream(Exception):
+    """The replica serving a stream was lost after the stream got messages from it."""
+
+    def __init__(self, error: BaseException, attempts: int, where: str) -> None:
+        super().__init__(str(error))
+        self.error, self.attempts, self.where = error, attempts, where
 
 
 class _Metadata:

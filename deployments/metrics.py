@@ -161,9 +161,15 @@ POOL_COUNTERS = {"batches": "specdecode_drafter_pool_engine_calls_total", "round
                  "catch_up_tokens": "specdecode_drafter_pool_catch_up_tokens_total",
                  "evicted": "specdecode_drafter_pool_evicted_sessions_total",
                  "ahead_hits": "specdecode_drafter_pool_ahead_hits_total"}
+# The ingress (deployments/ingress.py): what it does for the clients' streams.
+INGRESS_METRICS: tuple[MetricDef, ...] = (
+    _c("specdecode_resumed_total", "Streams resumed on another engine replica after theirs was lost mid-stream "
+       "(the client's stream went on), by the lost replica's role (engine: co-located or decode; a prefill replica "
+       "lost after the first token is covered by the decode replica's local prefill instead).", "reason"),
+)
 METRICS_BY_NAME = {m.name: m for m in METRICS}
 POOL_METRICS_BY_NAME = {m.name: m for m in POOL_METRICS}
-PROMETHEUS_NAMES = frozenset(n for m in METRICS + POOL_METRICS for n in m.prometheus_names)
+PROMETHEUS_NAMES = frozenset(n for m in METRICS + POOL_METRICS + INGRESS_METRICS for n in m.prometheus_names)
 _NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
@@ -418,6 +424,17 @@ class DrafterPoolMetrics(_Flushing):
         m["specdecode_drafter_pool_kv_blocks_used"].set(stats["used_blocks"])
         for seconds in rounds:
             m["specdecode_drafter_pool_round_seconds"].observe(seconds)
+
+
+class IngressMetrics:
+    """The ingress's metrics (`INGRESS_METRICS`), counted as things happen (event loop)."""
+
+    def __init__(self, backend: Any = None) -> None:
+        backend = backend if backend is not None else importlib.import_module(DEFAULT_BACKEND)
+        self.metrics: dict[str, Any] = {m.name: _make(backend, m) for m in INGRESS_METRICS}
+
+    def resumed(self, reason: str) -> None:
+        self.metrics["specdecode_resumed_total"].inc(1, {"reason": reason})
 
 
 def _inc(counter: Any, value: float, tags: dict[str, str] | None = None) -> None:

@@ -34,7 +34,7 @@ from ray import serve
 
 from deployments import tracing as t
 from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
-from deployments.common import Accepted, HandoffRead, Prefilled, PrefillElsewhere, PrefillResult
+from deployments.common import Accepted, HandoffRead, Prefilled, PrefillElsewhere, PrefillResult, Resume
 from deployments.config import AppConfig, resolve_path
 from deployments.drafter import ServeDrafterClient
 from deployments.errors import ClientError
@@ -159,6 +159,7 @@ class SpecDecodeServer:
     async def generate(
         self, request: pb.GenerateRequest, label: str, trace_metadata: list[tuple[str, str]] | None = None,
         messages: list[dict[str, str]] | None = None, route: str = "Generate", pool: PoolEstimate | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[Accepted | ClientError | PrefillElsewhere | pb.GenerateResponse]:
         """`Accepted`, then the response messages; or one `ClientError` (and nothing else) when the
         request is refused or the engine fails it. `label` is the client's id for the request.
@@ -167,7 +168,10 @@ class SpecDecodeServer:
         In disaggregated mode the ingress passes what it knows of the prefill pool (`pool`); a
         prompt that is to be prefilled there (deployments/placement.py) gets `Accepted` and a
         `PrefillElsewhere`, and nothing more: the ingress brings it back to `resume` with its
-        handoff, so it holds no slot here while it waits for the pool."""
+        handoff, so it holds no slot here while it waits for the pool. With `resume` (its replica
+        was lost mid-stream) the request goes on after the tokens the client already has: they are
+        prefilled here with the prompt, and a seeded request's generator starts again from its
+        seed at that point."""
         try:
             n, best_of = num_completions(request)
             prompt, params = await self.translate(request, messages)
@@ -179,6 +183,10 @@ class SpecDecodeServer:
         tools, choice = request_tools(request)
         calling = tools if choice != "none" else None  # calls are parsed from the output
         yield Accepted(self.replica_id)
+        if resume is not None:
+            async for item in self._run(prompt, params, label, trace, speculating, tools=calling, resume=resume):
+                yield item
+            return
         if best_of > 1:  # several completions: prefilled here, the prompt's blocks shared between them
             async for item in self._run_completions(prompt, params, n, best_of, label, trace, speculating, calling):
                 yield item
@@ -337,7 +345,7 @@ class SpecDecodeServer:
     async def _run(
         self, prompt: list[int], params: Any, label: str, trace: TraceMetadata, speculating: bool, *,
         export: bool = False, handoff: Any = None, num_emitted_chars: int = 0, already_sent: list[int] | None = None,
-        tools: list[Tool] | None = None,
+        tools: list[Tool] | None = None, resume: Resume | None = None,
     ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult]:
         """Run one engine request and yield its messages; engine errors become a `ClientError`.
         With `tools`, the last message carries the calls parsed from the output."""
@@ -348,9 +356,12 @@ class SpecDecodeServer:
         role = "prefill" if export else "decode" if handoff is not None or already_sent else None
         self.latency.start(request_id)
         try:
+            if resume is not None:
+                num_emitted_chars = resume.num_chars
             stream = self.llm.generate(prompt, params, request_id=request_id, export_after_prefill=export,
                                        handoff=handoff, num_emitted_chars=num_emitted_chars,
-                                       with_drafter_state=self.config.disaggregation.with_drafter_state)
+                                       with_drafter_state=self.config.disaggregation.with_drafter_state,
+                                       output_token_ids=resume.token_ids if resume is not None else None)
             handoff = None  # the engine copies it into its own blocks; do not hold it for the whole stream
             if self.tracing is not None:
                 attributes = grpc_span_attributes(trace.route, self.replica_id, params, speculating, label)

@@ -92,13 +92,17 @@ class AsyncLLM:
         handoff=None,
         num_emitted_chars: int = 0,
         with_drafter_state: bool = True,
+        output_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream incremental outputs. Bad input raises InvalidRequestError before anything runs.
         Cancelling the consumer (or breaking out) aborts the request and frees its blocks.
 
         Prefill/decode disaggregation: with `export_after_prefill`, the stream yields the first
         token(s), then ends with an output whose finish_reason is "handoff" and whose `handoff`
-        the decode side imports (unless the request finished on its first token). With `handoff`
+        the decode side imports (unless the request finished on its first token). With
+        `output_token_ids` the request resumes after those tokens, made by an engine that was lost
+        (they are prefilled with the prompt; `num_emitted_chars` characters of their text were
+        delivered, so the stream yields what follows). With `handoff`
         (an `engine.handoff.Handoff` for this prompt), the request continues from it: its first
         tokens (and `num_emitted_chars` characters of their text) were already delivered, so the
         stream yields what follows. An import waits for free KV blocks like a new request;
@@ -120,13 +124,15 @@ class AsyncLLM:
             if list(handoff.prompt_token_ids) != list(ids):
                 raise InvalidRequestError("handoff: its prompt is not this request's prompt")
             state.skip(list(handoff.output_token_ids), num_emitted_chars)
+        elif output_token_ids:
+            state.skip(list(output_token_ids), num_emitted_chars)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), state)
         self._streams[rid] = stream
         if handoff is not None:
             self._send(("import", rid, handoff, with_drafter_state))
             handoff = None  # the engine thread holds it until imported; this frame lives on with the stream
         else:
-            self._send(("add", rid, ids, params, export_after_prefill, with_drafter_state))
+            self._send(("add", rid, ids, params, export_after_prefill, with_drafter_state, output_token_ids))
         finished = False
         try:
             while True:
@@ -257,10 +263,10 @@ class AsyncLLM:
                 return
             kind = cmd[0]
             if kind == "add":
-                _, rid, ids, params, export, with_state = cmd
+                _, rid, ids, params, export, with_state, output = cmd
                 try:
                     self.engine.add_request(rid, ids, params, export_after_prefill=export,
-                                            export_drafter_state=with_state)
+                                            export_drafter_state=with_state, output_token_ids=output)
                 except EngineError as e:
                     self._deliver(rid, e)
             elif kind == "import":

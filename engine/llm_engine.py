@@ -304,6 +304,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         export_after_prefill: bool = False, export_drafter_state: bool = True,
+        output_token_ids: list[int] | None = None,
     ) -> Request:
         """Validate and queue a request. With `export_after_prefill` it runs normally until a step
         makes its first token(s) (that step's output carries them, not finished); the step's
@@ -311,12 +312,19 @@ class LLMEngine:
         frees it here (status "handoff"). A request that finishes on its first token (EOS, stop
         token, max_tokens=1) finishes normally instead, with no handoff. `export_drafter_state=False`
         (an ablation) leaves the drafter's KV and state out of the handoff: fewer bytes, and the
-        importer's drafter starts without them."""
-        self.validate_request(prompt_token_ids, params)
+        importer's drafter starts without them. `output_token_ids`: tokens already generated for
+        it elsewhere (a stream resumed after its replica was lost): they are prefilled with the
+        prompt and count toward max_tokens, penalties and its grammar, and generation goes on
+        after them."""
+        self.validate_request(prompt_token_ids + list(output_token_ids or []), params)
+        if output_token_ids and len(output_token_ids) >= params.max_tokens:
+            raise InvalidRequestError(f"{len(output_token_ids)} output tokens already made; max_tokens is "
+                                      f"{params.max_tokens}")
         limit = self.scheduler_config.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests already waiting (limit {limit})")
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+        request.output_token_ids = list(output_token_ids or [])
         request.export_after_prefill = export_after_prefill
         request.export_drafter_state = export_drafter_state
         self.grammars.add(request)  # compiles its grammar: InvalidRequestError before it is queued

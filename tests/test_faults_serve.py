@@ -436,6 +436,53 @@ def test_replica_lost_before_first_message_is_retried_transparently(served: Serv
     wait_running(SLOW_APP, 2)
 
 
+def test_replica_lost_mid_stream_is_resumed_on_another(served: Served) -> None:
+    """Four greedy streams on two replicas, each with tokens already sent; one replica is killed
+    with SIGKILL. The ingress resumes its streams on the other (prompt + the tokens sent
+    prefilled there): every client gets exactly the undisturbed greedy output, text included,
+    usage counted once, and no error."""
+    prompts = [[9, 10, 11], [12, 13], [14, 15, 16, 17], [18, 19]]
+    params = dict(max_tokens=14, temperature=0.0, ignore_eos=True)
+    expected = [reference(served, p, **params) for p in prompts]
+    results: list[object] = [None] * len(prompts)
+    started = [threading.Event() for _ in prompts]
+
+    def run(i: int) -> None:
+        with served.client(SLOW_APP, timeout=120) as client:
+            try:
+                ids, text, last = [], "", None
+                for m in client.generate(prompts[i], **params):
+                    ids.extend(m.token_ids)
+                    text += m.text
+                    last = m
+                    started[i].set()
+                results[i] = (ids, text, last.usage.completion_tokens, last.usage.prompt_tokens)
+            except grpc.RpcError as e:
+                results[i] = e
+                started[i].set()
+
+    victim = engine_replica_pids(SLOW_APP, 2)[0]
+    wait_serving(served, SLOW_APP)
+    before = serve_logs().count("resuming on another replica")
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(60)
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    tokenizer = served.llm.tokenizer
+    for result, want, prompt in zip(results, expected, prompts, strict=True):
+        assert not isinstance(result, grpc.RpcError), (result.code(), result.details())
+        ids, text, completion, prompt_tokens = result
+        assert ids == want and text == tokenizer.decode(want)
+        assert (completion, prompt_tokens) == (len(want), len(prompt))
+    time.sleep(1.0)
+    assert serve_logs().count("resuming on another replica") > before
+    wait_running(SLOW_APP, 2)
+
+
 def test_replica_lost_mid_stream_is_unavailable_and_no_replica_fails_fast(served: Served) -> None:
     """A stream that has sent tokens when its replicas die ends with UNAVAILABLE and a plain
     message (no Ray internals); while no replica exists (the new ones take SLOW_START_S to

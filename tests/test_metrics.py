@@ -379,7 +379,7 @@ def test_dashboard_queries_only_metrics_the_module_defines() -> None:
     referenced = {name for e in exprs for name in re.findall(r"\bray_[a-zA-Z0-9_]+", e)}
     assert referenced <= mm.PROMETHEUS_NAMES, referenced - mm.PROMETHEUS_NAMES
     # ... and shows every one of them.
-    every = mm.METRICS + mm.POOL_METRICS
+    every = mm.METRICS + mm.POOL_METRICS + mm.INGRESS_METRICS
     shown = {m.name for m in every if set(m.prometheus_names) & referenced}
     assert shown == {m.name for m in every}, {m.name for m in every} - shown
     # Labels used in selectors and `by (...)` exist: ours, Serve's, or a histogram's `le`.
