@@ -199,7 +199,8 @@ class SpecDecodeIngress:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The response messages of one request from an engine replica (chat `messages` replace
         the prompt; `route` names the gRPC method or HTTP route for its trace); a refusal or
-        failure raises `ClientError`. A replica lost before the first message is retried."""
+        failure raises `ClientError`. A replica lost before the first message is retried; one lost
+        after is resumed on another with what the client was sent (`Resume`)."""
         if len(label) > MAX_REQUEST_ID_CHARS or not label.isprintable():
             control = "" if label.isprintable() else ", with a control character"
             raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, (

@@ -193,7 +193,10 @@ class SpecDecodeServer:
             return
         if pool is not None and self.config.mode == "disaggregated" and calling is None:
             step_budget_s = self.config.slo.tpot_ms / 1e3 if self.config.slo.tpot_ms else None
-            local = await self.llm.call(local_estimate, self.llm.engine, prompt, params, step_budget_s)
+            if len(prompt) < self.config.disaggregation.min_prompt_tokens:  # short whatever is cached
+                local = LocalEstimate(len(prompt), 0, None)  # no call into the engine thread (it waits for a step)
+            else:
+                local = await self.llm.call(local_estimate, self.llm.engine, prompt, params, step_budget_s)
             ttft_budget_s = self.config.slo.ttft_ms / 1e3 if self.config.slo.ttft_ms else None
             placement = place(local, pool, self.config.disaggregation.min_prompt_tokens, ttft_budget_s)
             self.metrics.on_placement(placement)
