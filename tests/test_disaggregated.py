@@ -328,6 +328,29 @@ def test_seeded_sampled_request_equals_colocated(served: Served, colocated) -> N
     assert ids == reference(colocated, prompt, **params)
 
 
+def test_structured_output_penalties_and_logprobs_travel_in_the_handoff(served: Served, colocated) -> None:
+    """A remotely prefilled request with a grammar, penalties and logprobs: the decode replica
+    replays the grammar over the first token and counts it in the penalties, so the tokens and
+    log-probabilities equal the co-located engine's."""
+    from engine import SamplingParams, StructuredOutput
+
+    rng = random.Random(17)
+    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 12)]
+    regex = "[a-e]{4}-[0-9]{3}(-[a-e]+)?"
+    params = dict(max_tokens=30, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={40: 1.5})
+    before = prefill_counts()
+    with served.client() as client:
+        chunks = list(client.generate(prompt, logprobs=2, structured_output={"regex": regex}, **params))
+    ids = [t for c in chunks for t in c.token_ids]
+    assert prefill_counts().get("remote", 0) == before.get("remote", 0) + 1
+    (ref,) = colocated.generate([prompt], SamplingParams(logprobs=2, structured_output=StructuredOutput("regex", regex),
+                                                         **params))
+    assert ids == ref.token_ids
+    assert [lp.logprob for c in chunks for lp in c.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs],
+                                                                             abs=1e-5)
+    assert __import__("re").fullmatch(regex, "".join(c.text for c in chunks))
+
+
 def test_text_prompt_streams_the_same_text(served: Served, colocated) -> None:
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
     assert len(prompt) >= THRESHOLD  # one character per token with this tokenizer
