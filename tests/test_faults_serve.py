@@ -441,7 +441,7 @@ def test_replica_lost_mid_stream_is_resumed_on_another(served: Served) -> None:
     with SIGKILL. The ingress resumes its streams on the other (prompt + the tokens sent
     prefilled there): every client gets exactly the undisturbed greedy output, text included,
     usage counted once, and no error."""
-    prompts = [[9, 10, 11], [12, 13], [14, 15, 16, 17], [18, 19]]
+    prompts = [[9, 10, 11], [12, 13], [14, 15, 16, 17], [18, 19]]  # what one replica can hold at once
     params = dict(max_tokens=14, temperature=0.0, ignore_eos=True)
     expected = [reference(served, p, **params) for p in prompts]
     results: list[object] = [None] * len(prompts)
@@ -463,6 +463,9 @@ def test_replica_lost_mid_stream_is_resumed_on_another(served: Served) -> None:
 
     victim = engine_replica_pids(SLOW_APP, 2)[0]
     wait_serving(served, SLOW_APP)
+    with served.client(SLOW_APP, timeout=60) as client:  # the ingress's router learns both replicas
+        for _ in range(4):
+            collect(client.generate([1], max_tokens=1))
     before = serve_logs().count("resuming on another replica")
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -478,8 +481,10 @@ def test_replica_lost_mid_stream_is_resumed_on_another(served: Served) -> None:
         ids, text, completion, prompt_tokens = result
         assert ids == want and text == tokenizer.decode(want, skip_special_tokens=True)
         assert (completion, prompt_tokens) == (len(want), len(prompt))
-    time.sleep(1.0)
-    assert serve_logs().count("resuming on another replica") > before
+    deadline = time.monotonic() + 15  # the ingress's log reaches the file within a few seconds
+    while serve_logs().count("resuming on another replica") <= before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert serve_logs().count("resuming on another replica") > before  # the victim served some of them
     wait_running(SLOW_APP, 2)
 
 

@@ -68,7 +68,7 @@ def test_unsupported_completion_fields_are_refused_by_name(fields: dict, param: 
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"tool_choice": "required"}, "tool_choice"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
 ])
 def test_unsupported_chat_fields_are_refused_by_name(fields: dict, param: str) -> None:
