@@ -316,6 +316,8 @@ class SpecDecodeIngress:
                 yield item
         finally:
             prefill_call.cancel()  # its replica drops its reference to the handoff
+            if result is not None:
+                result.handoff.clear()
             if span is not None:
                 span.end()
 
@@ -356,6 +358,8 @@ class SpecDecodeIngress:
                 async for item in self._relay(response):
                     if isinstance(item, HandoffRead):
                         prefill_call.cancel()  # the decode replica has it (or it is lost)
+                        if result is not None:
+                            result.handoff.clear()  # nor does this ingress hold it any longer
                         continue
                     if isinstance(item, Prefilled):
                         if span is not None:
