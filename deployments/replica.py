@@ -46,6 +46,7 @@ from deployments.tools import (
     Tool,
     ToolError,
     call_grammar,
+    check_choice,
     parse_calls,
     parse_tools,
     template_takes_tools,
@@ -734,8 +735,6 @@ def request_tools(request: pb.GenerateRequest) -> tuple[list[Tool], str]:
         tools = parse_tools([(t.name, t.description, t.parameters) for t in request.tools])
         kind = request.tool_choice.WhichOneof("choice")
         choice = request.tool_choice.function if kind == "function" else kind or ("auto" if tools else "none")
-        from deployments.tools import check_choice
-
         check_choice(choice, tools)
     except ToolError as e:
         raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
