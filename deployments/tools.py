@@ -120,6 +120,16 @@ def with_tools(messages: list[dict], tools: list[Tool], takes_tools: bool) -> li
     return out
 
 
+def render_chat(tokenizer: Any, messages: list[dict], tools: list[Tool]) -> list[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template, the tools shown as
+    the template takes them (`with_tools`), the assistant's turn opened."""
+    takes_tools = template_takes_tools(tokenizer.chat_template)
+    shown = with_tools(messages, tools, takes_tools)
+    extra = {"tools": template_tools(tools)} if tools and takes_tools else {}
+    text = tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False, **extra)
+    return list(tokenizer.encode(text, add_special_tokens=False))  # the template has the specials
+
+
 def call_grammar(tools: list[Tool], choice: str) -> str | None:
     """The Lark grammar a required or named call is constrained to (None: no constraint)."""
     if choice in ("none", "auto"):

@@ -5,6 +5,10 @@ or changes nothing and returns False. Full blocks of committed tokens are hashed
 the parent block's hash and this block's token ids) and can be shared by later requests with the
 same prefix; a hit is verified against the stored token ids, so a hash collision is never served.
 Freed blocks keep their cached content until reused (LRU eviction).
+
+The chain hash is the same in every process (`block_hash`: tuples of ints hash alike everywhere;
+`hash(None)` would not), so a replica's cached hashes and a router's hashes of a prompt
+(`prefix_block_hashes`) can be compared.
 """
 
 from __future__ import annotations
@@ -16,6 +20,25 @@ from engine.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+ROOT_HASH = 0  # the parent of a sequence's first block
+
+
+def block_hash(parent: int | None, chunk: tuple[int, ...]) -> int:
+    """The prefix cache's key for a full block of token ids after the block hashed `parent`."""
+    return hash((ROOT_HASH if parent is None else parent, chunk))
+
+
+def prefix_block_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """Chain hashes of a prompt's full blocks that a prefix-cache hit could cover (at least one
+    token is always left to compute, as in `KVBlockManager.lookup_prefix`)."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range((len(tokens) - 1) // block_size):
+        parent = block_hash(parent, tuple(tokens[i * block_size : (i + 1) * block_size]))
+        hashes.append(parent)
+    return hashes
 
 
 class KVBlockManager:
@@ -73,13 +96,21 @@ class KVBlockManager:
         parent: int | None = None
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            h = hash((parent, chunk))
+            h = block_hash(parent, chunk)
             block = self.cached_blocks.get(h)
             if block is None or self.block_token_ids[block] != chunk:
                 break
             hits.append(block)
             parent = h
         return hits
+
+    def cached_hashes(self, limit: int) -> list[int]:
+        """Hashes of the blocks the prefix cache holds, the `limit` most recently registered
+        (what a replica tells the router it could serve from cache)."""
+        if not self.enable_prefix_caching or limit <= 0:
+            return []
+        keys = list(self.cached_blocks)
+        return keys[-limit:]
 
     # --- allocation -------------------------------------------------------------------------
     def allocate_slots(
@@ -139,7 +170,7 @@ class KVBlockManager:
         parent = request.block_hashes[-1] if request.block_hashes else None
         for i in range(len(request.block_hashes), num_full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            h = hash((parent, chunk))
+            h = block_hash(parent, chunk)
             block = request.block_ids[i]
             if h not in self.cached_blocks and self.block_hash[block] is None:
                 self.cached_blocks[h] = block

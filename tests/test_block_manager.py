@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import KVBlockManager
+from engine.block_manager import KVBlockManager, prefix_block_hashes
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -99,6 +99,29 @@ def test_prefix_cache_shares_and_verifies_blocks():
     bm.free(b)
     bm.check_invariants([])
     assert bm.num_free_blocks == 10
+
+
+def test_reported_hashes_are_a_prompts_block_hashes_in_any_process():
+    """What a replica reports (`cached_hashes`) is what a router computes from the prompt's tokens
+    (`prefix_block_hashes`), also in another process: the chain hash must not depend on
+    per-process state such as hash(None)."""
+    import subprocess
+    import sys
+
+    bm = KVBlockManager(10, 4)
+    tokens = list(range(100, 113))  # 3 full blocks a hit could cover, and one token
+    a = Request("a", tokens, SamplingParams(max_tokens=1))
+    assert bm.allocate_slots(a, 13)
+    a.num_computed_tokens = 13
+    bm.commit_full_blocks(a)
+    hashes = prefix_block_hashes(tokens, 4)
+    assert len(hashes) == 3 and bm.cached_hashes(100) == hashes and bm.cached_hashes(2) == hashes[1:]
+    assert bm.cached_hashes(0) == [] and KVBlockManager(10, 4, enable_prefix_caching=False).cached_hashes(9) == []
+    assert len(bm.lookup_prefix(tokens)) == 3
+    code = f"from engine.block_manager import prefix_block_hashes; print(prefix_block_hashes({tokens}, 4))"
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out.strip() == str(hashes)
 
 
 def test_replace_cached_points_the_cache_at_a_recomputed_block():

@@ -16,7 +16,8 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from deployments.router import EngineLoadRouter, routing_stats
+from deployments.router import EngineLoadRouter, PrefixKey, routing_stats
+from engine.block_manager import prefix_block_hashes
 
 DEPLOYMENT = DeploymentID(name="SpecDecode", app_name="specdecode")
 MAX_ONGOING = 8
@@ -60,11 +61,15 @@ class FakeReplica(RunningReplica):
         return self.queue_len
 
 
-def engine(queued_tokens: int = 0, kv: float = 0.0, running: int = 0, waiting: int = 0, age_s: float = 0.0) -> dict:
-    """Routing stats as a replica reports them (via deployments.router.routing_stats)."""
+def engine(
+    queued_tokens: int = 0, kv: float = 0.0, running: int = 0, waiting: int = 0, age_s: float = 0.0,
+    cached: list[int] = (), block_size: int = 16,
+) -> dict:
+    """Routing stats as a replica reports them (via deployments.router.routing_stats), its prefix
+    cache holding the blocks hashed `cached`."""
     stats = {"num_running": running, "num_waiting": waiting, "queued_tokens": queued_tokens,
              "num_blocks": 1000, "num_used_blocks": int(kv * 1000)}
-    return routing_stats(stats, now=time.time() - age_s)
+    return routing_stats(stats, now=time.time() - age_s, prefix_hashes=cached, block_size=block_size)
 
 
 def make_router(**kwargs: Any) -> EngineLoadRouter:
@@ -75,18 +80,21 @@ def make_router(**kwargs: Any) -> EngineLoadRouter:
     return router
 
 
-def pending() -> PendingRequest:
-    """A request to route (its future needs a running event loop)."""
-    return PendingRequest(args=[], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id="r"))
+def pending(key: PrefixKey | None = None) -> PendingRequest:
+    """A request to route (its future needs a running event loop), with its prompt's key."""
+    kwargs = {} if key is None else {"prefix_key": key}
+    return PendingRequest(args=[], kwargs=kwargs, metadata=RequestMetadata(request_id="r", internal_request_id="r"))
 
 
-async def choose(router: EngineLoadRouter, replicas: list[FakeReplica]) -> tuple[list[list[RunningReplica]], PendingRequest]:
-    request = pending()
+async def choose(
+    router: EngineLoadRouter, replicas: list[FakeReplica], key: PrefixKey | None = None,
+) -> tuple[list[list[RunningReplica]], PendingRequest]:
+    request = pending(key)
     return await router.choose_replicas(replicas, request), request
 
 
-def first_choice(router: EngineLoadRouter, replicas: list[FakeReplica]) -> str:
-    ranks, _ = asyncio.run(choose(router, replicas))
+def first_choice(router: EngineLoadRouter, replicas: list[FakeReplica], key: PrefixKey | None = None) -> str:
+    ranks, _ = asyncio.run(choose(router, replicas, key))
     assert all(len(rank) == 1 for rank in ranks) and len(ranks) == len(replicas)
     return ranks[0][0].replica_id.unique_id
 
@@ -94,7 +102,10 @@ def first_choice(router: EngineLoadRouter, replicas: list[FakeReplica]) -> str:
 def test_routing_stats_are_what_the_replica_reports() -> None:
     stats = routing_stats({"num_running": 2, "num_waiting": 1, "queued_tokens": 300, "num_blocks": 200,
                            "num_used_blocks": 50, "spec": {}}, now=12.5)
-    assert stats == {"queued_tokens": 300.0, "kv_usage": 0.25, "num_running": 2.0, "num_waiting": 1.0, "time": 12.5}
+    assert stats == {"queued_tokens": 300.0, "kv_usage": 0.25, "num_running": 2.0, "num_waiting": 1.0, "time": 12.5,
+                     "block_size": 0, "prefix_hashes": []}
+    stats = routing_stats({}, now=1.0, prefix_hashes=(7, 8), block_size=16)
+    assert stats["prefix_hashes"] == [7, 8] and stats["block_size"] == 16
 
 
 def test_prefers_fewer_queued_tokens_and_less_kv() -> None:
@@ -185,3 +196,89 @@ def test_serves_routing_loop_takes_the_least_loaded_replica_with_room() -> None:
     full = FakeReplica("light-but-full", engine(queued_tokens=0, kv=0.1), queue_len=MAX_ONGOING)
     medium = FakeReplica("medium", engine(queued_tokens=2000, kv=0.3))
     assert asyncio.run(route([full, medium, heavy])) == "medium"
+
+
+# --- prefix-aware routing -------------------------------------------------------------------------
+PROMPT = list(range(1000, 1000 + 16 * 64 + 5))  # 64 full blocks a hit could cover
+KEY = PrefixKey(16, tuple(prefix_block_hashes(PROMPT, 16)))
+
+
+def test_prefers_the_replica_that_holds_the_prompt() -> None:
+    router = make_router()
+    holder = FakeReplica("holder", engine(running=2, cached=list(KEY.hashes)))
+    other = FakeReplica("other", engine(running=2, cached=[]))
+    assert all(first_choice(router, [other, holder], KEY) == "holder" for _ in range(20))
+    # the longer cached prefix wins: half the prompt against a quarter of it
+    half = FakeReplica("half", engine(running=2, cached=list(KEY.hashes[:32])))
+    quarter = FakeReplica("quarter", engine(running=2, cached=list(KEY.hashes[:16])))
+    assert all(first_choice(router, [quarter, half], KEY) == "half" for _ in range(20))
+    # a block held out of order is no hit: the match is the leading run of blocks
+    gap = FakeReplica("gap", engine(running=2, cached=list(KEY.hashes[1:])))
+    assert router.cached_blocks(gap, KEY, time.time()) == 0
+    # without a key, or with prefix_weight 0, the cache does not count: ties go either way
+    assert {first_choice(router, [other, holder]) for _ in range(60)} == {"holder", "other"}
+    load_only = make_router(prefix_weight=0.0)
+    assert {first_choice(load_only, [other, holder], KEY) for _ in range(60)} == {"holder", "other"}
+
+
+def test_the_cache_credit_is_weighed_against_load() -> None:
+    """1,024 cached tokens weigh as half a full batch's prefill backlog (scale 2048): they beat a
+    smaller backlog on the other replica, not a larger one."""
+    router = make_router()
+    holder = FakeReplica("holder", engine(queued_tokens=800, cached=list(KEY.hashes)))
+    other = FakeReplica("other", engine(queued_tokens=0))
+    assert first_choice(router, [other, holder], KEY) == "holder"
+    swamped = FakeReplica("swamped", engine(queued_tokens=1400, cached=list(KEY.hashes)))
+    assert first_choice(router, [other, swamped], KEY) == "other"
+
+
+def test_imbalance_is_bounded() -> None:
+    """A replica with more than max_imbalance requests in flight beyond the least busy gets no
+    credit for its cache, however long the prompt."""
+    long_prompt = list(range(16 * 1000 + 1))
+    key = PrefixKey(16, tuple(prefix_block_hashes(long_prompt, 16)))  # 16k cached tokens: a huge credit
+    router = make_router(max_imbalance=2)
+    router.replica_queue_len_cache.update(ReplicaID("idle", deployment_id=DEPLOYMENT), 0)
+    idle = FakeReplica("idle", engine())
+    for in_flight, expected in ((2, "holder"), (3, "idle")):
+        holder = FakeReplica("holder", engine(cached=list(key.hashes)))
+        router.replica_queue_len_cache.update(holder.replica_id, in_flight)
+        assert first_choice(router, [idle, holder], key) == expected, in_flight
+
+
+def test_other_block_sizes_and_stale_reports_give_no_credit() -> None:
+    router = make_router()
+    other = FakeReplica("other", engine())  # as loaded as a replica with stale stats (unknown: 0)
+    wrong_size = FakeReplica("wrong-size", engine(running=1, cached=list(KEY.hashes), block_size=32))
+    assert router.cached_blocks(wrong_size, KEY, time.time()) == 0
+    stale = FakeReplica("stale", engine(running=1, cached=list(KEY.hashes), age_s=120))
+    assert router.cached_blocks(stale, KEY, time.time()) == 0
+    assert {first_choice(router, [other, stale], KEY) for _ in range(60)} == {"other", "stale"}
+
+
+def test_a_prompt_routed_counts_as_cached_there_until_reports_take_over() -> None:
+    """The next turn of a conversation follows the first before the replica has reported it; the
+    router forgets what it routed after routed_ttl_s."""
+    router = make_router(routed_ttl_s=5.0)
+    a = FakeReplica("a", engine(running=1))
+    b = FakeReplica("b", engine(running=1))
+
+    async def route_to_b() -> None:  # a PendingRequest needs a running event loop
+        router.on_request_routed(pending(KEY), b.replica_id, None)
+
+    asyncio.run(route_to_b())
+    turn2 = PrefixKey(16, tuple(prefix_block_hashes(PROMPT + list(range(200)), 16)))
+    assert all(first_choice(router, [a, b], turn2) == "b" for _ in range(20))
+    routed = router._routed[b.replica_id]
+    for h in routed:
+        routed[h] -= 6.0  # routed 6 s ago
+    assert router.cached_blocks(b, turn2, time.time()) == 0
+    router.on_replica_actor_died(b.replica_id)
+    assert b.replica_id not in router._routed
+
+
+def test_new_kwargs_are_checked() -> None:
+    for bad, match in (({"prefix_weight": -1}, "prefix_weight"), ({"max_imbalance": 1.5}, "max_imbalance"),
+                       ({"routed_ttl_s": -1}, "routed_ttl_s")):
+        with pytest.raises(ValueError, match=match):
+            make_router(**bad)

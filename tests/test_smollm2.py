@@ -162,3 +162,39 @@ def test_sampled_eagle3_speculation_follows_the_target_distribution(gguf_file, r
     p = pair_fit_p_value(reference, prompt, outs)
     assert p > 1e-4, f"speculative samples do not follow the target distribution (p={p:.2e})"
     assert_no_leaked_blocks(llm.engine)
+
+
+def test_the_ingress_prefix_key_names_the_blocks_the_engine_caches(fp32, gguf_file):
+    """Prefix-aware routing holds together: the key the ingress computes for a chat (rendered
+    with its tools) or a text prompt names exactly the blocks an engine that served the prompt
+    reports holding, so the router finds the replica that has it."""
+    import asyncio
+
+    from deployments.prefix_key import PrefixKeys
+    from deployments.replica import request_tools
+    from deployments.tools import render_chat
+    from engine.llm import load_tokenizer
+    from protos.specdecode.v1 import specdecode_pb2 as pb
+
+    bm = fp32.engine.block_manager
+    keys = PrefixKeys(gguf_file, bm.block_size)
+    assert asyncio.run(keys.key(pb.GenerateRequest(prompt="x"), None)) is None  # the tokenizer loads first
+    keys.tokenizer = load_tokenizer(gguf_file)
+    conversation = [pb.ChatMessage(role="system", content="You are a terse assistant. " * 12),
+                    pb.ChatMessage(role="user", content="Name three rivers of Europe and their seas.")]
+    tool = pb.Tool(name="lookup", description="Look a river up", parameters='{"type": "object"}')
+    requests = [pb.GenerateRequest(chat=pb.Chat(messages=conversation)),
+                pb.GenerateRequest(chat=pb.Chat(messages=conversation), tools=[tool]),
+                pb.GenerateRequest(prompt="The rivers of Europe flow into several seas, among them " * 8)]
+    for request in requests:
+        key = asyncio.run(keys.key(request, None))
+        assert key is not None and len(key.hashes) >= 3 and key.block_size == bm.block_size
+        if request.WhichOneof("input") == "chat":  # as the replica renders it (translate -> encode_chat)
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            ids = render_chat(fp32.tokenizer, messages, request_tools(request)[0])
+        else:
+            ids = fp32.tokenizer.encode(request.prompt)
+        assert not set(key.hashes) <= set(bm.cached_hashes(10**6))  # not held before it is served
+        fp32.generate([ids], SamplingParams(max_tokens=2, temperature=0.0))
+        assert set(key.hashes) <= set(bm.cached_hashes(10**6))
+    assert keys.token_ids(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2, 3])), None) == [1, 2, 3]
