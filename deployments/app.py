@@ -83,4 +83,6 @@ def bind_app(
     engine = serve.deployment(cls, name=DEPLOYMENT_NAME)
     engine_app = engine.options(**deployment_options(config, overrides)).bind(config, **pool)
     ingress = serve.deployment(SpecDecodeIngress, name=INGRESS_DEPLOYMENT_NAME)
-    return ingress.options(**ingress_options(config, ingress_overrides)).bind(engine_app, config, prefill_app)
+    # the ingress probes the drafter pool for its health (deployments/health.py); the engine replicas draft through it
+    return ingress.options(**ingress_options(config, ingress_overrides)).bind(
+        engine_app, config, prefill_app, pool.get("drafter_pool"))

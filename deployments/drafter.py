@@ -114,6 +114,11 @@ class SpecDrafterServer:
             replica = ""
         return {"replica": replica, **self._stats()}
 
+    async def ping(self) -> bool:
+        """True while this replica's event loop runs: the ingress's health probe of the pool
+        (`stats` would wait for a draft round to release the service's lock)."""
+        return True
+
     def __del__(self) -> None:
         if getattr(self, "metrics", None) is not None:
             self.metrics.shutdown()

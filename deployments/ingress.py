@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
@@ -55,6 +55,7 @@ from deployments.common import (
 )
 from deployments.config import AppConfig
 from deployments.errors import ClientError, install_log_filter
+from deployments.health import PoolHealth
 from deployments.placement import PoolEstimate, PrefillPoolTracker
 from deployments.servicer import MalformedRequest
 from protos.specdecode.v1 import specdecode_pb2 as pb
@@ -65,9 +66,6 @@ MAX_ATTEMPTS = 3  # a request that streamed nothing is tried on this many replic
 MAX_RESUMPTIONS = 2  # a stream whose replica is lost mid-stream goes on elsewhere at most this often
 RETRY_BACKOFF_S = 0.2  # before a retry, so Serve's router can learn that the replica is gone
 TRACE_KEYS = ("traceparent", "tracestate")
-HEALTH_WATCH_INTERVAL_S = 5.0
-HEALTH_MAX_AGE_S = 1.0  # a health answer this recent is shared, not asked again
-HEALTH_SERVICES = ("", "specdecode.v1.SpecDecode")  # "": the server as a whole
 # After the prefill pool fails a call, long prompts are prefilled by the decode replicas for this
 # long, doubled while calls keep failing (engine.backoff.Backoff): a stuck prefill replica would
 # otherwise cost each long prompt replica_wait_timeout_s before its local prefill.
@@ -77,7 +75,7 @@ PREFILL_BACKOFF_MAX_S = 60.0
 
 @serve.ingress()  # the HTTP app comes from __serve_build_asgi_app__, built after __init__
 class SpecDecodeIngress:
-    def __init__(self, engine, config: AppConfig, prefill_pool=None) -> None:
+    def __init__(self, engine, config: AppConfig, prefill_pool=None, drafter_pool=None) -> None:
         from deployments.tracing import setup_tracing
         from engine.backoff import Backoff
 
@@ -99,9 +97,7 @@ class SpecDecodeIngress:
             self.metrics: IngressMetrics | None = IngressMetrics()
         except Exception:  # noqa: BLE001 - outside a Serve replica (direct construction in tests)
             self.metrics = None
-        self._health_task: asyncio.Future | None = None  # the health check every caller shares (`_health`)
-        self._health_at = 0.0  # when the last health answer was had
-        self.health_probes = 0
+        self.health = PoolHealth(lambda: self.model_info(HEALTH_TIMEOUT_S), prefill_pool, drafter_pool)
 
     def __serve_build_asgi_app__(self):  # noqa: N807 - Serve's hook name
         """The OpenAI-compatible HTTP API (Serve's HTTP proxy), over `generate` and `model_info`."""
@@ -137,60 +133,26 @@ class SpecDecodeIngress:
 
     # --- grpc.health.v1.Health (deployments.servicer.add_HealthServicer_to_server) --------------------
     async def Check(self, request, grpc_context: RayServegRPCContext):  # noqa: N802 - gRPC method name
-        """SERVING when an engine replica answers within HEALTH_TIMEOUT_S, else NOT_SERVING (status
+        """SERVING or NOT_SERVING per pool or for the whole service (`deployments/health.py`; status
         OK: the health protocol's answer); NOT_FOUND for a service this server does not run."""
-        from grpc_health.v1 import health_pb2
-
         try:
             if isinstance(request, MalformedRequest):
                 raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
-            if request.service not in HEALTH_SERVICES:
-                raise ClientError(grpc.StatusCode.NOT_FOUND, _unknown_service(request.service))
-            return health_pb2.HealthCheckResponse(status=await self._health())
+            return health_pb2.HealthCheckResponse(status=await self.health.check(request.service))
         except ClientError as e:
             _set_status(grpc_context, e)
             raise
 
     async def Watch(self, request, grpc_context: RayServegRPCContext):  # noqa: N802 - gRPC method name
-        """The status now, then each change (checked every HEALTH_WATCH_INTERVAL_S) until the client
-        hangs up; SERVICE_UNKNOWN for a service this server does not run, as the protocol says."""
-        from grpc_health.v1 import health_pb2
-
+        """The status now, then each change until the client hangs up (`PoolHealth.watch`)."""
         try:
             if isinstance(request, MalformedRequest):
                 raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
-            last = None
-            while True:
-                status = (await self._health() if request.service in HEALTH_SERVICES
-                          else health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-                if status != last:
-                    last = status
-                    yield health_pb2.HealthCheckResponse(status=status)
-                await asyncio.sleep(HEALTH_WATCH_INTERVAL_S)
+            async for status in self.health.watch(request.service):
+                yield health_pb2.HealthCheckResponse(status=status)
         except ClientError as e:
             _set_status(grpc_context, e)
             raise
-
-    async def _health(self) -> int:
-        """The health status, from one engine call shared by every Check and Watch asking within
-        HEALTH_MAX_AGE_S of it (or while it runs): many watchers or probing load balancers cost
-        the engine replicas one call a second at most, not one each."""
-        task = self._health_task
-        if task is None or (task.done() and time.monotonic() - self._health_at >= HEALTH_MAX_AGE_S):
-            task = self._health_task = asyncio.ensure_future(self._probe_health())
-        return await asyncio.shield(task)  # a caller cancelled does not cancel the others' check
-
-    async def _probe_health(self) -> int:
-        from grpc_health.v1 import health_pb2
-
-        self.health_probes += 1
-        try:
-            await self.model_info(HEALTH_TIMEOUT_S)
-        except ClientError:
-            return health_pb2.HealthCheckResponse.NOT_SERVING
-        finally:
-            self._health_at = time.monotonic()  # when this answer was had: it is shared until it ages
-        return health_pb2.HealthCheckResponse.SERVING
 
     # --- the one path under both protocols --------------------------------------------------------
     async def generate(
@@ -451,10 +413,6 @@ class _Metadata:
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return self.pairs
-
-
-def _unknown_service(name: str) -> str:
-    return f"service {name!r} is not served here; ask for '' (the server) or 'specdecode.v1.SpecDecode'"
 
 
 def _replica_lost(label: str, num_sent: int, attempts: int, e: BaseException) -> ClientError:

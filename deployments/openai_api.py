@@ -35,8 +35,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.common import HEALTH_TIMEOUT_S, MAX_REQUEST_ID_CHARS
+from deployments.common import MAX_REQUEST_ID_CHARS
 from deployments.errors import ClientError
+from deployments.health import DECODE
 from deployments.tools import CALL_RE, openai_message_calls
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
@@ -330,8 +331,11 @@ def request_tools(req: ChatCompletionRequest, out: pb.GenerateRequest) -> None:
 
 
 # --- responses ------------------------------------------------------------------------------------
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   extra: dict | None = None) -> JSONResponse:
+    """An OpenAI-style error body (after the fields of `extra`)."""
+    body = {**(extra or {}),
+            "error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param, "code": code}}
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -507,7 +511,7 @@ def _sse(data: dict | str) -> str:
 
 # --- the app --------------------------------------------------------------------------------------
 def build_http_app(ingress: Any) -> FastAPI:
-    """The FastAPI app of `ingress` (a SpecDecodeIngress: `generate`, `model_info`, `config`)."""
+    """The FastAPI app of `ingress` (a SpecDecodeIngress: `generate`, `model_info`, `config`, `health`)."""
     served_model = ingress.config.model_id
     created = int(time.time())
     app = FastAPI(title="specdecode: OpenAI-compatible API", docs_url="/docs", redoc_url=None)
@@ -576,13 +580,13 @@ def build_http_app(ingress: Any) -> FastAPI:
         return await model_card()
 
     @app.get("/health")
-    async def health() -> dict:
-        """200 when an engine replica answers within HEALTH_TIMEOUT_S, else 503."""
-        try:
-            info = await ingress.model_info(HEALTH_TIMEOUT_S)
-        except ClientError as e:
-            raise api_error(e, "health") from None
-        return {"status": "ok", "model": info.model, "replica_id": info.replica_id}
+    async def health() -> JSONResponse:
+        """200 while the decode pool answers within HEALTH_TIMEOUT_S, else 503 (with the error body
+        of an UNAVAILABLE request); the body says each pool's state (`HealthReport.body`)."""
+        report = await ingress.health.report()
+        if report.status != "unavailable":
+            return JSONResponse(report.body())
+        return error_response(503, report.pools[DECODE].reason, code="UNAVAILABLE", extra=report.body())
 
     return app
 

@@ -153,6 +153,22 @@ def test_the_pool_runs_on_its_own_node(served: Served) -> None:
     assert node_of(engines[0]) not in {node_of(d) for d in drafters}
 
 
+def test_health_answers_for_the_drafter_pool(served: Served) -> None:
+    """grpc.health.v1 names the pools this app runs: "decode" and "drafter" SERVING (the ingress
+    probes the pool through the handle bind_app gives it), "prefill" NOT_FOUND (co-located)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "decode", "drafter"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Check(health_pb2.HealthCheckRequest(service="prefill"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'drafter'" in e.value.details()
+
+
 def test_greedy_equals_the_target_alone_from_both_engine_replicas(served: Served, target_alone) -> None:
     """Eight concurrent requests (both engine replicas serve some): every one gives the target's
     own greedy tokens, with drafts from the pool accepted; each engine replica's calls stay with

@@ -476,87 +476,24 @@ def test_reflection_lets_a_generic_client_call_generate(served: Served) -> None:
 
 def test_standard_grpc_health_service(served: Served) -> None:
     """grpc.health.v1.Health, as Kubernetes' grpc probes and load balancers ask it: SERVING for the
-    server ("") and for specdecode.v1.SpecDecode, NOT_FOUND for another service (Check);
-    Watch's first message is the status now."""
+    server (""), for specdecode.v1.SpecDecode and for the decode pool, NOT_FOUND for another
+    service or a pool this co-located app does not run (Check); Watch's first message is the
+    status now. Per-pool states without Ray: tests/test_health.py."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     metadata = (("application", APP),)  # this Serve runs two apps (a one-app deployment needs none)
     with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "specdecode.v1.SpecDecode"):
+        for service in ("", "specdecode.v1.SpecDecode", "decode"):
             answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=30, metadata=metadata)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
-        e = rpc_error(lambda: stub.Check(health_pb2.HealthCheckRequest(service="nope.v1.Nope"), timeout=30,
-                                         metadata=metadata))
-        assert e.code() == grpc.StatusCode.NOT_FOUND and "nope.v1.Nope" in e.details()
+        for service in ("nope.v1.Nope", "prefill", "drafter"):
+            e = rpc_error(lambda s=service: stub.Check(health_pb2.HealthCheckRequest(service=s), timeout=30,
+                                                       metadata=metadata))
+            assert e.code() == grpc.StatusCode.NOT_FOUND and repr(service) in e.details(), service
         watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=30, metadata=metadata)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         watch.cancel()
-
-
-def test_health_follows_whether_an_engine_replica_answers(monkeypatch) -> None:
-    """The ingress's Check and Watch over a stand-in engine handle (no Ray): NOT_SERVING while no
-    replica answers within HEALTH_TIMEOUT_S, SERVING once one does, Watch sending each change
-    and only changes; concurrent checks share one engine call; SERVICE_UNKNOWN from Watch for a
-    service this server does not run."""
-    import asyncio
-
-    from grpc_health.v1 import health_pb2
-
-    import deployments.ingress as ingress_module
-
-    class Engine:  # a deployment handle's shape: engine.model_info.remote() is awaitable
-        def __init__(self) -> None:
-            self.up, self.model_info = False, self
-
-        def remote(self):
-            async def answer() -> pb.ModelInfo:
-                while not self.up:
-                    await asyncio.sleep(0.01)
-                return pb.ModelInfo(model="m")
-            return answer()
-
-    class Context:
-        def set_code(self, code) -> None:
-            self.code = code
-
-        def set_details(self, details) -> None:
-            self.details = details
-
-    monkeypatch.setattr(ingress_module, "HEALTH_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(ingress_module, "HEALTH_WATCH_INTERVAL_S", 0.05)
-    monkeypatch.setattr(ingress_module, "HEALTH_MAX_AGE_S", 0.1)
-    ingress = object.__new__(ingress_module.SpecDecodeIngress)  # its methods, without Serve
-    ingress.engine, ingress.wait_s = Engine(), 30.0
-    ingress._health_task, ingress._health_at, ingress.health_probes = None, 0.0, 0
-    statuses = health_pb2.HealthCheckResponse
-    ask = health_pb2.HealthCheckRequest
-
-    async def main() -> None:
-        assert (await ingress.Check(ask(service=""), Context())).status == statuses.NOT_SERVING
-        watch = ingress.Watch(ask(service="specdecode.v1.SpecDecode"), Context())
-        assert (await anext(watch)).status == statuses.NOT_SERVING
-        waiting = asyncio.ensure_future(anext(watch))
-        await asyncio.sleep(0.6)  # several checks, all NOT_SERVING: nothing sent
-        assert not waiting.done()
-        ingress.engine.up = True
-        assert (await asyncio.wait_for(waiting, 5)).status == statuses.SERVING
-        await watch.aclose()
-        assert (await ingress.Check(ask(service=""), Context())).status == statuses.SERVING
-        # 50 callers at once (watchers, probing load balancers) share one engine call
-        await asyncio.sleep(0.15)
-        before = ingress.health_probes
-        answers = await asyncio.gather(*(ingress.Check(ask(service=""), Context()) for _ in range(50)))
-        assert {a.status for a in answers} == {statuses.SERVING} and ingress.health_probes == before + 1
-        unknown = ingress.Watch(ask(service="nope.v1.Nope"), Context())
-        assert (await anext(unknown)).status == statuses.SERVICE_UNKNOWN
-        await unknown.aclose()
-        context = Context()
-        with pytest.raises(Exception, match="nope.v1.Nope"):
-            await ingress.Check(ask(service="nope.v1.Nope"), context)
-        assert context.code == grpc.StatusCode.NOT_FOUND
-
-    asyncio.run(main())
 
 
 def _grpcurl(served: Served, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -457,7 +457,8 @@ def test_models_and_health(served: Served) -> None:
         served.openai().models.retrieve("gpt-4")
     assert e.value.body["code"] == "model_not_found" and served.model in e.value.body["message"]
     with urllib.request.urlopen(f"{served.http_base}/health", timeout=30) as response:
-        assert response.status == 200 and json.loads(response.read())["status"] == "ok"
+        body = json.loads(response.read())
+        assert response.status == 200 and body["status"] == "ok" and body["pools"] == {"decode": "ok"}
 
 
 def test_traceparent_header_parents_the_replica_span(served: Served) -> None:
