@@ -53,11 +53,15 @@ from deployments.common import (
     PrefillResult,
     Resume,
 )
-from deployments.config import AppConfig
+from deployments.config import AppConfig, resolve_path
 from deployments.errors import ClientError, install_log_filter
 from deployments.health import PoolHealth
 from deployments.placement import PoolEstimate, PrefillPoolTracker
+from deployments.prefix_key import PrefixKeys
+from deployments.router import PrefixKey
 from deployments.servicer import MalformedRequest
+from engine.block_manager import prefix_block_hashes
+from engine.config import CacheConfig
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 logger = logging.getLogger("ray.serve")
@@ -89,6 +93,8 @@ class SpecDecodeIngress:
         self.pool = PrefillPoolTracker()
         self.pool_backoff = Backoff(PREFILL_BACKOFF_FIRST_S, PREFILL_BACKOFF_MAX_S)
         self.pool_failures = 0
+        self.prefix_keys = PrefixKeys(resolve_path(config.tokenizer or config.model), CacheConfig.block_size)
+        self.prefix_keys.start_loading()
         self.tracing = setup_tracing(config.tracing, None) if prefill_pool is not None else None
         self.resumptions = 0  # streams resumed on another replica after theirs was lost
         try:
@@ -170,11 +176,12 @@ class SpecDecodeIngress:
                 "characters (a label for logs and traces)"))
         sent = _Sent()
         resume: Resume | None = None
+        key = await self.prefix_keys.key(request, messages)  # where the prompt is cached (routing)
         resumable = not (request.HasField("n") and request.n > 1) and not (request.HasField("best_of")
                                                                           and request.best_of > 1)
         for resumption in range(MAX_RESUMPTIONS + 1):
             try:
-                async for message in self._attempt(request, label, trace, messages, route, resume, sent):
+                async for message in self._attempt(request, label, trace, messages, route, resume, sent, key):
                     sent.add(message)
                     yield message
                 return
@@ -199,6 +206,7 @@ class SpecDecodeIngress:
     async def _attempt(
         self, request: pb.GenerateRequest, label: str, trace: list[tuple[str, str]],
         messages: list[dict[str, str]] | None, route: str, resume: Resume | None, sent: _Sent,
+        key: PrefixKey | None = None,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One go at the request (or at its rest, after `resume`): a replica lost before this go
         sent anything is retried on another; one lost after raises _LostMidStream."""
@@ -206,7 +214,8 @@ class SpecDecodeIngress:
         elsewhere = None
         pool = self.pool_estimate() if resume is None else None  # a resumption is prefilled where it lands
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            response = self.stream.generate.remote(request, label, trace, messages, route, pool, resume)
+            response = self.stream.generate.remote(request, label, trace, messages, route, pool, resume,
+                                                   prefix_key=key)
             try:
                 async for message in self._relay(response):
                     if isinstance(message, PrefillElsewhere):
@@ -235,6 +244,10 @@ class SpecDecodeIngress:
             return None
         return self.pool.estimate(backing_off=self.pool_backoff.active())
 
+    async def prefix_routing_ready(self) -> bool:
+        """Whether requests carry their prompt's `PrefixKey` yet (the tokenizer has loaded)."""
+        return self.prefix_keys.ready
+
     async def pool_stats(self) -> dict:
         """The prefill pool as this ingress sees it: prompts (and their tokens) sent there without
         a first token yet, its measured rate, calls that failed, whether it is backed off."""
@@ -257,7 +270,9 @@ class SpecDecodeIngress:
             attributes[t.ATTR_NUM_PROMPT_TOKENS] = len(elsewhere.prompt)
             span = self.tracing.start_disaggregated(parent, attributes)
             trace = self.tracing.metadata(span)
-        prefill_call = self.prefill_pool.prefill.remote(elsewhere.prompt, elsewhere.params, label, trace)
+        key = PrefixKey(CacheConfig.block_size, tuple(prefix_block_hashes(elsewhere.prompt, CacheConfig.block_size)))
+        prefill_call = self.prefill_pool.prefill.remote(elsewhere.prompt, elsewhere.params, label, trace,
+                                                        prefix_key=key)
         ticket = self.pool.sent(elsewhere.uncached_tokens)
         sent: list[int] = []
         result: PrefillResult | None = None

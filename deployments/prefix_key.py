@@ -6,14 +6,15 @@ by block with the engine's prefix-cache hash (`engine.block_manager.prefix_block
 router (deployments/router.py) matches the key against the blocks each replica reports its prefix
 cache holds. A key is only a hint: a wrong one costs a cache miss, never a wrong answer, so a
 request whose prompt cannot be rendered here simply has none (the replica refuses it with the
-reason), and so does every request until the tokenizer, loaded in a worker thread on first use,
-is ready.
+reason), and so does every request until the tokenizer, loaded in a thread from the ingress's
+start, is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 from deployments.router import PrefixKey
@@ -33,14 +34,13 @@ class PrefixKeys:
     def __init__(self, tokenizer_path: str, block_size: int) -> None:
         self.tokenizer_path = tokenizer_path
         self.block_size = block_size
-        self.tokenizer: Any = None
-        self._loading: asyncio.Future | None = None
-        self.failed = False  # the tokenizer could not be loaded: no keys, routing by load alone
+        self.tokenizer: Any = None  # set by the loader thread once loaded (None: no keys)
+        self._loader: threading.Thread | None = None
 
     async def key(self, request: pb.GenerateRequest, messages: list[dict] | None) -> PrefixKey | None:
         """The request's key, or None (no tokenizer yet, or a prompt that does not render)."""
         if self.tokenizer is None:
-            self._start_loading()
+            self.start_loading()
             return None
         try:
             ids = await asyncio.to_thread(self.token_ids, request, messages)
@@ -74,20 +74,25 @@ class PrefixKeys:
         tools, _ = request_tools(request)
         return render_chat(self.tokenizer, messages, tools)
 
-    def _start_loading(self) -> None:
-        if self._loading is None and not self.failed:
-            self._loading = asyncio.ensure_future(self._load())
+    def start_loading(self) -> None:
+        """Load the tokenizer in a thread of its own (importing transformers and reading a GGUF's
+        vocabulary take seconds, which no request should wait for)."""
+        if self._loader is None:
+            self._loader = threading.Thread(target=self._load, name="prefix-key-tokenizer", daemon=True)
+            self._loader.start()
 
-    async def _load(self) -> None:
+    @property
+    def ready(self) -> bool:
+        return self.tokenizer is not None
+
+    def _load(self) -> None:
         from engine.llm import load_tokenizer
 
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, self.tokenizer_path)
+            tokenizer = load_tokenizer(self.tokenizer_path)
         except Exception as e:  # noqa: BLE001 - routing goes on by load alone
             logger.warning("prefix-aware routing is off: the tokenizer %s did not load (%s)", self.tokenizer_path, e)
-            self.failed = True
             return
         if tokenizer is None:
-            self.failed = True
-            return
+            logger.warning("prefix-aware routing is off: %s has no tokenizer", self.tokenizer_path)
         self.tokenizer = tokenizer

@@ -41,7 +41,7 @@ from deployments.errors import ClientError
 from deployments.handoff_transport import get_handoff, put_handoff, resolve_transport
 from deployments.metrics import start_replica_metrics
 from deployments.placement import LocalEstimate, Placement, PoolEstimate, place
-from deployments.router import routing_stats
+from deployments.router import MAX_REPORTED_HASHES, PrefixKey, routing_stats
 from deployments.tools import (
     Tool,
     ToolError,
@@ -49,9 +49,7 @@ from deployments.tools import (
     check_choice,
     parse_calls,
     parse_tools,
-    template_takes_tools,
-    template_tools,
-    with_tools,
+    render_chat,
 )
 from deployments.tracing import grpc_span_attributes, setup_tracing
 from protos.specdecode.v1 import specdecode_pb2 as pb
@@ -160,7 +158,7 @@ class SpecDecodeServer:
     async def generate(
         self, request: pb.GenerateRequest, label: str, trace_metadata: list[tuple[str, str]] | None = None,
         messages: list[dict[str, str]] | None = None, route: str = "Generate", pool: PoolEstimate | None = None,
-        resume: Resume | None = None,
+        resume: Resume | None = None, prefix_key: PrefixKey | None = None,
     ) -> AsyncIterator[Accepted | ClientError | PrefillElsewhere | pb.GenerateResponse]:
         """`Accepted`, then the response messages; or one `ClientError` (and nothing else) when the
         request is refused or the engine fails it. `label` is the client's id for the request.
@@ -172,7 +170,7 @@ class SpecDecodeServer:
         handoff, so it holds no slot here while it waits for the pool. With `resume` (its replica
         was lost mid-stream) the request goes on after the tokens the client already has: they are
         prefilled here with the prompt, and a seeded request's generator starts again from its
-        seed at that point."""
+        seed at that point. `prefix_key` is the router's (deployments/router.py; unused here)."""
         try:
             n, best_of = num_completions(request)
             prompt, params = await self.translate(request, messages)
@@ -333,13 +331,14 @@ class SpecDecodeServer:
             yield item
 
     async def prefill(
-        self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None = None
+        self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None = None,
+        prefix_key: PrefixKey | None = None,
     ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse | PrefillResult]:
         """The prefill pool's method (called by a decode replica): `Accepted`, the first message(s),
         then a `PrefillResult` whose handoff (target KV, drafter state, first drafts; in Ray's
         object store, owned by this replica) the decode replica imports; this replica holds its
         reference until the decode replica closes the call. A request that finishes on its first
-        token ends with its last message instead."""
+        token ends with its last message instead. `prefix_key` is the router's (unused here)."""
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
         yield Accepted(self.replica_id)
         async for item in self._run(prompt, params, label, TraceMetadata(trace_metadata or []), speculating,
@@ -513,9 +512,11 @@ class SpecDecodeServer:
         methods in a thread pool)."""
         return replica_autoscaling_stats(self.llm.stats(), self.latency.snapshot())
 
-    async def record_routing_stats(self) -> dict[str, float]:
-        """Engine load for deployments.router.EngineLoadRouter (queued tokens, KV-cache use)."""
-        return routing_stats(self.llm.stats())
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Engine load and the prefix cache's blocks for deployments.router.EngineLoadRouter (the
+        hashes are read on the engine thread, between steps)."""
+        hashes = await self.llm.call(_cached_hashes, self.llm.engine)
+        return routing_stats(self.llm.stats(), prefix_hashes=hashes, block_size=self.llm.engine.block_manager.block_size)
 
     def __del__(self) -> None:
         for hook in (getattr(self, "metrics", None), getattr(self, "tracing", None)):
@@ -604,17 +605,10 @@ class SpecDecodeServer:
             raise ClientError(invalid, f"messages: have {num_chars} characters; at most {self.max_prompt_tokens} "
                                        f"tokens are accepted, which no text over {limit} characters fits in")
 
-        def render() -> list[int]:
-            takes_tools = template_takes_tools(tokenizer.chat_template)
-            shown = with_tools(messages, tools or [], takes_tools)
-            extra = {"tools": template_tools(tools)} if tools and takes_tools else {}
-            text = tokenizer.apply_chat_template(shown, add_generation_prompt=True, tokenize=False, **extra)
-            return list(tokenizer.encode(text, add_special_tokens=False))  # the template has the specials
-
         from jinja2.exceptions import TemplateError
 
         try:
-            ids = await asyncio.to_thread(render)
+            ids = await asyncio.to_thread(render_chat, tokenizer, messages, tools or [])
         except (TemplateError, ValueError, TypeError, KeyError) as e:  # e.g. the template's raise_exception
             raise ClientError(invalid, f"messages: the model's chat template refused them: "
                                        f"{str(e)[:MAX_TEMPLATE_ERROR_CHARS]}") from None
@@ -784,6 +778,10 @@ def token_logprob_messages(logprobs: list, tokenizer) -> list[pb.TokenLogprob]:
         m.top_logprobs.extend(message(t, v) for t, v in lp.top)
         out.append(m)
     return out
+
+
+def _cached_hashes(engine: Any) -> list[int]:
+    return engine.block_manager.cached_hashes(MAX_REPORTED_HASHES)
 
 
 def _noop() -> None:

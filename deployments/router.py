@@ -82,7 +82,10 @@ def prefix_key(pending_request: Any) -> PrefixKey | None:
     if pending_request is None:
         return None
     key = (pending_request.kwargs or {}).get("prefix_key")
-    return key if isinstance(key, PrefixKey) and key.hashes else None
+    # By its fields, not its class: Serve may load this module by value, a class of its own.
+    if isinstance(getattr(key, "hashes", None), tuple) and key.hashes and isinstance(key.block_size, int):
+        return key
+    return None
 
 
 class EngineLoadRouter(FIFOMixin, RequestRouter):

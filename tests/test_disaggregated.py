@@ -419,10 +419,10 @@ def variant_target(target: str, drafter: str):
     die, mismatch, slow, slow_s = DIE, MISMATCH, SLOW, SLOW_S  # travel with the class (pickled by value)
 
     class FaultyPrefill(SpecDecodeServer):
-        async def prefill(self, prompt, params, label, trace_metadata=None):  # noqa: ANN001, ANN201
+        async def prefill(self, prompt, params, label, trace_metadata=None, prefix_key=None):  # noqa: ANN001, ANN201
             if label == slow:
                 await asyncio.sleep(slow_s)
-            async for item in super().prefill(prompt, params, label, trace_metadata):
+            async for item in super().prefill(prompt, params, label, trace_metadata, prefix_key):
                 if isinstance(item, PrefillResult) and label == die:
                     import os
 

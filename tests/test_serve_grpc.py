@@ -564,3 +564,44 @@ def test_replica_survived_every_error(served: Served) -> None:
     assert info.replica_id == served.replica_id, "the replica was restarted"
     assert ids == reference(served, PROMPTS[1], **GREEDY)[0]
     assert (info.usage.num_running, info.usage.num_used_blocks) == (0, 0)
+
+
+def test_prefix_aware_routing_sends_each_turn_where_the_conversation_is_cached(served: Served, serve_instance) -> None:
+    """Two replicas routed by EngineLoadRouter, crediting only what the replicas themselves
+    report holding (routed_ttl_s 0: the router's own record of where it sent a prompt counts for
+    nothing): each later turn of a conversation, sent after a report, finds the conversation so
+    far in the prefix cache of the replica it lands on. Conversations share no block, and
+    load-only routing would send each later turn to either idle replica at even odds (all 8 hit:
+    1 in 256)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.app import bind_app
+    from deployments.config import AppConfig
+    from deployments.router import ROUTER_PATH
+
+    app = "prefix-routed"
+    router = RequestRouterConfig(request_router_class=ROUTER_PATH, request_router_kwargs={"routed_ttl_s": 0.0},
+                                 request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5.0)
+    config = AppConfig.from_dict({**app_args(served.model, None), "max_prompt_tokens": 1024})
+    engine = {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}, "request_router_config": router}
+    with serve_instance.apps(app):
+        ingress = serve.run(bind_app(config, engine), name=app, route_prefix=f"/{app}")
+        deadline = time.monotonic() + 60
+        while not ingress.prefix_routing_ready.remote().result():
+            assert time.monotonic() < deadline, "the ingress's tokenizer did not load"
+            time.sleep(0.2)
+        with served.client(app) as client:
+            client.wait_ready(60)
+            for conversation in range(4):
+                prompt = f"conversation {conversation}: the quick brown fox jumps over the lazy dog. "
+                previous = 0
+                for turn in range(3):
+                    if turn:
+                        time.sleep(1.5)  # three report periods: the replica's report shows the last turn
+                    _, text, last = collect(client.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True))
+                    if turn:
+                        held = 16 * ((previous - 1) // 16)  # the last turn's full prompt blocks
+                        assert last.usage.cached_prompt_tokens >= held, (conversation, turn, last.usage)
+                    previous = last.usage.prompt_tokens
+                    prompt += text + f" and then turn {turn + 1}: "

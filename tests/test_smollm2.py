@@ -173,13 +173,13 @@ def test_the_ingress_prefix_key_names_the_blocks_the_engine_caches(fp32, gguf_fi
     from deployments.prefix_key import PrefixKeys
     from deployments.replica import request_tools
     from deployments.tools import render_chat
-    from engine.llm import load_tokenizer
     from protos.specdecode.v1 import specdecode_pb2 as pb
 
     bm = fp32.engine.block_manager
     keys = PrefixKeys(gguf_file, bm.block_size)
-    assert asyncio.run(keys.key(pb.GenerateRequest(prompt="x"), None)) is None  # the tokenizer loads first
-    keys.tokenizer = load_tokenizer(gguf_file)
+    keys.start_loading()
+    keys._loader.join(120)
+    assert keys.ready
     conversation = [pb.ChatMessage(role="system", content="You are a terse assistant. " * 12),
                     pb.ChatMessage(role="user", content="Name three rivers of Europe and their seas.")]
     tool = pb.Tool(name="lookup", description="Look a river up", parameters='{"type": "object"}')
