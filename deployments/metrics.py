@@ -81,6 +81,8 @@ METRICS: tuple[MetricDef, ...] = (
        E2E_BUCKETS_S, "speculation"),
     _c("specdecode_requests_finished_total", "Requests finished, by finish reason.", "finish_reason"),
     _c("specdecode_prompt_tokens_total", "Prompt tokens of finished requests."),
+    _c("specdecode_prompt_tokens_cached_total", "Prompt tokens of finished requests found in the prefix cache "
+       "(not computed again); over specdecode_prompt_tokens_total: the prefix-cache hit rate."),
     _c("specdecode_generation_tokens_total", "Output tokens of finished requests."),
     # Speculation: rate(accepted) / rate(draft) is the acceptance rate over any window.
     _c("specdecode_spec_draft_tokens_total", "Draft tokens verified by the target."),
@@ -189,7 +191,7 @@ class _Totals:
     num_tree_nodes: int = 0
     num_tree_accepted: int = 0
     # (speculation "on"/"off", ttft_s, tpot_s or None, e2e_s, finish_reason, prompt tokens, output tokens)
-    finished: list[tuple[str, float | None, float | None, float | None, str, int, int]] = field(default_factory=list)
+    finished: list[tuple[str, float | None, float | None, float | None, str, int, int, int]] = field(default_factory=list)
     handoffs: list[tuple[int, float]] = field(default_factory=list)  # (bytes, seconds)
     prefills: dict[str, int] = field(default_factory=dict)  # where -> count
     placements: dict[tuple[str, str], int] = field(default_factory=dict)  # (where, reason) -> count
@@ -299,7 +301,7 @@ class ReplicaMetrics(_Flushing):
         num_out = len(out.token_ids)
         tpot = (e2e - ttft) / (num_out - 1) if ttft is not None and e2e is not None and num_out > 1 else None
         row = ("on" if speculating else "off", ttft, tpot, e2e, out.finish_reason or "unknown",
-               len(out.prompt_token_ids), num_out)
+               len(out.prompt_token_ids), num_out, out.num_cached_tokens)
         with self._lock:
             self._totals.finished.append(row)
 
@@ -329,7 +331,7 @@ class ReplicaMetrics(_Flushing):
         with self._lock:
             t, self._totals = self._totals, _Totals()
         m = self.metrics
-        for spec, ttft, tpot, e2e, reason, num_prompt, num_out in t.finished:
+        for spec, ttft, tpot, e2e, reason, num_prompt, num_out, num_cached in t.finished:
             tags = {"speculation": spec}
             if ttft is not None:
                 m["specdecode_time_to_first_token_seconds"].observe(ttft, tags)
@@ -339,6 +341,7 @@ class ReplicaMetrics(_Flushing):
                 m["specdecode_e2e_request_latency_seconds"].observe(e2e, tags)
             m["specdecode_requests_finished_total"].inc(1, {"finish_reason": reason})
             _inc(m["specdecode_prompt_tokens_total"], num_prompt)
+            _inc(m["specdecode_prompt_tokens_cached_total"], num_cached)
             _inc(m["specdecode_generation_tokens_total"], num_out)
         for num_bytes, seconds in t.handoffs:
             m["specdecode_handoff_bytes"].observe(num_bytes)

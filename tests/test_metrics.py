@@ -303,7 +303,7 @@ def test_finished_requests_observe_latency_histograms(fake) -> None:
 
     def finished(n: int, ttft: float, e2e: float, reason: str) -> RequestOutput:
         return RequestOutput("r", None, [1, 2, 3], list(range(n)), "", [], "", True, reason,
-                             metrics={"ttft_s": ttft, "e2e_s": e2e})
+                             metrics={"ttft_s": ttft, "e2e_s": e2e}, num_cached_tokens=2 if n > 1 else 0)
 
     metrics.on_request_finished(finished(11, 0.05, 0.55, "length"), speculating=True)
     metrics.on_request_finished(finished(1, 0.02, 0.02, "stop"), speculating=False)
@@ -317,6 +317,7 @@ def test_finished_requests_observe_latency_histograms(fake) -> None:
     assert made["specdecode_requests_finished_total"].total(finish_reason="stop") == 1
     assert made["specdecode_generation_tokens_total"].total() == 12
     assert made["specdecode_prompt_tokens_total"].total() == 6
+    assert made["specdecode_prompt_tokens_cached_total"].total() == 2
 
 
 def test_a_real_engine_feeds_the_metrics(tmp_path) -> None:
