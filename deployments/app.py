@@ -25,6 +25,11 @@ from deployments.ingress import SpecDecodeIngress
 from deployments.replica import SpecDecodeServer
 
 INGRESS_MAX_ONGOING_REQUESTS = 100_000
+# An ingress replica being replaced (a config update) keeps relaying its streams until they end:
+# they cannot move (the client's connection ends there), and it holds no model to free. Its
+# streams' engine replicas hand them over meanwhile (deployments/drain.py); Serve's drain ends
+# as soon as the last one does, so the bound only matters for a stream that never ends.
+INGRESS_GRACEFUL_SHUTDOWN_TIMEOUT_S = 300
 
 
 def deployment_options(config: AppConfig, overrides: dict | None = None) -> dict:
@@ -36,6 +41,7 @@ def deployment_options(config: AppConfig, overrides: dict | None = None) -> dict
         "max_queued_requests": config.max_queued_requests,
         # Loading the target and drafter takes a while; a slow health check is not a dead replica.
         "health_check_timeout_s": 60,
+        # a replica being removed hands its streams over drain_timeout_s into it, at most 28 s
         "graceful_shutdown_timeout_s": 30,
     }
     return apply_overrides(options, overrides)
@@ -48,7 +54,7 @@ def ingress_options(config: AppConfig, overrides: dict | None = None) -> dict:
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
-        "graceful_shutdown_timeout_s": 30,
+        "graceful_shutdown_timeout_s": INGRESS_GRACEFUL_SHUTDOWN_TIMEOUT_S,
     }
     return apply_overrides(options, overrides)
 

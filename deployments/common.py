@@ -72,6 +72,14 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class Handover:
+    """An engine replica's last item of a stream it gives up because Serve is removing the
+    replica (downscale, redeploy) and the stream outlived the drain window (deployments/drain.py):
+    the client has every message before it, and the ingress resumes the request on another
+    replica after them (`Resume`), as for a lost replica but not counted as a failure."""
+
+
+@dataclass(frozen=True)
 class HandoffRead:
     """A decode replica's `resume` has read the handoff (or found it lost): the prefill call that
     holds it can be closed."""

@@ -325,6 +325,10 @@ class AppConfig:
     (DrafterPoolArgs).
     replica_wait_timeout_s bounds how long the ingress waits for an engine replica to accept a
     request (none is running, or all are full and Serve queues it) before answering UNAVAILABLE.
+    drain_timeout_s: how long an engine replica that Serve is removing (a downscale, a redeploy)
+    lets its running streams go on before it hands them over to another replica, which resumes
+    them after the tokens already sent (deployments/drain.py); cut to the deployment's
+    graceful_shutdown_timeout_s less 2 s, so that the handover comes before Serve's kill.
     mode: "colocated" (each engine replica prefills and decodes its requests) or "disaggregated"
     (a prefill pool, `SpecDecodePrefill`, prefills long prompts and hands them to the decode
     replicas, `SpecDecode`; see DisaggregationArgs). Both pools use this config's engine settings.
@@ -351,6 +355,7 @@ class AppConfig:
     cuda_graphs: bool = True
     metrics_window_s: float = 30.0
     replica_wait_timeout_s: float = 30.0
+    drain_timeout_s: float = 10.0
     mode: str = "colocated"
     disaggregation: DisaggregationArgs = field(default_factory=DisaggregationArgs)
     slo: SLOArgs = field(default_factory=SLOArgs)
@@ -397,6 +402,9 @@ class AppConfig:
             "replica_wait_timeout_s": check.number(
                 f"{where}.replica_wait_timeout_s", data.get("replica_wait_timeout_s", d.replica_wait_timeout_s),
                 0.1, 3600.0,
+            ),
+            "drain_timeout_s": check.number(
+                f"{where}.drain_timeout_s", data.get("drain_timeout_s", d.drain_timeout_s), 0.0, 3600.0
             ),
         }
         if "speculative" in data and data["speculative"] is None:

@@ -11,6 +11,8 @@ changed from a replica. The ingress owns the client's stream, so it can:
 - resume a stream whose replica was lost after messages went out, on another replica (up to
   MAX_RESUMPTIONS): it prefills the prompt and the tokens the client already has, and the
   stream goes on with no token repeated or missing (greedy output as if nothing happened);
+- resume, the same way, a stream that a replica being removed (downscale, redeploy) hands over
+  when its drain window ends (deployments/drain.py), on a budget of its own (MAX_HANDOVERS);
 - answer UNAVAILABLE with a plain message when that fails too (the client has part of the
   output and must retry), or when no engine replica accepted the request within
   `replica_wait_timeout_s` (none running, or all full and Serve queued it);
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
@@ -48,6 +51,7 @@ from deployments.common import (
     REPLICA_LOST,
     Accepted,
     HandoffRead,
+    Handover,
     Prefilled,
     PrefillElsewhere,
     PrefillResult,
@@ -68,6 +72,10 @@ logger = logging.getLogger("ray.serve")
 
 MAX_ATTEMPTS = 3  # a request that streamed nothing is tried on this many replicas at most
 MAX_RESUMPTIONS = 2  # a stream whose replica is lost mid-stream goes on elsewhere at most this often
+# A stream handed over by a replica being removed (deployments/drain.py) goes on elsewhere at most
+# this often: a separate budget, so that a drain never uses up what a lost replica would need.
+MAX_HANDOVERS = 8
+RESUMED_LABELS_KEPT = 1024  # the labels of this many resumed streams are kept (`resumed_requests`)
 RETRY_BACKOFF_S = 0.2  # before a retry, so Serve's router can learn that the replica is gone
 TRACE_KEYS = ("traceparent", "tracestate")
 # After the prefill pool fails a call, long prompts are prefilled by the decode replicas for this
@@ -96,7 +104,8 @@ class SpecDecodeIngress:
         self.prefix_keys = PrefixKeys(resolve_path(config.tokenizer or config.model), CacheConfig.block_size)
         self.prefix_keys.start_loading()
         self.tracing = setup_tracing(config.tracing, None) if prefill_pool is not None else None
-        self.resumptions = 0  # streams resumed on another replica after theirs was lost
+        self.resumptions: dict[str, int] = {}  # streams resumed on another replica, by reason (resumption_counts)
+        self.resumed_labels: deque[str] = deque(maxlen=RESUMED_LABELS_KEPT)  # of the last ones (resumed_requests)
         try:
             from deployments.metrics import IngressMetrics
 
@@ -168,7 +177,8 @@ class SpecDecodeIngress:
         """The response messages of one request from an engine replica (chat `messages` replace
         the prompt; `route` names the gRPC method or HTTP route for its trace); a refusal or
         failure raises `ClientError`. A replica lost before the first message is retried; one lost
-        after is resumed on another with what the client was sent (`Resume`)."""
+        after is resumed on another with what the client was sent (`Resume`), and so is a stream
+        that a replica being removed hands over (`Handover`) when its drain window ends."""
         if len(label) > MAX_REQUEST_ID_CHARS or not label.isprintable():
             control = "" if label.isprintable() else ", with a control character"
             raise ClientError(grpc.StatusCode.INVALID_ARGUMENT, (
@@ -179,7 +189,8 @@ class SpecDecodeIngress:
         key = await self.prefix_keys.key(request, messages)  # where the prompt is cached (routing)
         resumable = not (request.HasField("n") and request.n > 1) and not (request.HasField("best_of")
                                                                           and request.best_of > 1)
-        for resumption in range(MAX_RESUMPTIONS + 1):
+        resumptions = handovers = 0
+        while True:
             try:
                 async for message in self._attempt(request, label, trace, messages, route, resume, sent, key):
                     sent.add(message)
@@ -192,16 +203,32 @@ class SpecDecodeIngress:
                     f"the replica serving this request stopped after {sent.num_messages} messages and no other "
                     f"took it over ({e.details}); the output is incomplete: retry the whole request")) from None
             except _LostMidStream as lost:
-                if not resumable or resumption == MAX_RESUMPTIONS:
+                if not resumable or resumptions == MAX_RESUMPTIONS:
                     raise _replica_lost(label, sent.num_messages, lost.attempts, lost.error) from None
-                self.resumptions += 1
-                if self.metrics is not None:
-                    self.metrics.resumed(lost.where)
+                resumptions += 1
+                reason, backoff_s = lost.where, RETRY_BACKOFF_S
                 logger.warning("request %r: %s replica lost after %d tokens (%s); resuming on another replica "
                                "(resumption %d of %d)", label, lost.where, len(sent.token_ids),
-                               type(lost.error).__name__, resumption + 1, MAX_RESUMPTIONS)
+                               type(lost.error).__name__, resumptions, MAX_RESUMPTIONS)
+            except _HandedOver as handed:
+                if handovers == MAX_HANDOVERS:
+                    raise ClientError(grpc.StatusCode.UNAVAILABLE, (
+                        f"the request was handed over {handovers} times by replicas being removed; the output is "
+                        "incomplete: retry the whole request")) from None
+                handovers += 1
+                # Serve stopped routing to that replica when its drain began, so a stream that ran
+                # there goes on at once; one it refused on arrival waits for the router to learn.
+                reason, backoff_s = "drain", 0.0 if handed.num_sent else RETRY_BACKOFF_S
+                logger.info("request %r: handed over by a replica being removed after %d tokens; resuming on "
+                            "another replica (handover %d of %d)", label, len(sent.token_ids), handovers,
+                            MAX_HANDOVERS)
+            self.resumptions[reason] = self.resumptions.get(reason, 0) + 1
+            self.resumed_labels.append(label)
+            if self.metrics is not None:
+                self.metrics.resumed(reason)
+            if sent.num_messages or resume is not None:
                 resume = Resume(list(sent.token_ids), sent.num_chars)
-                await asyncio.sleep(RETRY_BACKOFF_S)
+            await asyncio.sleep(backoff_s)
 
     async def _attempt(
         self, request: pb.GenerateRequest, label: str, trace: list[tuple[str, str]],
@@ -221,6 +248,8 @@ class SpecDecodeIngress:
                     if isinstance(message, PrefillElsewhere):
                         elsewhere = message
                         break
+                    if isinstance(message, Handover):
+                        raise _HandedOver(num_sent)
                     num_sent += 1
                     yield message
                 break
@@ -243,6 +272,16 @@ class SpecDecodeIngress:
         if self.prefill_pool is None:
             return None
         return self.pool.estimate(backing_off=self.pool_backoff.active())
+
+    async def resumed_requests(self) -> list[str]:
+        """The request ids (labels) of the last RESUMED_LABELS_KEPT streams resumed, oldest first,
+        once per resumption (`python -m loadtest.chaos --kill` tells resumed streams apart)."""
+        return list(self.resumed_labels)
+
+    async def resumption_counts(self) -> dict[str, int]:
+        """Streams this ingress resumed on another replica, by reason: "engine" (their replica was
+        lost mid-stream), "drain" (handed over by a replica being removed)."""
+        return dict(self.resumptions)
 
     async def prefix_routing_ready(self) -> bool:
         """Whether requests carry their prompt's `PrefixKey` yet (the tokenizer has loaded)."""
@@ -342,6 +381,8 @@ class SpecDecodeIngress:
                         if span is not None:
                             span.set_attribute(t.ATTR_PREFILLED, item.where)
                         continue
+                    if isinstance(item, Handover):
+                        raise _HandedOver(num_sent)
                     num_sent += 1
                     yield item
                 return
@@ -418,6 +459,15 @@ class _LostMidStream(Exception):
     def __init__(self, error: BaseException, attempts: int, where: str) -> None:
         super().__init__(str(error))
         self.error, self.attempts, self.where = error, attempts, where
+
+
+class _HandedOver(Exception):
+    """The replica serving a stream is being removed and gave the stream up (`Handover`) after
+    `num_sent` messages of this go."""
+
+    def __init__(self, num_sent: int) -> None:
+        super().__init__(f"handed over after {num_sent} messages")
+        self.num_sent = num_sent
 
 
 class _Metadata:

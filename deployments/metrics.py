@@ -165,9 +165,10 @@ POOL_COUNTERS = {"batches": "specdecode_drafter_pool_engine_calls_total", "round
                  "ahead_hits": "specdecode_drafter_pool_ahead_hits_total"}
 # The ingress (deployments/ingress.py): what it does for the clients' streams.
 INGRESS_METRICS: tuple[MetricDef, ...] = (
-    _c("specdecode_resumed_total", "Streams resumed on another engine replica after theirs was lost mid-stream "
-       "(the client's stream went on), by the lost replica's role (engine: co-located or decode; a prefill replica "
-       "lost after the first token is covered by the decode replica's local prefill instead).", "reason"),
+    _c("specdecode_resumed_total", "Streams resumed on another engine replica mid-stream (the client's stream "
+       "went on), by reason: engine (their co-located or decode replica was lost; a prefill replica lost after the "
+       "first token is covered by the decode replica's local prefill instead) or drain (handed over by a replica "
+       "being removed, at the end of its drain window).", "reason"),
 )
 METRICS_BY_NAME = {m.name: m for m in METRICS}
 POOL_METRICS_BY_NAME = {m.name: m for m in POOL_METRICS}

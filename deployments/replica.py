@@ -34,9 +34,18 @@ from ray import serve
 
 from deployments import tracing as t
 from deployments.autoscaling import LatencyTracker, replica_autoscaling_stats
-from deployments.common import Accepted, HandoffRead, Prefilled, PrefillElsewhere, PrefillResult, Resume
+from deployments.common import (
+    Accepted,
+    HandoffRead,
+    Handover,
+    Prefilled,
+    PrefillElsewhere,
+    PrefillResult,
+    Resume,
+)
 from deployments.config import AppConfig, resolve_path
 from deployments.drafter import ServeDrafterClient
+from deployments.drain import Drain
 from deployments.errors import ClientError
 from deployments.handoff_transport import get_handoff, put_handoff, resolve_transport
 from deployments.metrics import start_replica_metrics
@@ -135,6 +144,7 @@ class SpecDecodeServer:
             affinity = self.replica_id or uuid.uuid4().hex
             remote["remote_drafter"] = ServeDrafterClient(drafter_pool, affinity, config.drafter_pool.timeout_s)
         self.llm = AsyncLLM(resolve_path(config.model), **engine_kwargs, **remote)
+        self.drain = Drain(config.drain_timeout_s, self.llm.abort)  # hands streams over when Serve removes it
         engine = self.llm.engine
         self.transport = resolve_transport(config.disaggregation.transport, engine.device.type)  # of its handoffs
         engine.export_kv_on_device = self.transport == "nixl"  # NIXL moves GPU memory itself
@@ -183,7 +193,8 @@ class SpecDecodeServer:
         calling = tools if choice != "none" else None  # calls are parsed from the output
         yield Accepted(self.replica_id)
         if resume is not None:
-            async for item in self._run(prompt, params, label, trace, speculating, tools=calling, resume=resume):
+            async for item in self._run(prompt, params, label, trace, speculating, tools=calling, resume=resume,
+                                        drainable=True):
                 yield item
             return
         if best_of > 1:  # several completions: prefilled here, the prompt's blocks shared between them
@@ -204,7 +215,7 @@ class SpecDecodeServer:
                 return
             self._count_prefill({"local_faster": "local_faster", "backoff": "local_backoff"}.get(placement.reason, "local"))
             trace.placement = placement
-        async for item in self._run(prompt, params, label, trace, speculating, tools=calling):
+        async for item in self._run(prompt, params, label, trace, speculating, tools=calling, drainable=True):
             yield item
 
     async def _run_completions(
@@ -300,7 +311,7 @@ class SpecDecodeServer:
             handoff, seconds = fetched
             fetched = None
             stream = self._run(prompt, params, label, trace, speculating, handoff=handoff,
-                               num_emitted_chars=result.num_emitted_chars)
+                               num_emitted_chars=result.num_emitted_chars, drainable=True)
             handoff = None
             first = True
             async for item in stream:
@@ -327,7 +338,7 @@ class SpecDecodeServer:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         yield Prefilled("fallback", reason)
         async for item in self._run(prompt + sent, _fewer_tokens(params, len(sent)), label, trace, speculating,
-                                    already_sent=sent):
+                                    already_sent=sent, drainable=True):
             yield item
 
     async def prefill(
@@ -348,10 +359,12 @@ class SpecDecodeServer:
     async def _run(
         self, prompt: list[int], params: Any, label: str, trace: TraceMetadata, speculating: bool, *,
         export: bool = False, handoff: Any = None, num_emitted_chars: int = 0, already_sent: list[int] | None = None,
-        tools: list[Tool] | None = None, resume: Resume | None = None,
-    ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult]:
+        tools: list[Tool] | None = None, resume: Resume | None = None, drainable: bool = False,
+    ) -> AsyncIterator[ClientError | pb.GenerateResponse | PrefillResult | Handover]:
         """Run one engine request and yield its messages; engine errors become a `ClientError`.
-        With `tools`, the last message carries the calls parsed from the output."""
+        With `tools`, the last message carries the calls parsed from the output. A `drainable`
+        stream (one the ingress can resume elsewhere) ends with `Handover` when this replica's
+        drain hands it over, or at once when the drain has begun before it."""
         from engine import EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError
         from engine.errors import HandoffMismatchError
 
@@ -359,6 +372,11 @@ class SpecDecodeServer:
         role = "prefill" if export else "decode" if handoff is not None or already_sent else None
         self.latency.start(request_id)
         try:
+            if drainable:
+                self.drain.watch()
+                if not self.drain.admit(request_id):
+                    yield Handover()
+                    return
             if resume is not None:
                 num_emitted_chars = resume.num_chars
             stream = self.llm.generate(prompt, params, request_id=request_id, export_after_prefill=export,
@@ -389,6 +407,9 @@ class SpecDecodeServer:
                     # then finds it lost.
                     await asyncio.sleep(2 * self.config.replica_wait_timeout_s)
                     return
+                if out.finish_reason == "abort" and self.drain.is_handed_over(request_id):
+                    yield Handover()  # its last text (held back) comes from the replica that resumes it
+                    return
                 if out.finished:
                     self.metrics.on_request_finished(out, speculating)
                 message = self.to_response(out, label, speculating, self.llm.tokenizer)
@@ -415,6 +436,7 @@ class SpecDecodeServer:
             yield ClientError(grpc.StatusCode.INTERNAL, f"engine error: {e}")
         finally:
             self.latency.finish(request_id)
+            self.drain.release(request_id)
 
     # --- disaggregation ----------------------------------------------------------------------
     def _count_prefill(self, where: str, num_bytes: int = 0, seconds: float | None = None) -> None:

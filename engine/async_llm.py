@@ -248,6 +248,11 @@ class AsyncLLM:
             out = EngineOutput(rid, [], "abort", request.num_prompt_tokens, request.num_output_tokens,
                                request.num_cached_tokens, request.spec_stats)
             self._deliver(rid, stream.state.process(out)[0])
+        elif any(pending[0] == rid for pending in self._pending_imports):  # a handoff waiting for blocks or a slot
+            self._pending_imports = [pending for pending in self._pending_imports if pending[0] != rid]
+            state = stream.state
+            out = EngineOutput(rid, [], "abort", len(state.prompt_token_ids), len(state.token_ids))
+            self._deliver(rid, state.process(out)[0])
 
     def _release(self, rid: str, stream: _Stream) -> None:
         """Forget a closed stream (only that one, never a newer holder: `generate` refuses an id

@@ -45,8 +45,8 @@ def serve_instance():
 # own. `make test` runs them in one pytest process beside another for the rest (tests/run.py):
 # they mostly wait on replicas, timers and subprocesses, the others mostly compute.
 RAY_MODULES = {
-    "test_disaggregated", "test_drafter_pool",  # a multi-node cluster of their own
-    "test_faults_serve", "test_loadtest", "test_serve_grpc", "test_serve_http", "test_slo_scaling", "test_tracing",
+    "test_disaggregated", "test_drafter_pool", "test_failover_cluster",  # a multi-node cluster of their own
+    "test_drain", "test_faults_serve", "test_loadtest", "test_serve_grpc", "test_serve_http", "test_slo_scaling", "test_tracing",
 }
 
 
