@@ -22,8 +22,8 @@ from protos.specdecode.v1 import specdecode_pb2 as pb
 
 logger = logging.getLogger("ray.serve")
 
-# Text beyond this many characters is not tokenized here (a replica refuses prompts far shorter
-# than this at today's limits; a hostile one costs the ingress no more than this).
+# Text beyond this many characters is not tokenized here: it bounds what a hostile prompt costs
+# the ingress, far above any prompt a replica accepts.
 MAX_KEY_CHARS = 200_000
 
 
