@@ -2,7 +2,8 @@
 replica kill, then what leaked and how long recovery took.
 
     python -m loadtest.chaos [--target localhost:9000] [--application specdecode] [--storm 150]
-        [--concurrency 8] [--kill] [--ray-address auto] [--seed 0] [--json out.json]
+        [--concurrency 8] [--kill] [--kill-streams 4] [--kill-tokens 512] [--ray-address auto]
+        [--seed 0] [--json out.json]
 
 Storm: `--storm` requests from `--concurrency` threads, each one of: a stream cancelled after a
 random number of messages, a stream with a short deadline, a client that closes its channel
@@ -13,10 +14,14 @@ get RESOURCE_EXHAUSTED when the storm fills Serve's queue; nothing else.
 Afterwards the replica must go back to holding no request and no KV block ("leaks"), and a
 greedy request must return the same tokens as before the storm.
 
-Kill (`--kill`, needs the Ray cluster: `--ray-address`): starts long streams, SIGKILLs the process
-of one engine replica (`SpecDecode` deployment), and reports what the in-flight clients got
-(UNAVAILABLE, or a transparent retry for those that had received nothing), how long new requests
-failed, and the time until a request succeeds again. Exits 1 when anything unexpected happened.
+Kill (`--kill`, needs the Ray cluster: `--ray-address`): starts `--kill-streams` long greedy
+streams and, once each has its first message, SIGKILLs the process of the engine replica
+(`SpecDecode` deployment) serving the most of them. The ingress resumes those streams on another
+replica, so every stream must complete; it reports each stream as completed, resumed or failed,
+checks each completed stream's tokens against the same request sent again undisturbed, and times
+the recovery (new requests refused meanwhile). The deployment needs two engine replicas or more:
+with one, a lost stream has nowhere to go on. Exits 1 when a stream failed, a completed one
+differs from its undisturbed output, or anything else unexpected happened.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from deployments.client import SpecDecodeClient, make_request
+from deployments.config import DEPLOYMENT_NAME
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -181,50 +187,64 @@ def run_storm(client: SpecDecodeClient, application: str, n: int, concurrency: i
             "ok": not storm.unexpected and not any(leaks.values()) and before == after}
 
 
-def engine_replica_handles(application: str) -> list:
-    """Actor handles of the application's engine replicas (Serve names them SERVE_REPLICA::app#...)."""
+def replica_handles(application: str, deployment: str = DEPLOYMENT_NAME) -> list:
+    """Actor handles of the replicas of one of the application's deployments (by default its
+    engine replicas; Serve names them SERVE_REPLICA::app#deployment#...)."""
     import ray
 
     names = [e["name"] if isinstance(e, dict) else e for e in ray.util.list_named_actors(all_namespaces=True)]
-    return [ray.get_actor(n, namespace="serve") for n in names if n.startswith(f"SERVE_REPLICA::{application}#SpecDecode#")]
+    return [ray.get_actor(n, namespace="serve") for n in names
+            if n.startswith(f"SERVE_REPLICA::{application}#{deployment}#")]
 
 
 def _sigkill_self(_replica) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_kill(client: SpecDecodeClient, application: str, ray_address: str, num_streams: int = 4) -> dict:
-    """Long streams, then one engine replica SIGKILLs itself (on whatever node it runs)."""
+def run_kill(client: SpecDecodeClient, application: str, num_streams: int = 4, max_tokens: int = 512,
+             seed: int = 0) -> dict:
+    """Greedy streams; once each has its first message, the engine replica serving the most of
+    them SIGKILLs itself (on whatever node it runs; Ray must be initialized). Each stream must
+    complete: "completed", "resumed" (the ingress resumed it on another replica) or "failed",
+    and a completed stream's tokens must equal the same request's undisturbed output (sent again
+    once the service has recovered)."""
     import ray
+    from ray import serve
 
-    ray.init(address=ray_address, logging_level="ERROR", log_to_driver=False)
-    replicas = engine_replica_handles(application)
+    from deployments.config import INGRESS_DEPLOYMENT_NAME
+
+    replicas = replica_handles(application)
     if not replicas:
         return {"ok": False, "error": f"no engine replica of {application!r} found"}
-    outcomes: Counter[str] = Counter()
-    lock = threading.Lock()
-    max_tokens = min(2000, client.model_info().limits.max_tokens)  # long enough to be in flight
-
-    def note(key: str) -> None:
-        with lock:
-            outcomes[key] += 1
+    info = client.model_info()
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(info.limits.vocab_size) for _ in range(rng.randint(2, 16))] for _ in range(num_streams)]
+    max_tokens = max(1, min(max_tokens, info.limits.max_tokens, info.limits.max_model_len - 16))
+    params = dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    labels = [f"chaos-kill-{seed}-{i}-{random.getrandbits(32):08x}" for i in range(num_streams)]
+    tokens: list[list[int]] = [[] for _ in range(num_streams)]
+    errors: list[str | None] = [None] * num_streams
+    started = [threading.Event() for _ in range(num_streams)]
+    unexpected: list[str] = []
 
     def stream(i: int) -> None:
-        received = 0
         try:
-            for m in client.generate([10 + i, 11], max_tokens=max_tokens, ignore_eos=True, timeout=300):
-                received += len(m.token_ids)
-            note("completed")
+            for m in client.generate(prompts[i], request_id=labels[i], timeout=600, **params):
+                tokens[i].extend(m.token_ids)
+                started[i].set()
         except grpc.RpcError as e:
-            note(f"{e.code().name} after {'some' if received else 'no'} tokens")
-            if e.code() != grpc.StatusCode.UNAVAILABLE or "actor" in (e.details() or "").lower():
-                note(f"unexpected: {e.code().name}: {e.details()}")
+            errors[i] = f"{e.code().name}: {e.details()}"
+        finally:
+            started[i].set()
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(num_streams)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    replicas[0].__ray_call__.remote(_sigkill_self)
+    for e in started:
+        e.wait(120)
+    ongoing = ray.get([r.get_num_ongoing_requests.remote() for r in replicas], timeout=60)
+    victim = ongoing.index(max(ongoing))
+    replicas[victim].__ray_call__.remote(_sigkill_self)
     killed = time.monotonic()
     refused, recovery = 0, None
     while recovery is None and time.monotonic() - killed < 300:
@@ -234,13 +254,31 @@ def run_kill(client: SpecDecodeClient, application: str, ray_address: str, num_s
         except grpc.RpcError as e:
             refused += 1
             if e.code() != grpc.StatusCode.UNAVAILABLE:
-                note(f"unexpected for a new request: {e.code().name}")
+                unexpected.append(f"a new request got {e.code().name}: {e.details()}")
             time.sleep(0.2)
     for t in threads:
-        t.join(300)
-    return {"replicas_before": len(replicas), "in_flight": dict(outcomes), "new_requests_refused": refused,
-            "recovery_s": None if recovery is None else round(recovery, 2),
-            "ok": recovery is not None and not any(k.startswith("unexpected") for k in outcomes)}
+        t.join(600)
+    ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT_NAME, app_name=application)
+    resumed = set(ingress.resumed_requests.remote().result(timeout_s=60))
+    with ThreadPoolExecutor(num_streams) as pool:  # the undisturbed output of each request
+        undisturbed = list(pool.map(lambda p: [t for m in client.generate(p, timeout=600, **params)
+                                               for t in m.token_ids], prompts))
+    per_stream = []
+    for i in range(num_streams):
+        outcome = "failed" if errors[i] else "resumed" if labels[i] in resumed else "completed"
+        entry = {"request_id": labels[i], "outcome": outcome, "tokens": len(tokens[i])}
+        if errors[i]:
+            entry["error"] = errors[i]
+        else:
+            entry["equals_undisturbed"] = tokens[i] == undisturbed[i]
+        per_stream.append(entry)
+    counts = Counter(e["outcome"] for e in per_stream)
+    mismatched = sum(1 for e in per_stream if e.get("equals_undisturbed") is False)
+    return {"replicas_before": len(replicas), "killed_replica_streams": ongoing[victim],
+            "streams": {k: counts.get(k, 0) for k in ("completed", "resumed", "failed")},
+            "mismatched": mismatched, "per_stream": per_stream, "new_requests_refused": refused,
+            "recovery_s": None if recovery is None else round(recovery, 2), "unexpected": unexpected,
+            "ok": recovery is not None and counts.get("failed", 0) == 0 and not mismatched and not unexpected}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--storm", type=int, default=150, help="hostile requests to send (0: none)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--kill", action="store_true", help="SIGKILL an engine replica mid-stream (needs Ray access)")
+    p.add_argument("--kill-streams", type=int, default=4, help="greedy streams in flight when the replica is killed")
+    p.add_argument("--kill-tokens", type=int, default=512, help="max_tokens of each (long enough to be in flight)")
     p.add_argument("--ray-address", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the report here")
@@ -260,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.storm:
             report["storm"] = run_storm(client, args.application, args.storm, args.concurrency, args.seed)
         if args.kill:
-            report["kill"] = run_kill(client, args.application, args.ray_address)
+            import ray
+
+            ray.init(address=args.ray_address, logging_level="ERROR", log_to_driver=False)
+            report["kill"] = run_kill(client, args.application, args.kill_streams, args.kill_tokens, args.seed)
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -4,9 +4,10 @@ proxy -> ingress -> engine replica) with a tiny random model.
 Each test is the regression test of a failure found by trying the service as a hostile client
 and as a failing cluster: a reused request id, an 8 MB text prompt, undecodable request bytes,
 non-finite and out-of-range fields, huge stop lists, tracebacks in the logs for client errors,
-and a replica killed with SIGKILL (in-flight streams get UNAVAILABLE or a transparent retry; while
-no replica exists requests fail fast; the deployment recovers). After each, the replica must hold
-no KV block and keep serving.
+and a replica killed with SIGKILL (in-flight streams are retried or resumed on the other replica,
+or get UNAVAILABLE when every replica died; while no replica exists requests fail fast; the
+deployment recovers; across nodes and pools: tests/test_failover_cluster.py). After each, the
+replica must hold no KV block and keep serving.
 """
 
 from __future__ import annotations
@@ -374,18 +375,20 @@ def engine_replica_pids(app: str, expected: int, timeout: float = 60) -> list[in
         time.sleep(0.5)
 
 
-def wait_running(app: str, expected: int, timeout: float = 90) -> None:
+def wait_running(app: str, expected: int, timeout: float = 90, deployment: str | None = None) -> None:
+    """Wait until exactly `expected` replicas of the app's `deployment` (default: the engine's) run."""
     from ray import serve
 
     from deployments.config import DEPLOYMENT_NAME
 
+    deployment = deployment or DEPLOYMENT_NAME
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        dep = serve.status().applications[app].deployments[DEPLOYMENT_NAME]
+        dep = serve.status().applications[app].deployments[deployment]
         if dep.replica_states.get("RUNNING") == expected and sum(dep.replica_states.values()) == expected:
             return
         time.sleep(0.2)
-    raise AssertionError(f"{app}: {expected} engine replicas were not running within {timeout} s")
+    raise AssertionError(f"{app}: {expected} {deployment} replicas were not running within {timeout} s")
 
 
 def wait_serving(served: Served, app: str, timeout: float = 60) -> float:
