@@ -63,12 +63,15 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class Resume:
-    """The rest of a stream whose replica was lost: the tokens the client already has and the
-    characters of their text it was sent (the new replica prefills them with the prompt and
-    streams what follows)."""
+    """The rest of a stream whose replica was lost or handed it over: the tokens the client
+    already has and the characters of their text it was sent (the new replica prefills them with
+    the prompt and streams what follows); why (engine: the replica was lost; drain: it was being
+    removed) and which resumption of the request this is (1 for the first), for its trace."""
 
     token_ids: list[int]
     num_chars: int
+    reason: str = "engine"
+    ordinal: int = 1
 
 
 @dataclass(frozen=True)

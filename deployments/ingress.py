@@ -227,7 +227,7 @@ class SpecDecodeIngress:
             if self.metrics is not None:
                 self.metrics.resumed(reason)
             if sent.num_messages or resume is not None:
-                resume = Resume(list(sent.token_ids), sent.num_chars)
+                resume = Resume(list(sent.token_ids), sent.num_chars, reason, resumptions + handovers)
             await asyncio.sleep(backoff_s)
 
     async def _attempt(

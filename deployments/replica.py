@@ -390,8 +390,13 @@ class SpecDecodeServer:
                     attributes[t.ATTR_ROLE] = role
                 if trace.placement is not None:
                     attributes.update(t.placement_attributes(trace.placement))
+                events = []
+                if resume is not None:  # it goes on from another replica: say why, and from where
+                    attributes.update(t.resumed_attributes(resume))
+                    events.append((t.RESUMED_EVENT, t.resumed_attributes(resume)))
                 parent = self.tracing.parent_context(trace)
-                stream = self.tracing.trace(stream, request_id, parent=parent, server=True, attributes=attributes)
+                stream = self.tracing.trace(stream, request_id, parent=parent, server=True, attributes=attributes,
+                                            events=events)
             async for out in stream:
                 self.latency.on_tokens(request_id, len(out.delta_token_ids))
                 if out.handoff is not None:  # owned by this replica; freed when the decode side drops it

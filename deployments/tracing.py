@@ -68,6 +68,7 @@ PREFILL_SPAN = "specdecode.prefill"
 DECODE_SPAN = "specdecode.decode"
 STEP_SPAN = "engine.step"
 FIRST_TOKEN_EVENT = "first_token"
+RESUMED_EVENT = "resumed"  # a request span's first event when it continues a stream begun elsewhere
 # Prefill/decode disaggregation: a decode replica's request whose prompt the prefill pool
 # prefilled. Its children: the prefill replica's request span (role prefill), the handoff (put by
 # the prefill replica -> read by the decode replica) and the decode replica's request span (role
@@ -93,6 +94,9 @@ ATTR_SPEC_PREFIX = "specdecode.spec."  # + num_draft_tokens, acceptance_rate, ..
 ATTR_TIME_PREFIX = "specdecode.time."
 ATTR_NUM_STEPS = "specdecode.num_steps"  # engine steps that served the request
 ATTR_ROLE = "specdecode.role"  # request spans in disaggregated mode: prefill | decode
+ATTR_RESUMED_REASON = "specdecode.resumed.reason"  # engine (its replica was lost) | drain (handed over)
+ATTR_RESUMED_TOKENS = "specdecode.resumed.num_tokens"  # tokens the client had before this replica took over
+ATTR_RESUMED_ORDINAL = "specdecode.resumed.ordinal"  # 1 for a request's first resumption, 2 for its second ...
 ATTR_HANDOFF_BYTES = "specdecode.handoff.bytes"
 ATTR_HANDOFF_TRANSPORT = "specdecode.handoff.transport"  # object_store | nixl
 ATTR_PREFILLED = "specdecode.prefilled"  # on a disaggregated span: remote | fallback
@@ -418,12 +422,16 @@ class RequestTracer:
         parent: Context | None = None,
         server: bool = False,
         attributes: Mapping[str, Any] | None = None,
+        events: Sequence[tuple[str, Mapping[str, Any]]] = (),
     ) -> AsyncIterator[Any]:
-        """Yield `stream`'s RequestOutputs inside the request's span. Registers the request before
-        the stream starts (so the engine's first step sees it) and closes the stream on exit."""
+        """Yield `stream`'s RequestOutputs inside the request's span, which starts with `events`
+        (name, attributes). Registers the request before the stream starts (so the engine's first
+        step sees it) and closes the stream on exit."""
         kind = SpanKind.SERVER if server else SpanKind.INTERNAL
         attrs = {ATTR_REQUEST_ID: request_id, **(attributes or {})}
         span = self.tracer.start_span(REQUEST_SPAN, context=parent, kind=kind, attributes=attrs)
+        for name, event_attributes in events:
+            span.add_event(name, dict(event_attributes))
         if not span.is_recording():  # not sampled: pass through
             async with aclosing(stream) as outputs:
                 async for out in outputs:
@@ -573,6 +581,12 @@ def grpc_span_attributes(method: str, replica_id: str, params: Any, speculating:
     if client_request_id:
         attrs[ATTR_CLIENT_REQUEST_ID] = client_request_id
     return attrs
+
+
+def resumed_attributes(resume: Any) -> dict[str, Any]:
+    """A resumed request's span attributes (a `deployments.common.Resume`); also its event's."""
+    return {ATTR_RESUMED_REASON: resume.reason, ATTR_RESUMED_TOKENS: len(resume.token_ids),
+            ATTR_RESUMED_ORDINAL: resume.ordinal}
 
 
 def placement_attributes(placement: Any) -> dict[str, Any]:

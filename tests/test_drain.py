@@ -15,6 +15,7 @@ streams still running there are cut (the ingress can only resume them as lost).
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from helpers import assert_no_leaked_blocks, save_tiny_model
 from test_faults_serve import slow_server_class as faults_slow_server_class
 from test_serve_grpc import app_args, collect, save_char_tokenizer
 
+from deployments import tracing as tr
 from deployments.common import Accepted, Handover, Resume
 from deployments.drain import HANDOVER_MARGIN_S, drain_window_s
 from protos.specdecode.v1 import specdecode_pb2 as pb
@@ -218,16 +220,19 @@ def test_handovers_are_bounded(model, monkeypatch) -> None:
 
 
 # --- an engine replica's drain, without Ray ---------------------------------------------------
-def test_a_draining_replica_hands_long_streams_over_and_lets_short_ones_finish(model, reference_llm) -> None:
+def test_a_draining_replica_hands_long_streams_over_and_lets_short_ones_finish(model, reference_llm, tmp_path) -> None:
     """Serve begins removing the replica (its flag stubbed) while a long and a short stream run:
     the short one finishes within the window, the long one ends with `Handover` after a prefix of
     its greedy tokens, and a request that comes after the drain began is handed over before it
-    runs. Another replica resumes the long one from what was sent: the undisturbed output."""
+    runs. Another replica resumes the long one from what was sent: the undisturbed output, and
+    its trace says it was resumed, why and after how many tokens."""
     from deployments.config import AppConfig
     from deployments.replica import SpecDecodeServer
 
     config = AppConfig.from_dict({**app_args(model, None), "drain_timeout_s": 2.5})
-    server, other = SpecDecodeServer(config), SpecDecodeServer(config)
+    spans = tmp_path / "spans.jsonl"
+    traced = AppConfig.from_dict({**app_args(model, None), "tracing": {"exporter": "file", "file": str(spans)}})
+    server, other = SpecDecodeServer(config), SpecDecodeServer(traced)
     removing = threading.Event()
     server.drain.is_shutting_down = removing.is_set
     server.drain.grace_s = lambda: 30.0
@@ -276,13 +281,18 @@ def test_a_draining_replica_hands_long_streams_over_and_lets_short_ones_finish(m
         assert server.drain.num_handed_over == 2 and not server.drain.streams
 
         async def resumed() -> list:
-            resume = Resume(sent_ids, sum(len(m.text) for m in sent))
+            resume = Resume(sent_ids, sum(len(m.text) for m in sent), "drain", 1)
             return [item async for item in other.generate(request(long_tokens), "long", resume=resume)]
 
         rest = asyncio.run(resumed())
         assert sent_ids + [t for m in rest[1:] for t in m.token_ids] == whole
         text = "".join(m.text for m in sent) + "".join(m.text for m in rest[1:])
         assert text == reference_llm.tokenizer.decode(whole, skip_special_tokens=True)
+        assert other.tracing.force_flush(10)
+        (span,) = [line for line in map(json.loads, spans.read_text().splitlines()) if line["name"] == tr.REQUEST_SPAN]
+        resumed = {tr.ATTR_RESUMED_REASON: "drain", tr.ATTR_RESUMED_TOKENS: len(sent_ids), tr.ATTR_RESUMED_ORDINAL: 1}
+        assert span["events"][0]["name"] == tr.RESUMED_EVENT and span["events"][0]["attributes"] == resumed
+        assert resumed.items() <= span["attributes"].items()
         for s in (server, other):
             asyncio.run(s.llm.wait_idle())
             assert_no_leaked_blocks(s.llm.engine)
