@@ -22,7 +22,10 @@ Workloads (closed loop, --concurrency clients at once, greedy, --max-tokens):
 Per request: TTFT (sent -> first token), prompt tokens and those served from the prefix cache
 (usage.cached_prompt_tokens). Reported per application and workload, pooled over the rounds:
 TTFT p50/p95, prefix hit rate (cached / prompt tokens), history hit rate (turns >= 2: cached
-tokens beyond the system prompt's / prompt tokens beyond it), requests/s, errors.
+tokens beyond the system prompt's / prompt tokens beyond it), requests/s, errors; and the
+attainable hit rate: its ceiling, what one replica with room for everything could serve from its
+prefix cache (per request: the leading full blocks of its prompt that any earlier request of the
+application computed, prompt or answer).
 Writes bench/results/<host>/routing.json (or --out) and prints a table.
 """
 
@@ -40,6 +43,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APPS = ("prefix", "load")
+BLOCK_SIZE = 16  # the engine's default KV block
 SYSTEM = ("You are a patient assistant for people who are learning to program in Python. Answer in "
           "plain words, in a few sentences, and give a short example when it helps. If a question is "
           "unclear, say what you assumed. Never invent functions that the standard library does not have.")
@@ -55,6 +59,7 @@ class Turn:
     ttft_s: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    attainable_tokens: int = 0  # cached with ideal routing and no eviction
     error: str | None = None
 
 
@@ -96,8 +101,10 @@ def stop() -> None:
     ray.shutdown()
 
 
-def ask(port: int, app: str, messages: list[dict], max_tokens: int, record: Turn) -> str:
-    """One turn: the answer's text; TTFT and usage into `record`."""
+def ask(port: int, app: str, messages: list[dict], max_tokens: int, record: Turn,
+        answer_ids: list[int] | None = None) -> str:
+    """One turn: the answer's text (its token ids appended to `answer_ids`); TTFT and usage into
+    `record`."""
     from deployments.client import SpecDecodeClient
 
     text = []
@@ -108,6 +115,8 @@ def ask(port: int, app: str, messages: list[dict], max_tokens: int, record: Turn
                 if record.ttft_s is None and m.token_ids:
                     record.ttft_s = time.perf_counter() - sent
                 text.append(m.text)
+                if answer_ids is not None:
+                    answer_ids.extend(m.token_ids)
                 if m.finish_reason:
                     record.prompt_tokens = m.usage.prompt_tokens
                     record.cached_tokens = m.usage.cached_prompt_tokens
@@ -116,9 +125,36 @@ def ask(port: int, app: str, messages: list[dict], max_tokens: int, record: Turn
     return "".join(text)
 
 
+def attainable(prompt: list[int], seen: set[int]) -> int:
+    """Prompt tokens a prefix cache holding every block hashed in `seen` would serve."""
+    from engine.block_manager import prefix_block_hashes
+
+    n = 0
+    for h in prefix_block_hashes(prompt, BLOCK_SIZE):
+        if h not in seen:
+            break
+        n += 1
+    return n * BLOCK_SIZE
+
+
 def run_chat(port: int, app: str, first_turns: list[str], turns: int, concurrency: int, max_tokens: int,
-             tag: str, think_s: float = 0.0, seed: int = 0) -> tuple[list[Turn], float]:
-    """Every conversation of `first_turns`, --concurrency at a time; (turns, wall seconds)."""
+             tag: str, think_s: float = 0.0, seed: int = 0, tokenizer=None,
+             seen: set[int] | None = None) -> tuple[list[Turn], float]:
+    """Every conversation of `first_turns`, --concurrency at a time; (turns, wall seconds). With
+    `tokenizer` and `seen` (block hashes of what the application computed before), each turn's
+    attainable cached tokens too, its prompt rendered as the ingress renders it."""
+    from deployments.tools import render_chat
+    from engine.block_manager import prefix_block_hashes
+
+    def render(messages: list[dict]) -> list[int]:
+        with lock:  # one tokenizer shared by the client threads
+            return render_chat(tokenizer, messages, [])
+
+    def computed(tokens: list[int]) -> None:
+        with lock:
+            seen.update(prefix_block_hashes(tokens, BLOCK_SIZE))
+
+    measure = tokenizer is not None and seen is not None
     rng = random.Random(seed)
     thinks = [rng.uniform(0, 2 * think_s) for _ in range(len(first_turns) * turns)]
     records: list[Turn] = []
@@ -135,7 +171,15 @@ def run_chat(port: int, app: str, first_turns: list[str], turns: int, concurrenc
                         {"role": "user", "content": f"(conversation {tag}-{i})\n{first}"}]
             for k in range(turns):
                 record = Turn(i, k)
-                answer = ask(port, app, messages, max_tokens, record)
+                prompt = render(messages) if measure else []
+                if measure:
+                    with lock:
+                        record.attainable_tokens = attainable(prompt, seen)
+                    computed(prompt)
+                answer_ids: list[int] = []
+                answer = ask(port, app, messages, max_tokens, record, answer_ids)
+                if measure:
+                    computed(prompt + answer_ids)
                 with lock:
                     records.append(record)
                 if record.error:
@@ -154,14 +198,11 @@ def run_chat(port: int, app: str, first_turns: list[str], turns: int, concurrenc
     return records, time.perf_counter() - t0
 
 
-def system_tokens() -> int:
+def system_tokens(tokenizer) -> int:
     """The system prompt's share of every prompt: the tokens two conversations with different
     first questions have in common, as the chat template renders them."""
     from deployments.tools import render_chat
-    from engine.llm import load_tokenizer
-    from models.fetch import fetch
 
-    tokenizer = load_tokenizer(str(fetch("smollm2")))
     a, b = (render_chat(tokenizer, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], [])
             for q in ("Why?", "How?"))
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
@@ -187,6 +228,7 @@ def summarize(records: list[Turn], wall_s: float, system: int) -> dict:
         "prompt_tokens": prompt, "cached_tokens": sum(r.cached_tokens for r in ok),
         "prefix_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
         "history_hit_rate": (sum(max(0, r.cached_tokens - system) for r in later) / history) if history else None,
+        "attainable_hit_rate": sum(r.attainable_tokens for r in ok) / prompt if prompt else None,
         "requests_per_s": len(ok) / wall_s if wall_s else None, "wall_s": wall_s,
     }
     errors = [r.error for r in records if r.error]
@@ -210,22 +252,28 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common import table, write_results
 
     prompts = json.loads((REPO_ROOT / "models" / "chat_heldout_prompts.json").read_text())["prompts"]
-    system = system_tokens()
+    from engine.llm import load_tokenizer
+    from models.fetch import fetch
+
+    tokenizer = load_tokenizer(str(fetch("smollm2")))
+    system = system_tokens(tokenizer)
     port = free_port()
     start(port)
     pooled: dict[tuple[str, str], tuple[list[Turn], float]] = {}
     per_round: list[dict] = []
     try:
+        seen: dict[str, set[int]] = {app: set() for app in APPS}  # block hashes each application computed
         for app in APPS:  # warm both (each replica loads its tokenizer cache, the system prompt cached)
-            run_chat(port, app, ["Say hello."] * 4, 1, 4, 8, f"warm-{app}")
+            run_chat(port, app, ["Say hello."] * 4, 1, 4, 8, f"warm-{app}", tokenizer=tokenizer, seen=seen[app])
         for rnd in range(args.rounds):
             order = APPS if rnd % 2 == 0 else APPS[::-1]
             for app in order:
                 first = [prompts[(rnd * args.conversations + i) % len(prompts)] for i in range(args.conversations)]
                 chat, chat_s = run_chat(port, app, first, args.turns, args.concurrency, args.max_tokens, f"{rnd}-{app}",
-                                          args.think_s, seed=rnd)
+                                          args.think_s, seed=rnd, tokenizer=tokenizer, seen=seen[app])
                 singles = [prompts[(7 * rnd + i) % len(prompts)] for i in range(args.uniform)]
-                uniform, uniform_s = run_chat(port, app, singles, 1, args.concurrency, args.max_tokens, f"u{rnd}-{app}")
+                uniform, uniform_s = run_chat(port, app, singles, 1, args.concurrency, args.max_tokens, f"u{rnd}-{app}",
+                                              tokenizer=tokenizer, seen=seen[app])
                 for workload, records, wall in (("chat", chat, chat_s), ("uniform", uniform, uniform_s)):
                     got = pooled.setdefault((app, workload), ([], 0.0))
                     pooled[(app, workload)] = (got[0] + records, got[1] + wall)
@@ -253,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
               "results": results, "ratios": ratios, "per_round": per_round}
     out = write_results("routing", report, args.out)
     rows = [{"routing": app, "workload": w, **{k: results[f"{app}@{w}"][k] for k in (
-        "ttft_p50_ms", "ttft_p95_ms", "prefix_hit_rate", "history_hit_rate", "requests_per_s", "errors")}}
+        "ttft_p50_ms", "ttft_p95_ms", "prefix_hit_rate", "attainable_hit_rate", "history_hit_rate", "requests_per_s",
+        "errors")}}
             for w in ("chat", "uniform") for app in APPS]
-    print(table(rows, ["routing", "workload", "ttft_p50_ms", "ttft_p95_ms", "prefix_hit_rate", "history_hit_rate",
+    print(table(rows, ["routing", "workload", "ttft_p50_ms", "ttft_p95_ms", "prefix_hit_rate", "attainable_hit_rate",
+                       "history_hit_rate",
                        "requests_per_s", "errors"]))
     print(json.dumps(ratios, indent=1))
     print(f"wrote {out}")
