@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import aclosing
 from typing import Annotated, Any, Literal
 
@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.common import MAX_REQUEST_ID_CHARS
 from deployments.errors import ClientError
 from deployments.health import DECODE
-from deployments.tools import CALL_RE, openai_message_calls
+from deployments.tools import CallStream, openai_message_calls
 from protos.specdecode.v1 import specdecode_pb2 as pb
 
 logger = logging.getLogger("ray.serve")
@@ -391,12 +391,14 @@ class ResponseBuilder:
     completion's last message carries its usage and finishes its choice."""
 
     def __init__(self, chat: bool, model: str, label: str, return_token_ids: bool, logprobs: bool = False,
-                 n: int = 1, calling: bool = False) -> None:
+                 n: int = 1, tool_names: Collection[str] = ()) -> None:
         self.chat, self.model, self.return_token_ids, self.logprobs = chat, model, return_token_ids, logprobs
         self.n = n
-        # tools offered: a choice's text is held until its end, then sent as text or as tool calls
-        self.calling = calling and chat
-        self.held: dict[int, str] = {}
+        # tools that may be called: each choice's text goes through a CallStream, which holds call
+        # blocks until they close and sends them as tool_calls
+        self.tool_names = frozenset(tool_names) if chat else frozenset()
+        self.calls: dict[int, CallStream] = {}
+        self.num_calls: dict[int, int] = {}  # tool_calls streamed per choice (their `index`)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{label}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -437,18 +439,16 @@ class ResponseBuilder:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def chunk(self, message: pb.GenerateResponse) -> dict | None:
-        """The chunk of one message (None: held, a choice that may turn out to be tool calls)."""
+        """The chunk of one message (None: nothing to send yet, its text held as a possible call)."""
         last = self.is_last(message)
         index = message.index
         choice: dict[str, Any] = {"index": index}
-        if self.calling:
-            self.held[index] = self.held.get(index, "") + message.text
-            if not last:
-                return None
         if self.chat:
             delta: dict[str, Any] = {"content": message.text}
-            if self.calling:
-                delta = _call_fields(self.held.pop(index), message.tool_calls, streamed=True)
+            if self.tool_names:
+                delta = self._call_delta(index, message.text, last)
+                if not delta and not last and not (self.logprobs or self.return_token_ids):
+                    return None
             if index not in self.sent_role:
                 delta = {"role": "assistant", **delta}
                 self.sent_role.add(index)
@@ -464,6 +464,34 @@ class ResponseBuilder:
             self.lasts[index] = message
             out["specdecode"] = _stats([message])
         return out
+
+    def _call_delta(self, index: int, text: str, last: bool) -> dict:
+        """A delta of what `text` lets a choice send: content outside call blocks, and the calls
+        whose blocks closed (numbered across the choice's stream)."""
+        stream = self.calls.setdefault(index, CallStream(self.tool_names))
+        content, calls = stream.feed(text)
+        if last:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            first = self.num_calls.get(index, 0)
+            self.num_calls[index] = first + len(calls)
+            delta["tool_calls"] = [{"index": first + i, "id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}}
+                                   for i, c in enumerate(calls)]
+        return delta
+
+    def _call_fields(self, text: str, calls: Any) -> dict:
+        """A whole choice's content and tool_calls (the replica's, in OpenAI's shape): the text
+        outside the call blocks as `CallStream` splits it, or None when there is none."""
+        if not calls:
+            return {"content": text}
+        stream = CallStream(self.tool_names)
+        content = stream.feed(text)[0] + stream.finish()[0]
+        entries = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                   for c in calls]
+        return {"content": content or None, "tool_calls": entries}
 
     def usage_chunk(self) -> dict:
         lasts = [self.lasts[i] for i in sorted(self.lasts)]
@@ -482,8 +510,8 @@ class ResponseBuilder:
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
-                if self.calling:
-                    choice["message"] = {"role": "assistant", **_call_fields(text, last.tool_calls, streamed=False)}
+                if self.tool_names:
+                    choice["message"] = {"role": "assistant", **self._call_fields(text, last.tool_calls)}
             else:
                 choice["text"] = text
             if self.return_token_ids:
@@ -492,17 +520,6 @@ class ResponseBuilder:
             choice["finish_reason"] = FINISH_REASONS.get(last.finish_reason, "stop")
             choices.append(choice)
         return {**self._head(False), "choices": choices, "usage": _usage(lasts), "specdecode": _stats(lasts)}
-
-
-def _call_fields(text: str, calls, streamed: bool) -> dict:
-    """A choice's content and tool_calls (OpenAI's shapes: a stream's delta entries carry their
-    position as `index`): the text outside the call blocks, or None when empty."""
-    if not calls:
-        return {"content": text}
-    content = CALL_RE.sub("", text).strip() or None
-    entries = [{**({"index": i} if streamed else {}), "id": c.id, "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
-    return {"content": content, "tool_calls": entries}
 
 
 def _sse(data: dict | str) -> str:
@@ -599,7 +616,8 @@ async def _respond(ingress: Any, request: Request, body: _GenerationRequest, gen
     trace = [(k, request.headers[k]) for k in TRACE_HEADERS if k in request.headers]
     builder = ResponseBuilder(messages is not None, body.model, label, body.specdecode.return_token_ids,
                               generate.HasField("logprobs"), generate.n if generate.HasField("n") else 1,
-                              bool(generate.tools) and generate.tool_choice.WhichOneof("choice") != "none")
+                              [] if generate.tool_choice.WhichOneof("choice") == "none" else
+                              [t.name for t in generate.tools])
     stream = ingress.generate(generate, label, trace, messages, route)
     if not body.stream:
         async with aclosing(stream):

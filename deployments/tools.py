@@ -20,13 +20,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 64
-CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
 # JSON inside calls without whitespace between tokens (as JSON_LAYOUT in engine/structured_output.py)
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
@@ -144,24 +144,86 @@ def call_grammar(tools: list[Tool], choice: str) -> str | None:
 
 def parse_calls(text: str, tools: list[Tool]) -> tuple[str, list[ToolCall]]:
     """(the text outside the call blocks, the calls of known tools whose body parses); a block
-    that does not parse, or names no tool, stays in the text."""
-    names = {t.name for t in tools}
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    last = 0
-    for match in CALL_RE.finditer(text):
+    that does not parse, or names no tool, stays in the text. See `CallStream` for the text."""
+    stream = CallStream({t.name for t in tools})
+    head, calls = stream.feed(text)
+    tail, more = stream.finish()
+    return head + tail, calls + more
+
+
+class CallStream:
+    """Splits a choice's text, as it arrives, into what may be sent as content now and the calls
+    whose blocks have closed. A call block is held from its first character (a trailing piece that
+    could begin `<tool_call>` is held too) until it closes; a block that is not a call of a known
+    tool goes out as text. Whitespace on either side of a call is dropped, so the content streamed
+    equals the content of the whole text (`parse_calls`) chunk for chunk."""
+
+    def __init__(self, names: Collection[str]) -> None:
+        self.names = frozenset(names)
+        self.pending = ""  # text received and not yet sent
+        self.after_call = False  # the pending text follows a call: its leading whitespace goes
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.pending += text
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The rest, at the end of the text (an unclosed block is text)."""
+        return self._advance(final=True)
+
+    def _call(self, block: str) -> ToolCall | None:
         try:
-            body = json.loads(match.group(1))
+            body = json.loads(block[len(CALL_OPEN):-len(CALL_CLOSE)])
         except ValueError:
-            continue
-        if not isinstance(body, dict) or body.get("name") not in names or not isinstance(body.get("arguments", {}), dict):
-            continue
-        kept.append(text[last:match.start()])
-        last = match.end()
-        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", body["name"],
-                              json.dumps(body.get("arguments", {}), separators=(", ", ": "))))
-    kept.append(text[last:])
-    return "".join(kept).strip() if calls else text, calls
+            return None
+        if not isinstance(body, dict) or body.get("name") not in self.names:
+            return None
+        arguments = body.get("arguments", {})
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", body["name"], json.dumps(arguments, separators=(", ", ": ")))
+
+    def _advance(self, final: bool) -> tuple[str, list[ToolCall]]:
+        sent: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            if self.after_call:
+                self.pending = self.pending.lstrip()
+                if not self.pending:
+                    break
+                self.after_call = False
+            start = self.pending.find(CALL_OPEN)
+            close = self.pending.find(CALL_CLOSE, start + len(CALL_OPEN)) if start >= 0 else -1
+            if close >= 0:
+                end = close + len(CALL_CLOSE)
+                call = self._call(self.pending[start:end])
+                if call is None:
+                    sent.append(self.pending[:end])
+                else:
+                    sent.append(self.pending[:start].rstrip())
+                    calls.append(call)
+                    self.after_call = True
+                self.pending = self.pending[end:]
+                continue
+            if final:
+                sent.append(self.pending)
+                self.pending = ""
+                break
+            # hold an open block, or a tail that may begin one, and the whitespace before it
+            cut = start if start >= 0 else len(self.pending) - _partial_open(self.pending)
+            safe = self.pending[:cut].rstrip()
+            sent.append(safe)
+            self.pending = self.pending[len(safe):]
+            break
+        return "".join(sent), calls
+
+
+def _partial_open(text: str) -> int:
+    """The length of the longest tail of `text` that is a proper beginning of `<tool_call>`."""
+    for n in range(min(len(text), len(CALL_OPEN) - 1), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def openai_message_calls(message: Any) -> list[dict]:

@@ -450,9 +450,9 @@ class LLMEngine:
             self.speculator.observe_step_time(sched, execute_s)
             td = time.perf_counter()
             try:
-                drafts = self.speculator.propose_for_step(
-                    self.scheduler.running, sched, runner_out, self.step_index, ProposeContext(self.runner.generators)
-                )
+                context = ProposeContext(self.runner.generators, penalties=self.runner.penalties)
+                drafts = self.speculator.propose_for_step(self.scheduler.running, sched, runner_out, self.step_index,
+                                                          context)
             except Exception:
                 logger.exception("drafting failed at step %d; the next step verifies no new drafts", self.step_index)
                 drafts = {}

@@ -16,6 +16,13 @@ position. Greedy takes the penalized argmax, rejection sampling runs on the pena
 the output is the penalized target's with any drafter. (Drafts are proposed from the drafter's own
 distribution; rejection sampling is exact for any proposal it was drawn from.)
 
+The drafter's logits get the same processors (`apply_to_drafts`, from `sample_drafts`): a chain's
+j-th draft is chosen after the committed output and drafts 1..j-1, exactly the history the target's
+row j is penalized with, so a drafter that matches the target keeps matching it under penalties
+(a greedy draft is the penalized argmax the target will take). The draft's distribution q is the
+penalized one it was drawn from, so rejection sampling stays exact. Token trees and the drafter
+pool draft from the unpenalized drafter: still exact, only less often accepted.
+
 Each request's output counts are kept per request and extended by the tokens committed since its
 last step, so a step costs its new tokens and its drafts, not the whole output.
 """
@@ -99,6 +106,65 @@ class Penalties:
         view -= per_row([p.frequency_penalty for p in params]) * out
         view -= per_row([p.presence_penalty for p in params]) * (out > 0)
         logits[rows] = view
+
+    def apply_to_drafts(self, logits: torch.Tensor, requests: list[Request], drafted: list[list[int]] | None,
+                        token_ids: torch.Tensor | None = None) -> None:
+        """Penalize and bias, in place, a drafter's logits [n, V'] (row i: requests[i]'s next
+        draft, after its committed output and the drafts `drafted[i]` it made before it in this
+        chain), over the target's vocabulary or, with `token_ids` [V'], a draft vocabulary (column
+        c is target token token_ids[c]); tokens outside it are not drafted and need nothing."""
+        chosen = [i for i, r in enumerate(requests) if r.sampling_params.has_logit_processors]
+        if not chosen:
+            return
+        device = logits.device
+        counted = [self._counts(requests[i]) for i in chosen]
+        out = torch.stack([c.output for c in counted])  # [C, vocab]
+        prompt = torch.stack([c.prompt for c in counted])
+        before = [list(drafted[i]) if drafted is not None else [] for i in chosen]
+        pairs = [(row, t) for row, tokens in enumerate(before) for t in tokens]
+        if pairs:
+            rows_t, tokens_t = (torch.tensor(x, device=device) for x in zip(*pairs, strict=True))
+            out.index_put_((rows_t, tokens_t), torch.ones(len(pairs), device=device), accumulate=True)
+        column = None  # target token -> its column in the draft vocabulary, -1 where none
+        if token_ids is not None:
+            out, prompt = out[:, token_ids], prompt[:, token_ids]
+            column = torch.full((self.vocab_size,), -1, dtype=torch.long, device=device)
+            column[token_ids] = torch.arange(token_ids.numel(), device=device)
+        rows = torch.tensor(chosen, device=device)
+        view = logits[rows].float()
+        params = [requests[i].sampling_params for i in chosen]
+        fixes: list[tuple[int, int, float, bool]] = []  # (row, target token, value, replace: -inf)
+        for row, (i, p) in enumerate(zip(chosen, params, strict=True)):
+            r = requests[i]
+            if r.num_output_tokens + len(before[row]) < p.min_tokens:
+                fixes += [(row, t, float("-inf"), True)
+                          for t in (*(() if p.ignore_eos else r.eos_token_ids), *p.stop_token_ids)]
+            fixes += [(row, t, v, False) for t, v in (p.logit_bias or {}).items()]
+        for set_inf in (True, False):
+            picked = [(row, t, v) for row, t, v, inf in fixes if inf == set_inf]
+            if not picked:
+                continue
+            r_t = torch.tensor([x[0] for x in picked], device=device)
+            c_t = torch.tensor([x[1] for x in picked], device=device)
+            v_t = torch.tensor([x[2] for x in picked], device=device)
+            if column is not None:
+                c_t = column[c_t]
+                keep = c_t >= 0
+                r_t, c_t, v_t = r_t[keep], c_t[keep], v_t[keep]
+            if set_inf:
+                view[r_t, c_t] = v_t
+            else:
+                view.index_put_((r_t, c_t), v_t, accumulate=True)
+
+        def per_row(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, device=device).unsqueeze(1)
+
+        repetition = per_row([p.repetition_penalty for p in params])
+        seen = (out > 0) | prompt
+        view = torch.where(seen, torch.where(view > 0, view / repetition, view * repetition), view)
+        view -= per_row([p.frequency_penalty for p in params]) * out
+        view -= per_row([p.presence_penalty for p in params]) * (out > 0)
+        logits[rows] = view.to(logits.dtype)
 
     @staticmethod
     def _min_tokens(view: torch.Tensor, chosen, num_rows: list[int]) -> None:

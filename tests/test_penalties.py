@@ -103,6 +103,50 @@ def test_min_tokens_holds_off_the_end_of_sequence(models):
     assert stop not in cut.token_ids[:3]
 
 
+def test_a_drafter_drafts_under_the_same_penalties_as_the_target(models, monkeypatch):
+    """A draft model that is the target itself drafts the penalized target's greedy tokens, so
+    every draft is accepted; without the penalties on its side (its logits left as they are),
+    the same drafter is often refused. Outputs are equal either way."""
+    import engine.penalties as pen
+
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, min_tokens=3, **PENALIZED)
+    prompts = [PROMPT, [4, 5, 6, 7] * 6, [11, 12, 13, 11, 12, 13, 11, 12]]
+    same = {**models, "drafter": models["target"]}
+    plain, _ = run(models, None, params, prompts)
+    rates = {}
+    for drafts_penalized in (True, False):
+        if not drafts_penalized:
+            monkeypatch.setattr(pen.Penalties, "apply_to_drafts", lambda *a, **k: None)
+        outs, llm = run(same, "draft", params, prompts)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        stats = llm.engine.spec_stats
+        assert stats.num_draft_tokens > 50
+        rates[drafts_penalized] = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert rates[True] == 1.0 and rates[False] < 0.8, rates
+
+
+@pytest.mark.parametrize("vocab", ["whole", "draft"])
+def test_draft_rows_are_penalized_by_the_definitions(vocab):
+    """`apply_to_drafts` on a draft row equals the definitions applied with the committed output
+    plus the chain's earlier drafts, over the whole vocabulary or a draft vocabulary's columns."""
+    from engine.penalties import Penalties
+    from engine.request import Request
+
+    torch.manual_seed(0)
+    params = SamplingParams(max_tokens=20, min_tokens=6, stop_token_ids=[7], **PENALIZED)
+    r = Request("r", [1, 2, 3, 17], params, eos_token_ids=[0])
+    r.output_token_ids.extend([33, 17, 33])
+    drafted = [5, 33]
+    logits = torch.randn(1, 40)
+    token_ids = None if vocab == "whole" else torch.tensor([0, 3, 5, 7, 17, 33, 39])
+    rows = logits if token_ids is None else logits[:, token_ids]
+    got = rows.clone()
+    Penalties(40, torch.device("cpu")).apply_to_drafts(got, [r], [drafted], token_ids)
+    want = reference_logits(logits[0], r.prompt_token_ids, [*r.output_token_ids, *drafted], params, (0,))
+    want = want if token_ids is None else want[token_ids]
+    torch.testing.assert_close(got[0], want, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(presence_penalty=2.5), "presence_penalty must be a number in"),
     (dict(frequency_penalty=True), "frequency_penalty must be a number in"),

@@ -259,8 +259,7 @@ def test_several_completions_and_best_of(served: Served) -> None:
 
 
 def test_tool_choice_errors_with_the_openai_client(served: Served) -> None:
-    """A bad tool_choice is a 400 naming it. (This deployment's 64-token prompts cannot hold a
-    tool listing; calls end to end: tests/test_tools.py through the engine.)"""
+    """A bad tool_choice is a 400 naming it."""
     client = served.openai()
     tools = [{"type": "function", "function": {"name": "count", "parameters": {"type": "object", "properties": {}}}}]
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
@@ -269,6 +268,99 @@ def test_tool_choice_errors_with_the_openai_client(served: Served) -> None:
     with pytest.raises(openai.BadRequestError, match="tool_choice: needs tools"):
         client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "abc"}],
                                        tool_choice="required")
+
+
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Time in a zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+                   "required": ["zone"], "additionalProperties": False}}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def streamed_calls(stream) -> tuple[str, list[tuple[str, str, str]], str]:
+    """(content, calls as (id, name, arguments), finish_reason) accumulated from chat chunks the
+    way OpenAI's docs accumulate them: by each tool call delta's `index`."""
+    content, calls, finish = [], {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content.append(choice.delta.content or "")
+            for d in choice.delta.tool_calls or []:
+                got = calls.setdefault(d.index, ["", "", ""])
+                got[0] += d.id or ""
+                got[1] += (d.function.name or "") if d.function else ""
+                got[2] += (d.function.arguments or "") if d.function else ""
+            finish = choice.finish_reason or finish
+    return "".join(content), [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_tool_calls_end_to_end_with_the_openai_client(served: Served, serve_instance) -> None:
+    """Through Ray Serve with the openai client, on an app whose prompts hold a tool listing: a
+    named and a required call come back as `tool_calls` that validate against the tool's schema,
+    whole and streamed alike, the same with speculation as without; the call and the tool's
+    result go back in the next turn (rendered, answered); `auto` and `none` answer in text."""
+    import jsonschema
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app = "specdecode-tools"
+    args = {"model": served.model, "device": "cpu", "dtype": "float32", "num_cpus": 1, "max_num_seqs": 2,
+            "max_prompt_tokens": 2048, "max_tokens": 96, "default_max_tokens": 16,
+            "speculative": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}}
+    tools = [TIME_TOOL, WEATHER_TOOL]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    messages = [{"role": "user", "content": "what time is it in zone 3?"}]
+    with serve_instance.apps(app):
+        serve.run(build_app(args), name=app, route_prefix=f"/{app}")
+        client = openai.OpenAI(base_url=f"{served.http_base.rsplit('/', 1)[0]}/{app}/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+        for _ in range(600):  # the app answers once its replica is up
+            try:
+                client.models.list()
+                break
+            except openai.APIError:
+                time.sleep(0.1)
+        for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+            results = {}
+            for speculation in ("on", "off"):
+                extra = {"specdecode": {"speculation": speculation}}
+                whole = client.chat.completions.create(model=served.model, messages=messages, tools=tools,
+                                                       tool_choice=choice, max_tokens=96, temperature=0.0,
+                                                       extra_body=extra)
+                (c,) = whole.choices
+                assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+                for call in c.message.tool_calls:
+                    assert call.type == "function" and call.id.startswith("call_")
+                    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+                if choice != "required":
+                    assert [call.function.name for call in c.message.tool_calls] == ["get_time"]
+                stream = client.chat.completions.create(model=served.model, messages=messages, tools=tools,
+                                                        tool_choice=choice, max_tokens=96, temperature=0.0,
+                                                        extra_body=extra, stream=True)
+                content, calls, finish = streamed_calls(stream)
+                assert finish == "tool_calls" and (content or None) == c.message.content
+                assert [(n, a) for _, n, a in calls] == [(t.function.name, t.function.arguments)
+                                                        for t in c.message.tool_calls]
+                assert all(i.startswith("call_") for i, _, _ in calls)
+                results[speculation] = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+            assert results["on"] == results["off"]
+        call = c.message.tool_calls[0]
+        follow = [*messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+        answer = client.chat.completions.create(model=served.model, messages=follow, tools=tools, max_tokens=8,
+                                                temperature=0.0, tool_choice="none")
+        assert answer.choices[0].message.tool_calls is None and answer.usage.prompt_tokens > 0
+        for choice in ("auto", "none"):  # a random model writes no call block: text
+            out = client.chat.completions.create(model=served.model, messages=messages, tools=tools,
+                                                 tool_choice=choice, max_tokens=12, temperature=0.0)
+            content, calls, finish = streamed_calls(client.chat.completions.create(
+                model=served.model, messages=messages, tools=tools, tool_choice=choice, max_tokens=12,
+                temperature=0.0, stream=True))
+            assert out.choices[0].message.tool_calls is None and calls == []
+            assert content == out.choices[0].message.content and finish == out.choices[0].finish_reason
 
 
 def test_logprobs_are_the_same_with_and_without_speculation(served: Served) -> None:

@@ -298,3 +298,25 @@ def test_cutting_sampled_drafts_before_the_forbidden_one_is_caught(abc, monkeypa
     counts, _ = sample_counts(target, drafter, "draft")
     p = _chi_square_p_value(counts, exact_masked_distribution(target, [0, 1, 2, 1, 0, 1, 2, 1, 0]), NUM_SAMPLES)
     assert p < 1e-4
+
+
+def test_a_drafter_pool_keeps_structure_penalties_and_logprobs_exact(models):
+    """The drafter pool placement (a DraftService behind the engine's remote proposer): a
+    schema-constrained, penalized request asking for logprobs gives the tokens and values of the
+    target alone; the pool's drafts are verified and some accepted."""
+    from engine.spec_decode.remote import DraftService, LocalDrafterClient
+
+    params = json_params(presence_penalty=0.3, frequency_penalty=0.2, logit_bias={5: 0.5}, logprobs=2)
+    plain, _ = run(models, None, PROMPTS, params)
+    service = DraftService(models["drafter"], dtype="float32", device="cpu")
+    llm = LLM(models["target"], dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 22,
+              speculative=spec_config(models, "draft"), remote_drafter=LocalDrafterClient(service))
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    for o, p in zip(outs, plain, strict=True):
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+        assert o.logprobs == p.logprobs and len(o.logprobs) == len(o.token_ids)
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert_no_leaked_blocks(llm.engine)
+    assert service.stats()["sessions"] == 0

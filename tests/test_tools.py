@@ -10,6 +10,8 @@ import json
 import jsonschema
 import pytest
 from helpers import save_perturbed_copy, save_tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_serve_grpc import save_char_tokenizer
 
 from deployments.tools import (
@@ -111,16 +113,81 @@ def test_openai_shapes_of_calls_whole_and_streamed():
     last.usage.CopyFrom(pb.Usage(prompt_tokens=3, completion_tokens=9))
     last.tool_calls.add(id="call_1", name="get_weather", arguments='{"city": "a"}')
     messages = [pb.GenerateResponse(text='<tool_call>{"name":"get_weather","arguments":{"city":"a'), last]
-    whole = ResponseBuilder(chat=True, model="m", label="x", return_token_ids=False, calling=True).whole(messages)
+    names = ["get_weather"]
+    whole = ResponseBuilder(chat=True, model="m", label="x", return_token_ids=False, tool_names=names).whole(messages)
     (choice,) = whole["choices"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"] == [{"id": "call_1", "type": "function",
                                                 "function": {"name": "get_weather", "arguments": '{"city": "a"}'}}]
-    builder = ResponseBuilder(chat=True, model="m", label="x", return_token_ids=False, calling=True)
-    assert builder.chunk(messages[0]) is None  # held: it may be a call
-    delta = builder.chunk(last)["choices"][0]["delta"]
-    assert delta["tool_calls"][0]["index"] == 0 and delta["tool_calls"][0]["function"]["name"] == "get_weather"
+    builder = ResponseBuilder(chat=True, model="m", label="x", return_token_ids=False, tool_names=names)
+    assert builder.chunk(messages[0]) is None  # held: an open call block
+    end = builder.chunk(last)["choices"][0]
+    assert end["finish_reason"] == "tool_calls" and "content" not in end["delta"]
+    (call,) = end["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "a"}'}
     plain = pb.GenerateResponse(text="just text", finish_reason=pb.FINISH_REASON_STOP)
     plain.usage.CopyFrom(pb.Usage(prompt_tokens=3, completion_tokens=2))
-    text_only = ResponseBuilder(chat=True, model="m", label="x", return_token_ids=False, calling=True)
+    text_only = ResponseBuilder(chat=True, model="m", label="x", return_token_ids=False, tool_names=names)
     assert text_only.chunk(plain)["choices"][0]["delta"]["content"] == "just text"
+
+
+def test_auto_streams_text_as_it_comes_and_each_call_when_its_block_closes():
+    """With tools offered the text before a call is not held to the end: it streams, short of a
+    tail that may begin a call block; a call goes out once its block closes."""
+    from deployments.openai_api import ResponseBuilder
+
+    builder = ResponseBuilder(chat=True, model="m", label="x", return_token_ids=False, tool_names=["get_time"])
+    pieces = ["Let me ", "check the time.\n<tool", '_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>',
+              "\n<tool_call>", '{"name": "get_time", "arguments": {"zone": 2}}</tool_call>', " Done"]
+    deltas = [builder.chunk(pb.GenerateResponse(text=p)) for p in pieces]
+    # whitespace that may precede a call is held: "Let me" now, the space with what follows
+    assert deltas[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Let me"}
+    assert deltas[1]["choices"][0]["delta"] == {"content": " check the time."}  # "\n<tool" held
+    first = deltas[2]["choices"][0]["delta"]
+    assert "content" not in first and first["tool_calls"][0]["index"] == 0
+    assert json.loads(first["tool_calls"][0]["function"]["arguments"]) == {"zone": 1}
+    assert deltas[3] is None
+    assert deltas[4]["choices"][0]["delta"]["tool_calls"][0]["index"] == 1
+    assert deltas[5]["choices"][0]["delta"] == {"content": "Done"}  # the space after a call dropped
+
+
+@st.composite
+def call_texts(draw) -> list[str]:
+    """A model's text with tools offered, cut into stream pieces: prose, whitespace, calls of
+    known tools, blocks that are not calls (unknown name, bad JSON, unclosed) and near misses."""
+    parts = draw(st.lists(st.one_of(
+        st.text(alphabet="ab <>/_\n", max_size=6),
+        st.sampled_from([" ", "\n", "<", "<tool", "<tool_call", "</tool_call>", "tool_call>"]),
+        st.builds(lambda z: f'<tool_call>{{"name": "get_time", "arguments": {{"zone": {z}}}}}</tool_call>',
+                  st.integers(-12, 14)),
+        st.just('<tool_call>{"name": "nope", "arguments": {}}</tool_call>'),
+        st.just("<tool_call>{not json</tool_call>"),
+        st.just('<tool_call>{"name": "get_time"'),
+    ), max_size=8))
+    text = "".join(parts)
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(call_texts())
+def test_streamed_content_and_calls_equal_the_whole_texts(pieces):
+    """However the text is cut, the content streamed is the whole text's content (parse_calls)
+    and the calls streamed are its calls, in order."""
+    from deployments.tools import CallStream
+
+    tools = parse_tools([TIME])
+    content, calls = parse_calls("".join(pieces), tools)
+    stream = CallStream({"get_time"})
+    streamed, streamed_calls = [], []
+    for piece in pieces:
+        text, got = stream.feed(piece)
+        streamed.append(text)
+        streamed_calls += got
+    text, got = stream.finish()
+    streamed.append(text)
+    streamed_calls += got
+    assert "".join(streamed) == content
+    assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in calls]
+    if not calls:
+        assert content == "".join(pieces)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.penalties import Penalties
 from engine.request import Request
 from engine.sampler import probs_from_logits, sample_from_probs
 from engine.spec_decode.tree import DraftTree
@@ -47,10 +48,12 @@ class ProposeContext:
     (they belong to the model runner: the target's sampling draws from the same generator), and
     the step's floor on greedy tree nodes: a node is drafted only if its cumulative draft
     log-probability at the tree temperature is at least tree_min_logprob (`Speculator`: the
-    configured `tree_min_prob`, or the adaptive policy's; -inf: EAGLE-2's fixed node count)."""
+    configured `tree_min_prob`, or the adaptive policy's; -inf: EAGLE-2's fixed node count); and
+    the runner's penalties, which chains draft under (engine/penalties.py; None: not applied)."""
 
     generators: dict[str, torch.Generator]
     tree_min_logprob: float = float("-inf")
+    penalties: Penalties | None = None
 
     def generators_for(self, requests: list[Request]) -> list[torch.Generator | None]:
         return [self.generators.get(r.request_id) for r in requests]
@@ -374,8 +377,11 @@ def sample_drafts(
     token_ids: torch.Tensor | None = None,
     vocab_size: int = 0,
     generators: list[torch.Generator | None] | None = None,
+    penalties: Penalties | None = None,
+    drafted: list[list[int]] | None = None,
 ) -> tuple[list[int], torch.Tensor | None]:
-    """One draft token per row, with the same temperature/top-k/top-p as the target will use.
+    """One draft token per row, with the same penalties, temperature, top-k and top-p as the
+    target will use (`penalties`: the runner's, row i drafted after `drafted[i]`).
 
     logits [n, V'] over the vocabulary, or over a draft vocabulary when `token_ids` [V'] gives
     the target token id of each column (then `vocab_size` is the target's vocabulary size);
@@ -384,6 +390,8 @@ def sample_drafts(
     (target token ids, probs [n, vocab] over the target's whole vocabulary, zero outside the
     draft vocabulary, or None when every row is greedy).
     """
+    if penalties is not None:
+        penalties.apply_to_drafts(logits, requests, drafted, token_ids)
     greedy = [r.sampling_params.is_greedy for r in requests]
     argmax = logits.argmax(dim=-1)
     if all(greedy):

@@ -235,7 +235,8 @@ class DraftModelProposer(Proposer):
                 else:
                     chunks.append(SeqChunk([tokens[i][-1]], r.num_tokens + step - 1, r.block_ids))
             picked, p = self.head.sample(
-                self._forward(chunks), [requests[i] for i in active], [generators[i] for i in active]
+                self._forward(chunks), [requests[i] for i in active], [generators[i] for i in active],
+                context.penalties, [tokens[i] for i in active],
             )
             for j, i in enumerate(active):
                 tokens[i].append(picked[j])

@@ -24,6 +24,7 @@ import os
 import torch
 
 from engine.errors import CheckpointError
+from engine.penalties import Penalties
 from engine.request import Request
 from engine.spec_decode.proposers.base import sample_drafts
 
@@ -131,8 +132,9 @@ class DraftLMHead:
         return probs
 
     def sample(
-        self, hidden: torch.Tensor, requests: list[Request], generators: list[torch.Generator | None]
+        self, hidden: torch.Tensor, requests: list[Request], generators: list[torch.Generator | None],
+        penalties: Penalties | None = None, drafted: list[list[int]] | None = None,
     ) -> tuple[list[int], torch.Tensor | None]:
         """Draft one token per row of hidden [n, H]: `sample_drafts` over the draft vocabulary,
         returning target token ids and (for sampled rows) probabilities over the whole vocabulary."""
-        return sample_drafts(self(hidden), requests, self.token_ids, self.vocab_size, generators)
+        return sample_drafts(self(hidden), requests, self.token_ids, self.vocab_size, generators, penalties, drafted)

@@ -388,8 +388,9 @@ class FeatureLayerProposer(Proposer):
         ]
         return new, last0, num_forwards
 
-    def _sample(self, m: int, feats: torch.Tensor, requests: list[Request], generators):
-        return self.heads[m].sample(self._head_input(m, feats), requests, generators)
+    def _sample(self, m: int, feats: torch.Tensor, requests: list[Request], generators, penalties=None,
+                drafted: list[list[int]] | None = None):
+        return self.heads[m].sample(self._head_input(m, feats), requests, generators, penalties, drafted)
 
     @property
     def supports_tree(self) -> bool:
@@ -567,6 +568,8 @@ class FeatureLayerProposer(Proposer):
                 torch.stack([prev[i][-1] for i in active]),
                 [requests[i] for i in active],
                 [generators[i] for i in active],
+                context.penalties,
+                [tokens[i] for i in active],
             )
             for j, i in enumerate(active):
                 tokens[i].append(picked[j])

@@ -207,8 +207,9 @@ class MedusaProposer(Proposer):
             for i in range(k):
                 sel = torch.tensor([at for at, (_, hi) in enumerate(rows) if hi == i], device=flat.device)
                 logits[sel] = self.heads[i](flat[sel])
+        # the heads draft at once: each under penalties of the committed output only
         picked, probs = sample_drafts(
-            logits, owners, head.token_ids, head.vocab_size, context.generators_for(owners)
+            logits, owners, head.token_ids, head.vocab_size, context.generators_for(owners), context.penalties
         )
         drafts, at = [], 0
         for r, kb in zip(requests, num_tokens, strict=True):
