@@ -18,8 +18,11 @@ The grammar's state advances only over committed tokens (`commit`); a chain's dr
 rolled back while the masks are made (`prepare`). A request imported from a prefill/decode
 handoff replays its committed output tokens into a fresh state (its params carry the grammar).
 
-Token trees: a constrained request verifies no tree (its tree drafts are dropped for the step);
-chains only.
+Token trees: every node's row is masked to what the grammar allows after the path to it (a walk
+over the tree that consumes and rolls back each edge). A node the grammar forbids stays in the
+tree: its parent's masked row gives it no mass, so greedy verification never takes it and
+rejection sampling rejects it surely (and takes the residual, as for a chain's sampled draft); it
+and its subtree get the parent's row, never used.
 
 Grammars compile once per (kind, spec) (`GrammarCompiler`, an LRU of compiled matchers that each
 request copies).
@@ -41,6 +44,7 @@ from engine.sampling_params import StructuredOutput
 if TYPE_CHECKING:
     from engine.request import Request
     from engine.scheduler import SchedulerOutput
+    from engine.spec_decode.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +195,7 @@ class GrammarStates:
     def prepare(self, sched: SchedulerOutput, draft_probs: dict[str, Any]) -> None:
         """For each constrained request the step samples: cut its chain at the first draft the
         grammar forbids (module docstring), and set `allowed` [drafts + 1, vocab] on its
-        ScheduledRequest, the tokens each of its rows may take. A tree's drafts are dropped."""
+        ScheduledRequest, the tokens each of its rows may take (a tree's: one per node)."""
         if not self.matchers:
             return
         for s in sched.scheduled:
@@ -199,8 +203,8 @@ class GrammarStates:
             if matcher is None or not s.needs_sample:
                 continue
             if s.spec_tree is not None:
-                s.spec_token_ids, s.spec_tree = [], None
-                s.request.spec_token_ids, s.request.spec_tree = [], None
+                s.allowed = torch.stack(self._tree_rows(matcher, s.spec_tree))
+                continue
             rows = [allowed_tokens(matcher, self.vocab_size, self.eos_token_id)]
             drafts = s.spec_token_ids
             consumed = 0
@@ -225,6 +229,41 @@ class GrammarStates:
                 s.spec_token_ids = list(drafts)
                 s.request.spec_token_ids = list(drafts)
             s.allowed = torch.stack(rows[: len(drafts) + 1])
+
+    def _tree_rows(self, matcher: Any, tree: DraftTree) -> list[torch.Tensor]:
+        """The allowed tokens of each node's row, in node order (module docstring). The matcher
+        is left as it was."""
+        rows: list[torch.Tensor | None] = [None] * tree.num_nodes
+        rows[0] = allowed_tokens(matcher, self.vocab_size, self.eos_token_id)
+        stack: list[tuple[int, int]] = [(0, 0)]  # (node, index of its next child); matcher at the node
+        while stack:
+            node, i = stack.pop()
+            children = tree.children[node]
+            if i == len(children):
+                if node:
+                    matcher.rollback(1)
+                continue
+            stack.append((node, i + 1))
+            child = children[i]
+            token = tree.token_ids[child]
+            if matcher.is_stopped() or not rows[node][token]:  # never taken: its subtree too
+                for u in self._subtree(tree, child):
+                    rows[u] = rows[node]
+                continue
+            if not matcher.consume_token(token):
+                raise AssertionError(f"draft {token} allowed by the mask but refused: {matcher.get_error()}")
+            rows[child] = allowed_tokens(matcher, self.vocab_size, self.eos_token_id)
+            stack.append((child, 0))
+        return rows  # type: ignore[return-value]
+
+    @staticmethod
+    def _subtree(tree: DraftTree, root: int) -> list[int]:
+        out, todo = [], [root]
+        while todo:
+            u = todo.pop()
+            out.append(u)
+            todo.extend(tree.children[u])
+        return out
 
     def commit(self, request: Request, tokens: list[int]) -> int | None:
         """Advance the request's grammar over its newly committed tokens. None while the grammar

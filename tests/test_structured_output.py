@@ -44,11 +44,17 @@ def models(tmp_path_factory) -> dict[str, str]:
     return {"target": target, "drafter": drafter}
 
 
+TREE = dict(tree_nodes=8, tree_width=2, tree_depth=4)
+
+
 def spec_config(models: dict, method: str | None) -> SpeculativeConfig | None:
+    """`method`, or `method`-tree: token trees of up to 8 nodes."""
     if method is None:
         return None
+    method, tree = method.removesuffix("-tree"), method.endswith("-tree")
     return SpeculativeConfig(method=method, model=models["drafter"] if method == "draft" else None,
-                             num_speculative_tokens=4, adaptive=False, **({"ngram_min": 1} if method == "ngram" else {}))
+                             num_speculative_tokens=4, adaptive=False, **({"ngram_min": 1} if method == "ngram" else {}),
+                             **(TREE if tree else {}))
 
 
 def run(models: dict, method: str | None, prompts, params: SamplingParams):
@@ -64,7 +70,7 @@ def json_params(schema=SCHEMA, **kw) -> SamplingParams:
                           structured_output=StructuredOutput("json_schema", json.dumps(schema)), **kw)
 
 
-@pytest.mark.parametrize("method", [None, "ngram", "draft"])
+@pytest.mark.parametrize("method", [None, "ngram", "draft", "ngram-tree", "draft-tree"])
 def test_greedy_json_validates_and_speculation_changes_nothing(models, method):
     plain, _ = run(models, None, PROMPTS, json_params())
     outs, llm = run(models, method, PROMPTS, json_params())
@@ -74,6 +80,9 @@ def test_greedy_json_validates_and_speculation_changes_nothing(models, method):
         assert out.token_ids == ref.token_ids
     if method is not None:
         assert llm.engine.spec_stats.num_draft_tokens > 0
+    if method is not None and method.endswith("-tree"):  # the trees were verified under the masks
+        stats = llm.engine.spec_stats
+        assert stats.num_tree_steps > 0 and stats.num_tree_accepted_tokens > 0
 
 
 def test_sampled_json_validates_with_sampled_drafts(models):
@@ -256,9 +265,7 @@ def exact_masked_distribution(model_dir: str, prompt: list[int]) -> dict[tuple[i
 
 def sample_counts(target: str, drafter: str, method: str | None) -> tuple[dict, object]:
     torch.manual_seed(1234)
-    spec = None if method is None else SpeculativeConfig(
-        method=method, model=drafter if method == "draft" else None, num_speculative_tokens=3, adaptive=False,
-        **({"ngram_min": 1} if method == "ngram" else {}))
+    spec = spec_config({"drafter": drafter}, method)
     llm = LLM(target, dtype="float32", device="cpu", speculative=spec, max_num_seqs=512)
     params = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True,
                             structured_output=StructuredOutput("regex", PATTERN))
@@ -269,15 +276,18 @@ def sample_counts(target: str, drafter: str, method: str | None) -> tuple[dict, 
     return counts, llm.engine.spec_stats
 
 
-@pytest.mark.parametrize("method", [None, "draft", "ngram"])
+@pytest.mark.parametrize("method", [None, "draft", "ngram", "draft-tree"])
 def test_sampled_constrained_output_follows_the_masked_target(abc, method):
     """3000 samples of four constrained tokens against the exact masked target distribution (36
     sequences, small cells pooled): fails at p < 1e-4 (a correct sampler: once in 10,000 runs;
-    the seed is fixed). With the draft model, drafts the grammar forbids occur and are rejected."""
+    the seed is fixed). With the draft model, drafts the grammar forbids occur and are rejected;
+    in trees too."""
     target, drafter = abc
     counts, stats = sample_counts(target, drafter, method)
     if method is not None:
         assert stats.num_draft_tokens > 1000 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if method == "draft-tree":
+        assert stats.num_tree_steps > 500
     p = _chi_square_p_value(counts, exact_masked_distribution(target, [0, 1, 2, 1, 0, 1, 2, 1, 0]), NUM_SAMPLES)
     assert p > 1e-4, f"constrained samples do not follow the masked target distribution (p={p:.2e})"
 
