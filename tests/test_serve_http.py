@@ -199,6 +199,31 @@ def test_structured_output_with_the_openai_client(served: Served) -> None:
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 3}}})
 
 
+def test_the_openai_client_parses_structured_output_into_a_pydantic_model(served: Served) -> None:
+    """`chat.completions.parse` and `chat.completions.stream` with a pydantic model as
+    response_format (the client turns it into a strict json_schema and parses the answer back):
+    the parsed object is the model's, streamed and not, and equals the raw content's."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Item(BaseModel):
+        id: int = Field(ge=0, le=99)
+        tag: Literal["abc", "cab"]
+
+    client = served.openai()
+    messages = [{"role": "user", "content": "abcabcabc"}]
+    whole = client.chat.completions.parse(model=served.model, messages=messages, response_format=Item,
+                                          max_tokens=80, temperature=0.0)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "stop" and isinstance(message.parsed, Item)
+    assert message.parsed == Item.model_validate_json(message.content)
+    with client.chat.completions.stream(model=served.model, messages=messages, response_format=Item, max_tokens=80,
+                                        temperature=0.0) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.parsed == message.parsed
+
+
 def test_penalties_and_logit_bias_with_the_openai_client(served: Served) -> None:
     """presence/frequency penalties, logit_bias and our repetition_penalty/min_tokens change the
     output, equally with speculation on and off; the gRPC fields give the same tokens."""
