@@ -461,6 +461,8 @@ class LLMEngine:
                 self.scheduler.requests[request_id].spec_token_ids = list(draft.token_ids)
                 self.scheduler.requests[request_id].spec_tree = draft.tree
                 self.runner.set_draft_probs(request_id, draft.probs)
+            if self.grammars.matchers:
+                self._draft_from_grammars(drafts)
             record.draft_time_s = time.perf_counter() - td
             self.spec_stats.draft_time_s += record.draft_time_s
             for request_id in drafts:
@@ -474,6 +476,20 @@ class LLMEngine:
         self.step_cost.observe(record.num_batched_tokens, record.duration_s)
         for listener in self.step_listeners:
             listener(record)
+
+    def _draft_from_grammars(self, drafts: dict) -> None:
+        """Constrained decoding requests' chains, with what their grammars force drafted too
+        (`GrammarStates.guide`); not where a sampling drafter's q goes with the drafts, nor trees."""
+        for request in self.scheduler.running:
+            draft = drafts.get(request.request_id)
+            if (request.request_id not in self.grammars.matchers or not request.is_decoding
+                    or request.spec_tree is not None or (draft is not None and draft.probs is not None)):
+                continue
+            chain = request.spec_token_ids if draft is not None else []
+            guided = self.grammars.guide(request, chain, self.speculator.max_k(request))
+            if guided != chain:
+                request.spec_token_ids = guided
+                self.runner.set_draft_probs(request.request_id, None)
 
     # --- prefill/decode handoff (engine/handoff.py) -----------------------------------------
     def _make_handoff_compat(self) -> HandoffCompat:

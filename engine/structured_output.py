@@ -15,7 +15,16 @@ proposed. A draft the grammar forbids ends the chain before verification:
   rule requires; the drafts after it are cut. Its row is given the previous row's mask (a
   draft that is always rejected never needs the row after it).
 The grammar's state advances only over committed tokens (`commit`); a chain's drafts are tried and
-rolled back while the masks are made (`prepare`). A request imported from a prefill/decode
+rolled back while the masks are made (`prepare`).
+
+Drafting from the grammar (`guide`, the engine's, after the drafter's round): where the grammar
+forces what comes next (a schema's keys and punctuation, the rest of an enum value), llguidance's
+fast-forward tokens are drafted in place of, or after, the drafter's: a chain keeps the drafter's
+tokens while the grammar allows them, and from the first it forbids (or past the drafter's
+last) takes the forced tokens, up to the request's k. They are verified like any draft (a
+deterministic draft: q one-hot), so the output is unchanged; they are accepted wherever the
+model writes the text as the grammar's canonical tokens. Chains with the q of a sampling
+drafter keep their drafts (changing a token would change q). A request imported from a prefill/decode
 handoff replays its committed output tokens into a fresh state (its params carry the grammar).
 
 Token trees: every node's row is masked to what the grammar allows after the path to it (a walk
@@ -263,6 +272,30 @@ class GrammarStates:
             u = todo.pop()
             out.append(u)
             todo.extend(tree.children[u])
+        return out
+
+    def guide(self, request: Request, drafts: list[int], k: int) -> list[int]:
+        """The chain to verify next for a constrained request (module docstring): the drafter's
+        `drafts` while the grammar allows them, then the tokens it forces, at most `k` in all."""
+        matcher = self.matchers.get(request.request_id)
+        if matcher is None or k <= 0:
+            return drafts
+        out: list[int] = []
+        following = True  # still on the drafter's chain
+        try:
+            while len(out) < k and not matcher.is_stopped():
+                j = len(out)
+                if following and j < len(drafts) and matcher.try_consume_tokens([drafts[j]]) == 1:
+                    out.append(drafts[j])
+                    continue
+                following = False
+                forced = matcher.compute_ff_tokens()
+                if not forced or matcher.try_consume_tokens(forced[:1]) != 1:
+                    break
+                out.append(forced[0])
+        finally:
+            if out:
+                matcher.rollback(len(out))
         return out
 
     def commit(self, request: Request, tokens: list[int]) -> int | None:

@@ -330,3 +330,27 @@ def test_a_drafter_pool_keeps_structure_penalties_and_logprobs_exact(models):
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert_no_leaked_blocks(llm.engine)
     assert service.stats()["sessions"] == 0
+
+
+def test_what_the_grammar_forces_is_drafted_and_accepted(models, monkeypatch):
+    """A regex whose first characters are fixed: n-gram lookup finds nothing to draft in an
+    unrepetitive prompt, yet the forced characters are drafted from the grammar and all of them
+    accepted; the output equals the one without speculation. Without the grammar's drafts
+    nothing is drafted."""
+    import engine.structured_output as so
+
+    params = SamplingParams(max_tokens=24, temperature=0.0,
+                            structured_output=StructuredOutput("regex", r"hello, world-[0-9]{2}-[a-z]{3}"))
+    prompts = ["xq", "zv"]
+    plain, _ = run(models, None, prompts, params)
+    outs, llm = run(models, "ngram", prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(o.text.startswith("hello, world-") for o in outs)
+    stats = llm.engine.spec_stats
+    # "hello, world-" is 13 forced characters: the first comes from the prefill, most of the rest
+    # are drafted (k = 4 a step) and every draft is accepted
+    assert stats.num_accepted_tokens == stats.num_draft_tokens >= 2 * 10, stats
+    monkeypatch.setattr(so.GrammarStates, "guide", lambda self, request, drafts, k: drafts)
+    outs, llm = run(models, "ngram", prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.engine.spec_stats.num_draft_tokens == 0
