@@ -406,3 +406,29 @@ def test_serve_client_cancels_a_call_it_stopped_waiting_for():
     with pytest.raises(TimeoutError):
         client.draft("late")
     assert [(r.waited, r.cancelled) for r in handle.responses] == [(0.25, False), (0.25, True)]
+
+
+@pytest.mark.parametrize("penalized_pool", [True, False])
+def test_the_pool_drafts_under_the_request_penalties(models, monkeypatch, penalized_pool):
+    """A pool whose draft model is the target itself drafts the penalized target's greedy
+    tokens, so every draft is accepted; a pool that drafts without the penalties (the calls
+    carry none) is often refused. The output equals the target alone either way."""
+    from engine.spec_decode import remote
+
+    if not penalized_pool:
+        monkeypatch.setattr(remote.DraftPenalties, "of", staticmethod(lambda request: None))
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, min_tokens=3, presence_penalty=0.7,
+                            frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={17: 2.5, 33: -1.0})
+    prompts = [[5, 9, 17, 33] * 3 + [5, 9], [4, 5, 6, 7] * 6]
+    alone = LLM(models["target"], dtype="float32", device="cpu").generate(prompts, params)
+    service = DraftService(models["target"], dtype="float32", device="cpu", draft_ahead=False)
+    spec = SpeculativeConfig(method="draft", model=models["target"], num_speculative_tokens=4, adaptive=False)
+    llm = LLM(models["target"], dtype="float32", device="cpu", speculative=spec,
+              remote_drafter=LocalDrafterClient(service))
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 20
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert rate == 1.0 if penalized_pool else rate < 0.8, rate
+    assert_no_leaked_blocks(llm.engine)

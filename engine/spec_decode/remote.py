@@ -31,6 +31,7 @@ generator seeded by (seed, L) either way, so a request's drafts do not depend on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ import torch
 
 from engine.backoff import Backoff
 from engine.errors import DrafterMismatchError
+from engine.penalties import Penalties
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.proposers.base import (
@@ -82,6 +84,45 @@ class DraftCall:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    penalties: DraftPenalties | None = None
+
+
+@dataclass(frozen=True)
+class DraftPenalties:
+    """A request's logit processors (engine/penalties.py), for drafting under them: the service
+    applies them to the draft model's logits with the same history the target's rows count.
+    `num_prompt_tokens`: where the output begins in the context; `stop_token_ids`: the tokens
+    min_tokens holds off (the end of sequence unless ignored, and the request's stop tokens)."""
+
+    num_prompt_tokens: int
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def of(request: Request) -> DraftPenalties | None:
+        p = request.sampling_params
+        if not p.has_logit_processors:
+            return None
+        stops = (*(() if p.ignore_eos else request.eos_token_ids), *p.stop_token_ids)
+        return DraftPenalties(len(request.prompt_token_ids), p.presence_penalty, p.frequency_penalty,
+                              p.repetition_penalty, p.min_tokens, tuple(sorted((p.logit_bias or {}).items())),
+                              tuple(stops))
+
+    def request(self, name: str, context: list[int], params: SamplingParams) -> Request:
+        """The draft model's view of the request: `context` split into prompt and output, with
+        these processors on `params`."""
+        processed = dataclasses.replace(
+            params, max_tokens=max(params.max_tokens, self.min_tokens), presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias) or None)
+        split = min(self.num_prompt_tokens, len(context))
+        r = Request(name, context[:split], processed, eos_token_ids=self.stop_token_ids)
+        r.output_token_ids.extend(context[split:])
+        return r
 
 
 @dataclass(frozen=True)
@@ -113,7 +154,7 @@ class _Session:
     committed: list[int]  # the request's committed tokens as of its last call
     blocks: list[int] = field(default_factory=list)
     kv_tokens: list[int] = field(default_factory=list)  # tokens whose draft KV is computed (a prefix of these)
-    params: tuple = ()  # (temperature, top_k, top_p, seed) of the last call
+    params: tuple = ()  # (temperature, top_k, top_p, seed, penalties) of the last call
     k: int = 0  # drafts the last call asked for
     base: list[int] | None = None  # the committed tokens plus the drafts of the last answer
     assumed: list[int] | None = None  # `base` plus the guessed bonus token: what the next call brings if all are accepted
@@ -264,7 +305,7 @@ class DraftService:
                     s.committed.extend(c.tokens)
                 self.sessions.move_to_end(c.session)
                 s.last_used = now
-                s.params = (c.temperature, c.top_k, c.top_p, c.seed)
+                s.params = (c.temperature, c.top_k, c.top_p, c.seed, c.penalties)
                 s.k = k = max(0, min(c.k, self.max_k))
                 assumed, ahead = s.assumed, s.ahead
                 s.base = s.assumed = s.ahead = None
@@ -331,8 +372,9 @@ class DraftService:
             if not self._ensure_blocks(name, s, len(context) + n + 1, keep):
                 self.counts["too_long"] += 1
                 continue
-            temperature, top_k, top_p, seed = s.params
-            r = Request(name, context, SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p))
+            temperature, top_k, top_p, seed, penalties = s.params
+            params = SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+            r = penalties.request(name, list(context), params) if penalties else Request(name, context, params)
             r.block_ids = s.blocks
             state = self.proposer.states.get(name)
             if state is not None:  # the KV computed for tokens that are not this context's is stale
@@ -346,7 +388,10 @@ class DraftService:
             return out
         computed = [self.proposer.states[r.request_id].num_computed if r.request_id in self.proposer.states else 0
                     for r in requests]
-        drafts = self.proposer.propose(requests, counts, ProposeContext(generators))
+        # penalty counts are per call: a session's context may differ from its last one's
+        penalties = Penalties(self.vocab_size, self.device) if any(r.sampling_params.has_logit_processors
+                                                                    for r in requests) else None
+        drafts = self.proposer.propose(requests, counts, ProposeContext(generators, penalties=penalties))
         for j, n, done, d in zip(index, counts, computed, drafts, strict=True):
             name, s, context, _ = items[j]
             # The round's forwards wrote KV for the context and every draft but the last.
@@ -453,7 +498,7 @@ class RemoteDrafterProposer(Proposer):
             p = r.sampling_params
             calls.append(DraftCall(
                 self.prefix + r.request_id, start, tuple(r.token_at(q) for q in range(start, r.num_tokens)),
-                num_tokens[i], 0.0 if p.is_greedy else p.temperature, p.top_k, p.top_p, p.seed,
+                num_tokens[i], 0.0 if p.is_greedy else p.temperature, p.top_k, p.top_p, p.seed, DraftPenalties.of(r),
             ))
         batch = DraftBatch(tuple(calls), tuple(self.closed))
         t_start = time.perf_counter()
