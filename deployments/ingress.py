@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -77,6 +78,11 @@ MAX_RESUMPTIONS = 2  # a stream whose replica is lost mid-stream goes on elsewhe
 MAX_HANDOVERS = 8
 RESUMED_LABELS_KEPT = 1024  # the labels of this many resumed streams are kept (`resumed_requests`)
 RETRY_BACKOFF_S = 0.2  # before a retry, so Serve's router can learn that the replica is gone
+# A resumption that finds every replica full waits for room this long (backing off up to
+# FULL_BACKOFF_MAX_S between tries) before the stream ends with RESOURCE_EXHAUSTED: the client has
+# part of its answer, and a pause costs it less than starting over.
+RESUME_FULL_WAIT_S = 30.0
+FULL_BACKOFF_MAX_S = 2.0
 TRACE_KEYS = ("traceparent", "tracestate")
 # After the prefill pool fails a call, long prompts are prefilled by the decode replicas for this
 # long, doubled while calls keep failing (engine.backoff.Backoff): a stuck prefill replica would
@@ -189,7 +195,8 @@ class SpecDecodeIngress:
         key = await self.prefix_keys.key(request, messages)  # where the prompt is cached (routing)
         resumable = not (request.HasField("n") and request.n > 1) and not (request.HasField("best_of")
                                                                           and request.best_of > 1)
-        resumptions = handovers = 0
+        resumptions = handovers = full_tries = 0
+        full_since: float | None = None  # when this resumption was first refused for want of room
         while True:
             try:
                 async for message in self._attempt(request, label, trace, messages, route, resume, sent, key):
@@ -197,6 +204,17 @@ class SpecDecodeIngress:
                     yield message
                 return
             except ClientError as e:
+                if resume is not None and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    now = time.monotonic()
+                    full_since = now if full_since is None else full_since
+                    if now - full_since < RESUME_FULL_WAIT_S:
+                        full_tries += 1
+                        await asyncio.sleep(min(FULL_BACKOFF_MAX_S, RETRY_BACKOFF_S * 2 ** min(full_tries, 8)))
+                        continue
+                    raise ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                        f"no replica had room to go on with this request for {RESUME_FULL_WAIT_S:g} s after "
+                        f"{sent.num_messages} messages ({e.details}); the output is incomplete: retry the whole "
+                        "request later")) from None
                 if resume is None or e.code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 raise ClientError(grpc.StatusCode.UNAVAILABLE, (
@@ -228,6 +246,7 @@ class SpecDecodeIngress:
                 self.metrics.resumed(reason)
             if sent.num_messages or resume is not None:
                 resume = Resume(list(sent.token_ids), sent.num_chars, reason, resumptions + handovers)
+            full_since, full_tries = None, 0
             await asyncio.sleep(backoff_s)
 
     async def _attempt(

@@ -219,6 +219,40 @@ def test_handovers_are_bounded(model, monkeypatch) -> None:
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_resumption_waits_for_a_replica_with_room(model, monkeypatch) -> None:
+    """The stream's replica is lost and the others are full at first: the ingress waits for
+    room (bounded) instead of ending the stream, and the client gets every token once."""
+    import ray
+
+    from deployments.errors import ClientError
+
+    full = ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "replica full; retry later")
+    engine = ScriptedEngine([
+        [Accepted("a"), message([1, 2]), ray.exceptions.RayActorError()],
+        [full], [full],
+        [Accepted("b"), message([3, 4], last=True)],
+    ])
+    ingress = ingress_over(engine, model, monkeypatch)
+    assert [t for m in run_generate(ingress) for t in m.token_ids] == [1, 2, 3, 4]
+    assert [r.token_ids if r else None for r in engine.resumes] == [None, [1, 2], [1, 2], [1, 2]]
+    assert ingress.resumptions == {"engine": 1}
+
+
+def test_waiting_for_room_is_bounded(model, monkeypatch) -> None:
+    import ray
+
+    from deployments import ingress as ingress_module
+    from deployments.errors import ClientError
+
+    monkeypatch.setattr(ingress_module, "RESUME_FULL_WAIT_S", 0.05)
+    full = ClientError(grpc.StatusCode.RESOURCE_EXHAUSTED, "replica full; retry later")
+    engine = ScriptedEngine([[Accepted("a"), message([1]), ray.exceptions.RayActorError()]] + [[full]] * 10**6)
+    ingress = ingress_over(engine, model, monkeypatch)
+    with pytest.raises(ClientError, match="no replica had room to go on with this request") as e:
+        run_generate(ingress)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "output is incomplete" in e.value.details
+
+
 # --- an engine replica's drain, without Ray ---------------------------------------------------
 def test_a_draining_replica_hands_long_streams_over_and_lets_short_ones_finish(model, reference_llm, tmp_path) -> None:
     """Serve begins removing the replica (its flag stubbed) while a long and a short stream run:
