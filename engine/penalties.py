@@ -12,7 +12,8 @@ semantics), applied in this order before temperature, top-k and top-p:
 Exactness under speculation: a request's rows in a step are its last regular token's, then one per
 draft. Row j is where the (j+1)-th new token is chosen, after drafts 1..j would have been accepted,
 so it counts the committed output plus drafts 1..j: the logits a one-token step would have at that
-position. Greedy takes the penalized argmax, rejection sampling runs on the penalized target, so
+position. In a token tree, row u (node u's) counts the committed output plus the nodes on the
+path from the root to u, and min_tokens holds at u while the output plus u's depth is short. Greedy takes the penalized argmax, rejection sampling runs on the penalized target, so
 the output is the penalized target's with any drafter. (Drafts are proposed from the drafter's own
 distribution; rejection sampling is exact for any proposal it was drawn from.)
 
@@ -83,13 +84,14 @@ class Penalties:
         reps = torch.tensor(num_rows, device=device)
         out = torch.stack([c.output for c in counted]).repeat_interleave(reps, dim=0)  # [P, vocab]
         prompt = torch.stack([c.prompt for c in counted]).repeat_interleave(reps, dim=0)
-        # row j of a request also counts its drafts 1..j
+        # row j of a request also counts its drafts 1..j (a tree's node j: the nodes on its path)
         base = list(itertools.accumulate(num_rows, initial=0))
         draft_rows, draft_tokens = [], []
         for b, (_, s) in zip(base, chosen, strict=False):
             for j in range(1, len(s.spec_token_ids) + 1):
-                draft_rows.extend([b + j] * j)
-                draft_tokens.extend(s.spec_token_ids[:j])
+                path = _path_tokens(s, j)
+                draft_rows.extend([b + j] * len(path))
+                draft_tokens.extend(path)
         if draft_rows:
             out.index_put_((torch.tensor(draft_rows, device=device), torch.tensor(draft_tokens, device=device)),
                            torch.ones(len(draft_rows), device=device), accumulate=True)
@@ -175,9 +177,12 @@ class Penalties:
         for (_, s), n in zip(chosen, num_rows, strict=True):
             r, p = s.request, s.request.sampling_params
             stops = [*(() if p.ignore_eos else r.eos_token_ids), *p.stop_token_ids]
-            for j in range(min(n, max(0, p.min_tokens - r.num_output_tokens))):
-                rows.extend([base + j] * len(stops))
-                tokens.extend(stops)
+            short = max(0, p.min_tokens - r.num_output_tokens)  # rows at depths below it hold them off
+            depths = s.spec_tree.depths if s.spec_tree is not None else range(n)
+            for j in range(n):
+                if depths[j] < short:
+                    rows.extend([base + j] * len(stops))
+                    tokens.extend(stops)
             base += n
         if rows:
             view[torch.tensor(rows, device=view.device), torch.tensor(tokens, device=view.device)] = float("-inf")
@@ -203,3 +208,12 @@ class Penalties:
     def check_no_leaks(self, live: list[Request]) -> None:
         stray = sorted(set(self.counts) - {r.request_id for r in live})
         assert not stray, f"penalty counts of requests that are not live: {stray[:5]}"
+
+
+def _path_tokens(scheduled, j: int) -> list[int]:
+    """The draft tokens row j of a scheduled request counts: drafts 1..j of a chain, or the
+    tokens on the path from its tree's root to node j."""
+    tree = scheduled.spec_tree
+    if tree is None:
+        return list(scheduled.spec_token_ids[:j])
+    return [tree.token_ids[u] for u in tree.path_to(j)]

@@ -103,26 +103,38 @@ def test_min_tokens_holds_off_the_end_of_sequence(models):
     assert stop not in cut.token_ids[:3]
 
 
-def test_a_drafter_drafts_under_the_same_penalties_as_the_target(models, monkeypatch):
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_drafter_drafts_under_the_same_penalties_as_the_target(models, monkeypatch, tree):
     """A draft model that is the target itself drafts the penalized target's greedy tokens, so
-    every draft is accepted; without the penalties on its side (its logits left as they are),
-    the same drafter is often refused. Outputs are equal either way."""
+    every chain draft is accepted, and a tree's accepted depth is more than 3x what it is without
+    the penalties on the drafter's side (its logits left as they are). Outputs are equal to the
+    target alone either way (for trees this checks each node's row counts its own path)."""
     import engine.penalties as pen
 
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, min_tokens=3, **PENALIZED)
     prompts = [PROMPT, [4, 5, 6, 7] * 6, [11, 12, 13, 11, 12, 13, 11, 12]]
-    same = {**models, "drafter": models["target"]}
     plain, _ = run(models, None, params, prompts)
+    sc = SpeculativeConfig(method="draft", model=models["target"], num_speculative_tokens=4, adaptive=False,
+                           **(dict(tree_nodes=8, tree_width=2, tree_depth=4) if tree else {}))
     rates = {}
     for drafts_penalized in (True, False):
         if not drafts_penalized:
             monkeypatch.setattr(pen.Penalties, "apply_to_drafts", lambda *a, **k: None)
-        outs, llm = run(same, "draft", params, prompts)
+        llm = LLM(models["target"], dtype="float32", device="cpu", speculative=sc, kv_cache_memory_bytes=1 << 22)
+        outs = llm.generate([list(p) for p in prompts], params)
+        assert_no_leaked_blocks(llm.engine)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
         stats = llm.engine.spec_stats
-        assert stats.num_draft_tokens > 50
-        rates[drafts_penalized] = stats.num_accepted_tokens / stats.num_draft_tokens
-    assert rates[True] == 1.0 and rates[False] < 0.8, rates
+        if tree:
+            assert stats.num_tree_steps > 10
+            rates[drafts_penalized] = stats.num_tree_accepted_tokens / (4 * stats.num_tree_steps)
+        else:
+            assert stats.num_draft_tokens > 50
+            rates[drafts_penalized] = stats.num_accepted_tokens / stats.num_draft_tokens
+    if tree:  # (the ranking keeps 8 nodes of the 30 candidates: the top path is not always whole)
+        assert rates[True] > 3 * rates[False], rates
+    else:
+        assert rates[True] == 1.0 and rates[False] < 0.8, rates
 
 
 @pytest.mark.parametrize("vocab", ["whole", "draft"])
@@ -197,9 +209,12 @@ def exact_penalized(target: str) -> dict[tuple[int, ...], float]:
 
 
 def counts_of(target, drafter, method) -> tuple[dict, object]:
+    """`method`, or draft-tree: trees of up to 6 nodes."""
     torch.manual_seed(1234)
+    tree = dict(tree_nodes=6, tree_width=2, tree_depth=3) if method == "draft-tree" else {}
+    method = method.removesuffix("-tree")
     sc = SpeculativeConfig(method=method, model=drafter if method == "draft" else None, num_speculative_tokens=3,
-                           adaptive=False)
+                           adaptive=False, **tree)
     llm = LLM(target, dtype="float32", device="cpu", speculative=sc, max_num_seqs=512)
     counts: dict = {}
     for o in llm.generate([SMALL_PROMPT] * NUM_SAMPLES, SAMPLED):
@@ -208,7 +223,7 @@ def counts_of(target, drafter, method) -> tuple[dict, object]:
     return counts, llm.engine.spec_stats
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "draft-tree"])
 def test_sampled_penalized_output_follows_the_exact_distribution(small, method):
     """3000 speculative samples of four tokens against the exact penalized target (81 cells, small
     ones pooled): fails at p < 1e-4 (the seed is fixed)."""

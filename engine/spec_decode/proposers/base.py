@@ -371,6 +371,12 @@ class StepTimer:
         return max(per, measured[near] + (forwards - near) * slope)
 
 
+def penalized(requests: list[Request], context: ProposeContext) -> bool:
+    """Whether some request drafts under logit processors (`sample_drafts`, `tree_children`): the
+    fused drafting kernels, which apply none, must not draft this round."""
+    return context.penalties is not None and any(r.sampling_params.has_logit_processors for r in requests)
+
+
 def sample_drafts(
     logits: torch.Tensor,
     requests: list[Request],

@@ -40,6 +40,7 @@ from engine.spec_decode.proposers.base import (
     Proposer,
     StepTimer,
     model_name,
+    penalized,
     weights_digest,
 )
 from engine.spec_decode.proposers.draft_vocab import DraftLMHead, resolve_draft_token_ids
@@ -169,7 +170,7 @@ class DraftModelProposer(Proposer):
             chunks.append(SeqChunk([r.token_at(p) for p in range(start, r.num_tokens)], start, r.block_ids))
             catch_up = max(catch_up, r.num_tokens - start)
         if (self.row_kernel and self.tree_kernel and self.head.packed is not None and self.head.packed_few is None
-                and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS):
+                and sum(len(c.token_ids) for c in chunks) <= EXACT_ROWS and not penalized(requests, context)):
             drafts = self._propose_tree_kernel(requests, num_nodes, depths, widths, chunks, context)
             self.timer.add_round(len(requests), time.perf_counter() - t_start, max(depths), catch_up, max(depths),
                                  chain=False)
@@ -182,7 +183,7 @@ class DraftModelProposer(Proposer):
 
         drafts, num_forwards = grow_trees(requests, num_nodes, depths, widths, self.head, self._forward(chunks),
                                           context.generators_for(requests), run_level,
-                                          self.tree_temperature, context.tree_min_logprob)
+                                          self.tree_temperature, context.tree_min_logprob, context.penalties)
         # Every forward succeeded: the committed tokens' draft KV is valid now.
         for r in requests:
             self.states[r.request_id] = DraftModelState(r.num_tokens)

@@ -51,6 +51,7 @@ from engine.spec_decode.proposers.base import (
     ProposeContext,
     may_draft,
     model_name,
+    penalized,
     weights_digest,
 )
 from engine.spec_decode.proposers.draft_vocab import DraftLMHead
@@ -574,13 +575,13 @@ class Eagle3Proposer(FeatureLayerProposer):
 
     def _draft_chains(self, requests: list[Request], states: list[HiddenRows], num_tokens: list[int],
                       t_start: float, context: ProposeContext) -> list[Draft]:
-        if self._in_one_call(states):
+        if self._in_one_call(states) and not penalized(requests, context):
             return self._draft_chain_kernel(requests, states, num_tokens, t_start, context)
         return super()._draft_chains(requests, states, num_tokens, t_start, context)
 
     def _grow_trees(self, requests: list[Request], states: list[HiddenRows], num_nodes: list[int],
                     depths: list[int], widths: list[int], t_start: float, context: ProposeContext) -> list[Draft]:
-        if self._in_one_call(states):
+        if self._in_one_call(states) and not penalized(requests, context):
             return self._draft_tree_kernel(requests, states, num_nodes, depths, widths, t_start, context)
         return super()._grow_trees(requests, states, num_nodes, depths, widths, t_start, context)
 

@@ -52,6 +52,7 @@ from engine.spec_decode.proposers.base import (
     Proposer,
     StepTimer,
     may_draft,
+    penalized,
 )
 from engine.spec_decode.proposers.draft_vocab import DraftLMHead
 from engine.spec_decode.proposers.feature_buffers import (
@@ -462,7 +463,8 @@ class FeatureLayerProposer(Proposer):
                 raise RuntimeError(f"{self.name}: request {r.request_id!r} (n = {r.num_tokens}) has module buffers "
                                    f"(module, start, end) {bad}; each must end at n - module")
 
-        parts = self._tree_kernel_parts() if self.row_kernel and self.tree_kernel and num_modules == 1 else None
+        parts = (self._tree_kernel_parts() if self.row_kernel and self.tree_kernel and num_modules == 1
+                 and not penalized(requests, context) else None)
         if parts is not None and self.head.packed is not None and self.head.packed_few is None:
             drafts = self._propose_tree_kernel(requests, num_nodes, depths, widths, last, parts, context)
             for r, st in zip(requests, new, strict=True):  # the call succeeded: the module's KV holds the final elements
@@ -495,7 +497,7 @@ class FeatureLayerProposer(Proposer):
 
         drafts, level_forwards = grow_trees(requests, num_nodes, depths, widths, list(self.heads),
                                             self._head_input(0, last), context.generators_for(requests), run_level,
-                                            self.tree_temperature, context.tree_min_logprob)
+                                            self.tree_temperature, context.tree_min_logprob, context.penalties)
         # Every forward succeeded: the module's KV holds the final elements now.
         for r, st in zip(requests, new, strict=True):
             self._states[r.request_id] = st

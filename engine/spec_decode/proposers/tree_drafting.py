@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.penalties import Penalties
 from engine.request import Request
 from engine.sampler import draw_uniforms, inverse_cdf_sample, probs_from_logits
 from engine.spec_decode.proposers.base import Draft
@@ -74,10 +75,13 @@ def read_tree_temperature(model_dir: str | None) -> float:
 
 def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Request],
                   uniforms: torch.Tensor | None, k: int, widths: list[int] | None = None,
-                  temperature: float = 1.0) -> Children:
+                  temperature: float = 1.0, penalties: Penalties | None = None,
+                  paths: list[list[int]] | None = None) -> Children:
     """k children of each row of hidden [n, H] (requests[i]: row i's), through `head` (over its
     draft vocabulary; ids come back as target token ids). widths[i] < k: row i's children past
-    its first widths[i] get log-probability -inf (not drafted: no candidates).
+    its first widths[i] get log-probability -inf (not drafted: no candidates). With `penalties`,
+    the logits of row i are first processed as the target's row after the committed output and
+    the tokens `paths[i]` (the node's path below the root: engine/penalties.py).
 
     Greedy rows: the draft's k most probable tokens, with their log-probabilities at
     `temperature` (the ranking: module docstring). Sampled rows:
@@ -88,6 +92,8 @@ def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Reques
     out of tokens gets -inf (it is no candidate).
     """
     logits = head(hidden)  # [n, V'] float32 over the draft vocabulary
+    if penalties is not None:
+        penalties.apply_to_drafts(logits, requests, paths, head.token_ids)
     device = logits.device
     k = min(k, logits.shape[-1])
     lp, ids = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1).topk(k, dim=-1)
@@ -124,6 +130,15 @@ def tree_children(head: DraftLMHead, hidden: torch.Tensor, requests: list[Reques
         past = torch.arange(k, device=device) >= torch.tensor(widths, device=device).unsqueeze(1)
         lp = lp.masked_fill(past, float("-inf"))
     return (ids if head.token_ids is None else head.token_ids[ids]), lp, q_rows
+
+
+def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens from the root's child down to `node` in an expanded tree (root: index 0)."""
+    path = []
+    while node > 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
 
 
 class TreeUniforms:
@@ -195,6 +210,7 @@ def grow_trees(
     run_level: Callable[[list[int], list[DraftTree], list[int]], torch.Tensor],
     temperature: float = 1.0,
     min_logprob: float = float("-inf"),
+    penalties: Penalties | None = None,
 ) -> tuple[list[Draft], int]:
     """Draft one tree per request (module docstring); returns the drafts and the forwards run.
 
@@ -208,7 +224,8 @@ def grow_trees(
     depth-d head reads after each of them ([sum(counts), H], request by request). temperature:
     the greedy trees' ranking temperature (the drafter's `tree_temperature`); min_logprob: their
     floor (`build_dynamic_trees`; sampled trees take none: keeping a draw by its value would bias
-    the rejection sampler). depths[r] >= 1
+    the rejection sampler); penalties: the runner's, each node's children drafted under them after
+    its path (`tree_children`). depths[r] >= 1
     levels per request; the caller caps them by the scratch slots the request's blocks hold (the
     root and 1 + widths[r] * (depth - 1) expanded nodes' KV after it, at most: `scratch_depths`).
 
@@ -222,7 +239,7 @@ def grow_trees(
     device = root_hidden.device
     draws = TreeUniforms(requests, widths, depths, generators, device)
     ids, lp, q_rows = tree_children(heads[0], root_hidden, requests, draws.level(list(range(num_reqs)), max(widths)),
-                                    max(widths), widths, temperature)
+                                    max(widths), widths, temperature, penalties, [[] for _ in requests])
     k = ids.shape[1]  # children per node: the widest request's (at most the draft vocabulary)
     width_t = torch.tensor(widths, device=device)
     levels = [first_level(ids, lp)]
@@ -267,8 +284,11 @@ def grow_trees(
             num_forwards += 1
             rows = [i for i, c in zip(active, counts, strict=True) for _ in range(c)]
             head = heads[min(d, len(heads) - 1)]
+            paths = None
+            if penalties is not None:  # each run node's tokens below the root, in run order
+                paths = [_path(*expanded[i], node) for i in active for node in sorted(place[i][-1].values())]
             ids, lp, q_rows = tree_children(head, hidden, [requests[i] for i in rows], draws.level(rows, k),
-                                            k, [widths[i] for i in rows], temperature)
+                                            k, [widths[i] for i in rows], temperature, penalties, paths)
             at = torch.tensor(slots, device=device)
             all_ids.index_copy_(0, at, ids)
             all_lp.index_copy_(0, at, lp)
