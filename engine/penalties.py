@@ -22,8 +22,8 @@ j-th draft is chosen after the committed output and drafts 1..j-1, exactly the h
 row j is penalized with, so a drafter that matches the target keeps matching it under penalties
 (a greedy draft is the penalized argmax the target will take). The draft's distribution q is the
 penalized one it was drawn from, so rejection sampling stays exact. The drafter pool drafts under
-them too (the calls carry them: engine/spec_decode/remote.py `DraftPenalties`). Token trees draft
-from the unpenalized drafter: still exact, only less often accepted.
+them too (the calls carry them: engine/spec_decode/remote.py `DraftPenalties`), and so does a token
+tree, each node's children after the node's path (`tree_drafting.tree_children`).
 
 Each request's output counts are kept per request and extended by the tokens committed since its
 last step, so a step costs its new tokens and its drafts, not the whole output.
