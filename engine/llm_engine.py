@@ -35,6 +35,9 @@ from engine.structured_output import GrammarStates
 logger = logging.getLogger("engine")
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
+# A constrained chain may hold this many tokens its grammar forces, past the drafter's k: each is
+# nearly always accepted and costs the verification one row.
+MAX_GRAMMAR_DRAFTS = 12
 
 
 def gpu_kv_budget(total: int, free: int, utilization: float, buffers: int) -> int:
@@ -479,14 +482,21 @@ class LLMEngine:
 
     def _draft_from_grammars(self, drafts: dict) -> None:
         """Constrained decoding requests' chains, with what their grammars force drafted too
-        (`GrammarStates.guide`); not where a sampling drafter's q goes with the drafts, nor trees."""
+        (`GrammarStates.guide`), up to MAX_GRAMMAR_DRAFTS; not where a sampling drafter's q goes
+        with the drafts, nor trees."""
         for request in self.scheduler.running:
             draft = drafts.get(request.request_id)
             if (request.request_id not in self.grammars.matchers or not request.is_decoding
                     or request.spec_tree is not None or (draft is not None and draft.probs is not None)):
                 continue
             chain = request.spec_token_ids if draft is not None else []
-            guided = self.grammars.guide(request, chain, self.speculator.max_k(request))
+            p = request.sampling_params
+            if not p.speculative or p.num_speculative_tokens == 0:
+                continue
+            # forced tokens are nearly always accepted: they may run past the drafter's k
+            room = min(MAX_GRAMMAR_DRAFTS, p.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens - 1)
+            guided = self.grammars.guide(request, chain, max(len(chain), room))
             if guided != chain:
                 request.spec_token_ids = guided
                 self.runner.set_draft_probs(request.request_id, None)

@@ -15,17 +15,17 @@ proposed. A draft the grammar forbids ends the chain before verification:
   rule requires; the drafts after it are cut. Its row is given the previous row's mask (a
   draft that is always rejected never needs the row after it).
 The grammar's state advances only over committed tokens (`commit`); a chain's drafts are tried and
-rolled back while the masks are made (`prepare`).
+rolled back while the masks are made (`prepare`). A request imported from a prefill/decode
+handoff replays its committed output tokens into a fresh state (its params carry the grammar).
 
 Drafting from the grammar (`guide`, the engine's, after the drafter's round): where the grammar
 forces what comes next (a schema's keys and punctuation, the rest of an enum value), llguidance's
 fast-forward tokens are drafted in place of, or after, the drafter's: a chain keeps the drafter's
-tokens while the grammar allows them, and from the first it forbids (or past the drafter's
-last) takes the forced tokens, up to the request's k. They are verified like any draft (a
-deterministic draft: q one-hot), so the output is unchanged; they are accepted wherever the
-model writes the text as the grammar's canonical tokens. Chains with the q of a sampling
-drafter keep their drafts (changing a token would change q). A request imported from a prefill/decode
-handoff replays its committed output tokens into a fresh state (its params carry the grammar).
+tokens while the grammar allows them, and from the first it forbids (or past the drafter's last)
+takes the forced tokens, up to the engine's MAX_GRAMMAR_DRAFTS (past the drafter's k). They are
+verified like any draft (a deterministic draft: q one-hot), so the output is unchanged; they are
+accepted wherever the model writes the text as the grammar's canonical tokens. Chains with the q
+of a sampling drafter keep their drafts (changing a token would change q).
 
 Token trees: every node's row is masked to what the grammar allows after the path to it (a walk
 over the tree that consumes and rolls back each edge). A node the grammar forbids stays in the
