@@ -103,12 +103,7 @@ class Penalties:
         def per_row(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, device=device).repeat_interleave(reps).unsqueeze(1)
 
-        repetition = per_row([p.repetition_penalty for p in params])
-        seen = (out > 0) | prompt
-        view = torch.where(seen, torch.where(view > 0, view / repetition, view * repetition), view)
-        view -= per_row([p.frequency_penalty for p in params]) * out
-        view -= per_row([p.presence_penalty for p in params]) * (out > 0)
-        logits[rows] = view
+        logits[rows] = _penalize(view, out, prompt, *(per_row([getattr(p, name) for p in params]) for name in PENALTIES))
 
     def apply_to_drafts(self, logits: torch.Tensor, requests: list[Request], drafted: list[list[int]] | None,
                         token_ids: torch.Tensor | None = None) -> None:
@@ -162,11 +157,7 @@ class Penalties:
         def per_row(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, device=device).unsqueeze(1)
 
-        repetition = per_row([p.repetition_penalty for p in params])
-        seen = (out > 0) | prompt
-        view = torch.where(seen, torch.where(view > 0, view / repetition, view * repetition), view)
-        view -= per_row([p.frequency_penalty for p in params]) * out
-        view -= per_row([p.presence_penalty for p in params]) * (out > 0)
+        view = _penalize(view, out, prompt, *(per_row([getattr(p, name) for p in params]) for name in PENALTIES))
         logits[rows] = view.to(logits.dtype)
 
     @staticmethod
@@ -208,6 +199,18 @@ class Penalties:
     def check_no_leaks(self, live: list[Request]) -> None:
         stray = sorted(set(self.counts) - {r.request_id for r in live})
         assert not stray, f"penalty counts of requests that are not live: {stray[:5]}"
+
+
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")  # `_penalize`'s order
+
+
+def _penalize(view: torch.Tensor, out: torch.Tensor, prompt: torch.Tensor, repetition: torch.Tensor,
+              frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Rows of logits after the repetition, frequency and presence penalties (per row [P, 1]),
+    given each row's output counts `out` and prompt tokens `prompt` (both [P, columns])."""
+    seen = (out > 0) | prompt
+    view = torch.where(seen, torch.where(view > 0, view / repetition, view * repetition), view)
+    return view - frequency * out - presence * (out > 0)
 
 
 def _path_tokens(scheduled, j: int) -> list[int]:
