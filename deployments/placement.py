@@ -14,6 +14,10 @@ comes from the prefill replica, so the handoff is not part of its TTFT.
 Decision, for a prompt with at least `min_prompt_tokens` uncached tokens (shorter ones and prefix
 -cache hits are prefilled locally: a handoff costs more than they do):
 - the pool failed a call recently (backoff): local;
+- the decode replica is past its own capacity (its streams' tokens alone fill a step of the TPOT
+  budget, or requests wait there for room): remote, whatever the predictions say; a prefill
+  there would only lengthen the queue of streams and handoffs the replica already cannot serve
+  in time, and the pool is where prefill capacity is added;
 - both predictions within the TTFT budget: remote (the decode replica keeps its time for decoding);
 - otherwise the smaller prediction (a decode replica takes prefill work while the pool is saturated,
   in chunks that keep its streams within their TPOT budget).
@@ -53,12 +57,13 @@ class LocalEstimate:
     uncached_tokens: int  # of this prompt, after the prefix cache
     queued_tokens: int  # prompt tokens already waiting in its engine
     tokens_per_s: float | None  # its prefill rate with the streams it runs now (None: unknown)
+    saturated: bool = False  # past its own capacity: no room beside its streams, or requests waiting
 
 
 @dataclass(frozen=True)
 class Placement:
     where: str  # "remote" | "local"
-    reason: str  # no_pool | short | backoff | unmeasured | within_budget | local_faster | remote_faster
+    reason: str  # no_pool | short | backoff | decode_saturated | unmeasured | within_budget | local_faster | remote_faster
     remote_ttft_s: float | None = None
     local_ttft_s: float | None = None
 
@@ -80,6 +85,8 @@ def place(local: LocalEstimate, pool: PoolEstimate | None, min_prompt_tokens: in
     local_rate = local.tokens_per_s or remote_rate
     remote = predicted_ttft_s(pool.queued_tokens, local.uncached_tokens, remote_rate)
     mine = predicted_ttft_s(local.queued_tokens, local.uncached_tokens, local_rate)
+    if local.saturated:
+        return Placement("remote", "decode_saturated", remote, mine)
     if remote is None or mine is None:  # nothing measured on either side yet
         return Placement("remote", "unmeasured", remote, mine)
     if ttft_budget_s is not None and remote <= ttft_budget_s and mine <= ttft_budget_s:

@@ -80,17 +80,21 @@ def local_estimate(engine: Any, prompt: list[int], params: Any, step_budget_s: f
     """This engine's prefill capacity for `prompt` now (run on the engine thread, between steps):
     its tokens outside the prefix cache as this request would use it (a drafting request
     recomputes blocks whose drafter KV was never filled; not counted as a prefix-cache query),
-    the prompt tokens already waiting, and its prefill rate: the measured one, cut while streams
-    decode to the chunk a step within `step_budget_s` leaves beside their tokens."""
+    the prompt tokens already waiting, its prefill rate: the measured one, cut while streams
+    decode to the chunk a step within `step_budget_s` leaves beside their tokens, and whether it
+    is past its own capacity (requests wait here, or its streams' tokens alone fill such a step)."""
     uncached = len(prompt) - engine.num_cached_prompt_tokens(prompt, params)
     stats = engine.stats()
     rate = stats.get("prefill_tokens_per_s")
-    if rate and step_budget_s and stats["num_running"]:
+    saturated = stats["num_waiting"] > 0  # requests wait for a slot or KV here
+    if step_budget_s and stats["num_running"]:
         within = engine.step_cost.tokens_within(step_budget_s)
         if within is not None:
             decode_tokens = sum(1 + len(r.spec_token_ids) for r in engine.scheduler.running)
-            rate = min(rate, max(1, within - decode_tokens) / step_budget_s)
-    return LocalEstimate(uncached, stats["queued_tokens"], rate)
+            saturated = saturated or decode_tokens >= within
+            if rate:
+                rate = min(rate, max(1, within - decode_tokens) / step_budget_s)
+    return LocalEstimate(uncached, stats["queued_tokens"], rate, saturated)
 
 
 def _fewer_tokens(params: Any, n: int) -> Any:

@@ -89,3 +89,43 @@ def test_tracker_sums_live_replicas_rates_and_forgets_silent_ones() -> None:
     tracker.report("r2", 400.0, now=66.0)  # a slower host: the rate moves toward it
     assert 400.0 < tracker.estimate(now=66.0).tokens_per_s < 800.0
     assert tracker.estimate(backing_off=True, now=66.0).backing_off
+
+
+def test_a_decode_replica_past_its_capacity_never_takes_a_prefill() -> None:
+    """Even where it predicts the sooner first token (the pool's queue is long), a decode replica
+    whose streams fill its steps, or where requests wait, sends the prompt to the pool."""
+    saturated = LocalEstimate(1500, 0, 400.0, saturated=True)
+    p = place(saturated, pool(queued=10_000), MIN, BUDGET)
+    assert (p.where, p.reason) == ("remote", "decode_saturated")
+    assert p.local_ttft_s == pytest.approx(3.75) and p.local_ttft_s < p.remote_ttft_s
+    assert place(LocalEstimate(1500, 0, 400.0), pool(queued=10_000), MIN, BUDGET).where == "local"
+    # what still comes first: short prompts and a pool backing off
+    assert place(LocalEstimate(MIN - 1, 0, 400.0, saturated=True), pool(), MIN, BUDGET).reason == "short"
+    assert place(saturated, pool(backing_off=True), MIN, BUDGET).reason == "backoff"
+
+
+def fake_engine(num_waiting: int, running_tokens: list[int], within: int | None, rate: float = 1000.0):
+    """What `local_estimate` reads of an engine: its stats, its step-cost fit's tokens within a
+    budget, its running requests' tokens a step (1 + drafts each)."""
+    from types import SimpleNamespace
+
+    running = [SimpleNamespace(spec_token_ids=[0] * (n - 1)) for n in running_tokens]
+    return SimpleNamespace(
+        num_cached_prompt_tokens=lambda prompt, params: 0,
+        stats=lambda: {"prefill_tokens_per_s": rate, "num_running": len(running), "num_waiting": num_waiting,
+                       "queued_tokens": 300 * num_waiting},
+        step_cost=SimpleNamespace(tokens_within=lambda seconds: within),
+        scheduler=SimpleNamespace(running=running))
+
+
+def test_the_local_estimate_says_when_the_decode_replica_is_past_its_capacity() -> None:
+    from deployments.replica import local_estimate
+
+    prompt = list(range(1500))
+    room = local_estimate(fake_engine(0, [5] * 10, within=100), prompt, None, 0.1)
+    assert not room.saturated and room.tokens_per_s == pytest.approx((100 - 50) / 0.1)
+    full = local_estimate(fake_engine(0, [5] * 20, within=100), prompt, None, 0.1)  # 100 decode tokens a step
+    assert full.saturated
+    waiting = local_estimate(fake_engine(2, [5] * 2, within=100), prompt, None, 0.1)
+    assert waiting.saturated and waiting.queued_tokens == 600
+    assert not local_estimate(fake_engine(0, [], within=None), prompt, None, 0.1).saturated
