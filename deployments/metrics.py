@@ -122,7 +122,7 @@ METRICS: tuple[MetricDef, ...] = (
        "call), fallback (the handoff was lost or could not be imported: prefilled locally).", "where"),
     _c("specdecode_placements_total", "Placement decisions of a decode replica (deployments/placement.py) by where "
        "the prompt went (remote, local) and why (short, backoff, decode_saturated, unmeasured, within_budget, "
-       "local_faster, remote_faster).", "where", "reason"),
+       "over_budget, local_faster, remote_faster).", "where", "reason"),
     _h("specdecode_predicted_ttft_seconds", "Predicted time to first token of each long prompt placed, in the "
        "prefill pool (remote) and on the decode replica (local), whichever it went to.", PREDICTED_TTFT_BUCKETS_S,
        "where"),

@@ -19,8 +19,12 @@ Decision, for a prompt with at least `min_prompt_tokens` uncached tokens (shorte
   there would only lengthen the queue of streams and handoffs the replica already cannot serve
   in time, and the pool is where prefill capacity is added;
 - both predictions within the TTFT budget: remote (the decode replica keeps its time for decoding);
-- otherwise the smaller prediction (a decode replica takes prefill work while the pool is saturated,
-  in chunks that keep its streams within their TPOT budget).
+- both past it: remote (the request misses its budget either way; prefilling it here would only
+  take the decode replica's steps from its streams, and measured past the knee that cost more
+  goodput than it saved: bench/results/amd-zen2/pd.json);
+- otherwise the side within it (a decode replica takes prefill work while the pool is saturated,
+  in chunks that keep its streams within their TPOT budget); without a budget, the smaller
+  prediction.
 Unknown rates (nothing measured yet) are taken to be equal on both sides (same engine settings).
 
 Standard library only: the ingress and the replicas both use it.
@@ -63,7 +67,8 @@ class LocalEstimate:
 @dataclass(frozen=True)
 class Placement:
     where: str  # "remote" | "local"
-    reason: str  # no_pool | short | backoff | decode_saturated | unmeasured | within_budget | local_faster | remote_faster
+    reason: str  # no_pool | short | backoff | decode_saturated | unmeasured | within_budget | over_budget
+    #   | local_faster | remote_faster
     remote_ttft_s: float | None = None
     local_ttft_s: float | None = None
 
@@ -91,6 +96,8 @@ def place(local: LocalEstimate, pool: PoolEstimate | None, min_prompt_tokens: in
         return Placement("remote", "unmeasured", remote, mine)
     if ttft_budget_s is not None and remote <= ttft_budget_s and mine <= ttft_budget_s:
         return Placement("remote", "within_budget", remote, mine)
+    if ttft_budget_s is not None and remote > ttft_budget_s and mine > ttft_budget_s:
+        return Placement("remote", "over_budget", remote, mine)
     if mine < remote:
         return Placement("local", "local_faster", remote, mine)
     return Placement("remote", "remote_faster", remote, mine)

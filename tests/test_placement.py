@@ -37,11 +37,16 @@ def test_a_saturated_pool_sends_long_prompts_to_the_faster_decode_replica() -> N
     assert p.remote_ttft_s == pytest.approx(11.5) and p.local_ttft_s == pytest.approx(3.75)
 
 
-def test_past_the_budget_everywhere_the_faster_side_wins() -> None:
+def test_past_the_budget_everywhere_the_pool_takes_it() -> None:
+    """Both sides past the budget: the pool, even where the decode replica predicts sooner (the
+    request misses either way; its prefill would only slow the decode replica's streams)."""
     busy_local = LocalEstimate(1500, 20_000, 400.0)  # 53.75 s here
     p = place(busy_local, pool(queued=10_000), MIN, BUDGET)  # 11.5 s there
-    assert (p.where, p.reason) == ("remote", "remote_faster")
-    p = place(LocalEstimate(1500, 0, 1000.0), pool(queued=10_000), MIN, BUDGET)
+    assert (p.where, p.reason) == ("remote", "over_budget")
+    sooner_here = LocalEstimate(1500, 2_000, 400.0)  # 8.75 s here, 11.5 s there
+    p = place(sooner_here, pool(queued=10_000), MIN, BUDGET)
+    assert (p.where, p.reason) == ("remote", "over_budget") and p.local_ttft_s < p.remote_ttft_s
+    p = place(LocalEstimate(1500, 0, 1000.0), pool(queued=10_000), MIN, BUDGET)  # within it only here
     assert (p.where, p.reason) == ("local", "local_faster")
 
 
