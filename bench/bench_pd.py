@@ -405,11 +405,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_partial(report: dict, out: str | None) -> None:
-    """The cells so far, in runs/ (git-ignored), or next to --out: a long run that stops early keeps them."""
+    """The cells so far, in runs/ (git-ignored; named after --out when given): a long run that stops
+    early keeps them, and no partial file lands among the checked-in results."""
     from bench.common import write_results
 
-    write_results("pd_partial", report, REPO_ROOT / "runs" / "pd_partial.json" if out is None
-                  else Path(out).with_name("pd_partial.json"))
+    name = "pd_partial.json" if out is None else f"{Path(out).stem}_partial.json"
+    write_results("pd_partial", report, REPO_ROOT / "runs" / name)
 
 
 if __name__ == "__main__":
