@@ -6,18 +6,21 @@ prompt mixes and arrival rates.
         [--configs colocated,disaggregated] [--out PATH]
 
 Each configuration runs on its own embedded Ray Serve with 2 CPUs (one at a time, the same host),
-with the serving defaults (`slo: {ttft_ms: 4000, tpot_ms: 100}`: stall-free chunked prefill in
-every placement, the placement's TTFT budget):
+its replicas scheduling to the SLO the run measures against (`slo: {ttft_ms, tpot_ms}` from
+--slo-*: stall-free chunked prefill in every placement within the TPOT budget, the placement's
+TTFT budget), as a deployment given that SLO would be configured:
 - colocated: 2 engine replicas x 1 CPU (each prefills and decodes its own requests);
 - colocated_unchunked: the same without stall-free chunking (`slo.tpot_ms: null`: a long
   prompt is prefilled in one step, stalling the replica's streams for all of it);
 - disaggregated: 1 prefill replica x 1 CPU + 1 decode replica x 1 CPU; each long prompt's
   prefill placed by predicted TTFT (deployments/placement.py: the pool while both sides are
-  within the budget, else the faster side) and handed over with the drafter's state;
+  within the budget, else the faster side) and handed over with the drafter's state; a prefill
+  replica with nothing else to prefill decodes the request itself (`pool_max_streams`: 2);
+- disaggregated_handoff_only (ablation): every pool prefill handed over (`pool_max_streams`: 0);
 - disaggregated_always_remote: the same with every long prompt sent to the pool (a TTFT budget
   no prediction exceeds), to show what the placement buys;
-- disaggregated_nixl: the handoff by NIXL through Ray Direct Transport;
-- disaggregated_no_drafter_state (ablation): the handoff carries the target's KV only.
+- disaggregated_nixl: the handoff by NIXL through Ray Direct Transport (every pool prefill handed over);
+- disaggregated_no_drafter_state (ablation): the handoff carries the target's KV only (the same).
 Speculation is on (--method, adaptive), the ingress in front as in `make serve`.
 Load: open-loop Poisson arrivals at each rate for --duration seconds; in each mix that fraction
 of the prompts are 1000-1900 tokens of held-out code, the rest ~200; every prompt starts with a
@@ -49,8 +52,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def num_prompts(rate: float, duration: float) -> int:
     """Prompts for one cell: more than its Poisson arrivals will be (no prompt is sent twice)."""
     return int(rate * duration * 1.5) + 30
-CONFIGS = ("colocated", "colocated_unchunked", "disaggregated", "disaggregated_always_remote",
-           "disaggregated_nixl", "disaggregated_no_drafter_state")
+CONFIGS = ("colocated", "colocated_unchunked", "disaggregated", "disaggregated_handoff_only",
+           "disaggregated_always_remote", "disaggregated_nixl", "disaggregated_no_drafter_state")
+# Those whose idle prefill replica decodes; the others hand every pool prefill over (the handoff's
+# ablations measure the handoff).
+POOL_DECODES = ("disaggregated", "disaggregated_always_remote")
 LONG_TOKENS = (1000, 1900)  # a long prompt's length, uniform (the model's limit is 2048 with the output)
 
 
@@ -109,7 +115,8 @@ def prompt_seed(seed: int, mix: float, rate: float) -> int:
     return seed * 100_003 + round(mix * 1000) * 7919 + round(rate * 1000)
 
 
-def start(config_name: str, port: int, method: str = "eagle3", min_prompt_tokens: int = 256):
+def start(config_name: str, port: int, method: str = "eagle3", min_prompt_tokens: int = 256,
+          slo_ms: tuple[float, float] = (4000.0, 50.0)):
     import ray
     from ray import serve
 
@@ -118,16 +125,18 @@ def start(config_name: str, port: int, method: str = "eagle3", min_prompt_tokens
     from deployments.config import AppConfig
 
     args = {"max_num_seqs": 16, "max_queued_requests": 256, "max_prompt_tokens": 1940, "max_tokens": 512,
-            "num_cpus": 1, "replica_wait_timeout_s": 600, "speculative": {"method": method}}
+            "num_cpus": 1, "replica_wait_timeout_s": 600, "speculative": {"method": method},
+            "slo": {"ttft_ms": slo_ms[0], "tpot_ms": slo_ms[1]}}
     if config_name == "colocated_unchunked":
-        args["slo"] = {"tpot_ms": None}
+        args["slo"]["tpot_ms"] = None
     if config_name.startswith("disaggregated"):
         args["mode"] = "disaggregated"
         args["disaggregation"] = {"min_prompt_tokens": min_prompt_tokens,
                                   "with_drafter_state": config_name != "disaggregated_no_drafter_state",
-                                  "transport": "nixl" if config_name.endswith("nixl") else "auto"}
+                                  "transport": "nixl" if config_name.endswith("nixl") else "auto",
+                                  "pool_max_streams": 2 if config_name in POOL_DECODES else 0}
         if config_name == "disaggregated_always_remote":
-            args["slo"] = {"ttft_ms": 3.6e6}
+            args["slo"]["ttft_ms"] = 3.6e6
     config = AppConfig.from_dict(args)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port_for_bench()},
@@ -224,10 +233,16 @@ def summarize(results: list[Result], duration: float, slo_ttft: float, slo_tpot:
 
 
 def handoff_stats() -> dict:
+    """How the decode replica's requests were prefilled, and how many the prefill replica decoded
+    itself (`pool_decoded`: it had room, so no handoff)."""
     from ray import serve
 
     try:
-        return serve.get_deployment_handle("SpecDecode", app_name="pd").prefill_counts.remote().result(timeout_s=30)
+        out = serve.get_deployment_handle("SpecDecode", app_name="pd").prefill_counts.remote().result(timeout_s=30)
+        pool = serve.get_deployment_handle("SpecDecodePrefill", app_name="pd").prefill_counts.remote().result(
+            timeout_s=30)
+        out["pool_decoded"] = pool.get("pool_decoded", 0)
+        return out
     except Exception as e:  # noqa: BLE001 - reported
         return {"error": str(e)}
 
@@ -370,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
               "args": vars(args), "results": {}}
     for name in configs:
         port = free_port_for_bench()
-        start(name, port, args.method, args.min_prompt_tokens)
+        start(name, port, args.method, args.min_prompt_tokens, (args.slo_ttft_ms, args.slo_tpot_ms))
         try:
             for mix in mixes:
                 for rate in rates:
