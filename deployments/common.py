@@ -92,9 +92,10 @@ class HandoffRead:
 
 @dataclass(frozen=True)
 class Prefilled:
-    """Where a resumed request's prompt ended up prefilled, sent before its first message:
-    "remote" (the handoff was imported) or "fallback" (prefilled by the decode replica after the
-    tokens already sent), with the reason for a fallback (no_handoff, lost, refused)."""
+    """Where a disaggregated request's prompt ended up prefilled, sent before its first message:
+    "remote" (the handoff was imported), "fallback" (prefilled by the decode replica after the
+    tokens already sent), with the reason for a fallback (no_handoff, lost, refused), or "pool"
+    (the prefill replica decodes it as well: no handoff)."""
 
     where: str
     reason: str = ""

@@ -182,11 +182,15 @@ class DisaggregationArgs:
     the decode replica the router picks when the handoff is ready. A request waiting for the pool
     holds no decode replica's slot. `with_drafter_state: false` hands over the target's KV only
     (the decode side rebuilds the drafter's state; an ablation for the benchmark). `transport`
-    moves the handoff (deployments/handoff_transport.py): auto, object_store or nixl."""
+    moves the handoff (deployments/handoff_transport.py): auto, object_store or nixl.
+    `pool_max_streams`: a prefill replica given a prompt while it has nothing else to prefill, and
+    fewer streams than this, decodes the request itself (no handoff), as a co-located replica
+    would: at light load both pools decode, past it each keeps its role (0: always hand over)."""
 
     min_prompt_tokens: int = 256
     with_drafter_state: bool = True
     transport: str = "auto"
+    pool_max_streams: int = 2
 
     @classmethod
     def from_dict(cls, data: Any, where: str, check: _Checker) -> DisaggregationArgs | None:
@@ -195,9 +199,11 @@ class DisaggregationArgs:
         threshold = check.integer(f"{where}.min_prompt_tokens", data.get("min_prompt_tokens", cls.min_prompt_tokens), 1)
         with_state = check.boolean(f"{where}.with_drafter_state", data.get("with_drafter_state", cls.with_drafter_state))
         transport = check.string(f"{where}.transport", data.get("transport", cls.transport), HANDOFF_TRANSPORTS)
+        pool_streams = check.integer(f"{where}.pool_max_streams", data.get("pool_max_streams", cls.pool_max_streams), 0)
         if len(check.errors) > n:
             return None
-        return cls(min_prompt_tokens=threshold, with_drafter_state=with_state, transport=transport)
+        return cls(min_prompt_tokens=threshold, with_drafter_state=with_state, transport=transport,
+                   pool_max_streams=pool_streams)
 
 
 @dataclass(frozen=True)

@@ -318,8 +318,9 @@ class SpecDecodeIngress:
         self, elsewhere: PrefillElsewhere, label: str, trace: list[tuple[str, str]], route: str,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """A request a decode replica placed in the prefill pool: the pool's first message(s),
-        then the rest from a decode replica's `resume` with the handoff; a pool that fails (lost,
-        refused, stuck) leaves it to a decode replica's local prefill after what was sent."""
+        then the rest from a decode replica's `resume` with the handoff (or every message from the
+        prefill replica, when it decodes the request itself); a pool that fails (lost, refused,
+        stuck) leaves it to a decode replica's local prefill after what was sent."""
         span = None
         if self.tracing is not None:  # one span over prefill pool, handoff and decode
             parent = self.tracing.parent_context(_Metadata(trace))
@@ -341,9 +342,14 @@ class SpecDecodeIngress:
                         result = item
                         self.pool.report(item.replica_id, item.prefill_tokens_per_s)
                         break
+                    if isinstance(item, Prefilled):  # the prefill replica decodes it too
+                        if span is not None:
+                            span.set_attribute(t.ATTR_PREFILLED, item.where)
+                        continue
+                    self.pool.done(ticket)  # its prompt no longer waits in the pool
                     yield item
                     sent.extend(item.token_ids)
-                    if item.finish_reason:  # it finished on its first token
+                    if item.finish_reason:  # it finished (on its first token, or decoded there)
                         return
             finally:
                 self.pool.done(ticket)

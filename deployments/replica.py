@@ -97,6 +97,17 @@ def local_estimate(engine: Any, prompt: list[int], params: Any, step_budget_s: f
     return LocalEstimate(uncached, stats["queued_tokens"], rate, saturated)
 
 
+def decodes_here(engine: Any, max_streams: int) -> bool:
+    """Whether a prefill replica decodes a prompt it is given itself rather than handing it over
+    (run on its engine thread): nothing else waits or is being prefilled here, and it runs fewer
+    than `max_streams` streams. A later prompt sent here is prefilled beside those streams in
+    stall-free chunks, so the pool keeps most of its rate."""
+    scheduler = engine.scheduler
+    if scheduler.waiting or len(scheduler.running) >= max_streams:
+        return False
+    return all(r.output_token_ids for r in scheduler.running)
+
+
 def _fewer_tokens(params: Any, n: int) -> Any:
     """`params` with `max_tokens` lowered by the `n` tokens already produced elsewhere; once some
     were, the first-token constraint of token healing is met and its prefix already cut."""
@@ -349,15 +360,22 @@ class SpecDecodeServer:
         self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None = None,
         prefix_key: PrefixKey | None = None,
     ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse | PrefillResult]:
-        """The prefill pool's method (called by a decode replica): `Accepted`, the first message(s),
+        """The prefill pool's method (called by the ingress): `Accepted`, the first message(s),
         then a `PrefillResult` whose handoff (target KV, drafter state, first drafts; in Ray's
-        object store, owned by this replica) the decode replica imports; this replica holds its
-        reference until the decode replica closes the call. A request that finishes on its first
-        token ends with its last message instead. `prefix_key` is the router's (unused here)."""
+        object store, owned by this replica) a decode replica imports; this replica holds its
+        reference until the ingress closes the call. A request that finishes on its first token
+        ends with its last message instead. A replica with nothing else to prefill and fewer than
+        `disaggregation.pool_max_streams` streams decodes the request itself (`decodes_here`):
+        `Prefilled("pool")`, then every message. `prefix_key` is the router's (unused here)."""
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
         yield Accepted(self.replica_id)
+        max_streams = self.config.disaggregation.pool_max_streams
+        whole = bool(max_streams) and await self.llm.call(decodes_here, self.llm.engine, max_streams)
+        if whole:
+            self._count_prefill("pool_decoded")
+            yield Prefilled("pool")
         async for item in self._run(prompt, params, label, TraceMetadata(trace_metadata or []), speculating,
-                                    export=True):
+                                    export=not whole):
             yield item
 
     async def _run(

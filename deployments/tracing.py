@@ -99,7 +99,7 @@ ATTR_RESUMED_TOKENS = "specdecode.resumed.num_tokens"  # tokens the client had b
 ATTR_RESUMED_ORDINAL = "specdecode.resumed.ordinal"  # 1 for a request's first resumption, 2 for its second ...
 ATTR_HANDOFF_BYTES = "specdecode.handoff.bytes"
 ATTR_HANDOFF_TRANSPORT = "specdecode.handoff.transport"  # object_store | nixl
-ATTR_PREFILLED = "specdecode.prefilled"  # on a disaggregated span: remote | fallback
+ATTR_PREFILLED = "specdecode.prefilled"  # on a disaggregated span: remote | fallback | pool (it decoded there)
 # where a disaggregated request's prompt was placed, why, and the predicted times to first token
 ATTR_PLACEMENT = "specdecode.placement"  # remote | local
 ATTR_PLACEMENT_REASON = "specdecode.placement.reason"

@@ -55,7 +55,9 @@ def app_config(target: str, drafter: str, tracing: dict | None = None, **disaggr
         "model": target, "device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_queued_requests": 16,
         "max_prompt_tokens": 200, "max_tokens": 400, "default_max_tokens": 16, "num_cpus": 1,
         "speculative": {"method": "draft", "model": drafter, "num_speculative_tokens": K, "adaptive": False},
-        "mode": "disaggregated", "disaggregation": {"min_prompt_tokens": THRESHOLD, **disaggregation},
+        # every pool prefill handed over unless a test says otherwise: these tests are of the handoff
+        "mode": "disaggregated", "disaggregation": {"min_prompt_tokens": THRESHOLD, "pool_max_streams": 0,
+                                                    **disaggregation},
     })
 
 
@@ -528,3 +530,72 @@ def test_lost_prefill_replica_falls_back_to_a_local_prefill(served: Served, colo
     assert counts == {"fallback": 1, "fallback_no_handoff": 1}, counts
     _, _, counts = run_variant(served, colocated, 14)  # a new prompt, within PREFILL_BACKOFF_FIRST_S of the failure
     assert counts == {"local_backoff": 1}, counts
+
+
+def test_an_idle_prefill_replica_decodes_what_it_prefills(served: Served, colocated) -> None:
+    """`pool_max_streams` 1 (an application of its own): a long prompt sent to an idle prefill
+    pool is decoded there, without a handoff, and equals co-located; of three sent at once, those
+    that find the prefill replica busy are handed over as usual; a prefill replica lost while it
+    decodes a stream leaves the rest to a decode replica's local prefill after the tokens already
+    sent (the client sees the co-located tokens and no error)."""
+    from ray import serve
+
+    from deployments.app import bind_app
+    from deployments.replica import SpecDecodeServer
+
+    app, die = "pd-pool-decodes", "die-while-decoding"
+
+    class DyingPrefill(SpecDecodeServer):
+        async def prefill(self, prompt, params, label, trace_metadata=None, prefix_key=None):  # noqa: ANN001, ANN201
+            num_messages = 0
+            async for item in super().prefill(prompt, params, label, trace_metadata, prefix_key):
+                yield item
+                num_messages += hasattr(item, "token_ids")
+                if label == die and num_messages == 5:
+                    import os
+
+                    os._exit(1)
+
+    config = app_config(served.target, served.drafter, transport="object_store", pool_max_streams=1)
+    decode = {"ray_actor_options": {"num_cpus": 0, "resources": {"decode": 1}}}
+    prefill = {"ray_actor_options": {"num_cpus": 0, "resources": {"prefill": 1}}}
+    serve.run(bind_app(config, decode, prefill_overrides=prefill, prefill_cls=DyingPrefill), name=app,
+              route_prefix=f"/{app}")
+    try:
+        def counts(name: str) -> dict:
+            return serve.get_deployment_handle(name, app_name=app).prefill_counts.remote().result(timeout_s=30)
+
+        params = dict(max_tokens=200, temperature=0.0, ignore_eos=True)
+        rng = random.Random(41)
+        prompts = [[rng.randrange(3, 97) for _ in range(THRESHOLD + 30)] for _ in range(5)]
+        got: dict[int, list[int]] = {}
+
+        def send(i: int, request_id: str = "") -> None:
+            with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
+                got[i] = collect(client.generate(prompts[i], request_id=request_id, **params))[0]
+
+        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
+            client.wait_ready(120)
+        send(0)
+        assert got[0] == reference(colocated, prompts[0], **params)
+        assert counts("SpecDecodePrefill").get("pool_decoded") == 1
+        assert not counts("SpecDecode").get("remote")  # no handoff
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in (1, 2, 3)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.05)
+        for thread in threads:
+            thread.join(120)
+        for i in (1, 2, 3):
+            assert got[i] == reference(colocated, prompts[i], **params), i
+        pool_decoded, remote = counts("SpecDecodePrefill").get("pool_decoded", 0) - 1, counts("SpecDecode").get("remote", 0)
+        assert pool_decoded + remote == 3 and remote >= 1, (pool_decoded, remote)
+
+        before = counts("SpecDecode")
+        send(4, die)  # the prefill replica is idle again, so it decodes this one, and dies doing it
+        assert got[4] == reference(colocated, prompts[4], **params)
+        after = counts("SpecDecode")
+        assert after.get("fallback_no_handoff", 0) == before.get("fallback_no_handoff", 0) + 1, (before, after)
+    finally:
+        serve.delete(app)

@@ -134,3 +134,21 @@ def test_the_local_estimate_says_when_the_decode_replica_is_past_its_capacity() 
     waiting = local_estimate(fake_engine(2, [5] * 2, within=100), prompt, None, 0.1)
     assert waiting.saturated and waiting.queued_tokens == 600
     assert not local_estimate(fake_engine(0, [], within=None), prompt, None, 0.1).saturated
+
+
+def test_a_prefill_replica_decodes_a_prompt_only_with_nothing_else_to_prefill_and_room() -> None:
+    """`decodes_here`: below `pool_max_streams` streams, none of them still prefilling, and no
+    request waiting; otherwise the prompt is handed over (the pool keeps its prefill rate)."""
+    from types import SimpleNamespace
+
+    from deployments.replica import decodes_here
+
+    def engine(outputs: list[int], num_waiting: int = 0):
+        running = [SimpleNamespace(output_token_ids=[7] * n) for n in outputs]
+        return SimpleNamespace(scheduler=SimpleNamespace(running=running, waiting=[object()] * num_waiting))
+
+    assert decodes_here(engine([]), 2)
+    assert decodes_here(engine([3]), 2)
+    assert not decodes_here(engine([3, 9]), 2)  # as many streams as allowed
+    assert not decodes_here(engine([3, 0]), 3)  # one still being prefilled
+    assert not decodes_here(engine([], num_waiting=1), 2)
