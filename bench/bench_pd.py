@@ -14,13 +14,13 @@ TTFT budget), as a deployment given that SLO would be configured:
   prompt is prefilled in one step, stalling the replica's streams for all of it);
 - disaggregated: 1 prefill replica x 1 CPU + 1 decode replica x 1 CPU; each long prompt's
   prefill placed by predicted TTFT (deployments/placement.py: the pool while both sides are
-  within the budget, else the faster side) and handed over with the drafter's state; a prefill
-  replica with nothing else to prefill decodes the request itself (`pool_max_streams`: 2);
-- disaggregated_handoff_only (ablation): every pool prefill handed over (`pool_max_streams`: 0);
+  within the budget, else the faster side) and handed over with the drafter's state;
+- disaggregated_pool_decodes (ablation): the same, a prefill replica with nothing else to
+  prefill decoding the request itself while it runs fewer than 2 streams (`pool_max_streams`);
 - disaggregated_always_remote: the same with every long prompt sent to the pool (a TTFT budget
   no prediction exceeds), to show what the placement buys;
-- disaggregated_nixl: the handoff by NIXL through Ray Direct Transport (every pool prefill handed over);
-- disaggregated_no_drafter_state (ablation): the handoff carries the target's KV only (the same).
+- disaggregated_nixl: the handoff by NIXL through Ray Direct Transport;
+- disaggregated_no_drafter_state (ablation): the handoff carries the target's KV only.
 Speculation is on (--method, adaptive), the ingress in front as in `make serve`.
 Load: open-loop Poisson arrivals at each rate for --duration seconds; in each mix that fraction
 of the prompts are 1000-1900 tokens of held-out code, the rest ~200; every prompt starts with a
@@ -52,11 +52,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def num_prompts(rate: float, duration: float) -> int:
     """Prompts for one cell: more than its Poisson arrivals will be (no prompt is sent twice)."""
     return int(rate * duration * 1.5) + 30
-CONFIGS = ("colocated", "colocated_unchunked", "disaggregated", "disaggregated_handoff_only",
+CONFIGS = ("colocated", "colocated_unchunked", "disaggregated", "disaggregated_pool_decodes",
            "disaggregated_always_remote", "disaggregated_nixl", "disaggregated_no_drafter_state")
-# Those whose idle prefill replica decodes; the others hand every pool prefill over (the handoff's
-# ablations measure the handoff).
-POOL_DECODES = ("disaggregated", "disaggregated_always_remote")
 LONG_TOKENS = (1000, 1900)  # a long prompt's length, uniform (the model's limit is 2048 with the output)
 
 
@@ -134,7 +131,7 @@ def start(config_name: str, port: int, method: str = "eagle3", min_prompt_tokens
         args["disaggregation"] = {"min_prompt_tokens": min_prompt_tokens,
                                   "with_drafter_state": config_name != "disaggregated_no_drafter_state",
                                   "transport": "nixl" if config_name.endswith("nixl") else "auto",
-                                  "pool_max_streams": 2 if config_name in POOL_DECODES else 0}
+                                  "pool_max_streams": 2 if config_name == "disaggregated_pool_decodes" else 0}
         if config_name == "disaggregated_always_remote":
             args["slo"]["ttft_ms"] = 3.6e6
     config = AppConfig.from_dict(args)

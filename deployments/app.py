@@ -87,7 +87,8 @@ def bind_app(
         prefill = serve.deployment(prefill_cls or cls, name=PREFILL_DEPLOYMENT_NAME)
         prefill_app = prefill.options(**deployment_options(config, prefill_overrides)).bind(config, **pool)
     engine = serve.deployment(cls, name=DEPLOYMENT_NAME)
-    engine_app = engine.options(**deployment_options(config, overrides)).bind(config, **pool)
+    role = {"role": "decode"} if config.mode == "disaggregated" else {}
+    engine_app = engine.options(**deployment_options(config, overrides)).bind(config, **pool, **role)
     ingress = serve.deployment(SpecDecodeIngress, name=INGRESS_DEPLOYMENT_NAME)
     # the ingress probes the drafter pool for its health (deployments/health.py); the engine replicas draft through it
     return ingress.options(**ingress_options(config, ingress_overrides)).bind(

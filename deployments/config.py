@@ -185,12 +185,13 @@ class DisaggregationArgs:
     moves the handoff (deployments/handoff_transport.py): auto, object_store or nixl.
     `pool_max_streams`: a prefill replica given a prompt while it has nothing else to prefill, and
     fewer streams than this, decodes the request itself (no handoff), as a co-located replica
-    would: at light load both pools decode, past it each keeps its role (0: always hand over)."""
+    would (0, the default: it always hands over; measured in bench/bench_pd.py, its streams slow
+    the pool's next prefills by more than they spare the decode replica)."""
 
     min_prompt_tokens: int = 256
     with_drafter_state: bool = True
     transport: str = "auto"
-    pool_max_streams: int = 2
+    pool_max_streams: int = 0
 
     @classmethod
     def from_dict(cls, data: Any, where: str, check: _Checker) -> DisaggregationArgs | None:

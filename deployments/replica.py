@@ -66,6 +66,10 @@ from protos.specdecode.v1 import specdecode_pb2 as pb
 logger = logging.getLogger("ray.serve")
 
 HEALTH_CHECK_TIMEOUT_S = 30.0
+# The longest step a decode replica takes while nothing decodes there (a local prefill): a
+# handoff arriving meanwhile waits for the step, its first token already sent. Long enough that
+# a local prefill loses little to per-step costs (steps of the TPOT budget made it 2x slower).
+HANDOFF_STALL_S = 0.5
 # Limits on fields the proto leaves unbounded (each is named in the error a client gets).
 MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform noise to float32
 MAX_SPECULATIVE_TOKENS = 64
@@ -76,24 +80,25 @@ MAX_TEMPLATE_ERROR_CHARS = 200
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
-def local_estimate(engine: Any, prompt: list[int], params: Any, step_budget_s: float | None) -> LocalEstimate:
+def local_estimate(engine: Any, prompt: list[int], params: Any) -> LocalEstimate:
     """This engine's prefill capacity for `prompt` now (run on the engine thread, between steps):
     its tokens outside the prefix cache as this request would use it (a drafting request
     recomputes blocks whose drafter KV was never filled; not counted as a prefix-cache query),
-    the prompt tokens already waiting, its prefill rate: the measured one, cut while streams
-    decode to the chunk a step within `step_budget_s` leaves beside their tokens, and whether it
-    is past its own capacity (requests wait here, or its streams' tokens alone fill such a step)."""
+    the prompt tokens already waiting, its prefill rate: the measured one, cut to the chunk that
+    the scheduler's step budget (`Scheduler.step_budget_s`: the TPOT budget while streams decode,
+    the idle step budget if any with none) leaves beside the streams' tokens, and whether it is
+    past its own capacity (requests wait here, or its streams' tokens alone fill such a step)."""
     uncached = len(prompt) - engine.num_cached_prompt_tokens(prompt, params)
     stats = engine.stats()
     rate = stats.get("prefill_tokens_per_s")
     saturated = stats["num_waiting"] > 0  # requests wait for a slot or KV here
-    if step_budget_s and stats["num_running"]:
-        within = engine.step_cost.tokens_within(step_budget_s)
-        if within is not None:
-            decode_tokens = sum(1 + len(r.spec_token_ids) for r in engine.scheduler.running)
-            saturated = saturated or decode_tokens >= within
-            if rate:
-                rate = min(rate, max(1, within - decode_tokens) / step_budget_s)
+    budget_s = engine.scheduler.step_budget_s()
+    within = engine.step_cost.tokens_within(budget_s) if budget_s else None
+    if within is not None:
+        decode_tokens = sum(1 + len(r.spec_token_ids) for r in engine.scheduler.running)
+        saturated = saturated or (decode_tokens > 0 and decode_tokens >= within)
+        if rate:
+            rate = min(rate, max(1, within - decode_tokens) / budget_s)
     return LocalEstimate(uncached, stats["queued_tokens"], rate, saturated)
 
 
@@ -134,9 +139,12 @@ class TraceMetadata:
 
 
 class SpecDecodeServer:
-    """One engine replica: an AsyncLLM (target + drafter on one device) behind `generate`."""
+    """One engine replica: an AsyncLLM (target + drafter on one device) behind `generate`.
+    `role` "decode" (the decode pool of a disaggregated app) keeps steps with nothing decoding
+    within HANDOFF_STALL_S: handoffs arrive with their first token already sent, and one arriving
+    during a whole long prompt's step would stall for all of it."""
 
-    def __init__(self, config: AppConfig, drafter_pool: Any = None) -> None:
+    def __init__(self, config: AppConfig, drafter_pool: Any = None, role: str = "engine") -> None:
         from engine import AsyncLLM
 
         self.config = config
@@ -152,6 +160,8 @@ class SpecDecodeServer:
         self.transports: dict[str, int] = {}  # handoffs received, by transport
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=1000)  # (bytes, seconds) of the last ones
         engine_kwargs = config.engine_kwargs()
+        if role == "decode" and engine_kwargs["decode_step_budget_s"]:
+            engine_kwargs["idle_step_budget_s"] = max(HANDOFF_STALL_S, engine_kwargs["decode_step_budget_s"])
         # speculative.placement: remote: the draft model drafts in the drafter pool (deployments/drafter.py)
         self.drafter_pool = drafter_pool
         remote = {}
@@ -217,11 +227,10 @@ class SpecDecodeServer:
                 yield item
             return
         if pool is not None and self.config.mode == "disaggregated" and calling is None:
-            step_budget_s = self.config.slo.tpot_ms / 1e3 if self.config.slo.tpot_ms else None
             if len(prompt) < self.config.disaggregation.min_prompt_tokens:  # short whatever is cached
                 local = LocalEstimate(len(prompt), 0, None)  # no call into the engine thread (it waits for a step)
             else:
-                local = await self.llm.call(local_estimate, self.llm.engine, prompt, params, step_budget_s)
+                local = await self.llm.call(local_estimate, self.llm.engine, prompt, params)
             ttft_budget_s = self.config.slo.ttft_ms / 1e3 if self.config.slo.ttft_ms else None
             placement = place(local, pool, self.config.disaggregation.min_prompt_tokens, ttft_budget_s)
             self.metrics.on_placement(placement)

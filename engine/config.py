@@ -46,12 +46,17 @@ class SchedulerConfig:
     beside them. While any running request decodes, a step's prefill tokens are cut to what the
     measured step cost (engine/step_cost.py) fits in this time next to the decoding requests'
     tokens, so a long prompt is prefilled over several steps instead of stalling every stream.
-    None: prefill takes all of `max_num_batched_tokens`."""
+    None: prefill takes all of `max_num_batched_tokens`.
+    idle_step_budget_s: the same cut, to this longer time, in steps with nothing decoding, for an
+    engine that streams arrive at already decoding (a decode replica importing handoffs): one
+    that arrives during a step waits for all of it, and a whole long prompt's step would stall
+    its stream for seconds after its first token. None: no cap while nothing decodes."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting_requests: int | None = None
     decode_step_budget_s: float | None = None
+    idle_step_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -63,6 +68,9 @@ class SchedulerConfig:
         b = self.decode_step_budget_s
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < float("inf")):
             raise ValueError(f"decode_step_budget_s must be a number of seconds > 0, or None (no cap), got {b!r}")
+        b = self.idle_step_budget_s
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < float("inf")):
+            raise ValueError(f"idle_step_budget_s must be a number of seconds > 0, or None (no cap), got {b!r}")
 
 
 @dataclass(frozen=True)

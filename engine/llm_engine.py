@@ -124,6 +124,7 @@ class LLMEngine:
         cuda_graphs: bool = True,
         remote_drafter=None,
         decode_step_budget_s: float | None = None,
+        idle_step_budget_s: float | None = None,
     ) -> None:
         """`exact` (engine.model_runner.EXACT_MODES): how a step keeps each token's logits
         independent of how many tokens it computes, so that speculation never changes greedy
@@ -145,12 +146,13 @@ class LLMEngine:
         `decode_step_budget_s` (SchedulerConfig): the step time decoding streams tolerate while
         a prompt is prefilled beside them; prefill chunks are sized to it from the measured step
         cost (`step_cost`, fed every step either way: `stats()["prefill_tokens_per_s"]`). None:
-        prefill takes all of `max_num_batched_tokens`."""
+        prefill takes all of `max_num_batched_tokens`. `idle_step_budget_s` (SchedulerConfig): a
+        cut to that time in steps with nothing decoding, for an engine that imports handoffs."""
         if isinstance(speculative, dict):
             speculative = SpeculativeConfig(**speculative)
         self.cache_config = CacheConfig(block_size, kv_cache_memory_bytes, gpu_memory_utilization, enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, max_waiting_requests, decode_step_budget_s
+            max_num_seqs, max_num_batched_tokens, max_waiting_requests, decode_step_budget_s, idle_step_budget_s
         )
         self.speculative_config = speculative
         self.model_dir = model
@@ -222,6 +224,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs, max_num_batched_tokens, max_model_len, num_lookahead,
             decode_step_budget_s=decode_step_budget_s, step_cost=self.step_cost,
+            idle_step_budget_s=idle_step_budget_s,
         )
         if self.speculator is not None and self.speculator.proposer.kv_coverage is not None:
             self.scheduler.prefix_filter = self.speculator.usable_prefix

@@ -12,7 +12,9 @@ what other components keep for it (`SchedulerOutput.preempted_request_ids`).
 With `decode_step_budget_s`, while any running request decodes, the prefill tokens of a step
 (chunks of running prompts and newly admitted ones) are capped so that the step, decoding
 requests' tokens and drafts included, fits that time by the engine's measured step cost: long
-prompts are prefilled over several steps and the decoding streams keep their pace.
+prompts are prefilled over several steps and the decoding streams keep their pace. With
+`idle_step_budget_s`, steps where nothing decodes yet are capped to that (longer) time: a stream
+imported during a step waits for it.
 """
 
 from __future__ import annotations
@@ -98,9 +100,11 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         decode_step_budget_s: float | None = None,
         step_cost: StepCostModel | None = None,
+        idle_step_budget_s: float | None = None,
     ) -> None:
         """`decode_step_budget_s` (SchedulerConfig) needs `step_cost`, the engine's measured step
-        cost (its `tokens_within(seconds)` is all the scheduler reads)."""
+        cost (its `tokens_within(seconds)` is all the scheduler reads); `idle_step_budget_s` caps
+        steps with nothing decoding."""
         if decode_step_budget_s is not None and step_cost is None:
             raise ValueError("decode_step_budget_s needs a step_cost model (engine.step_cost.StepCostModel)")
         self.block_manager = block_manager
@@ -109,6 +113,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
         self.decode_step_budget_s = decode_step_budget_s
+        self.idle_step_budget_s = idle_step_budget_s
         self.step_cost = step_cost
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -192,19 +197,28 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def step_budget_s(self, decoding: list[Request] | None = None) -> float | None:
+        """The time the next step may take: `decode_step_budget_s` while a stream decodes,
+        `idle_step_budget_s` with none (None: no bound)."""
+        if self.decode_step_budget_s is None:
+            return None
+        if decoding is None:
+            decoding = [r for r in self.running if is_decoding_stream(r)]
+        return self.decode_step_budget_s if decoding else self.idle_step_budget_s
+
     def prefill_token_cap(self) -> int | None:
         """The most prefill tokens the next step may hold beside the decoding requests, or None
-        for no cap (no `decode_step_budget_s`, or nothing decodes). The decoding requests' tokens
-        (one each plus its drafts) are counted first: the cap is what the step cost fits in the
-        budget after them, also within `max_num_batched_tokens`, and at least one KV block, so
-        prefill always progresses."""
+        for no cap (no `decode_step_budget_s`, or nothing decodes and no `idle_step_budget_s`).
+        The decoding requests' tokens (one each plus its drafts) are counted first: the cap is
+        what the step cost fits in the budget after them, also within `max_num_batched_tokens`,
+        and at least one KV block, so prefill always progresses."""
         if self.decode_step_budget_s is None:
             return None
         decoding = [r for r in self.running if is_decoding_stream(r)]
-        if not decoding:
+        if not decoding and self.idle_step_budget_s is None:
             return None
         num_decode_tokens = sum(1 + len(r.spec_token_ids) for r in decoding)
-        within = self.step_cost.tokens_within(self.decode_step_budget_s)
+        within = self.step_cost.tokens_within(self.step_budget_s(decoding))
         cap = UNFITTED_PREFILL_CHUNK if within is None else within - num_decode_tokens
         cap = min(cap, self.max_num_batched_tokens - num_decode_tokens)
         return max(self.block_manager.block_size, cap)

@@ -55,9 +55,7 @@ def app_config(target: str, drafter: str, tracing: dict | None = None, **disaggr
         "model": target, "device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_queued_requests": 16,
         "max_prompt_tokens": 200, "max_tokens": 400, "default_max_tokens": 16, "num_cpus": 1,
         "speculative": {"method": "draft", "model": drafter, "num_speculative_tokens": K, "adaptive": False},
-        # every pool prefill handed over unless a test says otherwise: these tests are of the handoff
-        "mode": "disaggregated", "disaggregation": {"min_prompt_tokens": THRESHOLD, "pool_max_streams": 0,
-                                                    **disaggregation},
+        "mode": "disaggregated", "disaggregation": {"min_prompt_tokens": THRESHOLD, **disaggregation},
     })
 
 
@@ -183,6 +181,20 @@ def test_pools_run_on_separate_nodes(served: Served) -> None:
         return ray.get(replica.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
 
     assert node_of("SpecDecodePrefill") != node_of("SpecDecode")
+
+
+def test_only_the_decode_pool_budgets_steps_with_nothing_decoding(served: Served) -> None:
+    """Handoffs reach the decode replica mid-step, so its steps stay within HANDOFF_STALL_S even
+    before anything decodes there; the prefill replica prefills whole prompts when idle."""
+    import ray
+
+    from deployments.replica import HANDOFF_STALL_S
+
+    def budget(name: str) -> float | None:
+        return ray.get(replica_actor(name).__ray_call__.remote(
+            lambda self: self._replica_impl._user_callable_wrapper.user_callable.llm.engine.scheduler.idle_step_budget_s))
+
+    assert budget("SpecDecode") == HANDOFF_STALL_S and budget("SpecDecodePrefill") is None
 
 
 @pytest.mark.parametrize("length", [THRESHOLD + 40, THRESHOLD // 2])

@@ -68,11 +68,11 @@ def replica_classes(step_s: float, marker: str, restart_s: float, stall: str, st
     from deployments.replica import SpecDecodeServer
 
     class Engine(SpecDecodeServer):
-        def __init__(self, config, drafter_pool=None) -> None:  # noqa: ANN001 - AppConfig, a handle
+        def __init__(self, config, drafter_pool=None, **role) -> None:  # noqa: ANN001, ANN003 - AppConfig, a handle
             deadline = time.monotonic() + restart_s
             while os.path.exists(marker) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            super().__init__(config, drafter_pool)
+            super().__init__(config, drafter_pool, **role)
             execute_step = self.llm.engine.execute_step
 
             def slow_step():  # noqa: ANN202 - execute_step's result

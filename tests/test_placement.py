@@ -109,7 +109,8 @@ def test_a_decode_replica_past_its_capacity_never_takes_a_prefill() -> None:
     assert place(saturated, pool(backing_off=True), MIN, BUDGET).reason == "backoff"
 
 
-def fake_engine(num_waiting: int, running_tokens: list[int], within: int | None, rate: float = 1000.0):
+def fake_engine(num_waiting: int, running_tokens: list[int], within: int | None, rate: float = 1000.0,
+                idle_step_budget_s: float | None = None):
     """What `local_estimate` reads of an engine: its stats, its step-cost fit's tokens within a
     budget, its running requests' tokens a step (1 + drafts each)."""
     from types import SimpleNamespace
@@ -119,21 +120,25 @@ def fake_engine(num_waiting: int, running_tokens: list[int], within: int | None,
         num_cached_prompt_tokens=lambda prompt, params: 0,
         stats=lambda: {"prefill_tokens_per_s": rate, "num_running": len(running), "num_waiting": num_waiting,
                        "queued_tokens": 300 * num_waiting},
-        step_cost=SimpleNamespace(tokens_within=lambda seconds: within),
-        scheduler=SimpleNamespace(running=running))
+        step_cost=SimpleNamespace(tokens_within=lambda seconds: within if within is None else round(within * seconds / 0.1)),
+        scheduler=SimpleNamespace(running=running, step_budget_s=lambda: 0.1 if running else idle_step_budget_s))
 
 
 def test_the_local_estimate_says_when_the_decode_replica_is_past_its_capacity() -> None:
     from deployments.replica import local_estimate
 
     prompt = list(range(1500))
-    room = local_estimate(fake_engine(0, [5] * 10, within=100), prompt, None, 0.1)
+    room = local_estimate(fake_engine(0, [5] * 10, within=100), prompt, None)
     assert not room.saturated and room.tokens_per_s == pytest.approx((100 - 50) / 0.1)
-    full = local_estimate(fake_engine(0, [5] * 20, within=100), prompt, None, 0.1)  # 100 decode tokens a step
+    full = local_estimate(fake_engine(0, [5] * 20, within=100), prompt, None)  # 100 decode tokens a step
     assert full.saturated
-    waiting = local_estimate(fake_engine(2, [5] * 2, within=100), prompt, None, 0.1)
+    waiting = local_estimate(fake_engine(2, [5] * 2, within=100), prompt, None)
     assert waiting.saturated and waiting.queued_tokens == 600
-    assert not local_estimate(fake_engine(0, [], within=None), prompt, None, 0.1).saturated
+    assert not local_estimate(fake_engine(0, [], within=None), prompt, None).saturated
+    assert local_estimate(fake_engine(0, [], within=100), prompt, None).tokens_per_s == 1000.0
+    # a decode replica's idle steps take 0.5 s at most: 500 tokens of them, a 4x longer chunk than beside streams
+    idle = local_estimate(fake_engine(0, [], within=100, rate=2000.0, idle_step_budget_s=0.5), prompt, None)
+    assert idle.tokens_per_s == pytest.approx(500 / 0.5) and not idle.saturated
 
 
 def test_a_prefill_replica_decodes_a_prompt_only_with_nothing_else_to_prefill_and_room() -> None:

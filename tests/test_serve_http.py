@@ -505,7 +505,7 @@ def test_disaggregated_mode_serves_http_the_same(served: Served) -> None:
     args = {"model": served.model, "device": "cpu", "dtype": "float32", "max_num_seqs": 2, "max_prompt_tokens": 64,
             "max_tokens": 64, "default_max_tokens": 16, "mode": "disaggregated",
             "speculative": {"method": "ngram", "model": None, "num_speculative_tokens": 4, "adaptive": False},
-            "disaggregation": {"min_prompt_tokens": 16, "transport": "object_store", "pool_max_streams": 0}}
+            "disaggregation": {"min_prompt_tokens": 16, "transport": "object_store"}}
     no_cpus = {"ray_actor_options": {"num_cpus": 0}}  # the module's Ray has 2 CPUs; the main app holds 1
     serve.run(bind_app(AppConfig.from_dict(args), no_cpus, prefill_overrides=no_cpus), name=pd_app,
               route_prefix=f"/{pd_app}")

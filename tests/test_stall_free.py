@@ -101,9 +101,11 @@ class FakeCost:
     def __init__(self, within: int | None) -> None:
         self.within = within
         self.num_calls = 0
+        self.asked: list[float] = []  # the seconds of each call
 
     def tokens_within(self, seconds: float) -> int | None:
         self.num_calls += 1
+        self.asked.append(seconds)
         return self.within
 
 
@@ -112,10 +114,11 @@ PARAMS = SamplingParams(max_tokens=50, temperature=0.0)
 
 
 def make_scheduler(within: int | None, budget: float | None = 0.05, lookahead: int = 3,
-                   max_num_batched_tokens: int = 2048) -> Scheduler:
+                   max_num_batched_tokens: int = 2048, idle_step_budget_s: float | None = None) -> Scheduler:
     bm = KVBlockManager(1000, BLOCK, enable_prefix_caching=False)
     return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2000,
-                     num_lookahead_tokens=lookahead, decode_step_budget_s=budget, step_cost=FakeCost(within))
+                     num_lookahead_tokens=lookahead, decode_step_budget_s=budget, step_cost=FakeCost(within),
+                     idle_step_budget_s=idle_step_budget_s)
 
 
 def add_decoding(sched: Scheduler, request_id: str, drafts: list[int] = ()) -> Request:
@@ -153,6 +156,29 @@ def test_cap_applies_only_while_something_decodes():
     assert tokens_of(out, d) == (1, 0)
     assert tokens_of(out, long) == (99, 0)
     assert out.num_batched_tokens == 100
+
+
+def test_idle_step_budget_cuts_a_prompt_with_nothing_decoding_too():
+    """A decode replica's engine: a stream imported during a step waits for all of it, so a
+    long prompt goes in chunks of the idle budget even before anything decodes there."""
+    sched = make_scheduler(within=100, idle_step_budget_s=0.5)
+    alone = Request("alone", [2] * 600, PARAMS)
+    sched.add_request(alone)
+    out = sched.schedule()
+    assert tokens_of(out, alone) == (100, 0)
+    commit(sched, out)
+    assert tokens_of(sched.schedule(), alone) == (100, 0)  # every chunk, until it decodes
+
+
+def test_the_step_budget_is_the_tpot_one_while_a_stream_decodes_else_the_idle_one():
+    sched = make_scheduler(within=100, idle_step_budget_s=0.5)
+    assert sched.step_budget_s() == 0.5  # nothing decodes
+    sched.prefill_token_cap()
+    assert sched.step_cost.asked[-1] == 0.5
+    add_decoding(sched, "d")
+    assert sched.step_budget_s() == pytest.approx(0.05)
+    assert make_scheduler(within=100).step_budget_s() is None
+    assert make_scheduler(within=100, budget=None, idle_step_budget_s=0.5).step_budget_s() is None
 
 
 def test_decoding_requests_keep_their_token_and_drafts():
