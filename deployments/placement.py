@@ -3,6 +3,10 @@ replica itself, decided per request from predicted time to first token (as DistS
 and Dynamo's conditional disaggregation decide it).
 
     remote TTFT = (prompt tokens the pool still has to prefill + this prompt) / the pool's rate
+
+"Still has to prefill": the prompts sent there without a first token yet, less what the pool has
+done of those it is working on (each of the oldest, one per replica, at its replica's share of
+the rate since it reached the pool or the pool's last first token, whichever came later).
     local TTFT  = (prompt tokens queued on the decode replica + this prompt) / its rate now
 
 The pool's rate is the sum of its replicas' measured prefill rates (each replica reports its
@@ -117,19 +121,33 @@ class PrefillPoolTracker:
     queue, so the prediction holds as long as they share the load evenly."""
 
     ttl_s: float = REPLICA_RATE_TTL_S
-    _pending: dict[int, int] = field(default_factory=dict)  # ticket -> prompt tokens
+    _pending: dict[int, tuple[int, float]] = field(default_factory=dict)  # ticket -> (prompt tokens, sent at)
     _rates: dict[str, _ReplicaRate] = field(default_factory=dict)  # replica id -> its rate
     _tickets: itertools.count = field(default_factory=itertools.count)
+    _last_done_at: float = float("-inf")  # when the pool last gave a first token
 
-    def sent(self, tokens: int) -> int:
+    def sent(self, tokens: int, now: float | None = None) -> int:
         """A prompt of `tokens` uncached tokens was sent to the pool; returns its ticket."""
         ticket = next(self._tickets)
-        self._pending[ticket] = tokens
+        self._pending[ticket] = (tokens, time.monotonic() if now is None else now)
         return ticket
 
-    def done(self, ticket: int) -> None:
+    def done(self, ticket: int, now: float | None = None) -> None:
         """Its first token came (or the call ended): it no longer waits in the pool."""
-        self._pending.pop(ticket, None)
+        if self._pending.pop(ticket, None) is not None:
+            self._last_done_at = time.monotonic() if now is None else now
+
+    def remaining_tokens(self, tokens_per_s: float | None, num_replicas: int, now: float) -> int:
+        """The pending prompts' tokens less what the pool has prefilled of those in progress: the
+        oldest `num_replicas`, each at its share of `tokens_per_s` since it reached the pool or the
+        pool's last first token, whichever is later (module docstring)."""
+        total = 0.0
+        for i, (tokens, sent_at) in enumerate(self._pending.values()):
+            if tokens_per_s and i < num_replicas:
+                started = max(sent_at, self._last_done_at)
+                tokens = max(0.0, tokens - tokens_per_s / num_replicas * max(0.0, now - started))
+            total += tokens
+        return round(total)
 
     def report(self, replica_id: str, tokens_per_s: float | None, now: float | None = None) -> None:
         """A prefill replica's measured rate (from its `PrefillResult`)."""
@@ -142,7 +160,8 @@ class PrefillPoolTracker:
 
     @property
     def queued_tokens(self) -> int:
-        return sum(self._pending.values())
+        """The pending prompts' tokens, none of their progress taken off."""
+        return sum(tokens for tokens, _ in self._pending.values())
 
     @property
     def num_pending(self) -> int:
@@ -151,4 +170,5 @@ class PrefillPoolTracker:
     def estimate(self, backing_off: bool = False, now: float | None = None) -> PoolEstimate:
         now = time.monotonic() if now is None else now
         live = [r.tokens_per_s for r in self._rates.values() if now - r.seen_at <= self.ttl_s]
-        return PoolEstimate(self.queued_tokens, sum(live) if live else None, len(live), backing_off)
+        rate = sum(live) if live else None
+        return PoolEstimate(self.remaining_tokens(rate, max(1, len(live)), now), rate, len(live), backing_off)

@@ -82,6 +82,27 @@ def test_tracker_counts_what_the_pool_still_has_to_prefill() -> None:
     assert tracker.estimate() == PoolEstimate(0, None, 0, False)
 
 
+def test_the_pool_queue_counts_off_what_the_pool_has_prefilled_since() -> None:
+    """At 1000 tokens/s: a 1500-token prompt sent at t=0 has 500 left at t=1; one sent at 0.5
+    waits behind it untouched; once the first one's first token comes (t=1.5), the second is
+    prefilled from then on."""
+    tracker = PrefillPoolTracker()
+    tracker.report("r1", 1000.0, now=0.0)
+    a = tracker.sent(1500, now=0.0)
+    tracker.sent(1500, now=0.5)
+    assert tracker.estimate(now=1.0).queued_tokens == 500 + 1500
+    assert tracker.estimate(now=9.0).queued_tokens == 1500  # late, but not prefilled twice
+    tracker.done(a, now=1.5)
+    assert tracker.estimate(now=2.0).queued_tokens == 1000
+    assert tracker.queued_tokens == 1500  # what pool_stats shows: the tokens sent, no progress
+    two = PrefillPoolTracker()
+    two.report("r1", 1000.0, now=0.0)
+    two.report("r2", 1000.0, now=0.0)
+    for t in (0.0, 0.0, 0.0):
+        two.sent(1000, now=t)
+    assert two.estimate(now=0.5).queued_tokens == 500 + 500 + 1000  # two in progress, one waiting
+
+
 def test_tracker_sums_live_replicas_rates_and_forgets_silent_ones() -> None:
     tracker = PrefillPoolTracker(ttl_s=60.0)
     tracker.report("r1", 1000.0, now=0.0)
