@@ -223,9 +223,30 @@ class Scheduler:
         cap = min(cap, self.max_num_batched_tokens - num_decode_tokens)
         return max(self.block_manager.block_size, cap)
 
+    def _reserved_for_waiting(self, prefill_left: int | None) -> int:
+        """Of a capped step's prefill tokens, those kept for waiting prompts (first come first
+        served) that are shorter than every prompt still prefilling: a short prompt that arrives
+        during a long one's chunked prefill goes before the rest of it, rather than waiting for all
+        of it (shortest remaining first, which shortens the mean time to first token)."""
+        if prefill_left is None or not self.waiting:
+            return 0
+        left = [r.num_tokens - r.num_computed_tokens for r in self.running if not is_decoding_stream(r)]
+        if not left:
+            return 0
+        reserved, slots = 0, self.max_num_seqs - len(self.running)
+        for request in self.waiting:
+            if slots == 0 or request.num_tokens >= min(left) or reserved + request.num_tokens > prefill_left:
+                break
+            reserved += request.num_tokens
+            slots -= 1
+        return reserved
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         prefill_left = self.prefill_token_cap()  # None: prefill is limited by `budget` only
+        reserved = self._reserved_for_waiting(prefill_left)
+        if reserved:
+            prefill_left -= reserved
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         bm = self.block_manager
@@ -268,6 +289,8 @@ class Scheduler:
             i += 1
 
         # 2) Waiting requests, FCFS, while budget, prefill cap, sequence slots and blocks allow.
+        if reserved:
+            prefill_left += reserved
         while (self.waiting and budget > 0 and (prefill_left is None or prefill_left > 0)
                and len(self.running) < self.max_num_seqs and not preempted):
             request = self.waiting[0]

@@ -211,6 +211,28 @@ def test_cap_is_shared_by_running_prompts_and_new_ones_oldest_first():
     assert tokens_of(out, second) == (59 - 41, 0)
 
 
+def test_a_short_prompt_goes_before_the_rest_of_a_long_one():
+    """Under the cap, a prompt shorter than what a running prompt has left to prefill takes its
+    tokens first (it would otherwise wait for the whole long prompt); the long one gets the rest."""
+    sched = make_scheduler(within=60)
+    d = add_decoding(sched, "d")
+    long = Request("long", [2] * 500, PARAMS)
+    sched.add_request(long)
+    commit(sched, sched.schedule())  # 59 of its 500 tokens
+    short = Request("short", [5] * 20, PARAMS)
+    sched.add_request(short)
+    out = sched.schedule()
+    assert tokens_of(out, d) == (1, 0)
+    assert tokens_of(out, short) == (20, 0)  # all of it, this step
+    assert tokens_of(out, long) == (59 - 20, 0)
+    commit(sched, out)
+    assert short.num_output_tokens == 1 and long.num_output_tokens == 0
+    too_long = Request("too_long", [5] * 450, PARAMS)  # not shorter than the 402 tokens long has left
+    sched.add_request(too_long)
+    out = sched.schedule()
+    assert tokens_of(out, long)[0] > 0 and too_long not in [s.request for s in out.scheduled]
+
+
 def test_cap_never_goes_below_one_block_and_falls_back_before_a_fit():
     sched = make_scheduler(within=0)  # a step's fixed cost already exceeds the budget
     add_decoding(sched, "d", [3, 3])
