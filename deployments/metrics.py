@@ -119,7 +119,8 @@ METRICS: tuple[MetricDef, ...] = (
     _c("specdecode_prefills_total", "Prefills of decode replicas' requests by where they ran: remote (prefill "
        "pool), local (short prompt or prefix-cache hit), local_faster (a long prompt predicted to reach its first token "
        "sooner here than in the prefill pool), local_backoff (a long prompt shortly after the prefill pool failed a "
-       "call), fallback (the handoff was lost or could not be imported: prefilled locally).", "where"),
+       "call), fallback (the handoff was lost or could not be imported: prefilled locally); on a prefill replica, "
+       "pool_decoded (it decoded the request itself: disaggregation.pool_max_streams).", "where"),
     _c("specdecode_placements_total", "Placement decisions of a decode replica (deployments/placement.py) by where "
        "the prompt went (remote, local) and why (short, backoff, decode_saturated, unmeasured, within_budget, "
        "over_budget, local_faster, remote_faster).", "where", "reason"),

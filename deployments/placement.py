@@ -3,11 +3,11 @@ replica itself, decided per request from predicted time to first token (as DistS
 and Dynamo's conditional disaggregation decide it).
 
     remote TTFT = (prompt tokens the pool still has to prefill + this prompt) / the pool's rate
+    local TTFT  = (prompt tokens queued on the decode replica + this prompt) / its rate now
 
 "Still has to prefill": the prompts sent there without a first token yet, less what the pool has
 done of those it is working on (each of the oldest, one per replica, at its replica's share of
 the rate since it reached the pool or the pool's last first token, whichever came later).
-    local TTFT  = (prompt tokens queued on the decode replica + this prompt) / its rate now
 
 The pool's rate is the sum of its replicas' measured prefill rates (each replica reports its
 engine's fitted rate with every prefill it finishes); the decode replica's rate is its own
