@@ -45,6 +45,7 @@ class PrefillElsewhere:
     placement: Any  # deployments.placement.Placement
     uncached_tokens: int
     speculating: bool
+    tools: list | None = None  # deployments.tools.Tool: the calls are parsed from the output
 
 
 @dataclass(frozen=True)

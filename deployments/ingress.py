@@ -331,9 +331,9 @@ class SpecDecodeIngress:
             trace = self.tracing.metadata(span)
         key = PrefixKey(CacheConfig.block_size, tuple(prefix_block_hashes(elsewhere.prompt, CacheConfig.block_size)))
         prefill_call = self.prefill_pool.prefill.remote(elsewhere.prompt, elsewhere.params, label, trace,
-                                                        prefix_key=key)
+                                                        prefix_key=key, tools=elsewhere.tools)
         ticket = self.pool.sent(elsewhere.uncached_tokens)
-        sent: list[int] = []
+        sent = _Sent()
         result: PrefillResult | None = None
         try:
             try:
@@ -348,7 +348,7 @@ class SpecDecodeIngress:
                         continue
                     self.pool.done(ticket)  # its prompt no longer waits in the pool
                     yield item
-                    sent.extend(item.token_ids)
+                    sent.add(item)
                     if item.finish_reason:  # it finished (on its first token, or decoded there)
                         return
             finally:
@@ -386,15 +386,16 @@ class SpecDecodeIngress:
 
     async def _resume(
         self, elsewhere: PrefillElsewhere, label: str, trace: list[tuple[str, str]], result: PrefillResult | None,
-        sent: list[int], prefill_call, span,
+        sent: _Sent, prefill_call, span,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The request's messages after `sent` from a decode replica (picked now, by load and KV
         room), retried on another while that replica sent nothing (the handoff stays readable
         until the prefill call closes)."""
         num_sent = 0
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            response = self.stream.resume.remote(elsewhere.prompt, elsewhere.params, label, trace, result, sent,
-                                                 elsewhere.speculating)
+            response = self.stream.resume.remote(elsewhere.prompt, elsewhere.params, label, trace, result,
+                                                 sent.token_ids, elsewhere.speculating, tools=elsewhere.tools,
+                                                 num_sent_chars=sent.num_chars)
             try:
                 async for item in self._relay(response):
                     if isinstance(item, HandoffRead):

@@ -113,18 +113,6 @@ def decodes_here(engine: Any, max_streams: int) -> bool:
     return all(r.output_token_ids for r in scheduler.running)
 
 
-def _fewer_tokens(params: Any, n: int) -> Any:
-    """`params` with `max_tokens` lowered by the `n` tokens already produced elsewhere; once some
-    were, the first-token constraint of token healing is met and its prefix already cut."""
-    import dataclasses
-
-    if n == 0:
-        return params
-    return dataclasses.replace(
-        params, max_tokens=max(1, params.max_tokens - n), first_token_ids=None, healed_prefix=""
-    )
-
-
 class TraceMetadata:
     """The caller's W3C trace headers, shaped like the gRPC context `parent_context` reads, the
     method or HTTP route the request came in by, and where its prompt was placed (span attributes)."""
@@ -226,7 +214,7 @@ class SpecDecodeServer:
             async for item in self._run_completions(prompt, params, n, best_of, label, trace, speculating, calling):
                 yield item
             return
-        if pool is not None and self.config.mode == "disaggregated" and calling is None:
+        if pool is not None and self.config.mode == "disaggregated":
             if len(prompt) < self.config.disaggregation.min_prompt_tokens:  # short whatever is cached
                 local = LocalEstimate(len(prompt), 0, None)  # no call into the engine thread (it waits for a step)
             else:
@@ -235,7 +223,7 @@ class SpecDecodeServer:
             placement = place(local, pool, self.config.disaggregation.min_prompt_tokens, ttft_budget_s)
             self.metrics.on_placement(placement)
             if placement.where == "remote":
-                yield PrefillElsewhere(prompt, params, placement, local.uncached_tokens, speculating)
+                yield PrefillElsewhere(prompt, params, placement, local.uncached_tokens, speculating, calling)
                 return
             self._count_prefill({"local_faster": "local_faster", "backoff": "local_backoff"}.get(placement.reason, "local"))
             trace.placement = placement
@@ -314,13 +302,17 @@ class SpecDecodeServer:
 
     async def resume(
         self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None,
-        result: PrefillResult | None, sent: list[int], speculating: bool,
+        result: PrefillResult | None, sent: list[int], speculating: bool, tools: list[Tool] | None = None,
+        num_sent_chars: int = 0,
     ) -> AsyncIterator[Accepted | ClientError | HandoffRead | Prefilled | pb.GenerateResponse]:
         """Continue a request the prefill pool prefilled (called by the ingress once its handoff
         is ready; the client already has `sent`): `Accepted`, `HandoffRead` once the handoff is
         here (its prefill call can close), `Prefilled`, then the messages after `sent`. A lost
         handoff, a refused import or none at all (`result` None: the pool failed) is prefilled
-        here after the tokens already sent (`fallback`): the client never sees it."""
+        here after the tokens already sent (`fallback`; `num_sent_chars` characters of their text):
+        they count toward max_tokens, penalties and the grammar as the request's own output, so
+        the client never sees the difference. With `tools`, the last message carries the calls
+        parsed from the whole output."""
         yield Accepted(self.replica_id)
         trace = TraceMetadata(trace_metadata or [])
         fetched = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
@@ -335,7 +327,7 @@ class SpecDecodeServer:
             handoff, seconds = fetched
             fetched = None
             stream = self._run(prompt, params, label, trace, speculating, handoff=handoff,
-                               num_emitted_chars=result.num_emitted_chars, drainable=True)
+                               num_emitted_chars=result.num_emitted_chars, tools=tools, drainable=True)
             handoff = None
             first = True
             async for item in stream:
@@ -361,13 +353,13 @@ class SpecDecodeServer:
         self._count_prefill("fallback")
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         yield Prefilled("fallback", reason)
-        async for item in self._run(prompt + sent, _fewer_tokens(params, len(sent)), label, trace, speculating,
-                                    already_sent=sent, drainable=True):
+        async for item in self._run(prompt, params, label, trace, speculating, already_sent=sent,
+                                    num_emitted_chars=num_sent_chars, tools=tools, drainable=True):
             yield item
 
     async def prefill(
         self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None = None,
-        prefix_key: PrefixKey | None = None,
+        prefix_key: PrefixKey | None = None, tools: list[Tool] | None = None,
     ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse | PrefillResult]:
         """The prefill pool's method (called by the ingress): `Accepted`, the first message(s),
         then a `PrefillResult` whose handoff (target KV, drafter state, first drafts; in Ray's
@@ -375,7 +367,8 @@ class SpecDecodeServer:
         reference until the ingress closes the call. A request that finishes on its first token
         ends with its last message instead. A replica with nothing else to prefill and fewer than
         `disaggregation.pool_max_streams` streams decodes the request itself (`decodes_here`):
-        `Prefilled("pool")`, then every message. `prefix_key` is the router's (unused here)."""
+        `Prefilled("pool")`, then every message. With `tools`, a request that finishes here ends
+        with the calls parsed from its output. `prefix_key` is the router's (unused here)."""
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
         yield Accepted(self.replica_id)
         max_streams = self.config.disaggregation.pool_max_streams
@@ -384,7 +377,7 @@ class SpecDecodeServer:
             self._count_prefill("pool_decoded")
             yield Prefilled("pool")
         async for item in self._run(prompt, params, label, TraceMetadata(trace_metadata or []), speculating,
-                                    export=not whole):
+                                    export=not whole, tools=tools):
             yield item
 
     async def _run(
@@ -413,7 +406,7 @@ class SpecDecodeServer:
             stream = self.llm.generate(prompt, params, request_id=request_id, export_after_prefill=export,
                                        handoff=handoff, num_emitted_chars=num_emitted_chars,
                                        with_drafter_state=self.config.disaggregation.with_drafter_state,
-                                       output_token_ids=resume.token_ids if resume is not None else None)
+                                       output_token_ids=resume.token_ids if resume is not None else already_sent)
             handoff = None  # the engine copies it into its own blocks; do not hold it for the whole stream
             if self.tracing is not None:
                 attributes = grpc_span_attributes(trace.route, self.replica_id, params, speculating, label)
@@ -454,9 +447,6 @@ class SpecDecodeServer:
                     if calls:
                         message.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
                         message.finish_reason = pb.FINISH_REASON_TOOL_CALLS
-                if already_sent and out.finished:  # a fallback prefill took the sent tokens as prompt
-                    message.usage.prompt_tokens -= len(already_sent)
-                    message.usage.completion_tokens += len(already_sent)
                 yield message
         except InvalidRequestError as e:
             yield ClientError(grpc.StatusCode.INVALID_ARGUMENT, str(e))

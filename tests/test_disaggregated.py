@@ -21,6 +21,7 @@ import grpc
 import pytest
 from helpers import SERVICERS, free_port
 from test_serve_grpc import collect, save_char_tokenizer
+from test_serve_http import CHAT_TEMPLATE, TIME_TOOL
 
 from deployments.client import SpecDecodeClient, make_request
 from deployments.handoff_transport import nixl_available
@@ -53,7 +54,7 @@ def app_config(target: str, drafter: str, tracing: dict | None = None, **disaggr
     return AppConfig.from_dict({
         **({"tracing": tracing} if tracing else {}),
         "model": target, "device": "cpu", "dtype": "float32", "max_num_seqs": 4, "max_queued_requests": 16,
-        "max_prompt_tokens": 200, "max_tokens": 400, "default_max_tokens": 16, "num_cpus": 1,
+        "max_prompt_tokens": 600, "max_tokens": 400, "default_max_tokens": 16, "num_cpus": 1,
         "speculative": {"method": "draft", "model": drafter, "num_speculative_tokens": K, "adaptive": False},
         "mode": "disaggregated", "disaggregation": {"min_prompt_tokens": THRESHOLD, **disaggregation},
     })
@@ -71,6 +72,7 @@ def served(tmp_path_factory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("pd_models")
     target = save_tiny_model(str(root / "target"), "llama", max_position_embeddings=1024)
     save_char_tokenizer(target)
+    save_chat_template(target)
     drafter = save_perturbed_copy(target, str(root / "drafter"), noise=0.02)
     spans = {pool: str(root / f"{pool}_spans.jsonl") for pool in ("prefill", "decode", "ingress")}
     mp = pytest.MonkeyPatch()
@@ -107,6 +109,14 @@ def served(tmp_path_factory) -> Iterator[Served]:
         ray.shutdown()
         cluster.shutdown()
         mp.undo()
+
+
+def save_chat_template(path: str) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -365,6 +375,70 @@ def test_structured_output_penalties_and_logprobs_travel_in_the_handoff(served: 
     assert __import__("re").fullmatch(regex, "".join(c.text for c in chunks))
 
 
+def tool_request(content: str, request_id: str = ""):
+    """A greedy chat request that must call `get_time` (a call constrained to its schema)."""
+    import json
+
+    from deployments.client import make_request
+
+    request = make_request([{"role": "user", "content": content}], max_tokens=160, temperature=0.0,
+                           request_id=request_id)
+    fn = TIME_TOOL["function"]
+    request.tools.add(name=fn["name"], description=fn["description"], parameters=json.dumps(fn["parameters"]))
+    request.tool_choice.function = fn["name"]
+    return request
+
+
+def reference_call(llm, content: str) -> tuple[list[int], list[tuple[str, str]]]:
+    """The co-located engine's tokens and parsed calls for `tool_request(content)`."""
+    import json
+
+    from deployments.tools import call_grammar, parse_calls, parse_tools, render_chat
+    from engine import SamplingParams, StructuredOutput
+
+    fn = TIME_TOOL["function"]
+    tools = parse_tools([(fn["name"], fn["description"], json.dumps(fn["parameters"]))])
+    prompt = render_chat(llm.tokenizer, [{"role": "user", "content": content}], tools)
+    grammar = StructuredOutput("grammar", call_grammar(tools, fn["name"]))
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=160, temperature=0.0, structured_output=grammar))
+    return out.token_ids, [(c.name, c.arguments) for c in parse_calls(out.text, tools)[1]]
+
+
+@pytest.mark.parametrize("app", [APP, VARIANT])
+def test_tool_calls_travel_through_the_prefill_pool(served: Served, colocated, app: str) -> None:
+    """A chat request with tools and a long prompt is prefilled by the prefill pool: the decode
+    replica replays the call grammar over the first token and parses the calls from the whole
+    output, so the tokens and `tool_calls` equal the co-located engine's. On `VARIANT` the
+    decode engine refuses the handoff (`MISMATCH`) and prefills locally after the first token:
+    the calls are parsed from the text of the tokens already sent as well."""
+    import json
+
+    import jsonschema
+    from ray import serve
+
+    from protos.specdecode.v1 import specdecode_pb2 as pb
+
+    content = "what time is it in zone 3? answer with the tool, please."
+    assert len(content) >= THRESHOLD
+    decode = serve.get_deployment_handle("SpecDecode", app_name=app)
+    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
+        client.wait_ready(120)
+        before = decode.prefill_counts.remote().result(timeout_s=30)
+        chunks = list(client.stream(tool_request(content, MISMATCH if app == VARIANT else "")))
+    after = decode.prefill_counts.remote().result(timeout_s=30)
+    changed = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+    if app == APP:
+        assert changed.get("remote") == 1 and not changed.get("fallback"), changed
+    else:
+        assert changed == {"fallback": 1, "fallback_refused": 1}, changed
+    ids, calls = reference_call(colocated, content)
+    assert [t for c in chunks for t in c.token_ids] == ids
+    last = chunks[-1]
+    assert last.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    assert [(c.name, c.arguments) for c in last.tool_calls] == calls and calls
+    jsonschema.validate(json.loads(calls[0][1]), TIME_TOOL["function"]["parameters"])
+
+
 def test_text_prompt_streams_the_same_text(served: Served, colocated) -> None:
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
     assert len(prompt) >= THRESHOLD  # one character per token with this tokenizer
@@ -433,10 +507,10 @@ def variant_target(target: str, drafter: str):
     die, mismatch, slow, slow_s = DIE, MISMATCH, SLOW, SLOW_S  # travel with the class (pickled by value)
 
     class FaultyPrefill(SpecDecodeServer):
-        async def prefill(self, prompt, params, label, trace_metadata=None, prefix_key=None):  # noqa: ANN001, ANN201
+        async def prefill(self, prompt, params, label, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
             if label == slow:
                 await asyncio.sleep(slow_s)
-            async for item in super().prefill(prompt, params, label, trace_metadata, prefix_key):
+            async for item in super().prefill(prompt, params, label, *args, **kwargs):
                 if isinstance(item, PrefillResult) and label == die:
                     import os
 
@@ -558,9 +632,9 @@ def test_an_idle_prefill_replica_decodes_what_it_prefills(served: Served, coloca
     app, die = "pd-pool-decodes", "die-while-decoding"
 
     class DyingPrefill(SpecDecodeServer):
-        async def prefill(self, prompt, params, label, trace_metadata=None, prefix_key=None):  # noqa: ANN001, ANN201
+        async def prefill(self, prompt, params, label, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
             num_messages = 0
-            async for item in super().prefill(prompt, params, label, trace_metadata, prefix_key):
+            async for item in super().prefill(prompt, params, label, *args, **kwargs):
                 yield item
                 num_messages += hasattr(item, "token_ids")
                 if label == die and num_messages == 5:
