@@ -278,6 +278,10 @@ def test_disaggregation_args_are_validated() -> None:
         AppConfig.from_dict({"disaggregation": {"bogus": 1}})
     with pytest.raises(ConfigError, match="disaggregation.max_inflight_prefills"):  # replaced by slo.ttft_ms
         AppConfig.from_dict({"disaggregation": {"max_inflight_prefills": 1}})
+    assert AppConfig.from_dict({"disaggregation": {"pool_max_streams": 2}}).disaggregation.pool_max_streams == 2
+    for bad in (-1, 1.5, "two", True):
+        with pytest.raises(ConfigError, match="disaggregation.pool_max_streams"):
+            AppConfig.from_dict({"disaggregation": {"pool_max_streams": bad}})
 
 
 def test_slo_budgets_are_validated_and_reach_the_engine() -> None:
