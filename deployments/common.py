@@ -46,6 +46,17 @@ class PrefillElsewhere:
     uncached_tokens: int
     speculating: bool
     tools: list | None = None  # deployments.tools.Tool: the calls are parsed from the output
+    num_completions: tuple[int, int] = (1, 1)  # (n, best_of): the pool prefills completion 0
+
+
+def completion_params(params: Any, i: int, ranking: bool) -> Any:
+    """Completion `i`'s params of a request with several (n or best_of > 1): its seed is the
+    request's seed + i (unseeded stays unseeded); when they are ranked (best_of > n) each keeps
+    its log-probabilities, which the ranking sums."""
+    import dataclasses
+
+    return dataclasses.replace(params, seed=None if params.seed is None else params.seed + i,
+                               logprobs=0 if ranking and params.logprobs is None else params.logprobs)
 
 
 @dataclass(frozen=True)

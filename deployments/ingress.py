@@ -57,6 +57,7 @@ from deployments.common import (
     PrefillElsewhere,
     PrefillResult,
     Resume,
+    completion_params,
 )
 from deployments.config import AppConfig, resolve_path
 from deployments.errors import ClientError, install_log_filter
@@ -320,7 +321,9 @@ class SpecDecodeIngress:
         """A request a decode replica placed in the prefill pool: the pool's first message(s),
         then the rest from a decode replica's `resume` with the handoff (or every message from the
         prefill replica, when it decodes the request itself); a pool that fails (lost, refused,
-        stuck) leaves it to a decode replica's local prefill after what was sent."""
+        stuck) leaves it to a decode replica's local prefill after what was sent. Several
+        completions: the pool prefills the first (`completion_params`), with index 0; when they
+        are ranked (best_of > n) its messages are held for the decode replica's ranking."""
         span = None
         if self.tracing is not None:  # one span over prefill pool, handoff and decode
             parent = self.tracing.parent_context(_Metadata(trace))
@@ -330,10 +333,14 @@ class SpecDecodeIngress:
             span = self.tracing.start_disaggregated(parent, attributes)
             trace = self.tracing.metadata(span)
         key = PrefixKey(CacheConfig.block_size, tuple(prefix_block_hashes(elsewhere.prompt, CacheConfig.block_size)))
-        prefill_call = self.prefill_pool.prefill.remote(elsewhere.prompt, elsewhere.params, label, trace,
-                                                        prefix_key=key, tools=elsewhere.tools)
+        n, best_of = elsewhere.num_completions
+        params = completion_params(elsewhere.params, 0, best_of > n) if best_of > 1 else elsewhere.params
+        prefill_call = self.prefill_pool.prefill.remote(elsewhere.prompt, params, label, trace, prefix_key=key,
+                                                        tools=elsewhere.tools, may_decode=best_of == 1)
         ticket = self.pool.sent(elsewhere.uncached_tokens)
         sent = _Sent()
+        held: list[pb.GenerateResponse] = []  # the first completion's, for the ranking (best_of > n)
+        finished = False
         result: PrefillResult | None = None
         try:
             try:
@@ -347,13 +354,21 @@ class SpecDecodeIngress:
                             span.set_attribute(t.ATTR_PREFILLED, item.where)
                         continue
                     self.pool.done(ticket)  # its prompt no longer waits in the pool
-                    yield item
+                    if best_of > 1:
+                        item.index = 0
+                    if best_of > n:
+                        held.append(item)
+                    else:
+                        yield item
                     sent.add(item)
                     if item.finish_reason:  # it finished (on its first token, or decoded there)
-                        return
+                        if best_of == 1:
+                            return
+                        finished = True
+                        break
             finally:
                 self.pool.done(ticket)
-            async for item in self._resume(elsewhere, label, trace, result, sent, prefill_call, span):
+            async for item in self._resume(elsewhere, label, trace, result, sent, prefill_call, span, held, finished):
                 yield item
         finally:
             prefill_call.cancel()  # its replica drops its reference to the handoff
@@ -386,7 +401,7 @@ class SpecDecodeIngress:
 
     async def _resume(
         self, elsewhere: PrefillElsewhere, label: str, trace: list[tuple[str, str]], result: PrefillResult | None,
-        sent: _Sent, prefill_call, span,
+        sent: _Sent, prefill_call, span, held: list[pb.GenerateResponse], first_finished: bool,
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The request's messages after `sent` from a decode replica (picked now, by load and KV
         room), retried on another while that replica sent nothing (the handoff stays readable
@@ -395,7 +410,9 @@ class SpecDecodeIngress:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             response = self.stream.resume.remote(elsewhere.prompt, elsewhere.params, label, trace, result,
                                                  sent.token_ids, elsewhere.speculating, tools=elsewhere.tools,
-                                                 num_sent_chars=sent.num_chars)
+                                                 num_sent_chars=sent.num_chars,
+                                                 num_completions=elsewhere.num_completions, held=held,
+                                                 first_finished=first_finished)
             try:
                 async for item in self._relay(response):
                     if isinstance(item, HandoffRead):

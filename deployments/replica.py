@@ -42,6 +42,7 @@ from deployments.common import (
     PrefillElsewhere,
     PrefillResult,
     Resume,
+    completion_params,
 )
 from deployments.config import AppConfig, resolve_path
 from deployments.drafter import ServeDrafterClient
@@ -210,10 +211,6 @@ class SpecDecodeServer:
                                         drainable=True):
                 yield item
             return
-        if best_of > 1:  # several completions: prefilled here, the prompt's blocks shared between them
-            async for item in self._run_completions(prompt, params, n, best_of, label, trace, speculating, calling):
-                yield item
-            return
         if pool is not None and self.config.mode == "disaggregated":
             if len(prompt) < self.config.disaggregation.min_prompt_tokens:  # short whatever is cached
                 local = LocalEstimate(len(prompt), 0, None)  # no call into the engine thread (it waits for a step)
@@ -223,30 +220,35 @@ class SpecDecodeServer:
             placement = place(local, pool, self.config.disaggregation.min_prompt_tokens, ttft_budget_s)
             self.metrics.on_placement(placement)
             if placement.where == "remote":
-                yield PrefillElsewhere(prompt, params, placement, local.uncached_tokens, speculating, calling)
+                yield PrefillElsewhere(prompt, params, placement, local.uncached_tokens, speculating, calling,
+                                       (n, best_of))
                 return
             self._count_prefill({"local_faster": "local_faster", "backoff": "local_backoff"}.get(placement.reason, "local"))
             trace.placement = placement
+        if best_of > 1:  # several completions: the prompt's blocks shared between them
+            async for item in self._run_completions(prompt, params, n, best_of, label, trace, speculating, calling):
+                yield item
+            return
         async for item in self._run(prompt, params, label, trace, speculating, tools=calling, drainable=True):
             yield item
 
     async def _run_completions(
         self, prompt: list[int], params: Any, n: int, best_of: int, label: str, trace: TraceMetadata,
-        speculating: bool, tools: list[Tool] | None = None,
-    ) -> AsyncIterator[ClientError | pb.GenerateResponse]:
-        """`best_of` completions of one prompt, each an engine request of its own (seed + i when
-        seeded): the first is prefilled alone, the others start once it has its first token, so
-        their prompt's full blocks come from the prefix cache. With best_of == n their messages
-        go out as they come, each with its `index`; otherwise all are kept, and the n with the
-        highest cumulative log-probability go out at the end, re-indexed in that order."""
-        import dataclasses
-
+        speculating: bool, tools: list[Tool] | None = None, first_stream: AsyncIterator | None = None,
+        held: list[pb.GenerateResponse] | None = None,
+    ) -> AsyncIterator[ClientError | HandoffRead | Prefilled | pb.GenerateResponse]:
+        """`best_of` completions of one prompt, each an engine request of its own
+        (`completion_params`): the first is prefilled alone, the others start once it has its
+        first token, so their prompt's full blocks come from the prefix cache. With best_of == n
+        their messages go out as they come, each with its `index`; otherwise all are kept, and
+        the n with the highest cumulative log-probability go out at the end, re-indexed in that
+        order. `first_stream` (a request the prefill pool prefilled: `resume`) replaces the first
+        completion's engine request; its control items (`HandoffRead`, `Prefilled`) pass through,
+        and `held` are the messages of it the pool made and the client has not been sent."""
         ranking = best_of > n
 
         def completion(i: int) -> AsyncIterator[ClientError | pb.GenerateResponse]:
-            p = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i,
-                                    logprobs=0 if ranking and params.logprobs is None else params.logprobs)
-            return self._run(prompt, p, label, trace, speculating, tools=tools)
+            return self._run(prompt, completion_params(params, i, ranking), label, trace, speculating, tools=tools)
 
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -260,16 +262,20 @@ class SpecDecodeServer:
                 await stream.aclose()  # aborts its engine request when it has not finished
                 queue.put_nowait((i, None))
 
-        first_stream = completion(0)
+        first_stream = first_stream if first_stream is not None else completion(0)
         tasks: list[asyncio.Task] = []
         try:
             first = await anext(first_stream, None)
+            while isinstance(first, HandoffRead | Prefilled):  # for the ingress, before any message
+                yield first
+                first = await anext(first_stream, None)
             if isinstance(first, ClientError):
                 yield first
                 return
             tasks.append(asyncio.ensure_future(pump(0, first_stream, first)))
             tasks += [asyncio.ensure_future(pump(i, completion(i))) for i in range(1, best_of)]
             kept: dict[int, list[pb.GenerateResponse]] = {i: [] for i in range(best_of)}
+            kept[0] += held or []
             running = best_of
             while running:
                 i, item = await queue.get()
@@ -303,7 +309,8 @@ class SpecDecodeServer:
     async def resume(
         self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None,
         result: PrefillResult | None, sent: list[int], speculating: bool, tools: list[Tool] | None = None,
-        num_sent_chars: int = 0,
+        num_sent_chars: int = 0, num_completions: tuple[int, int] = (1, 1),
+        held: list[pb.GenerateResponse] | None = None, first_finished: bool = False,
     ) -> AsyncIterator[Accepted | ClientError | HandoffRead | Prefilled | pb.GenerateResponse]:
         """Continue a request the prefill pool prefilled (called by the ingress once its handoff
         is ready; the client already has `sent`): `Accepted`, `HandoffRead` once the handoff is
@@ -312,9 +319,34 @@ class SpecDecodeServer:
         here after the tokens already sent (`fallback`; `num_sent_chars` characters of their text):
         they count toward max_tokens, penalties and the grammar as the request's own output, so
         the client never sees the difference. With `tools`, the last message carries the calls
-        parsed from the whole output."""
+        parsed from the whole output.
+
+        Several completions (`num_completions` (n, best_of), best_of > 1): the pool prefilled the
+        first (`sent` and `num_sent_chars` are its own); it goes on from the handoff here (or it
+        finished in the pool: `first_finished`), and the others start once it has, their prompt's
+        blocks shared with it (`_run_completions`). `held`: the first completion's messages from
+        the pool that the ingress kept back for the ranking (best_of > n)."""
         yield Accepted(self.replica_id)
         trace = TraceMetadata(trace_metadata or [])
+        n, best_of = num_completions
+        if best_of == 1:
+            async for item in self._continue(prompt, params, label, trace, result, sent, speculating, tools,
+                                             num_sent_chars, drainable=True):
+                yield item
+            return
+        first = self._continue(prompt, completion_params(params, 0, best_of > n), label, trace, result, sent,
+                               speculating, tools, num_sent_chars, finished=first_finished)
+        async for item in self._run_completions(prompt, params, n, best_of, label, trace, speculating, tools,
+                                                first_stream=first, held=held):
+            yield item
+
+    async def _continue(
+        self, prompt: list[int], params: Any, label: str, trace: TraceMetadata, result: PrefillResult | None,
+        sent: list[int], speculating: bool, tools: list[Tool] | None, num_sent_chars: int, *,
+        drainable: bool = False, finished: bool = False,
+    ) -> AsyncIterator[ClientError | HandoffRead | Prefilled | Handover | pb.GenerateResponse]:
+        """`resume`'s one engine request: from the handoff, or a local prefill after `sent`;
+        nothing when it already `finished` in the pool."""
         fetched = await self._fetch_handoff(result, label) if result is not None and result.handoff else None
         if result is not None:
             result.handoff.clear()  # drop the ObjectRef: the owner frees the handoff when its call closes
@@ -323,11 +355,13 @@ class SpecDecodeServer:
                 self.tracing.handoff(self.tracing.parent_context(trace), int(result.sent_at * 1e9), time.time_ns(), {
                     t.ATTR_HANDOFF_BYTES: result.num_bytes, t.ATTR_HANDOFF_TRANSPORT: result.transport,
                 }, error=None if fetched is not None else "handoff lost")
+        if finished:
+            return
         if fetched is not None:
             handoff, seconds = fetched
             fetched = None
             stream = self._run(prompt, params, label, trace, speculating, handoff=handoff,
-                               num_emitted_chars=result.num_emitted_chars, tools=tools, drainable=True)
+                               num_emitted_chars=result.num_emitted_chars, tools=tools, drainable=drainable)
             handoff = None
             first = True
             async for item in stream:
@@ -354,12 +388,12 @@ class SpecDecodeServer:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         yield Prefilled("fallback", reason)
         async for item in self._run(prompt, params, label, trace, speculating, already_sent=sent,
-                                    num_emitted_chars=num_sent_chars, tools=tools, drainable=True):
+                                    num_emitted_chars=num_sent_chars, tools=tools, drainable=drainable):
             yield item
 
     async def prefill(
         self, prompt: list[int], params: Any, label: str, trace_metadata: list[tuple[str, str]] | None = None,
-        prefix_key: PrefixKey | None = None, tools: list[Tool] | None = None,
+        prefix_key: PrefixKey | None = None, tools: list[Tool] | None = None, may_decode: bool = True,
     ) -> AsyncIterator[Accepted | ClientError | pb.GenerateResponse | PrefillResult]:
         """The prefill pool's method (called by the ingress): `Accepted`, the first message(s),
         then a `PrefillResult` whose handoff (target KV, drafter state, first drafts; in Ray's
@@ -368,11 +402,13 @@ class SpecDecodeServer:
         ends with its last message instead. A replica with nothing else to prefill and fewer than
         `disaggregation.pool_max_streams` streams decodes the request itself (`decodes_here`):
         `Prefilled("pool")`, then every message. With `tools`, a request that finishes here ends
-        with the calls parsed from its output. `prefix_key` is the router's (unused here)."""
+        with the calls parsed from its output. `may_decode` False (the first of several
+        completions, whose handoff the others share) always hands over. `prefix_key` is the
+        router's (unused here)."""
         speculating = self.has_drafter and params.speculative and params.num_speculative_tokens != 0
         yield Accepted(self.replica_id)
         max_streams = self.config.disaggregation.pool_max_streams
-        whole = bool(max_streams) and await self.llm.call(decodes_here, self.llm.engine, max_streams)
+        whole = may_decode and bool(max_streams) and await self.llm.call(decodes_here, self.llm.engine, max_streams)
         if whole:
             self._count_prefill("pool_decoded")
             yield Prefilled("pool")

@@ -439,6 +439,41 @@ def test_tool_calls_travel_through_the_prefill_pool(served: Served, colocated, a
     jsonschema.validate(json.loads(calls[0][1]), TIME_TOOL["function"]["parameters"])
 
 
+def test_several_completions_share_the_prefill_pools_handoff(served: Served, colocated) -> None:
+    """n = 3 (seeded, sampled) with a long prompt: the pool prefills the first completion, the
+    decode replica goes on from its handoff and starts the other two on the prompt's blocks it
+    brought (their full blocks from the prefix cache); completion i equals a lone co-located
+    request seeded seed + i. best_of = 3, n = 2: the pool's first message is held for the
+    ranking, and the two candidates with the highest cumulative log-probability come out, in that
+    order, as the co-located engine ranks them."""
+    from engine.config import CacheConfig
+
+    rng = random.Random(23)
+    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 40)]
+    params = dict(max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
+    before = prefill_counts()
+    with served.client() as client:
+        chunks = list(client.generate(prompt, n=3, **params))
+    changed = {k: v - before.get(k, 0) for k, v in prefill_counts().items() if isinstance(v, int) and v != before.get(k, 0)}
+    assert changed.get("remote") == 1 and not changed.get("local") and not changed.get("fallback"), changed
+    for i in range(3):
+        ids = [t for c in chunks if c.index == i for t in c.token_ids]
+        assert ids == reference(colocated, prompt, **{**params, "seed": 11 + i}), i
+    lasts = {c.index: c for c in chunks if c.HasField("usage")}
+    shared = (len(prompt) - 1) // CacheConfig.block_size * CacheConfig.block_size  # its last token is computed
+    assert [lasts[i].usage.cached_prompt_tokens for i in (1, 2)] == [shared, shared]
+
+    from engine import SamplingParams
+
+    params = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
+    with served.client() as client:
+        chunks = list(client.generate(prompt, n=2, best_of=3, seed=5, **params))
+    alone = [colocated.generate([prompt], SamplingParams(seed=5 + i, logprobs=0, **params))[0] for i in range(3)]
+    ranked = sorted(alone, key=lambda out: sum(lp.logprob for lp in out.logprobs), reverse=True)[:2]
+    assert [[t for c in chunks if c.index == i for t in c.token_ids] for i in (0, 1)] == [out.token_ids for out in ranked]
+    assert not any(c.logprobs for c in chunks)  # kept for the ranking only: none were asked for
+
+
 def test_text_prompt_streams_the_same_text(served: Served, colocated) -> None:
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
     assert len(prompt) >= THRESHOLD  # one character per token with this tokenizer
@@ -653,7 +688,7 @@ def test_an_idle_prefill_replica_decodes_what_it_prefills(served: Served, coloca
 
         params = dict(max_tokens=200, temperature=0.0, ignore_eos=True)
         rng = random.Random(41)
-        prompts = [[rng.randrange(3, 97) for _ in range(THRESHOLD + 30)] for _ in range(5)]
+        prompts = [[rng.randrange(3, 97) for _ in range(THRESHOLD + 30)] for _ in range(6)]
         got: dict[int, list[int]] = {}
 
         def send(i: int, request_id: str = "") -> None:
@@ -666,6 +701,11 @@ def test_an_idle_prefill_replica_decodes_what_it_prefills(served: Served, coloca
         assert got[0] == reference(colocated, prompts[0], **params)
         assert counts("SpecDecodePrefill").get("pool_decoded") == 1
         assert not counts("SpecDecode").get("remote")  # no handoff
+        with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
+            chunks = list(client.generate(prompts[5], n=2, **params))
+        assert [t for c in chunks if c.index == 0 for t in c.token_ids] == reference(colocated, prompts[5], **params)
+        assert counts("SpecDecodePrefill").get("pool_decoded") == 1  # the first of two is handed over: both share it
+        assert counts("SpecDecode").get("remote") == 1
 
         threads = [threading.Thread(target=send, args=(i,)) for i in (1, 2, 3)]
         for thread in threads:
@@ -675,7 +715,7 @@ def test_an_idle_prefill_replica_decodes_what_it_prefills(served: Served, coloca
             thread.join(120)
         for i in (1, 2, 3):
             assert got[i] == reference(colocated, prompts[i], **params), i
-        pool_decoded, remote = counts("SpecDecodePrefill").get("pool_decoded", 0) - 1, counts("SpecDecode").get("remote", 0)
+        pool_decoded, remote = counts("SpecDecodePrefill").get("pool_decoded", 0) - 1, counts("SpecDecode").get("remote", 0) - 1
         assert pool_decoded + remote == 3 and remote >= 1, (pool_decoded, remote)
 
         before = counts("SpecDecode")
