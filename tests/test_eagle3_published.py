@@ -139,6 +139,21 @@ def test_training_a_head_for_a_published_target_end_to_end(target_dir, tmp_path,
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in base.generate(prompts, sp)]
 
+    # Continued on other data (`--init-from`): the head keeps the draft vocabulary its LM head's
+    # rows are for, whatever the new data's most frequent tokens and --draft-vocab-size.
+    more = tmp_path / "more"
+    more.mkdir()
+    torch.save([{"ids": s["ids"][::-1], "prompt_len": s["prompt_len"]} for s in _seqs(vocab, 14)], more / "train.pt")
+    torch.save(_seqs(vocab, 3), more / "heldout.pt")
+    again = tmp_path / "head2"
+    training_main(["eagle3", "--target", target_dir, "--data", str(more), "--out", str(again), "--aux-layers",
+                   "1,2,3", "--draft-vocab-size", "16", "--seq-len", "32", "--batch-size", "4",
+                   "--planned-tokens", "512", "--ttt-steps", "3", "--dtype", "float32", "--threads", "1",
+                   "--models-dir", str(tmp_path / "models"), "--init-from", str(out)])
+    continued = load_file(str(again / "model.safetensors"))
+    assert torch.equal(continued["t2d"], state["t2d"]) and torch.equal(continued["d2t"], state["d2t"])
+    assert continued["lm_head.weight"].shape == state["lm_head.weight"].shape
+
 
 def test_loss_on_scored_rows_equals_the_dense_masked_loss(target_dir):
     """`ttt_loss` projects only the positions that count; the value is the masked mean over

@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttt-steps", type=int, default=5, help="training-time-test unroll depth")
     p.add_argument("--aux-layers", default="",
                    help="comma-separated layer boundaries feeding fc (default: 2, L/2, L-3)")
-    p.add_argument("--init-from", default=None, help="start from this head folder's weights")
+    p.add_argument("--init-from", default=None, help="start from this head folder's weights and draft vocabulary")
     p.add_argument("--head-intermediate-size", type=int, default=None,
                    help="the midlayer's MLP width (default: the target's)")
     p.add_argument("--draft-vocab-size", type=int, default=2048,

@@ -224,8 +224,15 @@ def train_published(args: argparse.Namespace) -> None:
         stores[split] = FeatureStore.load(path)
     train, held = stores["train"], stores["heldout"]
     responses = train.response_tokens()
-    ranked = ranked_tokens(responses, t.vocab_size)
-    token_ids = torch.tensor(sorted(ranked[:args.draft_vocab_size]), dtype=torch.long)
+    init_state = None
+    if args.init_from:  # its draft vocabulary, which its LM head's rows are for
+        from safetensors.torch import load_file
+
+        init_state = load_file(str(Path(args.init_from) / "model.safetensors"))
+        token_ids = init_state["t2d"].nonzero().flatten().long()
+    else:
+        token_ids = torch.tensor(sorted(ranked_tokens(responses, t.vocab_size)[:args.draft_vocab_size]),
+                                 dtype=torch.long)
     in_draft = torch.zeros(t.vocab_size, dtype=torch.bool)
     in_draft[token_ids] = True
     coverage = float(in_draft[responses].float().mean())
@@ -247,12 +254,9 @@ def train_published(args: argparse.Namespace) -> None:
     with torch.no_grad():  # the head's LM head and norm start as the target's (the draft vocabulary's rows)
         head.lm_head.weight.copy_(lm_rows)
         head.norm.weight.copy_(target.model.norm.weight)
-    if args.init_from:
-        from safetensors.torch import load_file
-
-        state = load_file(str(Path(args.init_from) / "model.safetensors"))
-        head.load_state_dict({k: v.float() for k, v in state.items() if k not in ("d2t", "t2d")})
-        log(f"eagle3: initialized from {args.init_from}")
+    if init_state is not None:
+        head.load_state_dict({k: v.float() for k, v in init_state.items() if k not in ("d2t", "t2d")})
+        log(f"eagle3: initialized from {args.init_from} (its draft vocabulary of {token_ids.numel()})")
     del target
     n_params = sum(p.numel() for p in head.parameters())
     log(f"eagle3: {n_params / 1e6:.2f}M params, ttt_steps {args.ttt_steps}, {c}, config {asdict(cfg)}")

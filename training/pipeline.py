@@ -41,7 +41,8 @@ def log(msg: str) -> None:
 
 def set_threads(n: int) -> None:
     torch.set_num_threads(n)
-    torch.set_num_interop_threads(1)
+    if torch.get_num_interop_threads() != 1:  # settable once per process, before parallel work
+        torch.set_num_interop_threads(1)
 
 
 def load_streams(seq_len: int, corpus: str = "stdlib") -> tuple[torch.Tensor, torch.Tensor]:
