@@ -474,6 +474,35 @@ def test_several_completions_share_the_prefill_pools_handoff(served: Served, col
     assert not any(c.logprobs for c in chunks)  # kept for the ranking only: none were asked for
 
 
+def test_several_completions_survive_a_refused_handoff_and_a_cancel(served: Served, colocated) -> None:
+    """n = 2 on `VARIANT` with a handoff the decode engine refuses (`MISMATCH`): the first
+    completion is prefilled by the decode replica after its first token, the second beside it,
+    and each equals the co-located greedy output (greedy: a seeded generator cannot be carried
+    over without its handoff, so a sampled fallback starts it again from its seed, as
+    docs/serving.md says). Then n = 3 cancelled after its first message leaves no request and
+    no KV block on either pool."""
+    from ray import serve
+
+    rng = random.Random(29)
+    prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
+    params = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+    decode = serve.get_deployment_handle("SpecDecode", app_name=VARIANT)
+    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=VARIANT, timeout=120) as client:
+        client.wait_ready(120)
+        before = decode.prefill_counts.remote().result(timeout_s=30)
+        chunks = list(client.generate(prompt, n=2, request_id=MISMATCH, **params))
+    after = decode.prefill_counts.remote().result(timeout_s=30)
+    changed = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+    assert changed == {"fallback": 1, "fallback_refused": 1}, changed
+    expected = reference(colocated, prompt, **params)
+    assert [[t for c in chunks if c.index == i for t in c.token_ids] for i in range(2)] == [expected, expected]
+    with served.client() as client:
+        stream = client.generate(prompt, n=3, **{**params, "max_tokens": 200, "temperature": 1.0, "seed": 3})
+        next(iter(stream))
+        stream.close()
+    assert both_pools_idle(30)
+
+
 def test_text_prompt_streams_the_same_text(served: Served, colocated) -> None:
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
     assert len(prompt) >= THRESHOLD  # one character per token with this tokenizer
