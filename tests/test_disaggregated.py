@@ -144,6 +144,11 @@ def prefill_counts() -> dict[str, int]:
     return handle("SpecDecode").prefill_counts.remote().result(timeout_s=30)
 
 
+def count_changes(before: dict, after: dict) -> dict[str, int]:
+    """The counts (of `prefill_counts`) that changed from `before` to `after`, by how much."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, int) and v != before.get(k, 0)}
+
+
 def pool_stats(app: str = APP) -> dict:
     from ray import serve
 
@@ -426,7 +431,7 @@ def test_tool_calls_travel_through_the_prefill_pool(served: Served, colocated, a
         before = decode.prefill_counts.remote().result(timeout_s=30)
         chunks = list(client.stream(tool_request(content, MISMATCH if app == VARIANT else "")))
     after = decode.prefill_counts.remote().result(timeout_s=30)
-    changed = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+    changed = count_changes(before, after)
     if app == APP:
         assert changed.get("remote") == 1 and not changed.get("fallback"), changed
     else:
@@ -454,7 +459,7 @@ def test_several_completions_share_the_prefill_pools_handoff(served: Served, col
     before = prefill_counts()
     with served.client() as client:
         chunks = list(client.generate(prompt, n=3, **params))
-    changed = {k: v - before.get(k, 0) for k, v in prefill_counts().items() if isinstance(v, int) and v != before.get(k, 0)}
+    changed = count_changes(before, prefill_counts())
     assert changed.get("remote") == 1 and not changed.get("local") and not changed.get("fallback"), changed
     for i in range(3):
         ids = [t for c in chunks if c.index == i for t in c.token_ids]
@@ -492,7 +497,7 @@ def test_several_completions_survive_a_refused_handoff_and_a_cancel(served: Serv
         before = decode.prefill_counts.remote().result(timeout_s=30)
         chunks = list(client.generate(prompt, n=2, request_id=MISMATCH, **params))
     after = decode.prefill_counts.remote().result(timeout_s=30)
-    changed = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+    changed = count_changes(before, after)
     assert changed == {"fallback": 1, "fallback_refused": 1}, changed
     expected = reference(colocated, prompt, **params)
     assert [[t for c in chunks if c.index == i for t in c.token_ids] for i in range(2)] == [expected, expected]
@@ -609,7 +614,7 @@ def run_variant(served: Served, colocated, seed: int, request_id: str = "") -> t
     assert ids == reference(colocated, prompt, **params)
     assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
     after = decode.prefill_counts.remote().result(timeout_s=30)
-    changed = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+    changed = count_changes(before, after)
     return ids, last, changed
 
 
@@ -657,7 +662,7 @@ def test_requests_waiting_for_the_prefill_pool_hold_no_decode_slot(served: Serve
     for i, prompt in enumerate(slow_prompts):
         assert got[f"slow{i}"][0] == reference(colocated, prompt, **params)
     after = decode.prefill_counts.remote().result(timeout_s=30)
-    changed = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int) and after[k] != before.get(k, 0)}
+    changed = count_changes(before, after)
     assert changed == {"remote": 4, "via_object_store": 4, "local": 1}, changed
 
 
