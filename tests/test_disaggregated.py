@@ -149,6 +149,19 @@ def count_changes(before: dict, after: dict) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, int) and v != before.get(k, 0)}
 
 
+def send_counted(served: Served, app: str, request) -> tuple[list, dict[str, int]]:
+    """Stream `request` to application `app`: (its messages, the counts of the decode replica's
+    `prefill_counts` it changed)."""
+    from ray import serve
+
+    decode = serve.get_deployment_handle("SpecDecode", app_name=app)
+    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
+        client.wait_ready(120)
+        before = decode.prefill_counts.remote().result(timeout_s=30)
+        chunks = list(client.stream(request))
+    return chunks, count_changes(before, decode.prefill_counts.remote().result(timeout_s=30))
+
+
 def pool_stats(app: str = APP) -> dict:
     from ray import serve
 
@@ -419,19 +432,12 @@ def test_tool_calls_travel_through_the_prefill_pool(served: Served, colocated, a
     import json
 
     import jsonschema
-    from ray import serve
 
     from protos.specdecode.v1 import specdecode_pb2 as pb
 
     content = "what time is it in zone 3? answer with the tool, please."
     assert len(content) >= THRESHOLD
-    decode = serve.get_deployment_handle("SpecDecode", app_name=app)
-    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=app, timeout=120) as client:
-        client.wait_ready(120)
-        before = decode.prefill_counts.remote().result(timeout_s=30)
-        chunks = list(client.stream(tool_request(content, MISMATCH if app == VARIANT else "")))
-    after = decode.prefill_counts.remote().result(timeout_s=30)
-    changed = count_changes(before, after)
+    chunks, changed = send_counted(served, app, tool_request(content, MISMATCH if app == VARIANT else ""))
     if app == APP:
         assert changed.get("remote") == 1 and not changed.get("fallback"), changed
     else:
@@ -486,18 +492,11 @@ def test_several_completions_survive_a_refused_handoff_and_a_cancel(served: Serv
     over without its handoff, so a sampled fallback starts it again from its seed, as
     docs/serving.md says). Then n = 3 cancelled after its first message leaves no request and
     no KV block on either pool."""
-    from ray import serve
 
     rng = random.Random(29)
     prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
     params = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
-    decode = serve.get_deployment_handle("SpecDecode", app_name=VARIANT)
-    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=VARIANT, timeout=120) as client:
-        client.wait_ready(120)
-        before = decode.prefill_counts.remote().result(timeout_s=30)
-        chunks = list(client.generate(prompt, n=2, request_id=MISMATCH, **params))
-    after = decode.prefill_counts.remote().result(timeout_s=30)
-    changed = count_changes(before, after)
+    chunks, changed = send_counted(served, VARIANT, make_request(prompt, n=2, request_id=MISMATCH, **params))
     assert changed == {"fallback": 1, "fallback_refused": 1}, changed
     expected = reference(colocated, prompt, **params)
     assert [[t for c in chunks if c.index == i for t in c.token_ids] for i in range(2)] == [expected, expected]
@@ -601,20 +600,14 @@ def run_variant(served: Served, colocated, seed: int, request_id: str = "") -> t
     """Send one greedy request long enough for the prefill pool to the `VARIANT` application,
     check its tokens against the co-located engine: (token ids, last message, the counts by
     which this request changed the decode replica's prefill counts)."""
-    from ray import serve
 
     rng = random.Random(seed)
     prompt = [rng.randrange(3, 97) for _ in range(THRESHOLD + 20)]
     params = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
-    decode = serve.get_deployment_handle("SpecDecode", app_name=VARIANT)
-    with SpecDecodeClient(f"127.0.0.1:{served.port}", application=VARIANT, timeout=120) as client:
-        client.wait_ready(120)
-        before = decode.prefill_counts.remote().result(timeout_s=30)
-        ids, _, last = collect(client.generate(prompt, request_id=request_id, **params))
+    chunks, changed = send_counted(served, VARIANT, make_request(prompt, request_id=request_id, **params))
+    ids, _, last = collect(iter(chunks))
     assert ids == reference(colocated, prompt, **params)
     assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == 30
-    after = decode.prefill_counts.remote().result(timeout_s=30)
-    changed = count_changes(before, after)
     return ids, last, changed
 
 
