@@ -47,6 +47,12 @@ CONFIGS = {
     "ngram k<=4 adaptive": {"method": "ngram", "num_speculative_tokens": 4},
     "eagle3 k=5": {"method": "eagle3", "num_speculative_tokens": 5, "adaptive": False},
     "eagle3 k<=5 adaptive": {"method": "eagle3", "num_speculative_tokens": 5},
+    # the head's copies: draft_weights "auto" above; int8; its bfloat16 weights as stored
+    "eagle3 k=5 int8 head": {"method": "eagle3", "num_speculative_tokens": 5, "adaptive": False,
+                             "draft_weights": "int8"},
+    "eagle3 k=5 bf16 head": {"method": "eagle3", "num_speculative_tokens": 5, "adaptive": False,
+                             "draft_weights": "model"},
+    "eagle3 k=2": {"method": "eagle3", "num_speculative_tokens": 2, "adaptive": False},
 }
 
 

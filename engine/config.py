@@ -121,14 +121,15 @@ class SpeculativeConfig:
     decoding request drafts the configured tree every step. See docs/architecture.md, "Tree speculation".
     draft_weights: how an EAGLE-3 head's matrices are stored for its CPU row kernels. "int8": one
     int8 per weight and a scale per output row (`cpu_kernels.pack_rows_int8`: half the bytes a draft
-    reads, and drafting is bound by reading them; the drafts' logits move by ~1e-3 of their scale,
-    the output stays the target's: drafts are verified); "int4": 4 bits a weight and a bfloat16
-    scale per group of 32 inputs of a row (`cpu_kernels.pack_rows_int4`: about half of int8's bytes,
-    so faster drafting than int8 at the same accepted length with the shipped head; needs every
-    matrix a multiple of 32 wide); "model": the checkpoint's
-    dtype; "auto" (default): int4 for a bfloat16 head where the CPU row kernels run it and the CPU
-    has AVX512-VNNI (int8 where a matrix is not a multiple of 32 wide), else "model". Other methods
-    take "auto" or "model".
+    reads; the drafts' logits move by ~1e-3 of their scale, the output stays the target's: drafts
+    are verified); "int4": 4 bits a weight and a bfloat16 scale per group of 32 inputs of a row
+    (`cpu_kernels.pack_rows_int4`: about half of int8's bytes; needs every matrix a multiple of 32
+    wide). Those layouts need AVX512-VNNI; on a CPU without it (AVX2 with F16C) "int8" and "int4"
+    quantize the head into GGUF Q8_0 and Q4_1 blocks (a scale, and for Q4_1 a minimum, per group
+    of 32 inputs; every matrix a multiple of 32 wide), run by the products a GGUF target's blocks
+    take. "model": the checkpoint's dtype; "auto" (default): int4 for a bfloat16 head where the CPU
+    row kernels run it (int8 where a matrix is not a multiple of 32 wide and the CPU has
+    AVX512-VNNI), else "model". Other methods take "auto" or "model".
     """
 
     method: str = "draft"

@@ -613,10 +613,70 @@ def test_greedy_output_equals_target_float32(setup, k, adaptive):
         assert engine.spec_stats.num_draft_tokens > 0
 
 
+QUANT_HEADS = cpu_kernels.available() and (cpu_kernels.int8_available() or cpu_kernels.gguf_available())
 INT8, INT4 = (pytest.param(q, marks=pytest.mark.skipif(
-    not (cpu_kernels.available() and cpu_kernels.int8_available()),
-    reason=f"{q} drafter products need the CPU row kernels and AVX512-VNNI")) for q in ("int8", "int4"))
-QUANT_DTYPE = {"int8": torch.int8, "int4": torch.uint8}
+    not QUANT_HEADS, reason=f"{q} drafter products need the CPU row kernels and AVX512-VNNI or AVX2 with F16C"))
+    for q in ("int8", "int4"))
+# the packed copies' dtype: int8 rows (VNNI) or bytes (int4 and the GGUF blocks elsewhere)
+QUANT_DTYPE = {"int8": torch.int8 if cpu_kernels.int8_available() else torch.uint8, "int4": torch.uint8}
+
+
+@pytest.fixture
+def gguf_blocks(monkeypatch):
+    """The quantized head's copies as GGUF blocks (what a CPU without AVX512-VNNI packs) on any
+    CPU whose row kernels run the GGUF products."""
+    if not (cpu_kernels.available() and cpu_kernels.gguf_available()):
+        pytest.skip("GGUF block products need the CPU row kernels and F16C")
+    monkeypatch.setattr(cpu_kernels, "int8_available", lambda: False)
+
+
+@pytest.mark.parametrize("draft_weights,blocks", [("int8", "Q8_0"), ("int4", "Q4_1")])
+def test_quantized_head_as_gguf_blocks(gguf_blocks, draft_weights, blocks):
+    """Without AVX512-VNNI a quantized head's matrix is quantized into GGUF blocks (the gguf
+    package's quantizer) and run by the GGUF products: the products of the matrix the blocks
+    dequantize to, within float rounding, and close to the head's own."""
+    import gguf.quants
+
+    from engine.spec_decode.proposers.eagle3_packing import pack_quantized, quant_layout
+
+    assert quant_layout(draft_weights) == blocks and quant_layout("model") == "model"
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(136, 96, generator=g) * 0.05).to(torch.bfloat16)  # rows past a block of 64
+    x = torch.randn(3, 96, generator=g)
+    packed = pack_quantized(w, draft_weights)
+    assert packed.dtype == torch.uint8 and packed.dim() == 3
+    kind = gguf.GGMLQuantizationType[blocks]
+    deq = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.float().numpy(), kind), kind))
+    y = cpu_kernels.packed_linear(x, packed, w.shape[0], None)
+    torch.testing.assert_close(y, x @ deq.T, rtol=1e-3, atol=1e-3)
+    error = (y - x @ w.float().T).abs().max() / (x @ w.float().T).abs().max()
+    assert 0 < error < (0.01 if blocks == "Q8_0" else 0.1)
+
+
+@pytest.mark.parametrize("draft_weights", ["int8", "int4"])
+def test_greedy_output_equals_target_with_gguf_block_head(setup, gguf_blocks, draft_weights):
+    """The head's copies as GGUF blocks: greedy speculative output equals the target's, and every
+    drafting product takes the blocks (this CPU has no AMX tiles to prefer bfloat16 ones)."""
+    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["explicit"], num_speculative_tokens=4, adaptive=False,
+                             draft_weights=draft_weights)
+    plain = LLMEngine(setup["target"], dtype="bfloat16", device="cpu")
+    spec_engine = LLMEngine(setup["target"], dtype="bfloat16", device="cpu", speculative=spec)
+    for i, prompt in enumerate(SPEC_PROMPTS[:2]):
+        results = []
+        for engine in (plain, spec_engine):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+            tokens: list[int] = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.extend(out.new_token_ids)
+            assert_no_leaked_blocks(engine)
+            results.append(tokens)
+        assert results[0] == results[1]
+    assert spec_engine.spec_stats.num_draft_tokens > 0
+    proposer = spec_engine.speculator.proposer
+    one_row = proposer._packing(1)
+    assert one_row[1].dim() == one_row[0]["w_qkv"].dim() == one_row[2].dim() == 3  # GGUF records
+    assert proposer._packing(64)[1].dim() == (2 if cpu_kernels.amx_available() else 3)
 
 
 @pytest.mark.parametrize("draft_weights", ["model", INT8, INT4])
@@ -659,17 +719,18 @@ def test_draft_weights_are_checked(setup):
     spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], num_speculative_tokens=2)
     engine = LLMEngine(setup["target"], dtype="float32", device="cpu", speculative=spec)
     assert engine.speculator.proposer.draft_weights == "model"
-    if not (cpu_kernels.available() and cpu_kernels.int8_available()):
+    if not QUANT_HEADS:
         with pytest.raises(ValueError, match="needs the CPU row kernels"):
             LLMEngine(setup["target"], dtype="float32", device="cpu",
                       speculative=SpeculativeConfig(method="eagle3", model=setup["heads"]["default"], draft_weights="int8"))
 
 
-@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.int8_available()),
-                    reason="quantized drafter products need the CPU row kernels and AVX512-VNNI")
+@pytest.mark.skipif(not QUANT_HEADS, reason="quantized drafter products need the CPU row kernels and AVX512-VNNI or AVX2")
 def test_int4_needs_matrices_a_multiple_of_32_wide(setup, tmp_path, monkeypatch):
     """A head whose MLP is 80 wide (down_proj's inputs): draft_weights='int4' is refused at
-    start-up naming the widths; 'auto' (int4 where it can) packs it as int8 instead."""
+    start-up naming the widths; 'auto' (int4 where it can) packs it as int8 instead where the CPU
+    has AVX512-VNNI (a scale per row), else keeps the head's dtype (GGUF's Q8_0 blocks are 32
+    wide too, so 'int8' is refused there)."""
     monkeypatch.setattr(sys.modules[__name__], "INTER", 80)
     head = save_eagle3(str(tmp_path / "e3_80"), 97, list(range(0, 96, 3)))
     with pytest.raises(ValueError, match=r"int4.*multiple of 32 wide, got .*80"):
@@ -677,8 +738,16 @@ def test_int4_needs_matrices_a_multiple_of_32_wide(setup, tmp_path, monkeypatch)
                   speculative=SpeculativeConfig(method="eagle3", model=head, draft_weights="int4"))
     engine = LLMEngine(setup["target"], dtype="bfloat16", device="cpu",
                        speculative=SpeculativeConfig(method="eagle3", model=head, draft_weights="auto"))
-    assert engine.speculator.proposer.draft_weights == "int8"
-    assert engine.speculator.proposer._packing(1)[1].dtype == torch.int8
+    proposer = engine.speculator.proposer
+    if cpu_kernels.int8_available():
+        assert proposer.draft_weights == "int8"
+        assert proposer._packing(1)[1].dtype == torch.int8
+    else:
+        assert proposer.draft_weights == "model"
+        assert proposer._packing(1)[1].dtype == torch.bfloat16
+        with pytest.raises(ValueError, match=r"'int8' \(Q8_0\).*multiple of 32 wide, got .*80.*use 'model'"):
+            LLMEngine(setup["target"], dtype="bfloat16", device="cpu",
+                      speculative=SpeculativeConfig(method="eagle3", model=head, draft_weights="int8"))
 
 
 def test_packed_catch_up_matches_the_torch_midlayer_bfloat16(setup):

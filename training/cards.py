@@ -632,7 +632,8 @@ for its drafting kernels (`SpeculativeConfig.draft_weights`): "auto" (the defaul
 bfloat16 scale per group of 32 inputs of a row, "int8" with a scale per output row, "model" as
 stored. Drafting is bound by reading the weights: int8 halves the bytes a draft reads and int4 halves
 them again, at the same accepted length with this head; every draft is verified, so the output is
-the target's either way.
+the target's either way. Without VNNI (AVX2 with F16C) "int8" and "int4" pack it as GGUF Q8_0 and
+Q4_1 blocks, run by the products a GGUF target's blocks take.
 
 ## Layout
 

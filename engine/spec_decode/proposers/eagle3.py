@@ -60,6 +60,7 @@ from engine.spec_decode.proposers.eagle3_packing import (
     Packed,
     head_matrices,
     pack_head,
+    quant_layout,
     resolve_draft_weights,
 )
 from engine.spec_decode.proposers.feature_buffers import HiddenRows, committed_ranges
@@ -393,7 +394,7 @@ class Eagle3Proposer(FeatureLayerProposer):
         named += [(f"midlayer.{n}", p) for n, p in layer.named_parameters()]
         named += [("lm_head.weight", self.head.weight), (f"aux_layer_ids={self.aux_layer_ids}", self.norm)]
         if self.draft_weights != "model":  # other drafts and features than the checkpoint's dtype gives
-            named.append((f"draft_weights={self.draft_weights}", self.norm))
+            named.append((f"draft_weights={quant_layout(self.draft_weights)}", self.norm))
         self._finish_init(DrafterIdentity(model_name(model_dir), weights_digest(named), draft_vocab))
         # fc over a step's committed rows through the packed kernel where the fused path takes
         # them (a few rows: its fixed cost is below torch's); over a prompt's rows too where torch

@@ -3,7 +3,10 @@
 Each matrix (the midlayer's four, the LM head's, fc's) is packed in the head's dtype on 2 MiB
 pages. `SpeculativeConfig.draft_weights` "int8" or "int4" adds a quantized copy of each, which
 products of up to `HeadPacking.quant_max_rows` rows take (a drafting step's few rows); the rest
-take the head's dtype. Quantized copies need the row kernels on a CPU with AVX512-VNNI.
+take the head's dtype. Quantized copies need the row kernels: on a CPU with AVX512-VNNI in the
+int8 / int4 layouts (a scale per row / per group of 32 inputs), elsewhere (AVX2 with F16C) as
+GGUF Q8_0 / Q4_1 blocks run by the GGUF products (a scale, and for Q4_1 a minimum, per group of
+32 inputs), the kernels a GGUF target's own blocks take.
 """
 
 from __future__ import annotations
@@ -20,34 +23,67 @@ QUANT_MAX_ROWS = 8
 AUTO_DRAFT_WEIGHTS = "int4"
 # the midlayer's packed matrices, as `Eagle3Layer.row_weights` names them
 LAYER_MATRICES = ("w_qkv", "w_o", "w_gate_up", "w_down")
-INT4_GROUP = 32  # int4 products read a matrix's inputs in groups of this many (one scale each)
+INT4_GROUP = 32  # int4 products and GGUF blocks read a matrix's inputs in groups of this many (one scale each)
+# the GGUF block type a quantized copy takes where the CPU has no AVX512-VNNI: Q4_1 rather than
+# Q4_0 (its minimum fits a row's groups better; the packed records are the same size)
+GGUF_BLOCKS = {"int8": "Q8_0", "int4": "Q4_1"}
+
+
+def quant_layout(draft_weights: str) -> str:
+    """The packing a resolved draft_weights takes on this CPU: "int8" / "int4" (AVX512-VNNI),
+    "Q8_0" / "Q4_1" (GGUF blocks, elsewhere) or "model"."""
+    from kernels import cpu_kernels
+
+    if draft_weights in GGUF_BLOCKS and not cpu_kernels.int8_available():
+        return GGUF_BLOCKS[draft_weights]
+    return draft_weights
 
 
 def resolve_draft_weights(draft_weights: str, row_kernel: bool, dtype: torch.dtype, widths: list[int]) -> str:
     """SpeculativeConfig.draft_weights -> "int4", "int8" or "model" for an EAGLE-3 head whose
     matrices are `widths` wide (their inputs). "auto" is AUTO_DRAFT_WEIGHTS for a bfloat16 head on
-    the CPU row kernels where the CPU has AVX512-VNNI, else "model"; "int8" and "int4" run there
-    only. int4 needs every matrix a multiple of INT4_GROUP wide: where one is not, "auto" takes
-    int8 and "int4" is refused."""
+    the CPU row kernels where they run quantized copies (AVX512-VNNI, or GGUF blocks on AVX2 with
+    F16C), else "model"; "int8" and "int4" run there only. int4, and int8 as GGUF blocks, need
+    every matrix a multiple of INT4_GROUP wide: where one is not, "auto" takes int8 (VNNI) or
+    "model", and an explicit choice that cannot be packed is refused."""
     from kernels import cpu_kernels
 
-    can = row_kernel and cpu_kernels.int8_available()
+    vnni = cpu_kernels.int8_available()
+    can = row_kernel and (vnni or cpu_kernels.gguf_available())
     if draft_weights in ("int8", "int4") and not can:
         raise ValueError(
             f"draft_weights={draft_weights!r} needs the CPU row kernels (the engine's row path) on a CPU with "
-            "AVX512-VNNI; use 'model' or 'auto' here"
+            "AVX512-VNNI, or AVX2 with F16C; use 'model' or 'auto' here"
         )
     resolved = draft_weights
     if draft_weights == "auto":
         resolved = AUTO_DRAFT_WEIGHTS if can and dtype == torch.bfloat16 else "model"
-    if resolved == "int4" and any(w % INT4_GROUP for w in widths):
+    blocks = resolved == "int4" or (resolved == "int8" and not vnni)
+    if blocks and any(w % INT4_GROUP for w in widths):
         if draft_weights == "auto":
-            return "int8"
+            return "int8" if vnni else "model"
+        fits = "use 'int8'" if vnni else "use 'model'"
         raise ValueError(
-            f"draft_weights='int4' needs every matrix of the head to be a multiple of {INT4_GROUP} wide, got "
-            f"{tuple(widths)}; use 'int8'"
+            f"draft_weights={resolved!r} ({quant_layout(resolved)}) needs every matrix of the head to be a multiple "
+            f"of {INT4_GROUP} wide, got {tuple(widths)}; {fits}"
         )
     return resolved
+
+
+def pack_quantized(weight: torch.Tensor, draft_weights: str) -> torch.Tensor:
+    """One matrix [N, K] of the head, quantized as `quant_layout(draft_weights)` and packed for the
+    row kernels (uint8 for int4 and GGUF blocks, int8 for int8)."""
+    from kernels import cpu_kernels
+
+    layout = quant_layout(draft_weights)
+    if layout == "int8":
+        return cpu_kernels.pack_rows_int8(weight)
+    if layout == "int4":
+        return cpu_kernels.pack_rows_int4(weight)
+    import gguf.quants
+
+    raw = gguf.quants.quantize(weight.detach().float().cpu().numpy(), gguf.GGMLQuantizationType[layout])
+    return cpu_kernels.pack_rows_gguf(torch.from_numpy(raw), layout, weight.shape[1])
 
 
 def head_matrices(layer, head, fc_weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -91,8 +127,8 @@ def pack_head(layer, head, fc_weight: torch.Tensor, draft_weights: str) -> HeadP
     rw.update(zip(LAYER_MATRICES, mats, strict=True))
     packing = HeadPacking((rw, head.packed, packed_fc))
     if draft_weights in ("int8", "int4"):
-        pack = cpu_kernels.pack_rows_int8 if draft_weights == "int8" else cpu_kernels.pack_rows_int4
-        *mats, head_q, fc_q = cpu_kernels.on_huge_pages([pack(w) for w in head_matrices(layer, head, fc_weight)])
+        quantized = [pack_quantized(w, draft_weights) for w in head_matrices(layer, head, fc_weight)]
+        *mats, head_q, fc_q = cpu_kernels.on_huge_pages(quantized)
         packing.quant = ({**rw, **dict(zip(LAYER_MATRICES, mats, strict=True))}, head_q, fc_q)
         packing.quant_max_rows = QUANT_MAX_ROWS if cpu_kernels.amx_available() else 1 << 30
         head.packed_few = (packing.quant_max_rows, head_q)
