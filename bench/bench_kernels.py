@@ -33,7 +33,8 @@ with `--baseline`, also `attention_rows_dp` of the other source, interleaved, bi
 
 `--real-shapes` sweeps the matrices of checkpoints people run (SmolLM2-135M, Qwen2.5-0.5B,
 Llama-3.2-1B: q/k/v fused, o, gate+up fused, down, the LM head) in every layout this CPU runs
-(`widen` and `dp` bfloat16, the GGUF blocks Q4_1 and Q8_0 of `pack_rows_gguf`), at 1 row (a
+(`widen` and `dp` bfloat16, the GGUF blocks Q4_1 and Q8_0 of `pack_rows_gguf`, Q4_1 with int8
+activations `Q4_1a8`: `quantization="gguf_a8"`), at 1 row (a
 decode step) and 6 (a verification of 5 drafts), with the weights cold (distinct copies cycled,
 more bytes than the L3 cache, as a step streams them): the time per product and the weights'
 GB/s, against the host's memory bandwidth measured in the same run at the same thread count (a
@@ -202,14 +203,18 @@ def memory_bandwidth(reps: int) -> tuple[float, float]:
 
 
 def packed_copies(layout: str, n: int, k: int, copies: int, g: torch.Generator) -> list[torch.Tensor]:
-    """`copies` distinct packings of one random n x k matrix in `layout` (widen, dp, Q4_1, Q8_0)."""
+    """`copies` distinct packings of one random n x k matrix in `layout` (widen, dp, Q4_1, Q8_0,
+    Q4_1a8: Q4_1 blocks marked for int8 activations)."""
     w = torch.randn(n, k, generator=g) * 0.05
-    if layout in cpu_kernels.GGUF_PACKED_TYPES:
+    blocks = layout.removesuffix("a8")
+    if blocks in cpu_kernels.GGUF_PACKED_TYPES:
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize
 
-        raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[layout]))
-        one = cpu_kernels.pack_rows_gguf(raw, layout, k)
+        raw = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[blocks]))
+        one = cpu_kernels.pack_rows_gguf(raw, blocks, k)
+        if layout.endswith("a8"):
+            one = cpu_kernels.gguf_int8_activations(one)
     else:
         one = cpu_kernels.pack_rows(w.bfloat16(), layout == "dp")
     # copies of one packing: the bytes differ in place only, the time depends on where they live
@@ -220,7 +225,7 @@ def real_shapes_bench(reps: int, threads: int, out: str | None = None) -> dict:
     """See the module docstring (`--real-shapes`)."""
     g = torch.Generator().manual_seed(0)
     layouts = ["widen"] + (["dp"] if cpu_kernels.dot_bf16_available() else [])
-    layouts += list(("Q4_1", "Q8_0") if cpu_kernels.gguf_available() else ())
+    layouts += list(("Q4_1", "Q4_1a8", "Q8_0") if cpu_kernels.gguf_available() else ())
     copy_gb_s, read_gb_s = memory_bandwidth(2 * reps + 1)
     print(f"memory bandwidth ({threads} threads): copy {copy_gb_s:.1f} GB/s (read + written), read {read_gb_s:.1f} GB/s",
           flush=True)

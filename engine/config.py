@@ -15,7 +15,7 @@ MAX_TREE_NODES = 63  # draft nodes of one tree: with its root, kernels.MAX_TREE_
 # (engine/model_runner.py explains each).
 EXACT_MODES = ("auto", "rows", "pad", "batch_invariant", "off")
 # How a quantized checkpoint's matrices reach the CPU row kernels (model_runner.resolve_quantization).
-QUANTIZATIONS = ("auto", "none", "gguf")
+QUANTIZATIONS = ("auto", "none", "gguf", "gguf_a8")
 
 
 @dataclass(frozen=True)

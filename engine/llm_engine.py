@@ -135,7 +135,8 @@ class LLMEngine:
         Q4_0/Q4_1/Q8_0 matrices as stored, in the CPU row kernels' decode and verification steps,
         where it runs (`model_runner.resolve_quantization`), unless `dtype` asks for float32 (the
         reference's precision: every weight dequantized); "gguf" the same in any dtype, and an
-        error where it cannot run; "none" dequantizes every weight to the dtype.
+        error where it cannot run; "gguf_a8" as "gguf" with the Q4 matrices' activations in int8
+        (llama.cpp's AVX2 scheme: faster on AVX2, lossier); "none" dequantizes every weight to the dtype.
         `cuda_graphs`: on a CUDA device with the Triton backend and `exact` "pad" (what "auto"
         picks there) or "batch_invariant", run the target's steps of up to 16 tokens (decode,
         verification) and the model drafters' small forwards as captured CUDA graphs

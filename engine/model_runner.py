@@ -139,11 +139,15 @@ class ForwardBatch:
 
 
 def resolve_quantization(quantization: str, model_dir: str, row_kernel: bool, exact: str) -> str:
-    """The engine's `quantization` (QUANTIZATIONS) -> "gguf" or "none". "gguf" serves a GGUF
-    file's Q4_0/Q4_1/Q8_0 matrices as stored in the CPU row kernels (the steps of the "rows"
-    mode: decode and verification); prefill and the torch path keep the dequantized weights.
-    "auto" takes it wherever it runs (LLMEngine passes "none" for a float32 the caller asked for:
-    the reference's precision); "gguf" refuses to start where it cannot."""
+    """The engine's `quantization` (QUANTIZATIONS) -> "gguf", "gguf_a8" or "none". "gguf" serves a
+    GGUF file's Q4_0/Q4_1/Q8_0 matrices as stored in the CPU row kernels (the steps of the "rows"
+    mode: decode and verification), with activations quantized to int16 per group of 32 (within
+    float rounding of the dequantized model); prefill and the torch path keep the dequantized
+    weights. "gguf_a8" the same with int8 activations for the Q4 matrices, as llama.cpp's AVX2
+    products: faster where products are bound by multiply-adds (AVX2), lossier
+    (`cpu_kernels.gguf_int8_activations`). "auto" takes "gguf" wherever it runs (LLMEngine passes
+    "none" for a float32 the caller asked for: the reference's precision); "gguf" and "gguf_a8"
+    refuse to start where they cannot."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "none":
@@ -157,9 +161,11 @@ def resolve_quantization(quantization: str, model_dir: str, row_kernel: bool, ex
         missing = f"exact 'rows' or 'auto' (got {exact!r}: its steps do not run the row kernels)"
     elif not read_gguf(model_dir).stores_any(tuple(cpu_kernels.GGUF_PACKED_TYPES)):
         missing = f"a GGUF file that stores matrices as {', '.join(cpu_kernels.GGUF_PACKED_TYPES)} ({model_dir!r} stores none)"
-    if quantization == "gguf" and missing:
-        raise ValueError(f"quantization='gguf' needs {missing}; use quantization='none' to dequantize every weight")
-    return "gguf" if missing is None else "none"
+    if quantization in ("gguf", "gguf_a8") and missing:
+        raise ValueError(f"quantization={quantization!r} needs {missing}; use quantization='none' to dequantize every weight")
+    if missing is not None:
+        return "none"
+    return "gguf_a8" if quantization == "gguf_a8" else "gguf"
 
 
 def last_rows(cu_query_lens: list[int], num_last: int | list[int]) -> list[int]:

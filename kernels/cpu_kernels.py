@@ -187,6 +187,7 @@ def pack_rows_int4(weight: torch.Tensor) -> torch.Tensor:
 
 # GGML tensor types (a GGUF file's `tensor_type`) whose blocks the GGUF products read as stored.
 GGUF_PACKED_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+GGUF_Q4_RECORD = 1280  # bytes of a packed Q4 record (64 rows x 32 k: csrc/gguf_products.cpp)
 
 
 def gguf_available() -> bool:
@@ -210,6 +211,19 @@ def gguf_wide(on: bool) -> bool:
     """Run the GGUF products' 512-bit kernel where the CPU has AVX512-VNNI (default) or always the
     256-bit one (the same bits; for tests); returns the previous setting."""
     return bool(_module().set_gguf_avx512(on))
+
+
+def gguf_int8_activations(packed: torch.Tensor) -> torch.Tensor:
+    """GGUF-packed Q4_0/Q4_1 weights (`pack_rows_gguf`) marked to be multiplied with activations
+    quantized to int8 per group of 32, as llama.cpp's AVX2 products take them (`vpmaddubsw`: twice
+    the multiply-adds an instruction of the int16 default; the 256-bit kernel on every CPU): the
+    same bytes viewed as int8. int16 activations keep the products within float rounding of the
+    dequantized model; int8 moves them by up to ~0.4% of each group's largest activation. Q8_0
+    weights are returned as they are (their int8 products would make no more multiply-adds an
+    instruction)."""
+    if packed.dtype == torch.uint8 and packed.dim() == 3 and packed.shape[2] == GGUF_Q4_RECORD:
+        return packed.view(torch.int8)
+    return packed
 
 
 def has_avx512() -> bool:

@@ -3,7 +3,8 @@
 equal their definition (per-group int16 activations times the dequantized weights) to float
 rounding and the dequantized matrix's products to the activations' rounding; a row's result is
 the same bits alone or among others, on the 512-bit and the 256-bit kernel; a model served so
-matches transformers' logits, and speculation leaves its greedy output unchanged."""
+matches transformers' logits, and speculation leaves its greedy output unchanged. The same for
+Q4 blocks marked for int8 activations (`quantization="gguf_a8"`)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,11 @@ def blocks(n: int, k: int, qtype: str, seed: int = 0) -> tuple[np.ndarray, np.nd
     return raw, dequantize(raw, Q[qtype]).astype(np.float64)
 
 
-def activations_as_quantized(x: np.ndarray) -> np.ndarray:
-    """What the kernel multiplies: each group of 32 of a row as int16 times its scale
-    (s = max |x| / 32767, q = round(x / s), in float32)."""
+def activations_as_quantized(x: np.ndarray, qmax: int = 32767) -> np.ndarray:
+    """What the kernel multiplies: each group of 32 of a row as int16 (qmax 32767; int8: 127)
+    times its scale (s = max |x| / qmax, q = round(x / s), in float32)."""
     g = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-    s = (np.abs(g).max(axis=2, keepdims=True) / np.float32(32767)).astype(np.float32)
+    s = (np.abs(g).max(axis=2, keepdims=True) / np.float32(qmax)).astype(np.float32)
     q = np.where(s > 0, np.rint(g / np.where(s > 0, s, 1)), 0)
     return (q.astype(np.float64) * s.astype(np.float64)).reshape(x.shape)
 
@@ -73,6 +74,36 @@ def test_a_row_is_the_same_bits_alone_in_a_batch_and_on_either_kernel(qtype):
         cpu_kernels.gguf_wide(was)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("n,k", [(1, 32), (70, 64), (130, 576), (64, 1536)])
+def test_int8_activation_products_equal_their_definition(qtype, n, k):
+    """Q4 blocks marked for int8 activations: the products of the activations quantized to int8
+    per group of 32 and the dequantized weights, to float rounding; a row the same bits alone or
+    among others (rows 1-13: every count of rows a pass takes); Q8_0 blocks are left as they are."""
+    raw, w = blocks(n, k, qtype, seed=3)
+    x = np.random.default_rng(4).standard_normal((13, k)).astype(np.float32)
+    x[:, 5] *= 40  # an outlier channel: its group's other activations lose precision in int8
+    blocks_u8 = cpu_kernels.pack_rows_gguf(torch.from_numpy(raw), qtype, k)
+    packed = cpu_kernels.gguf_int8_activations(blocks_u8)
+    assert packed.dtype == torch.int8 and packed.data_ptr() == blocks_u8.data_ptr()  # a view: no copy
+    y = cpu_kernels.packed_linear(torch.from_numpy(x), packed, n, None)
+    y64 = y.numpy().astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert np.max(np.abs(y64 - activations_as_quantized(x, 127) @ w.T) / scale) < 2e-6
+    # off the dequantized matrix's products by int8's rounding: at most half a step of each group's
+    # scale (max |x| / 127) on each input, and visibly more than int16's
+    half_step = np.repeat(np.abs(x.reshape(13, -1, 32)).max(axis=2) / 127 / 2, 32, axis=1)
+    error = np.abs(y64 - x.astype(np.float64) @ w.T)
+    assert np.all(error <= half_step @ np.abs(w).T * (1 + 1e-5) + 2e-6 * scale)
+    int16 = cpu_kernels.packed_linear(torch.from_numpy(x), blocks_u8, n, None).numpy().astype(np.float64)
+    assert np.max(np.abs(y64 - int16) / scale) > 1e-4
+    for m in range(1, 14):
+        assert torch.equal(cpu_kernels.packed_linear(torch.from_numpy(x[:m]), packed, n, None), y[:m])
+    raw8, _ = blocks(n, k, "Q8_0")
+    q8 = cpu_kernels.pack_rows_gguf(torch.from_numpy(raw8), "Q8_0", k)
+    assert cpu_kernels.gguf_int8_activations(q8) is q8
+
+
 def test_bad_blocks_are_refused_with_the_reason():
     raw, _ = blocks(8, 64, "Q4_1")
     with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
@@ -107,6 +138,9 @@ def rows_path_logits(model, tokens: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
+A8_LOGITS_TOLERANCE = 5e-2  # of the largest logit (1.7% here): int8 activations round to ~0.4% of a group's largest
+
+
 @pytest.mark.parametrize("family,qtype", [("llama", "Q4_1"), ("llama", "Q4_0"), ("qwen2", "Q8_0")])
 def test_a_model_served_from_its_blocks_matches_transformers(tmp_path, family, qtype):
     from test_gguf import TOKENS, transformers_logits, write_gguf
@@ -123,6 +157,12 @@ def test_a_model_served_from_its_blocks_matches_transformers(tmp_path, family, q
     assert (got - expected).abs().max().item() < 2e-3 * expected.abs().max().item()
     dequantized, _ = load_model(path, torch.float32, torch.device("cpu"), 256)
     assert not torch.equal(rows_path_logits(dequantized, TOKENS), got)  # a different path did run
+    if qtype.startswith("Q4"):  # int8 activations: the Q4 blocks marked, logits within their rounding
+        a8, _ = load_model(path, torch.float32, torch.device("cpu"), 256, quantization="gguf_a8")
+        assert a8.layers[0].row_weights()["w_down"].dtype == torch.int8
+        got_a8 = rows_path_logits(a8, TOKENS)
+        assert (got_a8 - expected).abs().max().item() < A8_LOGITS_TOLERANCE * expected.abs().max().item()
+        assert not torch.equal(got_a8, got)
 
 
 def test_speculation_leaves_greedy_output_unchanged_and_auto_defers_to_an_asked_float32(tmp_path):
@@ -142,6 +182,14 @@ def test_speculation_leaves_greedy_output_unchanged_and_auto_defers_to_an_asked_
     assert spec.engine.spec_stats.num_accepted_tokens > 0
     assert LLM(model=path, dtype="float32").engine.runner.quantization == "none"  # asked for float32
     assert LLM(model=path, dtype="float32", quantization="gguf").engine.runner.quantization == "gguf"
+    # int8 activations: other products (a near-tie may part the text), the same exactness
+    a8 = LLM(model=path, dtype="bfloat16", kv_cache_memory_bytes=1 << 22, quantization="gguf_a8")
+    a8_spec = LLM(model=path, dtype="bfloat16", kv_cache_memory_bytes=1 << 22, quantization="gguf_a8",
+                  speculative={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    assert a8.engine.runner.quantization == "gguf_a8"
+    assert a8.engine.runner.model.layers[0].row_weights()["w_gate_up"].dtype == torch.int8  # Q4_1 marked
+    a8_expected = [o.token_ids for o in a8.generate(prompts, params)]
+    assert [o.token_ids for o in a8_spec.generate(prompts, params)] == a8_expected
     from engine.model_runner import resolve_quantization
 
     assert resolve_quantization("auto", path, True, "auto") == "gguf"  # (whatever dtype "auto" resolves to)
@@ -161,6 +209,8 @@ def test_quantization_gguf_where_it_cannot_run_says_why(tmp_path):
     f16 = write_gguf(tmp_path / "f16.gguf", "llama", "F16", hidden_size=64, intermediate_size=128)
     with pytest.raises(ValueError, match="stores none"):
         LLM(model=f16, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization='gguf_a8' needs .*stores none"):
+        LLM(model=f16, quantization="gguf_a8")
     assert LLM(model=f16, dtype="bfloat16").engine.runner.quantization == "none"
 
 
@@ -172,12 +222,14 @@ REAL_LAYERS = {"SmolLM2-135M": (576, 9, 3, 64, 1536), "Qwen2.5-0.5B": (896, 14, 
 
 @pytest.mark.parametrize("model", list(REAL_LAYERS))
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.float32])
-def test_a_decoder_layer_of_published_shapes_runs_on_gguf_blocks(model, cdtype):
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_a_decoder_layer_of_published_shapes_runs_on_gguf_blocks(model, cdtype, activations):
     """rows_layer over Q4_1 blocks (Q8_0 down projection, as mixed files have) at a published
     checkpoint's shapes: against the layer's definition on the dequantized weights in float64 (the
     activations' rounding apart), every row's bits the same alone as in a step of 5 tokens (a
     verification of 4 drafts after a decode token of another request), with the caches' attention
-    path this CPU picks for that head layout."""
+    path this CPU picks for that head layout. int8: the Q4_1 blocks marked for int8 activations
+    (`quantization="gguf_a8"`), beside the Q8_0 ones that keep int16."""
     from test_cpu_kernels import reference_attention
 
     e, h, hkv, d, inter = REAL_LAYERS[model]
@@ -188,6 +240,9 @@ def test_a_decoder_layer_of_published_shapes_runs_on_gguf_blocks(model, cdtype):
                                "gate_up": (2 * inter, e, "Q4_1"), "down": (e, inter, "Q8_0")}.items():
         raw, dense[key] = blocks(n, k, qtype, seed=len(dense))
         w["w_" + key] = cpu_kernels.pack_rows_gguf(torch.from_numpy(raw), qtype, k)
+        if activations == "int8":
+            w["w_" + key] = cpu_kernels.gguf_int8_activations(w["w_" + key])
+    assert (w["w_down"].dtype, w["w_qkv"].dtype) == (torch.uint8, torch.int8 if activations == "int8" else torch.uint8)
     w.update(in_norm=1 + 0.1 * torch.randn(e, generator=g), post_norm=1 + 0.1 * torch.randn(e, generator=g))
     bs, blocks_n, t_ = 16, 8, 5
     k_cache = (torch.randn(blocks_n, bs, hkv, d, generator=g) * 0.5).to(cdtype)
@@ -228,6 +283,8 @@ def test_a_decoder_layer_of_published_shapes_runs_on_gguf_blocks(model, cdtype):
     ref_out = lin(torch.nn.functional.silu(gate) * up, "down")
     # bfloat16 caches (and the dot-product attention they take) round q, k, v to bfloat16
     tol = 2e-2 if cdtype == torch.bfloat16 else 2e-3
+    if activations == "int8":  # int8's rounding, ~0.4% of a group's largest activation, compounded: 0.3-1.9% here
+        tol = 5e-2
     assert (res.double() - ref_res).abs().max() <= tol * ref_res.abs().max()
     assert (out.double() - ref_out).abs().max() <= tol * ref_out.abs().max()
     kc1, vc1 = k_cache.clone(), v_cache.clone()

@@ -75,7 +75,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
                quantization: str = "none"):
     """Build our decoder for the checkpoint and load its weights. Returns (model, hf_config).
     `quantization` "gguf" (a GGUF file, the CPU row kernels): the row kernels also get the file's
-    Q4_0/Q4_1/Q8_0 matrices as stored (`gguf_stored_matrices`); "none": every weight dequantized."""
+    Q4_0/Q4_1/Q8_0 matrices as stored (`gguf_stored_matrices`); "gguf_a8": the same, the Q4 ones
+    marked for int8 activations; "none": every weight dequantized."""
     hf_config = load_hf_config(model_dir)
     arch = ArchConfig.from_hf(hf_config)
     mtp = mtp_weight_prefixes(arch.num_layers, int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0))
@@ -92,16 +93,18 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     model.set_rope(*rope_cos_sin(hf_config, max_positions, dtype, device),
                    *rope_cos_sin(hf_config, max_positions, torch.float32, device))
     model.eval().requires_grad_(False)
-    if quantization == "gguf":
-        model.use_stored_matrices(*gguf_stored_matrices(model_dir, arch))
+    if quantization in ("gguf", "gguf_a8"):
+        model.use_stored_matrices(*gguf_stored_matrices(model_dir, arch, int8_activations=quantization == "gguf_a8"))
     return model, hf_config
 
 
-def gguf_stored_matrices(path: str, arch: ArchConfig) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+def gguf_stored_matrices(path: str, arch: ArchConfig, int8_activations: bool = False
+                         ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
     """The GGUF file's matrices that it stores as Q4_0, Q4_1 or Q8_0, packed for the row kernels'
     GGUF products (`cpu_kernels.pack_rows_gguf`): per decoder layer {"w_qkv", "w_o", "w_gate_up",
     "w_down"} (each present where all of its parts are stored in one such type), and the LM head
-    (the token embedding where tied) or None."""
+    (the token embedding where tied) or None. `int8_activations`: the Q4 ones marked for int8
+    activations (`cpu_kernels.gguf_int8_activations`)."""
     from kernels import cpu_kernels
 
     ckpt = read_gguf(path)
@@ -109,7 +112,10 @@ def gguf_stored_matrices(path: str, arch: ArchConfig) -> tuple[list[dict[str, to
 
     def packed(names: list[str], k: int) -> torch.Tensor | None:
         found = ckpt.stored_blocks(names, types)
-        return None if found is None else cpu_kernels.pack_rows_gguf(found[1], found[0], k)
+        if found is None:
+            return None
+        blocks = cpu_kernels.pack_rows_gguf(found[1], found[0], k)
+        return cpu_kernels.gguf_int8_activations(blocks) if int8_activations else blocks
 
     hidden, q_size = arch.hidden_size, arch.num_heads * arch.head_dim
     layers = []

@@ -245,7 +245,7 @@ struct alignas(64) TileConfig {
 };
 
 // Which packed layout a weight tensor is in (pack_rows, pack_rows_int8, pack_rows_int4, pack_rows_gguf).
-enum class Packed { plain, dot_bf16, int8, int4, gguf_q4, gguf_q8 };
+enum class Packed { plain, dot_bf16, int8, int4, gguf_q4, gguf_q8, gguf_q4_a8 };
 
 // ---- products.cpp ----------------------------------------------------------------------------
 
@@ -268,7 +268,8 @@ bool set_amx(bool on);
 // GGML tensor types (the GGUF file's tensor_type) that pack_rows_gguf takes.
 constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8;
 // raw [N, K / 32 * block bytes] uint8 blocks of a GGUF tensor of `ggml_type` -> the layout of the
-// GGUF products: Packed::gguf_q4 (Q4_0, Q4_1) or Packed::gguf_q8 (Q8_0).
+// GGUF products: Packed::gguf_q4 (Q4_0, Q4_1) or Packed::gguf_q8 (Q8_0); Packed::gguf_q4_a8: Q4
+// records viewed as int8 (gguf_int8_activations), multiplied with int8 activations.
 torch::Tensor pack_rows_gguf(torch::Tensor raw, int64_t ggml_type, int64_t K);
 // The layout of a uint8 tensor of N x K weights in one of the GGUF layouts, or Packed::plain if
 // its shape fits neither.

@@ -75,9 +75,12 @@ std::tuple<torch::Tensor, torch::Tensor> rows_layer(
   TORCH_CHECK(!has_res || (residual.sizes() == x.sizes() && residual.scalar_type() == torch::kFloat32 && residual.is_contiguous()),
               "rows_layer: residual must be like x");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(), "rows_layer: cos/sin [T, D]");
-  const auto wtype = w_qkv.scalar_type();
+  // one dtype; the byte layouts (int8 and uint8: GGUF blocks with int8 or int16 activations, a
+  // drafter's int8 / int4) may mix, each checked as it is multiplied
+  const auto dtype_class = [](torch::ScalarType t) { return t == torch::kInt8 ? torch::kUInt8 : t; };
+  const auto wtype = dtype_class(w_qkv.scalar_type());
   for (const auto* w : {&w_qkv, &w_o, &w_gate_up, &w_down}) {
-    TORCH_CHECK(w->scalar_type() == wtype, "rows_layer: weights must be of one dtype");
+    TORCH_CHECK(dtype_class(w->scalar_type()) == wtype, "rows_layer: weights must be of one dtype");
   }
   const int64_t Q = H * D, KV = Hkv * D, QKV = Q + 2 * KV, I2 = 2 * I;
   // attn_in (optional, [T, K]): what q/k/v read instead of the normed residual stream (EAGLE-3's

@@ -27,6 +27,9 @@
 //   Q8 (2176 bytes): for each pair, the 64 rows' (k, k + 1) int8 side by side (128 bytes); then
 //      the 64 rows' d (float16): [ceil(N / 64), K / 32, 2176] uint8, 8.5 bits a weight.
 // (Three dimensions, where the int4 and int8 layouts have two: the layouts are told apart by shape.)
+// Q4 records viewed as int8 (Packed::gguf_q4_a8) are the same bytes, multiplied with activations
+// quantized to int8 per group instead (`dots_256_i8`, llama.cpp's AVX2 scheme): twice the
+// multiply-adds an AVX2 instruction, at up to ~0.4% of a group's largest activation in error.
 // A step streams each block's records in order, one sequential read.
 #include "cpu_kernels.h"
 
@@ -50,6 +53,8 @@ inline int64_t q4_row_bytes(int64_t K) { return K / GROUP * Q4_RECORD; }
 inline int64_t q8_row_bytes(int64_t K) { return K / GROUP * Q8_RECORD; }
 
 bool g_avx512 = true;
+// Rows of x per pass of dots_256_i8 (2 accumulators a row; at most ROWS_512, the buffers' size).
+constexpr int ROWS_I8 = 4;
 
 inline uint16_t half_bits(float f) { return c10::Half(f).x; }
 inline float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
@@ -128,6 +133,49 @@ void quantize_groups(const float* x, int64_t M, int64_t K, std::vector<int16_t>&
         // 8 int32 -> 8 int16 (in range: no saturation), in order
         const __m128i lo = _mm256_castsi256_si128(qi), hi = _mm256_extracti128_si256(qi, 1);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8 * i), _mm_packs_epi32(lo, hi));
+      }
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      xs[m * KG + g] = s;
+      xsum[m * KG + g] = static_cast<float>(_mm_cvtsi128_si32(t));
+    }
+}
+
+// The same per group of 32 with int8 (s = max |x| / 127): the activations llama.cpp's AVX2 Q4
+// products take, for `dots_256_i8` (Packed::gguf_q4_a8).
+void quantize_groups_i8(const float* x, int64_t M, int64_t K, std::vector<int8_t>& xq, std::vector<float>& xs,
+                        std::vector<float>& xsum) {
+  const int64_t KG = K / GROUP;
+  xq.resize(M * K);
+  xs.resize(M * KG);
+  xsum.resize(M * KG);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < KG; ++g) {
+      const float* xg = x + m * K + g * GROUP;
+      __m256 v[4], mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i), mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+      const float amax = _mm_cvtss_f32(h);
+      int8_t* q = xq.data() + m * K + g * GROUP;
+      if (amax == 0.0f) {
+        std::memset(q, 0, GROUP);
+        xs[m * KG + g] = xsum[m * KG + g] = 0.0f;
+        continue;
+      }
+      const float s = amax / 127.0f;
+      const __m256 sv = _mm256_set1_ps(s), lim = _mm256_set1_ps(127.0f);
+      __m256i acc = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i qi = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(r, lim)));
+        acc = _mm256_add_epi32(acc, qi);
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
+        for (int j = 0; j < 8; ++j) q[8 * i + j] = static_cast<int8_t>(lanes[j]);
       }
       __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
       t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -265,7 +313,74 @@ __attribute__((noinline)) void dots_256(const int16_t* x, const float* xs, const
   }
 }
 
+// Q4 blocks against MB rows of int8 activations (quantize_groups_i8), `vpmaddubsw`: the nibbles
+// (unsigned) times a pair of x's bytes, two products a 16-bit lane, 32 a register where
+// `vpmaddwd` makes 16: twice the multiply-adds an instruction, the rate AVX2 decode and
+// verification are bound by. A pair's 32 bytes of a half block, masked, give rows 32 h + 0..15
+// (low nibbles) and 32 h + 16..31 (high), each lane (k, k + 1) of one row. The 16-bit sums are
+// exact over 8 pairs (|sum| <= 8 * 2 * 15 * 127 < 2^15), then widened; per output the float
+// operations of dots_256.
+template <int MB>
+__attribute__((noinline)) void dots_256_i8(const int8_t* const* x, const float* const* xs, const float* const* xsum,
+                                           const uint8_t* p, int64_t KG, float (*out)[VN]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(out[m] + 8 * r, _mm256_setzero_ps());
+  for (int64_t g = 0; g < KG; ++g, p += Q4_RECORD) {
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(p + PAIRS * 64);
+    for (int h = 0; h < 2; ++h) {
+      alignas(32) int32_t sum[MB][32];
+      for (int half = 0; half < 2; ++half) {
+        __m256i a[MB][2];
+        for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int64_t s = 8 * half; s < 8 * half + 8; ++s) {
+          const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + s * 64 + 32 * h));
+          const __m256i w0 = _mm256_and_si256(u, low), w1 = _mm256_and_si256(_mm256_srli_epi16(u, 4), low);
+          for (int m = 0; m < MB; ++m) {
+            int16_t pair;
+            std::memcpy(&pair, x[m] + g * GROUP + 2 * s, sizeof(pair));
+            const __m256i xv = _mm256_set1_epi16(pair);
+            a[m][0] = _mm256_add_epi16(a[m][0], _mm256_maddubs_epi16(w0, xv));
+            a[m][1] = _mm256_add_epi16(a[m][1], _mm256_maddubs_epi16(w1, xv));
+          }
+        }
+        for (int m = 0; m < MB; ++m)
+          for (int j = 0; j < 2; ++j)
+            for (int part = 0; part < 2; ++part) {
+              const __m128i v16 = part ? _mm256_extracti128_si256(a[m][j], 1) : _mm256_castsi256_si128(a[m][j]);
+              __m256i v32 = _mm256_cvtepi16_epi32(v16);
+              int32_t* dst = sum[m] + 16 * j + 8 * part;
+              if (half) v32 = _mm256_add_epi32(v32, _mm256_load_si256(reinterpret_cast<const __m256i*>(dst)));
+              _mm256_store_si256(reinterpret_cast<__m256i*>(dst), v32);
+            }
+      }
+      for (int i = 0; i < 4; ++i) {  // rows 32 h + 8 i .. + 7: register r = 4 h + i of dots_256
+        const int r = 4 * h + i;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * r)));
+        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + VN + 8 * r)));
+        for (int m = 0; m < MB; ++m) {
+          const __m256i a32 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sum[m] + 8 * i));
+          __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a32), d);
+          v = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m][g]), mn, v);
+          _mm256_storeu_ps(out[m] + 8 * r, _mm256_fmadd_ps(v, _mm256_set1_ps(xs[m][g]), _mm256_loadu_ps(out[m] + 8 * r)));
+        }
+      }
+    }
+  }
+}
+
 #pragma GCC pop_options
+
+void dots_256_i8_rows(int rows, const int8_t* const* x, const float* const* xs, const float* const* xsum,
+                      const uint8_t* p, int64_t KG, float (*out)[VN]) {
+  switch (rows) {
+    case 4: dots_256_i8<4>(x, xs, xsum, p, KG, out); break;
+    case 3: dots_256_i8<3>(x, xs, xsum, p, KG, out); break;
+    case 2: dots_256_i8<2>(x, xs, xsum, p, KG, out); break;
+    default: dots_256_i8<1>(x, xs, xsum, p, KG, out); break;
+  }
+}
 
 }  // namespace
 
@@ -276,11 +391,12 @@ bool set_gguf_avx512(bool on) {
 }
 
 Packed gguf_layout(const torch::Tensor& wp, int64_t N, int64_t K) {
-  if (wp.scalar_type() != torch::kUInt8 || wp.dim() != 3 || K % GROUP != 0 || wp.size(0) != (N + VN - 1) / VN ||
+  const bool a8 = wp.scalar_type() == torch::kInt8;
+  if ((wp.scalar_type() != torch::kUInt8 && !a8) || wp.dim() != 3 || K % GROUP != 0 || wp.size(0) != (N + VN - 1) / VN ||
       wp.size(1) != K / GROUP)
     return Packed::plain;
-  if (wp.size(2) == Q4_RECORD) return Packed::gguf_q4;
-  if (wp.size(2) == Q8_RECORD) return Packed::gguf_q8;
+  if (wp.size(2) == Q4_RECORD) return a8 ? Packed::gguf_q4_a8 : Packed::gguf_q4;
+  if (wp.size(2) == Q8_RECORD && !a8) return Packed::gguf_q8;
   return Packed::plain;
 }
 
@@ -313,11 +429,33 @@ torch::Tensor pack_rows_gguf(torch::Tensor raw, int64_t ggml_type, int64_t K) {
 
 void linear_gguf(const float* x, int64_t M, int64_t K, const uint8_t* wp, Packed layout, int64_t N, const float* bias,
                  float* y, int threads) {
-  const bool q4 = layout == Packed::gguf_q4;
+  const bool q4 = layout == Packed::gguf_q4 || layout == Packed::gguf_q4_a8;
   const int64_t KG = K / GROUP, row_bytes = q4 ? q4_row_bytes(K) : q8_row_bytes(K);
   // the calling thread's buffers, kept between calls (a decode step makes 4 calls a layer)
   static thread_local std::vector<int16_t> xq_buf;
   static thread_local std::vector<float> xs_buf, xsum_buf;
+  if (layout == Packed::gguf_q4_a8) {
+    static thread_local std::vector<int8_t> x8_buf;
+    quantize_groups_i8(x, M, K, x8_buf, xs_buf, xsum_buf);
+    const int8_t* x8 = x8_buf.data();
+    const float *s8 = xs_buf.data(), *t8 = xsum_buf.data();
+    over_tiles_and_blocks<VN>(M, N, threads, [&](int64_t m0, int64_t m1, int64_t blk, int64_t n0, int64_t nb) {
+      const uint8_t* p = wp + blk * row_bytes;
+      alignas(64) float out[ROWS_512][VN];
+      for (int64_t r0 = m0, n = 0; r0 < m1; r0 += n) {
+        n = std::min<int64_t>(ROWS_I8, m1 - r0);
+        const int8_t* xr[ROWS_512];
+        const float* sr[ROWS_512];
+        const float* tr[ROWS_512];
+        for (int64_t i = 0; i < n; ++i)
+          xr[i] = x8 + (r0 + i) * K, sr[i] = s8 + (r0 + i) * KG, tr[i] = t8 + (r0 + i) * KG;
+        dots_256_i8_rows(static_cast<int>(n), xr, sr, tr, p, KG, out);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < nb; ++j) y[(r0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
+      }
+    });
+    return;
+  }
   quantize_groups(x, M, K, xq_buf, xs_buf, xsum_buf);
   // (pointers: inside the parallel region the names above would be each worker's own buffers)
   const int16_t* xq = xq_buf.data();

@@ -718,6 +718,12 @@ torch::Tensor pack_rows_int4(torch::Tensor w) {
 // Which packed layout wp is in (pack_rows, pack_rows_int8, pack_rows_int4), checked against the
 // product's N x K.
 Packed check_packed(const torch::Tensor& wp, int64_t N, int64_t K, const char* what) {
+  if (wp.scalar_type() == torch::kInt8 && wp.dim() == 3) {
+    const Packed gguf = gguf_layout(wp, N, K);
+    TORCH_CHECK(gguf == Packed::gguf_q4_a8 && wp.is_contiguous(), what, ": GGUF Q4 records for int8 activations ",
+                "(gguf_int8_activations) of ", N, " x ", K, " expected, got ", wp.sizes());
+    return gguf;
+  }
   if (wp.scalar_type() == torch::kInt8) {
     TORCH_CHECK(wp.dim() == 2 && wp.is_contiguous() && wp.size(0) == (N + VN - 1) / VN && wp.size(1) == i8_row_bytes(K),
                 what, ": int8-packed weights of ", N, " x ", K, " expected (pack_rows_int8)");
@@ -759,8 +765,8 @@ void packed_product(const float* x, int64_t M, int64_t K, const torch::Tensor& w
     linear_i8(x, M, K, wp.data_ptr<int8_t>(), N, bias, y, threads);
   } else if (layout == Packed::int4) {
     linear_i4(x, M, K, wp.data_ptr<uint8_t>(), N, bias, y, threads);
-  } else if (layout == Packed::gguf_q4 || layout == Packed::gguf_q8) {
-    linear_gguf(x, M, K, wp.data_ptr<uint8_t>(), layout, N, bias, y, threads);
+  } else if (layout == Packed::gguf_q4 || layout == Packed::gguf_q8 || layout == Packed::gguf_q4_a8) {
+    linear_gguf(x, M, K, static_cast<const uint8_t*>(wp.data_ptr()), layout, N, bias, y, threads);
   } else if (wp.scalar_type() == torch::kBFloat16) {
     linear_packed(x, M, K, reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()), N, bias, y, threads);
   } else {
