@@ -143,7 +143,7 @@ def resolve_quantization(quantization: str, model_dir: str, row_kernel: bool, ex
     GGUF file's Q4_0/Q4_1/Q8_0 matrices as stored in the CPU row kernels (the steps of the "rows"
     mode: decode and verification), with activations quantized to int16 per group of 32 (within
     float rounding of the dequantized model); prefill and the torch path keep the dequantized
-    weights. "gguf_a8" the same with int8 activations for the Q4 matrices, as llama.cpp's AVX2
+    weights. "gguf_a8" the same with int8 activations (per 16) for the Q4 matrices, much as llama.cpp's AVX2
     products: faster where products are bound by multiply-adds (AVX2), lossier
     (`cpu_kernels.gguf_int8_activations`). "auto" takes "gguf" wherever it runs (LLMEngine passes
     "none" for a float32 the caller asked for: the reference's precision); "gguf" and "gguf_a8"

@@ -215,12 +215,12 @@ def gguf_wide(on: bool) -> bool:
 
 def gguf_int8_activations(packed: torch.Tensor) -> torch.Tensor:
     """GGUF-packed Q4_0/Q4_1 weights (`pack_rows_gguf`) marked to be multiplied with activations
-    quantized to int8 per group of 32, as llama.cpp's AVX2 products take them (`vpmaddubsw`: twice
-    the multiply-adds an instruction of the int16 default; the 256-bit kernel on every CPU): the
-    same bytes viewed as int8. int16 activations keep the products within float rounding of the
-    dequantized model; int8 moves them by up to ~0.4% of each group's largest activation. Q8_0
-    weights are returned as they are (their int8 products would make no more multiply-adds an
-    instruction)."""
+    quantized to int8 per half group of 16 inputs, much as llama.cpp's AVX2 products take them
+    (`vpmaddubsw`: twice the multiply-adds an instruction of the int16 default; the 256-bit
+    kernel on every CPU): the same bytes viewed as int8. int16 activations keep the products
+    within float rounding of the dequantized model; int8 moves them by up to half a step, 0.4% of
+    each half group's largest activation. Q8_0 weights are returned as they are (their int8
+    products would make no more multiply-adds an instruction)."""
     if packed.dtype == torch.uint8 and packed.dim() == 3 and packed.shape[2] == GGUF_Q4_RECORD:
         return packed.view(torch.int8)
     return packed

@@ -28,8 +28,9 @@
 //      the 64 rows' d (float16): [ceil(N / 64), K / 32, 2176] uint8, 8.5 bits a weight.
 // (Three dimensions, where the int4 and int8 layouts have two: the layouts are told apart by shape.)
 // Q4 records viewed as int8 (Packed::gguf_q4_a8) are the same bytes, multiplied with activations
-// quantized to int8 per group instead (`dots_256_i8`, llama.cpp's AVX2 scheme): twice the
-// multiply-adds an AVX2 instruction, at up to ~0.4% of a group's largest activation in error.
+// quantized to int8 per half group of 16 instead (`dots_256_i8`; llama.cpp's AVX2 scheme, with
+// half its groups): twice the multiply-adds an AVX2 instruction, at up to 0.4% of a half group's
+// largest activation in error.
 // A step streams each block's records in order, one sequential read.
 #include "cpu_kernels.h"
 
@@ -142,46 +143,51 @@ void quantize_groups(const float* x, int64_t M, int64_t K, std::vector<int16_t>&
     }
 }
 
-// The same per group of 32 with int8 (s = max |x| / 127): the activations llama.cpp's AVX2 Q4
-// products take, for `dots_256_i8` (Packed::gguf_q4_a8).
+// int8 activations for `dots_256_i8` (Packed::gguf_q4_a8): each half group of 16 k its own
+// scale (s = max |x| / 127 over the 16, round to nearest even): an outlier channel coarsens 15
+// neighbours rather than 31. xq [M, K] int8, xs [M, K / 16] the scales, xsum [M, K / 32] per group
+// the scaled sum of q over its halves, float(sum_1) * s_1 + float(sum_2) * s_2 (the Q4_1 minimum's
+// term). llama.cpp's AVX2 Q4 products take int8 activations per group of 32.
 void quantize_groups_i8(const float* x, int64_t M, int64_t K, std::vector<int8_t>& xq, std::vector<float>& xs,
                         std::vector<float>& xsum) {
-  const int64_t KG = K / GROUP;
+  constexpr int64_t HALF = GROUP / 2;
+  const int64_t KG = K / GROUP, KH = K / HALF;
   xq.resize(M * K);
-  xs.resize(M * KG);
+  xs.resize(M * KH);
   xsum.resize(M * KG);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < KG; ++g) {
-      const float* xg = x + m * K + g * GROUP;
-      __m256 v[4], mx = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i), mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-      const float amax = _mm_cvtss_f32(h);
-      int8_t* q = xq.data() + m * K + g * GROUP;
-      if (amax == 0.0f) {
-        std::memset(q, 0, GROUP);
-        xs[m * KG + g] = xsum[m * KG + g] = 0.0f;
-        continue;
+      float t = 0.0f;
+      for (int64_t hh = 0; hh < 2; ++hh) {
+        const int64_t hi = g * 2 + hh;
+        const float* xg = x + m * K + hi * HALF;
+        __m256 v[2], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 2; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i), mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float amax = _mm_cvtss_f32(h);
+        int8_t* q = xq.data() + m * K + hi * HALF;
+        if (amax == 0.0f) {
+          std::memset(q, 0, HALF);
+          xs[m * KH + hi] = 0.0f;
+          continue;
+        }
+        const float sc = amax / 127.0f;
+        const __m256 sv = _mm256_set1_ps(sc), lim = _mm256_set1_ps(127.0f);
+        int32_t total = 0;
+        for (int i = 0; i < 2; ++i) {
+          const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          const __m256i qi = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(r, lim)));
+          alignas(32) int32_t lanes[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
+          for (int j = 0; j < 8; ++j) q[8 * i + j] = static_cast<int8_t>(lanes[j]), total += lanes[j];
+        }
+        xs[m * KH + hi] = sc;
+        t = hh ? t + static_cast<float>(total) * sc : static_cast<float>(total) * sc;
       }
-      const float s = amax / 127.0f;
-      const __m256 sv = _mm256_set1_ps(s), lim = _mm256_set1_ps(127.0f);
-      __m256i acc = _mm256_setzero_si256();
-      for (int i = 0; i < 4; ++i) {
-        const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i qi = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(r, lim)));
-        acc = _mm256_add_epi32(acc, qi);
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
-        for (int j = 0; j < 8; ++j) q[8 * i + j] = static_cast<int8_t>(lanes[j]);
-      }
-      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-      xs[m * KG + g] = s;
-      xsum[m * KG + g] = static_cast<float>(_mm_cvtsi128_si32(t));
+      xsum[m * KG + g] = t;
     }
 }
 
@@ -318,8 +324,8 @@ __attribute__((noinline)) void dots_256(const int16_t* x, const float* xs, const
 // `vpmaddwd` makes 16: twice the multiply-adds an instruction, the rate AVX2 decode and
 // verification are bound by. A pair's 32 bytes of a half block, masked, give rows 32 h + 0..15
 // (low nibbles) and 32 h + 16..31 (high), each lane (k, k + 1) of one row. The 16-bit sums are
-// exact over 8 pairs (|sum| <= 8 * 2 * 15 * 127 < 2^15), then widened; per output the float
-// operations of dots_256.
+// exact over the 8 pairs of a half group (|sum| <= 8 * 2 * 15 * 127 < 2^15), each scaled by its
+// half's activation scale: per group v = (float(sum_1) * s_1 + float(sum_2) * s_2) * d + t * m.
 template <int MB>
 __attribute__((noinline)) void dots_256_i8(const int8_t* const* x, const float* const* xs, const float* const* xsum,
                                            const uint8_t* p, int64_t KG, float (*out)[VN]) {
@@ -329,7 +335,7 @@ __attribute__((noinline)) void dots_256_i8(const int8_t* const* x, const float* 
   for (int64_t g = 0; g < KG; ++g, p += Q4_RECORD) {
     const uint16_t* sc = reinterpret_cast<const uint16_t*>(p + PAIRS * 64);
     for (int h = 0; h < 2; ++h) {
-      alignas(32) int32_t sum[MB][32];
+      alignas(32) float sum[MB][32];
       for (int half = 0; half < 2; ++half) {
         __m256i a[MB][2];
         for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm256_setzero_si256();
@@ -345,25 +351,24 @@ __attribute__((noinline)) void dots_256_i8(const int8_t* const* x, const float* 
             a[m][1] = _mm256_add_epi16(a[m][1], _mm256_maddubs_epi16(w1, xv));
           }
         }
-        for (int m = 0; m < MB; ++m)
+        for (int m = 0; m < MB; ++m) {
+          const __m256 hs = _mm256_set1_ps(xs[m][2 * g + half]);
           for (int j = 0; j < 2; ++j)
             for (int part = 0; part < 2; ++part) {
               const __m128i v16 = part ? _mm256_extracti128_si256(a[m][j], 1) : _mm256_castsi256_si128(a[m][j]);
-              __m256i v32 = _mm256_cvtepi16_epi32(v16);
-              int32_t* dst = sum[m] + 16 * j + 8 * part;
-              if (half) v32 = _mm256_add_epi32(v32, _mm256_load_si256(reinterpret_cast<const __m256i*>(dst)));
-              _mm256_store_si256(reinterpret_cast<__m256i*>(dst), v32);
+              const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v16));
+              float* dst = sum[m] + 16 * j + 8 * part;
+              _mm256_store_ps(dst, half ? _mm256_fmadd_ps(v, hs, _mm256_load_ps(dst)) : _mm256_mul_ps(v, hs));
             }
+        }
       }
       for (int i = 0; i < 4; ++i) {  // rows 32 h + 8 i .. + 7: register r = 4 h + i of dots_256
         const int r = 4 * h + i;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8 * r)));
         const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + VN + 8 * r)));
         for (int m = 0; m < MB; ++m) {
-          const __m256i a32 = _mm256_load_si256(reinterpret_cast<const __m256i*>(sum[m] + 8 * i));
-          __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a32), d);
-          v = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m][g]), mn, v);
-          _mm256_storeu_ps(out[m] + 8 * r, _mm256_fmadd_ps(v, _mm256_set1_ps(xs[m][g]), _mm256_loadu_ps(out[m] + 8 * r)));
+          const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m][g]), mn, _mm256_mul_ps(_mm256_load_ps(sum[m] + 8 * i), d));
+          _mm256_storeu_ps(out[m] + 8 * r, _mm256_add_ps(v, _mm256_loadu_ps(out[m] + 8 * r)));
         }
       }
     }
@@ -448,7 +453,7 @@ void linear_gguf(const float* x, int64_t M, int64_t K, const uint8_t* wp, Packed
         const float* sr[ROWS_512];
         const float* tr[ROWS_512];
         for (int64_t i = 0; i < n; ++i)
-          xr[i] = x8 + (r0 + i) * K, sr[i] = s8 + (r0 + i) * KG, tr[i] = t8 + (r0 + i) * KG;
+          xr[i] = x8 + (r0 + i) * K, sr[i] = s8 + (r0 + i) * 2 * KG, tr[i] = t8 + (r0 + i) * KG;
         dots_256_i8_rows(static_cast<int>(n), xr, sr, tr, p, KG, out);
         for (int64_t i = 0; i < n; ++i)
           for (int64_t j = 0; j < nb; ++j) y[(r0 + i) * N + n0 + j] = out[i][j] + (bias ? bias[n0 + j] : 0.0f);
