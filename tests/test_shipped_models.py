@@ -231,17 +231,24 @@ def test_shipped_batch_invariant_mode_mixed_batch_equals_batch_one():
     assert fast.engine.spec_stats.num_draft_tokens > 0
 
 
-def test_shipped_eagle3_kernel_chain_drafts_equal_the_python_loop(snippets):
+@pytest.mark.parametrize("draft_weights", ["model", "int4"])
+def test_shipped_eagle3_kernel_chain_drafts_equal_the_python_loop(snippets, draft_weights):
     """bfloat16, greedy: the one-call chain drafting (`cpu_kernels.draft_chain`) proposes the
     drafts the Python loop of midlayer forwards and samples proposes, round after round, on
     held-out code (it rounds to bfloat16 where the loop's tensors are bfloat16: without that, 2
-    of 120 rounds differed on the benchmark's prompts)."""
+    of 120 rounds differed on the benchmark's prompts). The two still round a norm differently in
+    float32, so a near-tie may flip: with the head's bfloat16 weights none does on these prompts;
+    with its int4 copy (as GGUF Q4_1 blocks on AVX2) one draft of one request did, after which that
+    request's rounds part, so there at most one request may part."""
     from engine import LLM, SamplingParams, SpeculativeConfig
     from kernels import cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("no CPU row kernels")
-    spec = SpeculativeConfig(method="eagle3", model=str(need("eagle3-head")), num_speculative_tokens=4, adaptive=False)
+    if draft_weights == "int4" and not (cpu_kernels.int8_available() or cpu_kernels.gguf_available()):
+        pytest.skip("no quantized head on this CPU")
+    spec = SpeculativeConfig(method="eagle3", model=str(need("eagle3-head")), num_speculative_tokens=4, adaptive=False,
+                             draft_weights=draft_weights)
     rounds = []
     for chain in (True, False):
         engine = LLM(str(need("target")), dtype="bfloat16", device="cpu", speculative=spec, max_num_seqs=1).engine
@@ -252,10 +259,20 @@ def test_shipped_eagle3_kernel_chain_drafts_equal_the_python_loop(snippets):
             while engine.has_unfinished_requests():
                 outs = engine.step()
                 r = engine.scheduler.requests.get(f"r{i}")
-                seen.append((list(r.spec_token_ids) if r is not None else None, [o.new_token_ids for o in outs]))
+                seen.append((i, list(r.spec_token_ids) if r is not None else None, [o.new_token_ids for o in outs]))
         rounds.append(seen)
-    assert rounds[0] == rounds[1]
-    assert sum(len(d or []) for d, _ in rounds[0]) > 0
+    assert sum(len(d or []) for _, d, _ in rounds[0]) > 0
+    if draft_weights == "model":
+        assert rounds[0] == rounds[1]
+        return
+    parted = {i for i in {i for i, _, _ in rounds[0]}
+              if [x for x in rounds[0] if x[0] == i] != [x for x in rounds[1] if x[0] == i]}
+    assert len(parted) <= 1, parted
+    # the verified output is the same either way, the parted request's too
+    def text(seen, i):
+        return [t for j, _, outs in seen if j == i for o in outs for t in o]
+
+    assert all(text(rounds[0], i) == text(rounds[1], i) for i in {i for i, _, _ in rounds[0]})
 
 
 @pytest.mark.parametrize("min_prob", [0.0, 0.25])
