@@ -653,10 +653,9 @@ def test_quantized_head_as_gguf_blocks(gguf_blocks, draft_weights, blocks):
     assert 0 < error < (0.01 if blocks == "Q8_0" else 0.1)
 
 
-@pytest.mark.parametrize("draft_weights", ["int8", "int4"])
-def test_greedy_output_equals_target_with_gguf_block_head(setup, gguf_blocks, draft_weights):
-    """The head's copies as GGUF blocks: greedy speculative output equals the target's, and every
-    drafting product takes the blocks (this CPU has no AMX tiles to prefer bfloat16 ones)."""
+def one_at_a_time_equals_target(setup, draft_weights: str):
+    """Batch 1, bfloat16: the first two prompts one at a time through the target alone and with
+    the explicit-vocabulary head at k = 4 (`draft_weights`), token for token; the head's proposer."""
     spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["explicit"], num_speculative_tokens=4, adaptive=False,
                              draft_weights=draft_weights)
     plain = LLMEngine(setup["target"], dtype="bfloat16", device="cpu")
@@ -673,7 +672,14 @@ def test_greedy_output_equals_target_with_gguf_block_head(setup, gguf_blocks, dr
             results.append(tokens)
         assert results[0] == results[1]
     assert spec_engine.spec_stats.num_draft_tokens > 0
-    proposer = spec_engine.speculator.proposer
+    return spec_engine.speculator.proposer
+
+
+@pytest.mark.parametrize("draft_weights", ["int8", "int4"])
+def test_greedy_output_equals_target_with_gguf_block_head(setup, gguf_blocks, draft_weights):
+    """The head's copies as GGUF blocks: greedy speculative output equals the target's, and every
+    drafting product takes the blocks (this CPU has no AMX tiles to prefer bfloat16 ones)."""
+    proposer = one_at_a_time_equals_target(setup, draft_weights)
     one_row = proposer._packing(1)
     assert one_row[1].dim() == one_row[0]["w_qkv"].dim() == one_row[2].dim() == 3  # GGUF records
     assert proposer._packing(64)[1].dim() == (2 if cpu_kernels.amx_available() else 3)
@@ -683,23 +689,7 @@ def test_greedy_output_equals_target_with_gguf_block_head(setup, gguf_blocks, dr
 def test_greedy_output_equals_target_bfloat16(setup, draft_weights):
     """Batch 1 (the exactness guarantee): one request at a time, token for token; with the head's
     weights as the checkpoint has them, as int8 and as int4 (SpeculativeConfig.draft_weights)."""
-    spec = SpeculativeConfig(method="eagle3", model=setup["heads"]["explicit"], num_speculative_tokens=4, adaptive=False,
-                             draft_weights=draft_weights)
-    plain = LLMEngine(setup["target"], dtype="bfloat16", device="cpu")
-    spec_engine = LLMEngine(setup["target"], dtype="bfloat16", device="cpu", speculative=spec)
-    for i, prompt in enumerate(SPEC_PROMPTS[:2]):
-        results = []
-        for engine in (plain, spec_engine):
-            engine.add_request(f"r{i}", prompt, GREEDY)
-            tokens: list[int] = []
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    tokens.extend(out.new_token_ids)
-            assert_no_leaked_blocks(engine)
-            results.append(tokens)
-        assert results[0] == results[1]
-    assert spec_engine.spec_stats.num_draft_tokens > 0
-    proposer = spec_engine.speculator.proposer
+    proposer = one_at_a_time_equals_target(setup, draft_weights)
     assert proposer.draft_weights == draft_weights
     one_row, many_rows = proposer._packing(1), proposer._packing(64)
     quant = QUANT_DTYPE.get(draft_weights)

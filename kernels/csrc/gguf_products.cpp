@@ -102,22 +102,35 @@ void pack_block_q8(const uint8_t* raw, int64_t raw_row, int64_t nb, int64_t K, u
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
+// The largest |v| over n registers of 8.
+inline float max_abs(const __m256* v, int n) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < n; ++i) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+
+// round-to-nearest-even(v / s), clamped to [-lim, lim], as int32 lanes.
+inline __m256i quantize_lanes(__m256 v, __m256 s, __m256 lim) {
+  const __m256 r = _mm256_round_ps(_mm256_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_cvtps_epi32(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(r, lim)));
+}
+
 void quantize_groups(const float* x, int64_t M, int64_t K, std::vector<int16_t>& xq, std::vector<float>& xs,
                      std::vector<float>& xsum) {
   const int64_t KG = K / GROUP;
   xq.resize(M * K);
   xs.resize(M * KG);
   xsum.resize(M * KG);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < KG; ++g) {
       const float* xg = x + m * K + g * GROUP;
-      __m256 v[4], mx = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i), mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-      const float amax = _mm_cvtss_f32(h);
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i);
+      const float amax = max_abs(v, 4);
       int16_t* q = xq.data() + m * K + g * GROUP;
       if (amax == 0.0f) {
         std::memset(q, 0, sizeof(int16_t) * GROUP);
@@ -128,8 +141,7 @@ void quantize_groups(const float* x, int64_t M, int64_t K, std::vector<int16_t>&
       const __m256 sv = _mm256_set1_ps(s), lim = _mm256_set1_ps(32767.0f);
       __m256i acc = _mm256_setzero_si256();
       for (int i = 0; i < 4; ++i) {
-        const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i qi = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(r, lim)));
+        const __m256i qi = quantize_lanes(v[i], sv, lim);
         acc = _mm256_add_epi32(acc, qi);
         // 8 int32 -> 8 int16 (in range: no saturation), in order
         const __m128i lo = _mm256_castsi256_si128(qi), hi = _mm256_extracti128_si256(qi, 1);
@@ -155,19 +167,15 @@ void quantize_groups_i8(const float* x, int64_t M, int64_t K, std::vector<int8_t
   xq.resize(M * K);
   xs.resize(M * KH);
   xsum.resize(M * KG);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < KG; ++g) {
       float t = 0.0f;
       for (int64_t hh = 0; hh < 2; ++hh) {
         const int64_t hi = g * 2 + hh;
         const float* xg = x + m * K + hi * HALF;
-        __m256 v[2], mx = _mm256_setzero_ps();
-        for (int i = 0; i < 2; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i), mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-        const float amax = _mm_cvtss_f32(h);
+        __m256 v[2];
+        for (int i = 0; i < 2; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i);
+        const float amax = max_abs(v, 2);
         int8_t* q = xq.data() + m * K + hi * HALF;
         if (amax == 0.0f) {
           std::memset(q, 0, HALF);
@@ -178,8 +186,7 @@ void quantize_groups_i8(const float* x, int64_t M, int64_t K, std::vector<int8_t
         const __m256 sv = _mm256_set1_ps(sc), lim = _mm256_set1_ps(127.0f);
         int32_t total = 0;
         for (int i = 0; i < 2; ++i) {
-          const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          const __m256i qi = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(r, lim)));
+          const __m256i qi = quantize_lanes(v[i], sv, lim);
           alignas(32) int32_t lanes[8];
           _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), qi);
           for (int j = 0; j < 8; ++j) q[8 * i + j] = static_cast<int8_t>(lanes[j]), total += lanes[j];
