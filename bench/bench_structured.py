@@ -1,12 +1,13 @@
 """Structured output under speculation on the default model: a JSON-extraction workload.
 
     python -m bench.bench_structured [--prompts 8] [--max-tokens 192] [--concurrency 16] [--reps 3]
-        [--dtype auto] [--configs ...] [--out PATH]
+        [--dtype auto] [--quantization auto] [--configs ...] [--out PATH]
 
 Each of the first --prompts held-out chat prompts (models/chat_heldout_prompts.json, never trained
 on) is asked to be answered as a JSON object of SCHEMA (a topic, an answer, keywords and a
 difficulty), with `structured_output` json_schema, greedy, on SmolLM2-135M-Instruct from its GGUF
-as `make serve` loads it (quantization auto, --dtype). Configurations (CONFIGS): no speculation,
+as `make serve` loads it (--dtype; --quantization, default auto as served: the GGUF's blocks as
+stored; ``gguf_a8`` multiplies its Q4 blocks with int8 activations). Configurations (CONFIGS): no speculation,
 n-gram and the shipped EAGLE-3 head, adaptive, each constrained; the same with `logprobs` (5
 alternatives); and no speculation and n-gram unconstrained (what structure costs or gains).
 
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto", help="the engine's `quantization` (auto, gguf, gguf_a8, none)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         sc = spec and SpeculativeConfig(model=args.eagle3 if spec["method"] == "eagle3" else None, **spec)
         # no prefix cache: every repetition prefills its prompts again, as the first did
         llms[name] = LLM(args.model, dtype=args.dtype, speculative=sc, max_num_seqs=args.concurrency,
-                         enable_prefix_caching=False, max_model_len=2048)
+                         enable_prefix_caching=False, max_model_len=2048, quantization=args.quantization)
     questions = json.loads((MODELS / "chat_heldout_prompts.json").read_text())["prompts"][: args.prompts]
     tokenizer = llms[names[0]].tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q + ASK}], add_generation_prompt=True,
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
             "exact"]
     print(table(rows, cols))
     results = {"machine": machine_info(), "model": os.path.basename(args.model), "eagle3": args.eagle3,
-               "dtype": args.dtype, "schema": SCHEMA, "prompts": len(prompts), "max_tokens": args.max_tokens,
+               "dtype": args.dtype, "quantization": args.quantization, "schema": SCHEMA, "prompts": len(prompts), "max_tokens": args.max_tokens,
                "concurrency": args.concurrency, "reps": args.reps, "rows": rows,
                "example": runs[names[0]]["b1"][0]["texts"][0]}
     print("wrote", write_results("structured", results, args.out))

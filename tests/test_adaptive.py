@@ -387,6 +387,44 @@ def test_probes_of_a_batch_whose_drafts_do_not_pay_thin_out_as_it_grows():
     assert [probe_interval(b) for b in (1, 4, 7, 8, 16, 64)] == [32, 32, 32, 64, 128, 512]
 
 
+def test_probes_that_keep_finding_no_gain_thin_out_and_one_that_finds_it_restores_them(tmp_path, monkeypatch):
+    """A probe after which the drafts still do not pay doubles the steps to the next probe, up to
+    2**PROBE_BACKOFF_MAX times `probe_interval` (here 4: probes at 0, 8, 16, 32, 64, 96); once
+    they pay, every step speculates, and once they stop paying the interval is back to 4."""
+    from helpers import save_tiny_model
+
+    import engine.spec_decode.speculator as speculator_mod
+    from engine import LLMEngine
+
+    assert speculator_mod.PROBE_BACKOFF_MAX == 3
+    target = save_tiny_model(str(tmp_path / "t"), "llama")
+    engine = LLMEngine(target, dtype="float32", device="cpu",
+                       speculative=SpeculativeConfig(method="draft", model=target, num_speculative_tokens=3))
+    pays = [False]
+    monkeypatch.setattr(engine.speculator, "choose_k", lambda request, step_index: 3)
+    monkeypatch.setattr(engine.speculator, "best_cap", lambda num_decoding, requests, ks: 3 if pays[0] else 0)
+    monkeypatch.setattr(speculator_mod, "probe_interval", lambda num_decoding: 4)
+    verified = []  # steps that verified drafts: a decision at the step before drafted them
+    engine.step_listeners.append(lambda record: record.num_spec_requests and verified.append(record.step_index))
+    engine.add_request("a", [1, 2, 3, 4], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+
+    def run_to(step_index: int) -> None:
+        while engine.step_index < step_index and engine.has_unfinished_requests():
+            engine.step()
+        assert engine.step_index == step_index
+
+    run_to(90)
+    assert [s - 1 for s in verified] == [0, 8, 16, 32, 64]
+    assert engine.speculator.probes.doublings == 3
+    pays[0] = True  # the next weighing (at 96, a probe step) finds a gain: every step from it drafts
+    run_to(100)
+    assert [s - 1 for s in verified][5:] == [96, 97, 98]
+    assert engine.speculator.probes.doublings == 0
+    pays[0] = False  # no gain again (from 100 on): a probe at once (100), then thinning out again
+    run_to(125)
+    assert [s - 1 for s in verified][8:] == [99, 100, 104, 112]
+
+
 @pytest.mark.parametrize("recheck", [1, 8])
 def test_a_step_without_drafts_is_weighed_again_after_off_recheck_steps(tmp_path, monkeypatch, recheck):
     """After a step whose drafts do not pay, the same decoding requests go without drafts for

@@ -47,6 +47,13 @@ logger = logging.getLogger("engine")
 
 PROBE_EVERY = 8  # a request whose drafts stopped paying retries k=1 this often
 PROBE_CATCH_UP_ROWS = 16  # a step's probe drafts for requests with at most this many rows to catch up
+# A probe after which the policy still finds that drafts do not pay doubles the steps to the next
+# probe, up to 2**PROBE_BACKOFF_MAX times `probe_interval`; a probe after which they pay restores
+# the interval. A probe is not free: a layer drafter first catches up over every row its request
+# left un-run, and where the host multiplies the head's rows rather than streaming its weights (a
+# CPU) that costs a few percent of a target step per row, so probes that keep confirming "off"
+# cost a few percent of all decode time (measured on AVX2 with SmolLM2's EAGLE-3 head: ~5%).
+PROBE_BACKOFF_MAX = 3
 # A step whose drafts do not pay (cap 0) leaves the next OFF_RECHECK - 1 steps of the same decoding
 # requests without drafts unweighed: without verifications nothing the decision reads changes but
 # the calibration, slowly, and weighing every request's k and the cap is a noticeable share of a
@@ -92,6 +99,33 @@ def probe_interval(num_decoding: int) -> int:
     return 4 * PROBE_EVERY * max(1, num_decoding // 4)
 
 
+class ProbeBackoff:
+    """How far apart probes are (PROBE_BACKOFF_MAX): the doublings earned by probes that did
+    not turn speculation on since drafts last paid, and the probe waiting for the decision that
+    judges it (the next `best_cap` weighed)."""
+
+    def __init__(self) -> None:
+        self.doublings = 0
+        self.pending = False  # a probe ran and no decision has judged it yet
+        self.num_probes = 0
+
+    def interval(self, num_decoding: int) -> int:
+        return probe_interval(num_decoding) << self.doublings
+
+    def probed(self) -> None:
+        self.pending = True
+        self.num_probes += 1
+
+    def judge(self, cap: int) -> None:
+        """A chain decision: speculating (cap > 0) restores the interval; not speculating right
+        after a probe doubles it."""
+        if cap > 0:
+            self.doublings = 0
+        elif self.pending:
+            self.doublings = min(PROBE_BACKOFF_MAX, self.doublings + 1)
+        self.pending = False
+
+
 class Speculator:
     """The speculation policy and the proposer it drives. Per request it keeps nothing but the
     proposer's states (the acceptance counts are plain data on the `Request`)."""
@@ -118,6 +152,7 @@ class Speculator:
         self._off: tuple[int, tuple[str, ...]] | None = None  # (step to weigh again, the requests) after cap 0
         self.num_explored = 0  # steps of one request whose k was a neighbour of the best (`_explore`)
         self.num_off_probes = 0  # steps a speculating batch went without drafts to measure them (OFF_PROBE_EVERY)
+        self.probes = ProbeBackoff()
         # realized / predicted tokens per second of a batch's decode steps with drafts, by batch bucket
         self.realized = [collections.deque(maxlen=REALIZED_WINDOW) for _ in BucketedMedians.BUCKETS]
         self._prediction: tuple[int, float] | None = None  # (requests, tokens/s) predicted for the next step
@@ -383,7 +418,7 @@ class Speculator:
             return self._propose_trees(running, decoding, scheduled_ids, context)
         if self._off is not None:
             until, ids = self._off
-            if (step_index < until and step_index % probe_interval(len(decoding)) != 0
+            if (step_index < until and step_index % self.probes.interval(len(decoding)) != 0
                     and ids == tuple(r.request_id for r in decoding)):
                 self.num_steps_off += 1
                 return {}
@@ -407,9 +442,11 @@ class Speculator:
                 cap, self._chain_rate = memo[3]  # (the same requests and ks: `_trees_pay`'s)
             else:
                 cap = self.best_cap(len(decoding), [r for r, _ in candidates], [k for _, k in candidates])
+            self.probes.judge(cap)
             rate = self._chain_rate
-            probe = cap == 0 and step_index % probe_interval(len(decoding)) == 0
+            probe = cap == 0 and step_index % self.probes.interval(len(decoding)) == 0
             if probe:
+                self.probes.probed()
                 cap = 1  # a rare probe keeps the acceptance and drafting-cost estimates fresh
                 keep = self._cheap_probes([r for r, _ in candidates])
                 candidates = [candidates[i] for i in keep]
