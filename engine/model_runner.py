@@ -9,6 +9,7 @@ the draft distributions of the drafts it will verify next.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -82,6 +83,14 @@ ROW_KERNEL_MAX_TOKENS_AMX = 256
 # lone 512-token prompt, stays on torch's path).
 ROW_KERNEL_SHORT_CHUNKS_MAX_TOKENS = 1024
 ROW_KERNEL_SHORT_CHUNK = 128
+# A step too long for the row kernels (a prompt's chunk beside decoding requests) still sends its
+# chunks of at most this many tokens through them (decode steps, verifications, a tree, a
+# prompt's last few tokens), in forwards of up to `row_kernel_max_tokens` each beside the long
+# chunks' forward on torch's path: a request's tokens then never depend on whether a prompt is
+# prefilled next to them. On torch's path its rows would see other rounding (attention over the
+# whole step, and a GGUF model's dequantized weights instead of its blocks), so speculation would
+# stay exact only where both runs happened to batch the same prompts beside the same steps.
+ROW_SPLIT_MAX_CHUNK = 32
 PAD_COST_LIMIT = 1.3
 
 
@@ -136,6 +145,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: object
     cu_query_lens: list[int]  # [B+1] offsets of each chunk's tokens in the flat batch
+    # a step split between torch's path and the row kernels (`ModelRunner.split_rows`): the chunks
+    # the row kernels computed, whose logits they compute too
+    row_kernel_chunks: frozenset[int] = frozenset()
 
 
 def resolve_quantization(quantization: str, model_dir: str, row_kernel: bool, exact: str) -> str:
@@ -401,7 +413,6 @@ class ModelRunner:
             tokens = [r.token_at(p) for p in range(c, c + s.num_new_tokens)] + s.spec_token_ids
             chunks.append(SeqChunk(tokens, c, r.block_ids, s.spec_tree))
         batch, hidden = self.forward(chunks)
-        tile = self.tile_rows(chunks)
 
         # Logits only where tokens are made: the last regular token and each draft position.
         rows: list[int] = []
@@ -413,6 +424,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # the forward's kernels are queued: time them, not their launch
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
+        tile = self.row_tiles(batch, chunks, rows)
         sampled, logprobs = self._sample(sampling, hidden, rows, tile) if sampling else ([], [])  # synchronized
         t2 = time.perf_counter()
         it, lp = iter(sampled), iter(logprobs)
@@ -459,6 +471,12 @@ class ModelRunner:
             if aux is not None:
                 self.model.aux_hidden_states = aux
             return batch, hidden
+        groups = self.split_rows(chunks) if tile == 0 else None
+        if groups is not None:
+            return self._split_forward(chunks, groups)
+        return self._forward(chunks, tile)
+
+    def _forward(self, chunks: list[SeqChunk], tile: int) -> tuple[ForwardBatch, torch.Tensor]:
         row_exact = None
         if tile != 0 and self.backend.supports_row_exact:
             row_exact = "kernel" if self.row_kernel else "sdpa"
@@ -466,6 +484,55 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata, self.backend,
                             tile_rows=tile)
         return batch, hidden
+
+    def split_rows(self, chunks: list[SeqChunk]) -> list[list[int]] | None:
+        """For a step on torch's path in the "rows" mode through the row kernels: the indices of
+        its chunks of at most ROW_SPLIT_MAX_CHUNK tokens, in groups of at most
+        `row_kernel_max_tokens` tokens (each group a forward through the row kernels), if it also
+        has longer chunks (which go through torch's path); else None (one forward)."""
+        if not (self.row_kernel and self.exact == "rows"):
+            return None
+        short = [i for i, c in enumerate(chunks) if len(c.token_ids) <= ROW_SPLIT_MAX_CHUNK]
+        if not short or len(short) == len(chunks):
+            return None
+        groups: list[list[int]] = [[]]
+        size = 0
+        for i in short:
+            n = len(chunks[i].token_ids)
+            if size + n > self.row_kernel_max_tokens:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += n
+        return groups
+
+    def _split_forward(self, chunks: list[SeqChunk], groups: list[list[int]]) -> tuple[ForwardBatch, torch.Tensor]:
+        """`forward` as one torch-path forward over the long chunks and a row-kernel forward over
+        each group of short ones (`split_rows`); the hidden rows (and EAGLE-3's auxiliary rows)
+        put back in the chunks' order. The chunks' KV slots are disjoint, and a chunk attends only
+        to its own request's context, so the forwards do not depend on each other's order."""
+        in_rows = {i for g in groups for i in g}
+        parts = [([i for i in range(len(chunks)) if i not in in_rows], 0)] + [(g, ROW_KERNEL) for g in groups]
+        rows: list[torch.Tensor | None] = [None] * len(chunks)
+        aux_rows: list[torch.Tensor | None] = [None] * len(chunks)
+        keep_aux = bool(self.model.aux_layer_ids)
+        for indices, tile in parts:
+            batch, hidden = self._forward([chunks[i] for i in indices], tile)
+            aux = self.model.aux_hidden_states if keep_aux else None
+            for j, i in enumerate(indices):
+                a, b = batch.cu_query_lens[j], batch.cu_query_lens[j + 1]
+                rows[i] = hidden[a:b]
+                if aux is not None:
+                    aux_rows[i] = aux[a:b]
+        dtype = rows[0].dtype
+        hidden = torch.cat([r.to(dtype) for r in rows])
+        if keep_aux:
+            self.model.aux_hidden_states = torch.cat([r.to(dtype) for r in aux_rows])
+        cu = [0]
+        for c in chunks:
+            cu.append(cu[-1] + len(c.token_ids))
+        none = torch.empty(0, dtype=torch.long, device=self.device)  # (the caller reads the offsets only)
+        return ForwardBatch(none, none, None, cu, frozenset(in_rows)), hidden
 
     def tile_rows(self, chunks: list[SeqChunk]) -> int:
         """The matmul tile (`engine.models.llama.linear`) of a step over `chunks`; > 0 also runs
@@ -494,12 +561,13 @@ class ModelRunner:
         """Float32 logits [n, vocab] of hidden rows [n, hidden], with the step's matmul tile."""
         return self.model.compute_logits(hidden, tile_rows=tile_rows)
 
-    def _sample(self, sampling, hidden: torch.Tensor, rows: list[int], tile: int
+    def _sample(self, sampling, hidden: torch.Tensor, rows: list[int], tile: int | list[int]
                 ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """Sample, or verify the drafts of, each request of `sampling`: rows are, per request,
-        its last regular token's and then one per draft (a tree's node order). Returns each
-        request's tokens and, where it asks for them, their log-probabilities."""
-        logits = self.model.compute_logits_rows(hidden, rows, tile)  # [R, vocab] float32
+        its last regular token's and then one per draft (a tree's node order); `tile` the step's
+        matmul tile, or each row's (a split step). Returns each request's tokens and, where it
+        asks for them, their log-probabilities."""
+        logits = self.logits_rows(hidden, rows, tile)  # [R, vocab] float32
         constrain_first_tokens(sampling, logits)
         constrain_to_grammars(sampling, logits)
         self.penalties.apply(sampling, logits)
@@ -516,6 +584,25 @@ class ModelRunner:
             for s, t, r in zip(sampling, sampled, source_rows, strict=True)
         ]
         return sampled, logprobs
+
+    def row_tiles(self, batch: ForwardBatch, chunks: list[SeqChunk], rows: list[int]) -> int | list[int]:
+        """The matmul tile of the logits of `rows` (flat rows of `batch`): the step's, or in a
+        split step each row's chunk's (the row kernels' for the chunks they computed)."""
+        if not batch.row_kernel_chunks:
+            return self.tile_rows(chunks)
+        return [ROW_KERNEL if bisect.bisect_right(batch.cu_query_lens, row) - 1 in batch.row_kernel_chunks else 0
+                for row in rows]
+
+    def logits_rows(self, hidden: torch.Tensor, rows: list[int], tile: int | list[int]) -> torch.Tensor:
+        """Float32 logits [len(rows), vocab] of hidden[rows], with one matmul tile or each row's
+        (`row_tiles`)."""
+        if isinstance(tile, int):
+            return self.model.compute_logits_rows(hidden, rows, tile)
+        logits = torch.empty(len(rows), self.model.cfg.vocab_size, dtype=torch.float32, device=hidden.device)
+        for t in set(tile):
+            at = [j for j, tj in enumerate(tile) if tj == t]
+            logits[at] = self.model.compute_logits_rows(hidden, [rows[j] for j in at], t)
+        return logits
 
     def _verify_chains(self, sampling, logits: torch.Tensor) -> list[list[int]]:
         """`_sample` for a step without token trees: each request's drafts (if any) as a chain."""

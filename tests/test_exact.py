@@ -49,8 +49,8 @@ def make_runner(path: str, dtype: str, exact: str) -> ModelRunner:
 
 @torch.inference_mode()
 def step_logits(r: ModelRunner, chunks: list[SeqChunk], rows: list[int]) -> torch.Tensor:
-    _, hidden = r.forward(chunks)
-    return r.logits(hidden[rows], r.tile_rows(chunks))
+    batch, hidden = r.forward(chunks)
+    return r.logits_rows(hidden, rows, r.row_tiles(batch, chunks, rows))
 
 
 def one_by_one(r: ModelRunner, blocks: list[int]) -> torch.Tensor:
@@ -103,6 +103,48 @@ def test_other_requests_in_the_step_change_nothing(models, mode):
             assert r.tile_rows([long_prefill, SeqChunk(TOKENS, 0, [11, 12])]) == ROW_KERNEL
             assert r.tile_rows([SeqChunk([1] * (ROW_KERNEL_MAX_TOKENS + 1), 0, [])]) == 0  # torch's path
         assert torch.equal(verified_at_once(r, [11, 12], [long_prefill]), alone)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_verification_beside_a_prompt_too_long_for_the_row_kernels_is_unchanged(models, dtype, monkeypatch):
+    """rows through the CPU kernels: a step over ROW_KERNEL_MAX_TOKENS (a long prompt's chunk)
+    goes through torch's path, but its short chunks (ROW_SPLIT_MAX_CHUNK: a verification, decode
+    steps) still go through the row kernels in a forward of their own, so a request's logits are
+    those of its step alone. Negative control: the whole step on torch's path differs."""
+    import engine.model_runner as model_runner
+
+    r = make_runner(models["llama"], dtype, "rows")
+    if not r.row_kernel:
+        pytest.skip("no CPU row kernels")
+    n = r.row_kernel_max_tokens + 40
+    prompt = SeqChunk([(7 * i) % 90 + 1 for i in range(n)], 0, list(range(20, 20 + -(-n // 16))))
+    decoding = [SeqChunk([9], 30, [40, 41]), SeqChunk([4, 8], 12, [42])]  # two more short chunks
+    step = [SeqChunk(TOKENS, len(PROMPT), BLOCKS_C), prompt, *decoding]
+    assert r.tile_rows(step) == 0 and r.split_rows(step) == [[0, 2, 3]]
+    alone = verified_at_once(r, BLOCKS_A)
+    assert torch.equal(verified_at_once(r, BLOCKS_C, [prompt, *decoding]), alone)
+    with torch.inference_mode():  # the prompt's rows: as its chunk alone on torch's path
+        _, mixed = r.forward([SeqChunk(TOKENS, len(PROMPT), BLOCKS_C), prompt])
+        _, by_itself = r.forward([prompt])
+    assert torch.equal(mixed[len(TOKENS):], by_itself)
+    monkeypatch.setattr(model_runner, "ROW_SPLIT_MAX_CHUNK", 0)  # one forward on torch's path
+    assert r.split_rows(step) is None
+    if torch.equal(verified_at_once(r, BLOCKS_C, [prompt, *decoding]), alone):
+        pytest.skip(f"torch's path and the row kernels round this {dtype} model's rows alike here")
+
+
+def test_short_chunks_go_through_the_row_kernels_in_groups_of_at_most_their_bound(models):
+    r = make_runner(models["llama"], "float32", "rows")
+    if not r.row_kernel:
+        pytest.skip("no CPU row kernels")
+    bound = r.row_kernel_max_tokens
+    shorts = [SeqChunk([1] * 30, 0, []) for _ in range(bound // 30 + 1)]  # one more than a group holds
+    long_chunk = SeqChunk([1] * 33, 0, [])
+    groups = r.split_rows([long_chunk, *shorts])
+    assert [i for g in groups for i in g] == list(range(1, len(shorts) + 1))
+    assert len(groups) == 2 and all(sum(30 for _ in g) <= bound for g in groups)
+    assert r.split_rows(shorts) is None  # no long chunk: the step's own path
+    assert make_runner(models["llama"], "float32", "off").split_rows([long_chunk, *shorts]) is None
 
 
 def test_row_steps_reach_further_for_bfloat16_on_amx(models):
