@@ -137,6 +137,47 @@ def test_a_drafter_drafts_under_the_same_penalties_as_the_target(models, monkeyp
         assert rates[True] == 1.0 and rates[False] < 0.8, rates
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_medusa_heads_draft_after_the_drafts_of_the_heads_before_them(models, tmp_path, monkeypatch, temperature):
+    """Medusa drafts every position at once, but under penalties head i's row counts the drafts of
+    heads < i as history (as the target's row that verifies it does): each call penalizing draft
+    rows sees exactly the request's earlier picks. Greedy output equals the target alone."""
+    from helpers import save_tiny_heads
+
+    import engine.penalties as pen
+
+    _, medusa = save_tiny_heads(str(tmp_path / "heads"), models["target"])
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=3, ignore_eos=True, **PENALIZED)
+    calls = []
+    real = pen.Penalties.apply_to_drafts
+
+    def spy(self, logits, requests, drafted, token_ids=None):
+        calls.append([list(d) for d in drafted])
+        return real(self, logits, requests, drafted, token_ids)
+
+    monkeypatch.setattr(pen.Penalties, "apply_to_drafts", spy)
+    sc = SpeculativeConfig(method="medusa", model=medusa, num_speculative_tokens=3, adaptive=False)
+    llm = LLM(models["target"], dtype="float32", device="cpu", speculative=sc, kv_cache_memory_bytes=1 << 22)
+    picks = []
+    real_propose = llm.engine.speculator.proposer.propose
+
+    def propose(requests, num_tokens, context):
+        drafts = real_propose(requests, num_tokens, context)
+        picks.append([d.token_ids for d in drafts])
+        return drafts
+
+    monkeypatch.setattr(llm.engine.speculator.proposer, "propose", propose)
+    outs = llm.generate([PROMPT, [4, 5, 6, 7] * 6], params)
+    assert_no_leaked_blocks(llm.engine)
+    expected = [[d[:i] for d in drafts if len(d) > i]  # one call per head, heads in order
+                for drafts in picks for i in range(max(map(len, drafts)))]
+    assert len(picks) > 10 and max(len(d) for drafts in picks for d in drafts) == 3
+    assert calls == expected
+    if temperature == 0.0:
+        plain, _ = run(models, None, params, [PROMPT, [4, 5, 6, 7] * 6])
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
 @pytest.mark.parametrize("vocab", ["whole", "draft"])
 def test_draft_rows_are_penalized_by_the_definitions(vocab):
     """`apply_to_drafts` on a draft row equals the definitions applied with the committed output

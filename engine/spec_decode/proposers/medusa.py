@@ -35,6 +35,7 @@ from engine.spec_decode.proposers.base import (
     StepTimer,
     may_draft,
     model_name,
+    penalized,
     sample_drafts,
     weights_digest,
 )
@@ -182,6 +183,32 @@ class MedusaProposer(Proposer):
             x = x + F.silu(torch.einsum("bkh,koh->bko", x, self.weight[:k, j]) + self.bias[:k, j])
         return x
 
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[int, int]], owners: list[Request],
+                context: ProposeContext) -> tuple[list[int], torch.Tensor | None]:
+        """Each row's draft (`sample_drafts`): rows[i] = (request, head). Under penalties head i's
+        row counts the request's drafts of heads < i as its history, as the target's row that
+        verifies it counts them, so heads are sampled one after another; else all at once."""
+        head = self.head
+        generators = context.generators_for(owners)
+        if not penalized(owners, context):
+            return sample_drafts(logits, owners, head.token_ids, head.vocab_size, generators)
+        picked: list[int] = [0] * len(rows)
+        probs: torch.Tensor | None = None
+        before: dict[int, list[int]] = {}  # request (its index in the batch) -> its drafts so far
+        for i in range(max(hi for _, hi in rows) + 1):
+            at = [j for j, (_, hi) in enumerate(rows) if hi == i]
+            got, p = sample_drafts(logits[at], [owners[j] for j in at], head.token_ids, head.vocab_size,
+                                   [generators[j] for j in at], context.penalties,
+                                   [before.get(rows[j][0], []) for j in at])
+            for j, t in zip(at, got, strict=True):
+                picked[j] = t
+                before.setdefault(rows[j][0], []).append(t)
+            if p is not None:  # (None: every row of this head greedy, its probabilities unused)
+                if probs is None:
+                    probs = p.new_zeros(len(rows), p.shape[1])
+                probs[at] = p
+        return picked, probs
+
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int], context: ProposeContext) -> list[Draft]:
         t0 = time.perf_counter()
@@ -207,10 +234,7 @@ class MedusaProposer(Proposer):
             for i in range(k):
                 sel = torch.tensor([at for at, (_, hi) in enumerate(rows) if hi == i], device=flat.device)
                 logits[sel] = self.heads[i](flat[sel])
-        # the heads draft at once: each under penalties of the committed output only
-        picked, probs = sample_drafts(
-            logits, owners, head.token_ids, head.vocab_size, context.generators_for(owners), context.penalties
-        )
+        picked, probs = self._sample(logits, rows, owners, context)
         drafts, at = [], 0
         for r, kb in zip(requests, num_tokens, strict=True):
             p = probs[at : at + kb] if probs is not None and not r.sampling_params.is_greedy else None
