@@ -48,7 +48,7 @@ logger = logging.getLogger("engine")
 PROBE_EVERY = 8  # a request whose drafts stopped paying retries k=1 this often
 PROBE_CATCH_UP_ROWS = 16  # a step's probe drafts for requests with at most this many rows to catch up
 # A probe after which the policy still finds that drafts do not pay doubles the steps to the next
-# probe, up to 2**PROBE_BACKOFF_MAX times `probe_interval`; a probe after which they pay restores
+# probe, up to 2**PROBE_BACKOFF_MAX times `probe_interval`; any decision to speculate restores
 # the interval. A probe is not free: a layer drafter first catches up over every row its request
 # left un-run, and where the host multiplies the head's rows rather than streaming its weights (a
 # CPU) that costs a few percent of a target step per row, so probes that keep confirming "off"
